@@ -1,0 +1,138 @@
+"""The worker registry in Redis.
+
+Workers call :meth:`WorkerRegistry.heartbeat` every ``heartbeat_interval_s``
+with their current :class:`WorkerRecord`; the router and the gateway call
+:meth:`WorkerRegistry.list_workers`. A record lives ``ttl_s`` past its last
+heartbeat, so a worker that dies disappears by itself; a worker that stops
+cleanly calls :meth:`WorkerRegistry.unregister`.
+
+Layout: one sorted set ``<prefix>:workers`` (member = worker id, score =
+expiry in Unix ms) and one string ``<prefix>:worker:<id>`` (JSON, with a
+Redis TTL) per worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from tandem.common.errors import BackendUnavailableError
+
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+ROLES = (ROLE_PREFILL, ROLE_DECODE)
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a worker reports about its engine on each heartbeat."""
+
+    num_running_requests: int = 0
+    num_waiting_requests: int = 0
+    kv_usage: float = 0.0
+    num_held_kv_requests: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """A registered worker: identity, addresses, capacity and load."""
+
+    worker_id: str
+    role: str
+    model: str
+    #: host:port of the tandem.v1.Worker gRPC service.
+    address: str
+    #: host:port of the KV transfer server (prefill) or "" (decode).
+    kv_address: str = ""
+    #: ZMQ endpoint of the engine's KV-event publisher, "" when off.
+    kv_events_endpoint: str = ""
+    block_size_tokens: int = 0
+    num_kv_blocks: int = 0
+    max_model_len: int = 0
+    started_unix_s: float = 0.0
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """KV tokens the engine can hold."""
+        return self.block_size_tokens * self.num_kv_blocks
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> WorkerRecord:
+        data: dict[str, Any] = json.loads(raw)
+        known = {f.name for f in dataclasses.fields(cls)}
+        load = WorkerLoad(**{k: v for k, v in (data.get("load") or {}).items()
+                             if k in {f.name for f in dataclasses.fields(WorkerLoad)}})
+        return cls(**{k: v for k, v in data.items() if k in known and k != "load"}, load=load)
+
+
+class WorkerRegistry:
+    """Redis-backed registry of live workers. Safe to share across tasks."""
+
+    def __init__(self, redis_url: str, *, key_prefix: str = "tandem", ttl_s: float = 5.0) -> None:
+        self._redis: aioredis.Redis = aioredis.Redis.from_url(
+            redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
+        self._prefix = key_prefix
+        self._ttl_s = ttl_s
+
+    @property
+    def ttl_s(self) -> float:
+        return self._ttl_s
+
+    def _set_key(self) -> str:
+        return f"{self._prefix}:workers"
+
+    def _record_key(self, worker_id: str) -> str:
+        return f"{self._prefix}:worker:{worker_id}"
+
+    async def heartbeat(self, record: WorkerRecord) -> None:
+        """Register or refresh ``record`` for another ``ttl_s``."""
+        ttl_ms = int(self._ttl_s * 1000)
+        expiry_ms = int(time.time() * 1000) + ttl_ms
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(self._record_key(record.worker_id), record.to_json(), px=ttl_ms)
+                pipe.zadd(self._set_key(), {record.worker_id: expiry_ms})
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise BackendUnavailableError(f"worker registry unreachable: {exc}") from exc
+
+    async def unregister(self, worker_id: str) -> None:
+        """Remove a worker at once (clean shutdown or drain)."""
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self._record_key(worker_id))
+                pipe.zrem(self._set_key(), worker_id)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise BackendUnavailableError(f"worker registry unreachable: {exc}") from exc
+
+    async def list_workers(self, *, role: str | None = None, model: str | None = None) -> list[WorkerRecord]:
+        """Live workers, optionally filtered by role and model, sorted by id."""
+        now_ms = int(time.time() * 1000)
+        try:
+            await self._redis.zremrangebyscore(self._set_key(), "-inf", now_ms)
+            ids = [i.decode() if isinstance(i, bytes) else str(i)
+                   for i in await self._redis.zrangebyscore(self._set_key(), now_ms, "+inf")]
+            raws = await self._redis.mget([self._record_key(i) for i in ids]) if ids else []
+        except (RedisError, OSError) as exc:
+            raise BackendUnavailableError(f"worker registry unreachable: {exc}") from exc
+        records = [WorkerRecord.from_json(raw) for raw in raws if raw is not None]
+        return sorted(
+            (r for r in records
+             if (role is None or r.role == role) and (model is None or r.model == model)),
+            key=lambda r: r.worker_id,
+        )
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,60 @@
+"""Builds vLLM's ``AsyncLLM`` for one worker role, with the gRPC KV connector
+wired in. Called by ``__main__``; the only module (with ``kv_connector``)
+that imports vLLM."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+from tandem.worker.settings import WorkerSettings
+
+CONNECTOR_MODULE = "tandem.worker.kv_connector.connector"
+CONNECTOR_CLASS = "GrpcKVConnector"
+
+
+def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str, Any]:
+    """Keyword arguments for ``AsyncEngineArgs`` (kept plain for tests)."""
+    eng = settings.engine
+    return {
+        "model": str(eng.model_dir),
+        "served_model_name": eng.served_model_name,
+        "max_model_len": eng.max_model_len,
+        "enforce_eager": eng.enforce_eager,
+        "dtype": eng.dtype,
+        "kv_cache_memory_bytes": eng.kv_cache_bytes,
+        "max_num_seqs": eng.max_num_seqs,
+        "tensor_parallel_size": eng.tensor_parallel_size,
+        "enable_prefix_caching": True,
+        # Our connector serves one full-attention group; HMA would need SupportsHMA.
+        "disable_hybrid_kv_cache_manager": True,
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR_CLASS,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer" if settings.role == "prefill" else "kv_consumer",
+            "engine_id": engine_id,
+            "kv_load_failure_policy": settings.kv.load_failure_policy,
+            "kv_connector_extra_config": {
+                "model": eng.served_model_name,
+                "kv_host": settings.kv.host,
+                "kv_port": settings.kv.port,
+                "lease_s": settings.kv.lease_s,
+                "max_chunk_bytes": settings.kv.max_chunk_bytes,
+                "pull_timeout_s": settings.kv.pull_timeout_s,
+            },
+        },
+    }
+
+
+def build_engine(settings: WorkerSettings) -> Any:
+    """Start an ``AsyncLLM`` (spawns the engine-core and model-runner processes)."""
+    if settings.engine.cpu_threads_bind:
+        # Read by vLLM's CPU worker in the child process it spawns.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.engine.cpu_threads_bind
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_id = f"{settings.role}-{uuid.uuid4().hex[:12]}"
+    args = AsyncEngineArgs(**engine_args_kwargs(settings, engine_id=engine_id))
+    return AsyncLLM.from_engine_args(args)

@@ -1,0 +1,86 @@
+"""What one KV block of one layer looks like in memory.
+
+Two engines can exchange blocks only when model, dtype, block size, number of
+layers, block shape and tensor-parallel size are all equal; anything else is
+refused with :class:`tandem.common.errors.KVLayoutMismatchError` before a
+single byte moves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.common.errors import KVLayoutMismatchError
+from tandem.v1 import common_pb2
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model: str
+    dtype: str
+    block_size_tokens: int
+    num_layers: int
+    #: Shape of ``kv_layer[block_id]`` (one block of one layer).
+    block_shape: tuple[int, ...]
+    tp_size: int = 1
+
+    @property
+    def block_numel(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "block_size_tokens": self.block_size_tokens,
+            "num_layers": self.num_layers,
+            "block_shape": list(self.block_shape),
+            "tp_size": self.tp_size,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
+        return cls(
+            model=str(data["model"]),
+            dtype=str(data["dtype"]),
+            block_size_tokens=int(data["block_size_tokens"]),
+            num_layers=int(data["num_layers"]),
+            block_shape=tuple(int(d) for d in data["block_shape"]),
+            tp_size=int(data.get("tp_size", 1)),
+        )
+
+    def to_proto(self) -> common_pb2.KVLayout:
+        return common_pb2.KVLayout(
+            model=self.model,
+            dtype=self.dtype,
+            block_size_tokens=self.block_size_tokens,
+            num_layers=self.num_layers,
+            block_shape=list(self.block_shape),
+            tp_size=self.tp_size,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.KVLayout) -> KVLayout:
+        return cls(
+            model=msg.model,
+            dtype=msg.dtype,
+            block_size_tokens=msg.block_size_tokens,
+            num_layers=msg.num_layers,
+            block_shape=tuple(msg.block_shape),
+            tp_size=msg.tp_size or 1,
+        )
+
+    def check_compatible(self, other: KVLayout) -> None:
+        """Raise :class:`KVLayoutMismatchError` naming every field that differs."""
+        diffs = [
+            f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
+            for name in ("model", "dtype", "block_size_tokens", "num_layers", "block_shape", "tp_size")
+            if getattr(self, name) != getattr(other, name)
+        ]
+        if diffs:
+            raise KVLayoutMismatchError(
+                "prefill and decode engines cannot exchange KV blocks (" + "; ".join(diffs) + ")"
+            )

@@ -1,0 +1,31 @@
+"""Messages from the scheduler-side connector to the worker-side connector,
+built once per engine step by ``build_connector_meta``. Plain data only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from tandem.worker.kv_connector.params import KVHandleParams
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode side: pull ``remote_block_ids`` into ``local_block_ids``."""
+
+    request_id: str
+    handle: KVHandleParams
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass
+class GrpcKVMetadata(KVConnectorMetadata):
+    #: Decode side: loads to start this step.
+    loads: list[LoadSpec] = field(default_factory=list)
+    #: Decode side: handles to release without loading (local cache hit, abort).
+    releases: list[KVHandleParams] = field(default_factory=list)
+    #: Prefill side: request id → (block ids, lease expiry in Unix seconds).
+    holds: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)

@@ -1,0 +1,120 @@
+"""Scheduler-side half of the gRPC KV connector; runs in vLLM's engine-core
+process, called by vLLM's scheduler. Decides what to hold (prefill) and what
+to load (decode); never touches KV tensors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
+from tandem.worker.kv_connector.params import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    HANDLE,
+    KVHandleParams,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    """Per-engine bookkeeping between ``get_num_new_matched_tokens`` and
+    ``build_connector_meta``."""
+
+    def __init__(self, *, engine_id: str, kv_address: str, block_size_tokens: int, lease_s: float) -> None:
+        self._engine_id = engine_id
+        self._kv_address = kv_address
+        self._block_size_tokens = block_size_tokens
+        self._lease_s = lease_s
+        self._pending = GrpcKVMetadata()
+
+    # -- decode side -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get(DO_REMOTE_PREFILL):
+            return 0, False
+        handle = KVHandleParams.from_dict(params[HANDLE])
+        count = min(handle.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get(DO_REMOTE_PREFILL):
+            return
+        handle = KVHandleParams.from_dict(params[HANDLE])
+        # Only one transfer per request, even though vLLM may call us twice.
+        params[DO_REMOTE_PREFILL] = False
+        if num_external_tokens <= 0:
+            # Everything was in the local prefix cache: nothing to pull, but the
+            # prefill engine still holds the blocks until we release them.
+            self._pending.releases.append(handle)
+            return
+        block_size = self._block_size_tokens
+        group = blocks.blocks[0]
+        num_local_blocks = sum(1 for b in group if b.block_hash is not None and not b.is_null)
+        num_local_tokens = num_local_blocks * block_size
+        end_block = -(-(num_local_tokens + num_external_tokens) // block_size)
+        all_ids = blocks.get_block_ids()[0]
+        local_ids = tuple(all_ids[num_local_blocks:end_block])
+        remote_ids = tuple(handle.block_ids[num_local_blocks:end_block])
+        if len(remote_ids) != len(local_ids):
+            logger.error(
+                "kv handle of %s has %d blocks, need %d; loading what exists",
+                request.request_id, len(handle.block_ids), end_block,
+            )
+            n = min(len(remote_ids), len(local_ids))
+            local_ids, remote_ids = local_ids[:n], remote_ids[:n]
+        self._pending.loads.append(
+            LoadSpec(
+                request_id=request.request_id,
+                handle=handle,
+                remote_block_ids=remote_ids,
+                local_block_ids=local_ids,
+                num_tokens=num_external_tokens,
+            )
+        )
+
+    # -- prefill side ------------------------------------------------------------
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get(DO_REMOTE_PREFILL):
+            # A decode request that ended before its load was planned (aborted in
+            # the queue): tell the prefill engine to free its blocks.
+            params[DO_REMOTE_PREFILL] = False
+            self._pending.releases.append(KVHandleParams.from_dict(params[HANDLE]))
+            return False, None
+        if not params.get(DO_REMOTE_DECODE):
+            return False, None
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
+            # Stopped on EOS/stop string or aborted: nothing will be decoded.
+            return False, None
+        expiry = time.time() + self._lease_s
+        ids = tuple(int(b) for b in block_ids)
+        self._pending.holds[request.request_id] = (ids, expiry)
+        handle = KVHandleParams(
+            engine_id=self._engine_id,
+            kv_address=self._kv_address,
+            remote_request_id=request.request_id,
+            block_ids=ids,
+            num_tokens=request.num_computed_tokens,
+            lease_expires_unix_s=expiry,
+        )
+        return True, {HANDLE: handle.to_dict()}
+
+    def build_connector_meta(self) -> GrpcKVMetadata:
+        meta, self._pending = self._pending, GrpcKVMetadata()
+        return meta

@@ -1,0 +1,372 @@
+"""Worker-side half of the gRPC KV connector; runs in vLLM's model-runner
+process, next to the KV tensors.
+
+It serves ``tandem.v1.KVTransfer`` (prefill: hand out held blocks; both:
+describe layout, counters) and pulls blocks from a prefill engine into this
+engine's paged cache (decode). vLLM calls ``register_kv_caches`` once, then
+``start_load_kv`` and ``get_transfer_results`` every step; gRPC threads and a
+small pull pool do the I/O so the engine loop never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from tandem.common.errors import KVLayoutMismatchError
+from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
+from tandem.worker.kv_connector.params import KVHandleParams, external_request_id
+
+logger = logging.getLogger(__name__)
+
+_GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+#: How long PullBlocks waits for a hold the scheduler has not announced yet.
+_HOLD_ANNOUNCE_WAIT_S = 5.0
+_MAX_REQUEST_RECORDS = 4096
+
+
+def _layer_sort_key(name: str) -> tuple[int, str]:
+    match = re.search(r"\.(\d+)\.", name) or re.search(r"(\d+)", name)
+    return (int(match.group(1)) if match else -1, name)
+
+
+@dataclass
+class _Hold:
+    block_ids: tuple[int, ...]
+    expiry_unix_s: float
+
+
+@dataclass
+class _Counters:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    blocks_sent: int = 0
+    blocks_received: int = 0
+    tokens_loaded: int = 0
+    transfer_seconds: float = 0.0
+    loads_failed: int = 0
+    leases_expired: int = 0
+    requests: OrderedDict[str, kv_transfer_pb2.KVRequestStats] = field(default_factory=OrderedDict)
+
+
+class WorkerSide:
+    """KV server and puller for one engine rank."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        num_blocks: int,
+        block_size_tokens: int,
+        tp_size: int,
+        tp_rank: int,
+        kv_host: str,
+        kv_port: int,
+        max_chunk_bytes: int,
+        pull_timeout_s: float,
+    ) -> None:
+        self._model = model
+        self._num_blocks = num_blocks
+        self._block_size_tokens = block_size_tokens
+        self._tp_size = tp_size
+        self._tp_rank = tp_rank
+        self._bind = f"{kv_host}:{kv_port + tp_rank}"
+        self._max_chunk_bytes = max_chunk_bytes
+        self._pull_timeout_s = pull_timeout_s
+
+        self._lock = threading.Lock()
+        self._hold_announced = threading.Condition(self._lock)
+        self._holds: dict[str, _Hold] = {}
+        self._done_sending: set[str] = set()
+        self._seen_finished: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._failed_block_ids: set[int] = set()
+        self._counters = _Counters()
+
+        self._layers: list[tuple[str, torch.Tensor]] = []
+        self._block_dim = 0
+        self.layout: KVLayout | None = None
+        self._server: grpc.Server | None = None
+        self._pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tandem-kv-pull")
+        self._channels: dict[str, grpc.Channel] = {}
+
+    # -- set-up ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Derive the block layout from the live tensors and start the KV server."""
+        layers = sorted(kv_caches.items(), key=lambda kv: _layer_sort_key(kv[0]))
+        first = layers[0][1]
+        dims = [i for i, d in enumerate(first.shape) if d == self._num_blocks]
+        if not dims:
+            raise KVLayoutMismatchError(
+                f"cannot find the block dimension ({self._num_blocks} blocks) in KV shape {tuple(first.shape)}"
+            )
+        self._block_dim = dims[0]
+        for name, tensor in layers:
+            if tensor.shape != first.shape or tensor.dtype != first.dtype:
+                raise KVLayoutMismatchError(
+                    f"layer {name} has KV shape {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"expected {tuple(first.shape)} {first.dtype}"
+                )
+        self._layers = layers
+        block_shape = tuple(int(d) for i, d in enumerate(first.shape) if i != self._block_dim)
+        self.layout = KVLayout(
+            model=self._model,
+            dtype=str(first.dtype).removeprefix("torch."),
+            block_size_tokens=self._block_size_tokens,
+            num_layers=len(layers),
+            block_shape=block_shape,
+            tp_size=self._tp_size,
+        )
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tandem-kv-serve"),
+            options=_GRPC_OPTIONS,
+        )
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferServicer(self), server)
+        if server.add_insecure_port(self._bind) == 0:
+            raise RuntimeError(f"KV transfer server cannot bind {self._bind}")
+        server.start()
+        self._server = server
+        logger.info(
+            "KV transfer server ready on %s: %d layers, block %s %s, block dim %d of %s",
+            self._bind, len(layers), block_shape, self.layout.dtype, self._block_dim, tuple(first.shape),
+        )
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=1.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for channel in self._channels.values():
+            channel.close()
+
+    # -- per step (engine loop) --------------------------------------------------
+
+    def start_load_kv(self, meta: GrpcKVMetadata) -> None:
+        with self._lock:
+            for req_id, (block_ids, expiry) in meta.holds.items():
+                self._holds[req_id] = _Hold(block_ids, expiry)
+            if meta.holds:
+                self._hold_announced.notify_all()
+        for spec in meta.loads:
+            self._pool.submit(self._load, spec)
+        for handle in meta.releases:
+            self._pool.submit(self._release_remote, handle)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(done sending, done receiving, failed receiving) since the last call."""
+        now = time.time()
+        with self._lock:
+            self._seen_finished |= finished_req_ids
+            for req_id, hold in list(self._holds.items()):
+                if hold.expiry_unix_s <= now:
+                    del self._holds[req_id]
+                    self._done_sending.add(req_id)
+                    self._counters.leases_expired += 1
+                    logger.warning("KV lease of %s expired before a decode engine released it", req_id)
+            # vLLM only accepts ids it has already reported finished to us.
+            sending = {r for r in self._done_sending if r in self._seen_finished}
+            self._done_sending -= sending
+            self._seen_finished -= sending
+            recving, self._done_recving = self._done_recving, set()
+            failed, self._failed_recving = self._failed_recving, set()
+        return sending, recving, failed
+
+    def take_failed_block_ids(self) -> set[int]:
+        with self._lock:
+            ids, self._failed_block_ids = self._failed_block_ids, set()
+        return ids
+
+    # -- prefill side: serving ---------------------------------------------------
+
+    def wait_for_hold(self, req_id: str) -> _Hold | None:
+        deadline = time.monotonic() + _HOLD_ANNOUNCE_WAIT_S
+        with self._lock:
+            while req_id not in self._holds:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._hold_announced.wait(remaining)
+            return self._holds[req_id]
+
+    def release(self, req_id: str) -> bool:
+        with self._lock:
+            hold = self._holds.pop(req_id, None)
+            if hold is not None:
+                self._done_sending.add(req_id)
+            return hold is not None
+
+    def read_chunks(self, block_ids: list[int], max_chunk_bytes: int) -> Iterator[kv_transfer_pb2.KVChunk]:
+        """All requested blocks, layer by layer, in chunks under ``max_chunk_bytes``."""
+        assert self.layout is not None
+        block_bytes = self.layout.block_numel * self._layers[0][1].element_size()
+        per_chunk = max(1, max_chunk_bytes // block_bytes)
+        for layer_index, (_, tensor) in enumerate(self._layers):
+            for first in range(0, len(block_ids), per_chunk):
+                ids = block_ids[first:first + per_chunk]
+                index = torch.tensor(ids, dtype=torch.long)
+                data = tensor.index_select(self._block_dim, index).movedim(self._block_dim, 0).contiguous()
+                yield kv_transfer_pb2.KVChunk(
+                    layer_index=layer_index,
+                    first_block_index=first,
+                    num_blocks=len(ids),
+                    data=data.view(torch.uint8).numpy().tobytes(),
+                )
+
+    def count_sent(self, num_bytes: int, num_blocks: int) -> None:
+        with self._lock:
+            self._counters.bytes_sent += num_bytes
+            self._counters.blocks_sent += num_blocks
+
+    def stats(self, request_id: str) -> kv_transfer_pb2.KVStats:
+        with self._lock:
+            c = self._counters
+            msg = kv_transfer_pb2.KVStats(
+                bytes_sent_total=c.bytes_sent,
+                bytes_received_total=c.bytes_received,
+                blocks_sent_total=c.blocks_sent,
+                blocks_received_total=c.blocks_received,
+                tokens_loaded_total=c.tokens_loaded,
+                transfer_seconds_total=c.transfer_seconds,
+                loads_failed_total=c.loads_failed,
+                leases_expired_total=c.leases_expired,
+                num_held_requests=len(self._holds),
+                num_held_blocks=sum(len(h.block_ids) for h in self._holds.values()),
+            )
+            record = c.requests.get(request_id) if request_id else None
+        if record is not None:
+            msg.request_found = True
+            msg.request.CopyFrom(record)
+        if self.layout is not None:
+            msg.layout.CopyFrom(self.layout.to_proto())
+        return msg
+
+    # -- decode side: pulling ----------------------------------------------------
+
+    def _stub(self, handle: KVHandleParams) -> kv_transfer_pb2_grpc.KVTransferStub:
+        host, _, port = handle.kv_address.rpartition(":")
+        address = f"{host}:{int(port) + self._tp_rank}"
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+            self._channels[address] = channel
+        return kv_transfer_pb2_grpc.KVTransferStub(channel)
+
+    def _load(self, spec: LoadSpec) -> None:
+        assert self.layout is not None
+        started = time.perf_counter()
+        num_bytes = 0
+        record = kv_transfer_pb2.KVRequestStats(num_tokens_loaded=spec.num_tokens)
+        try:
+            stub = self._stub(spec.handle)
+            expected = len(spec.remote_block_ids) * self.layout.num_layers
+            received = 0
+            stream = stub.PullBlocks(
+                kv_transfer_pb2.PullBlocksRequest(
+                    remote_request_id=spec.handle.remote_request_id,
+                    block_ids=list(spec.remote_block_ids),
+                    expected_layout=self.layout.to_proto(),
+                    max_chunk_bytes=self._max_chunk_bytes,
+                ),
+                timeout=self._pull_timeout_s,
+            )
+            dtype = self._layers[0][1].dtype
+            for chunk in stream:
+                _, tensor = self._layers[chunk.layer_index]
+                ids = spec.local_block_ids[chunk.first_block_index:chunk.first_block_index + chunk.num_blocks]
+                data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(dtype)
+                data = data.view(chunk.num_blocks, *self.layout.block_shape).movedim(0, self._block_dim)
+                tensor.index_copy_(self._block_dim, torch.tensor(ids, dtype=torch.long), data)
+                num_bytes += len(chunk.data)
+                received += chunk.num_blocks
+            if received != expected:
+                raise RuntimeError(f"received {received} of {expected} layer-blocks")
+        except Exception as exc:  # noqa: BLE001 - any failure must reach the scheduler
+            message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)  # type: ignore[attr-defined]
+            logger.error("KV load of %s from %s failed: %s", spec.request_id, spec.handle.kv_address, message)
+            record.failed = True
+            record.error = str(message)[:500]
+            with self._lock:
+                self._failed_recving.add(spec.request_id)
+                self._failed_block_ids.update(spec.local_block_ids)
+                self._counters.loads_failed += 1
+        finally:
+            seconds = time.perf_counter() - started
+            record.num_bytes = num_bytes
+            record.seconds = seconds
+            record.num_blocks_loaded = len(spec.local_block_ids)
+            with self._lock:
+                c = self._counters
+                c.bytes_received += num_bytes
+                c.transfer_seconds += seconds
+                if not record.failed:
+                    c.blocks_received += len(spec.local_block_ids)
+                    c.tokens_loaded += spec.num_tokens
+                c.requests[external_request_id(spec.request_id)] = record
+                while len(c.requests) > _MAX_REQUEST_RECORDS:
+                    c.requests.popitem(last=False)
+                self._done_recving.add(spec.request_id)
+        self._release_remote(spec.handle)
+
+    def _release_remote(self, handle: KVHandleParams) -> None:
+        try:
+            self._stub(handle).Release(
+                kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=handle.remote_request_id), timeout=5.0
+            )
+        except grpc.RpcError as exc:
+            # The lease on the prefill side frees the blocks anyway.
+            logger.warning("releasing %s on %s failed: %s", handle.remote_request_id, handle.kv_address, exc)
+
+
+class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
+    """gRPC face of :class:`WorkerSide`; runs on the KV server's threads."""
+
+    def __init__(self, side: WorkerSide) -> None:
+        self._side = side
+
+    def Describe(self, request: kv_transfer_pb2.DescribeRequest, context: grpc.ServicerContext) -> common_pb2.KVLayout:  # noqa: N802
+        assert self._side.layout is not None
+        return self._side.layout.to_proto()
+
+    def PullBlocks(self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
+        side = self._side
+        assert side.layout is not None
+        try:
+            side.layout.check_compatible(KVLayout.from_proto(request.expected_layout))
+        except KVLayoutMismatchError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        hold = side.wait_for_hold(request.remote_request_id)
+        if hold is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no KV held for {request.remote_request_id} (released, expired or never prefilled)")
+        assert hold is not None
+        wanted = list(request.block_ids)
+        if not set(wanted) <= set(hold.block_ids):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"blocks {sorted(set(wanted) - set(hold.block_ids))} are not held for this request")
+        max_chunk = request.max_chunk_bytes or 4 * 1024 * 1024
+        total = 0
+        for chunk in side.read_chunks(wanted, max_chunk):
+            total += len(chunk.data)
+            yield chunk
+        side.count_sent(total, len(wanted))
+
+    def Release(self, request: kv_transfer_pb2.ReleaseBlocksRequest, context: grpc.ServicerContext) -> kv_transfer_pb2.ReleaseBlocksResponse:  # noqa: N802
+        return kv_transfer_pb2.ReleaseBlocksResponse(found=self._side.release(request.remote_request_id))
+
+    def GetStats(self, request: kv_transfer_pb2.KVStatsRequest, context: grpc.ServicerContext) -> kv_transfer_pb2.KVStats:  # noqa: N802
+        return self._side.stats(request.request_id)

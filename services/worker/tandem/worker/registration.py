@@ -1,0 +1,55 @@
+"""Keeps this worker registered in Redis (role, addresses, capacity, load)
+with a heartbeat, so the router and the gateway see it and a dead worker
+disappears after the registry's TTL. Run by ``__main__``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from tandem.common.errors import BackendUnavailableError
+from tandem.common.registry import WorkerLoad, WorkerRecord, WorkerRegistry
+from tandem.worker.service import WorkerService
+from tandem.worker.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+def build_record(settings: WorkerSettings, worker_id: str, *, num_kv_blocks: int, block_size_tokens: int) -> WorkerRecord:
+    host = settings.advertise_host or settings.bind_host
+    return WorkerRecord(
+        worker_id=worker_id,
+        role=settings.role,
+        model=settings.engine.served_model_name,
+        address=f"{host}:{settings.port}",
+        kv_address=f"{settings.kv.host}:{settings.kv.port}",
+        block_size_tokens=block_size_tokens,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=settings.engine.max_model_len,
+        started_unix_s=time.time(),
+    )
+
+
+async def heartbeat_forever(
+    registry: WorkerRegistry, record: WorkerRecord, service: WorkerService, interval_s: float
+) -> None:
+    """Refresh the registration every ``interval_s`` until cancelled; survives Redis outages."""
+    was_down = False
+    while True:
+        if not service.draining:
+            stats = await service.kv_stats()
+            current = WorkerRecord(**{**record.__dict__, "load": WorkerLoad(
+                num_running_requests=service.num_running,
+                num_held_kv_requests=stats.num_held_requests,
+            )})
+            try:
+                await registry.heartbeat(current)
+                if was_down:
+                    logger.info("registry reachable again; worker re-registered")
+                was_down = False
+            except BackendUnavailableError as exc:
+                if not was_down:
+                    logger.warning("cannot refresh registration: %s", exc)
+                was_down = True
+        await asyncio.sleep(interval_s)

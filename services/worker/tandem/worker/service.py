@@ -1,0 +1,264 @@
+"""The gRPC ``tandem.v1.Worker`` service around one ``AsyncLLM``.
+
+Called by the gateway (Prefill, Decode, Abort) and by the router or the
+operator (GetLoad, Health). Calls the engine, and this engine's own KV server
+(``tandem.v1.KVTransfer`` in the model-runner process) for layout, counters
+and releasing held blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.kv_connector.params import HANDLE, KVHandleParams, decode_params, prefill_params
+from tandem.worker.sampling import sampling_kwargs
+from tandem.worker.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Counters:
+    num_running: int = 0
+    prompt_tokens_computed: int = 0
+    external_tokens_loaded: int = 0
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    """One role's request handling. ``engine`` is a started ``AsyncLLM``."""
+
+    def __init__(self, settings: WorkerSettings, engine: Any, *, worker_id: str) -> None:
+        self._settings = settings
+        self._engine = engine
+        self._worker_id = worker_id
+        self._role = settings.role
+        self._model = settings.engine.served_model_name
+        self.kv_address = f"{settings.kv.host}:{settings.kv.port}"
+        self._kv_channel = grpc.aio.insecure_channel(self.kv_address)
+        self._kv = kv_transfer_pb2_grpc.KVTransferStub(self._kv_channel)
+        self.layout: KVLayout | None = None
+        #: Prefill: request id → handle of blocks held for a decode worker.
+        self._held: dict[str, KVHandleParams] = {}
+        self._counters = _Counters()
+        self.draining = False
+
+    async def start(self) -> None:
+        """Learn this engine's KV layout from its KV server (it is up once the engine is)."""
+        self.layout = KVLayout.from_proto(await self._kv.Describe(kv_transfer_pb2.DescribeRequest(), timeout=10))
+
+    @property
+    def role(self) -> str:
+        return self._role
+
+    @property
+    def num_running(self) -> int:
+        return self._counters.num_running
+
+    async def kv_stats(self, request_id: str = "") -> kv_transfer_pb2.KVStats:
+        return await self._kv.GetStats(kv_transfer_pb2.KVStatsRequest(request_id=request_id), timeout=5)
+
+    # -- helpers -----------------------------------------------------------------
+
+    async def _check(self, context: grpc.aio.ServicerContext, role: str, prompt_len: int) -> None:
+        if self._role != role:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"worker {self._worker_id} is a {self._role} worker, not {role}")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self._worker_id} is draining")
+        if prompt_len == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        if prompt_len >= self._settings.engine.max_model_len:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt of {prompt_len} tokens does not fit max_model_len "
+                                f"{self._settings.engine.max_model_len}")
+
+    @staticmethod
+    def _prompt(token_ids: list[int], cache_salt: str) -> dict[str, Any]:
+        prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+        if cache_salt:
+            prompt["cache_salt"] = cache_salt
+        return prompt
+
+    def _prune_held(self) -> None:
+        now = time.time()
+        for req_id in [r for r, h in self._held.items() if h.lease_expires_unix_s < now]:
+            del self._held[req_id]
+
+    # -- RPCs --------------------------------------------------------------------
+
+    async def Prefill(  # noqa: N802
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt_ids = list(request.prompt_token_ids)
+        await self._check(context, "prefill", len(prompt_ids))
+        self._prune_held()
+        params = SamplingParams(
+            **sampling_kwargs(request.sampling, max_tokens=1),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args={"kv_transfer_params": prefill_params()} if request.keep_kv else None,
+        )
+        started = time.perf_counter()
+        final = None
+        self._counters.num_running += 1
+        try:
+            async for out in self._engine.generate(self._prompt(prompt_ids, request.cache_salt), params,
+                                                   request.request_id):
+                final = out
+        finally:
+            self._counters.num_running -= 1
+        if final is None or not final.outputs or not final.outputs[0].token_ids:
+            await context.abort(grpc.StatusCode.INTERNAL, "engine returned no token")
+        assert final is not None
+        completion = final.outputs[0]
+        num_cached = int(final.num_cached_tokens or 0)
+        self._counters.prompt_tokens_computed += len(prompt_ids) - num_cached
+        response = worker_pb2.PrefillResponse(
+            request_id=request.request_id,
+            first_token_id=int(completion.token_ids[0]),
+            first_text=completion.text,
+            num_prompt_tokens=len(prompt_ids),
+            num_cached_tokens=num_cached,
+            engine_seconds=time.perf_counter() - started,
+        )
+        handle_dict = (final.kv_transfer_params or {}).get(HANDLE)
+        if completion.finish_reason == "stop" or not request.keep_kv:
+            response.finish_reason = completion.finish_reason or "length"
+        elif handle_dict is not None:
+            handle = KVHandleParams.from_dict(handle_dict)
+            self._held[request.request_id] = handle
+            response.kv_handle.CopyFrom(self._handle_proto(handle))
+        # else: continue on decode without a handle; decode recomputes the prompt.
+        return response
+
+    def _handle_proto(self, handle: KVHandleParams) -> common_pb2.KVHandle:
+        assert self.layout is not None
+        return common_pb2.KVHandle(
+            engine_id=handle.engine_id,
+            kv_address=handle.kv_address,
+            remote_request_id=handle.remote_request_id,
+            block_ids=list(handle.block_ids),
+            num_tokens=handle.num_tokens,
+            layout=self.layout.to_proto(),
+            lease_expires_unix_s=handle.lease_expires_unix_s,
+        )
+
+    async def Decode(  # noqa: N802
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeChunk]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt_ids = [*request.prompt_token_ids, request.first_token_id]
+        await self._check(context, "decode", len(prompt_ids))
+        extra_args = None
+        if request.HasField("kv_handle"):
+            h = request.kv_handle
+            assert self.layout is not None
+            try:
+                self.layout.check_compatible(KVLayout.from_proto(h.layout))
+            except Exception as exc:  # KVLayoutMismatchError
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            handle = KVHandleParams(
+                engine_id=h.engine_id, kv_address=h.kv_address, remote_request_id=h.remote_request_id,
+                block_ids=tuple(h.block_ids), num_tokens=h.num_tokens,
+                lease_expires_unix_s=h.lease_expires_unix_s,
+            )
+            extra_args = {"kv_transfer_params": decode_params(handle)}
+        max_tokens = request.sampling.max_tokens
+        if max_tokens <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be positive")
+        params = SamplingParams(
+            **sampling_kwargs(request.sampling, max_tokens=max_tokens),
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra_args,
+        )
+        num_output = 0
+        self._counters.num_running += 1
+        try:
+            async for out in self._engine.generate(self._prompt(prompt_ids, request.cache_salt), params,
+                                                   request.request_id):
+                completion = out.outputs[0]
+                num_output += len(completion.token_ids)
+                chunk = worker_pb2.DecodeChunk(text=completion.text, token_ids=list(completion.token_ids))
+                if out.finished:
+                    chunk.finish_reason = completion.finish_reason or "stop"
+                    chunk.stats.CopyFrom(await self._decode_stats(request, out, len(prompt_ids), num_output))
+                yield chunk
+        finally:
+            self._counters.num_running -= 1
+
+    async def _decode_stats(
+        self, request: worker_pb2.DecodeRequest, out: Any, num_prompt: int, num_output: int
+    ) -> worker_pb2.DecodeStats:
+        num_external = 0
+        if request.HasField("kv_handle"):
+            stats = await self.kv_stats(request.request_id)
+            if stats.request_found and not stats.request.failed:
+                num_external = stats.request.num_tokens_loaded
+        num_cached_total = int(out.num_cached_tokens or 0)
+        num_local_cached = max(0, num_cached_total - num_external)
+        num_computed = num_prompt - num_local_cached - num_external
+        self._counters.prompt_tokens_computed += num_computed
+        self._counters.external_tokens_loaded += num_external
+        return worker_pb2.DecodeStats(
+            num_external_tokens=num_external,
+            num_computed_prompt_tokens=num_computed,
+            num_local_cached_tokens=num_local_cached,
+            num_output_tokens=num_output,
+        )
+
+    async def Abort(  # noqa: N802
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        await self._engine.abort(request.request_id)
+        found = False
+        handle = self._held.pop(request.request_id, None)
+        if handle is not None:
+            response = await self._kv.Release(
+                kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=handle.remote_request_id), timeout=5
+            )
+            found = response.found
+        return worker_pb2.AbortResponse(found=found)
+
+    async def GetLoad(  # noqa: N802
+        self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoadReport:
+        stats = await self.kv_stats()
+        return worker_pb2.LoadReport(
+            worker_id=self._worker_id,
+            num_running_requests=self._counters.num_running,
+            num_held_kv_requests=stats.num_held_requests,
+            kv_bytes_sent_total=stats.bytes_sent_total,
+            kv_bytes_received_total=stats.bytes_received_total,
+            external_tokens_loaded_total=stats.tokens_loaded_total,
+            prompt_tokens_computed_total=self._counters.prompt_tokens_computed,
+        )
+
+    async def Health(  # noqa: N802
+        self, request: worker_pb2.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.HealthResponse:
+        return worker_pb2.HealthResponse(
+            worker_id=self._worker_id, role=self._role, model=self._model,
+            ready=self.layout is not None and not self.draining,
+        )
+
+    async def aclose(self) -> None:
+        await self._kv_channel.close()
+
+
+async def wait_idle(service: WorkerService, timeout_s: float) -> None:
+    """Wait until no request is running, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while service.num_running and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)

@@ -1,0 +1,73 @@
+"""Worker settings, read once by ``python -m tandem.worker`` from environment
+variables (prefix ``TANDEM_WORKER_``, groups nested with ``__``) and flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tandem.common.settings import RedisSettings, RegistrySettings
+
+Role = Literal["prefill", "decode"]
+
+
+def default_model_dir() -> Path:
+    return Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
+
+
+class EngineSettings(BaseModel):
+    """How the vLLM engine is built."""
+
+    #: A Hugging Face model folder (safetensors + config + tokenizer).
+    model_dir: Path = Field(default_factory=default_model_dir)
+    #: The model name clients use.
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    max_model_len: int = Field(4096, gt=0)
+    #: Memory for the KV cache (vLLM's kv_cache_memory_bytes).
+    kv_cache_bytes: int = Field(1 << 30, gt=0)
+    #: Skip graph capture/compilation: engine start ~30 s instead of ~100 s on CPU.
+    enforce_eager: bool = True
+    dtype: str = "auto"
+    #: CPU cores for this engine's OpenMP threads ("" = vLLM's default).
+    cpu_threads_bind: str = ""
+    max_num_seqs: int = Field(64, gt=0)
+    tensor_parallel_size: int = Field(1, gt=0)
+
+
+class KVSettings(BaseModel):
+    """The gRPC KV connector."""
+
+    #: Address other engines use to reach this engine's KV server.
+    host: str = "127.0.0.1"
+    port: int = 50061
+    #: How long a prefill engine holds blocks that no decode engine released.
+    lease_s: float = Field(60.0, gt=0)
+    max_chunk_bytes: int = Field(4 << 20, gt=0)
+    pull_timeout_s: float = Field(30.0, gt=0)
+    #: On a failed pull: "recompute" the prompt locally, or "fail" the request.
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_WORKER_", env_nested_delimiter="__")
+
+    role: Role = "prefill"
+    #: Empty: generated from role, host and pid.
+    worker_id: str = ""
+    #: gRPC bind address of the tandem.v1.Worker service.
+    bind_host: str = "127.0.0.1"
+    #: Address registered for others to call ("" = bind_host).
+    advertise_host: str = ""
+    port: int = 50051
+    #: Prometheus metrics (vLLM's and Tandem's) on this port; 0 = off.
+    metrics_port: int = 0
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    kv: KVSettings = Field(default_factory=KVSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    registry: RegistrySettings = Field(default_factory=RegistrySettings)
+    log_level: str = "INFO"
+    #: How long a stopping worker lets in-flight requests finish.
+    drain_timeout_s: float = Field(30.0, ge=0)
