@@ -14,6 +14,17 @@ CONNECTOR_MODULE = "tandem.worker.kv_connector.connector"
 CONNECTOR_CLASS = "GrpcKVConnector"
 
 
+def resolve_dtype(dtype: str) -> str:
+    """``auto`` means float32 on vLLM's CPU backend: its bfloat16 path (what
+    ``auto`` picks there) answers nonsense for SmolLM2 (measured), float32 is
+    correct and, for a small model, not slower on CPUs without AMX."""
+    if dtype != "auto":
+        return dtype
+    from vllm.platforms import current_platform
+
+    return "float32" if current_platform.is_cpu() else "auto"
+
+
 def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str, Any]:
     """Keyword arguments for ``AsyncEngineArgs`` (kept plain for tests)."""
     eng = settings.engine
@@ -22,7 +33,7 @@ def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str,
         "served_model_name": eng.served_model_name,
         "max_model_len": eng.max_model_len,
         "enforce_eager": eng.enforce_eager,
-        "dtype": eng.dtype,
+        "dtype": resolve_dtype(eng.dtype),
         "kv_cache_memory_bytes": eng.kv_cache_bytes,
         "max_num_seqs": eng.max_num_seqs,
         "tensor_parallel_size": eng.tensor_parallel_size,

@@ -30,6 +30,7 @@ class EngineSettings(BaseModel):
     kv_cache_bytes: int = Field(1 << 30, gt=0)
     #: Skip graph capture/compilation: engine start ~30 s instead of ~100 s on CPU.
     enforce_eager: bool = True
+    #: Weights and KV dtype; "auto" is float32 on CPU (see engine.resolve_dtype).
     dtype: str = "auto"
     #: CPU cores for this engine's OpenMP threads ("" = vLLM's default).
     cpu_threads_bind: str = ""
