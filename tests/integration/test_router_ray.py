@@ -1,0 +1,290 @@
+"""The router for real: ``python -m tandem.router`` (local Ray + Serve's gRPC
+proxy) as a subprocess, fake workers heartbeating into the real Redis, and
+RouterClient as the gateway would use it.
+
+Ray takes 10-40 s to start on a small box, so the router starts once per
+module. Each test registers its own workers under its own model name, so
+reservations left by one test do not steer another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import redis
+
+from tandem.common.errors import InvalidRequestError, NoCapacityError
+from tandem.common.registry import WorkerRecord, WorkerRegistry
+from tandem.router.client import RouterClient
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+STARTUP_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
+#: The router reads the registry at most this often (TANDEM_ROUTER_REGISTRY_REFRESH_INTERVAL_S default).
+REFRESH_INTERVAL_S = 0.5
+WORKER_TTL_S = 2.0
+HEARTBEAT_INTERVAL_S = 0.4
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def redis_is_up() -> bool:
+    try:
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+@dataclass
+class RouterProcess:
+    address: str
+    key_prefix: str
+    startup_s: float
+    ready_line: dict[str, object]
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    if not redis_is_up():
+        pytest.skip(f"Redis not reachable at {REDIS_URL}")
+    grpc_port, http_port = free_port(), free_port()
+    key_prefix = f"tandem-test-router-{uuid.uuid4().hex[:8]}"
+    log_path = tmp_path_factory.mktemp("router") / "router.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("TANDEM_ROUTER_")}
+    env.update(
+        TANDEM_ROUTER_GRPC_PORT=str(grpc_port),
+        TANDEM_ROUTER_HTTP_PORT=str(http_port),
+        TANDEM_ROUTER_REDIS__URL=REDIS_URL,
+        TANDEM_ROUTER_REGISTRY__KEY_PREFIX=key_prefix,
+        TANDEM_ROUTER_REGISTRY__TTL_S=str(WORKER_TTL_S),
+        TANDEM_ROUTER_REGISTRY_REFRESH_INTERVAL_S=str(REFRESH_INTERVAL_S),
+        TANDEM_ROUTER_RAY_NUM_CPUS="2",
+    )
+    started_s = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.router"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        ready = _wait_for_ready_line(proc, log_path)
+        yield RouterProcess(f"127.0.0.1:{grpc_port}", key_prefix, time.monotonic() - started_s, ready)
+    finally:
+        _stop(proc, log_path)
+        _delete_keys(key_prefix)
+
+
+def _wait_for_ready_line(proc: subprocess.Popen[bytes], log_path: Path) -> dict[str, object]:
+    deadline_s = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline_s:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"router ready"' in line:
+                ready: dict[str, object] = json.loads(line)
+                return ready
+        if proc.poll() is not None:
+            pytest.fail(f"router exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.25)
+    pytest.fail(f"router not ready after {STARTUP_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-4000:]}")
+
+
+def _stop(proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            pytest.fail(f"router ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-4000:]}")
+
+
+def _delete_keys(key_prefix: str) -> None:
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(f"{key_prefix}:*"))
+    if keys:
+        client.delete(*keys)
+
+
+class FakeWorkers:
+    """Worker records kept alive by heartbeats, as real workers would."""
+
+    def __init__(self, key_prefix: str, records: list[WorkerRecord]) -> None:
+        self.registry = WorkerRegistry(REDIS_URL, key_prefix=key_prefix, ttl_s=WORKER_TTL_S)
+        self.records = {r.worker_id: r for r in records}
+        self.alive = set(self.records)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._beat()
+        self._task = asyncio.create_task(self._loop())
+        # Let the router's registry cache see them.
+        await asyncio.sleep(REFRESH_INTERVAL_S + 0.2)
+
+    async def _beat(self) -> None:
+        for worker_id in self.alive:
+            await self.registry.heartbeat(self.records[worker_id])
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            await self._beat()
+
+    def stop_heartbeat(self, worker_id: str) -> None:
+        """The worker hangs or dies: no unregister, its record just stops being refreshed."""
+        self.alive.discard(worker_id)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for worker_id in self.records:
+            await self.registry.unregister(worker_id)
+        await self.registry.aclose()
+
+
+def pool(model: str, num_prefill: int = 2, num_decode: int = 2) -> list[WorkerRecord]:
+    def rec(name: str, role: str, port: int) -> WorkerRecord:
+        return WorkerRecord(worker_id=f"{model}-{name}", role=role, model=model, address=f"127.0.0.1:{port}")
+
+    return [rec(f"p{i}", "prefill", 7000 + i) for i in range(num_prefill)] + [
+        rec(f"d{i}", "decode", 7100 + i) for i in range(num_decode)
+    ]
+
+
+@pytest_asyncio.fixture
+async def client(router: RouterProcess) -> AsyncIterator[RouterClient]:
+    async with RouterClient(router.address, timeout_s=5.0) as c:
+        yield c
+
+
+@pytest_asyncio.fixture
+async def workers(router: RouterProcess, request: pytest.FixtureRequest) -> AsyncIterator[FakeWorkers]:
+    model = f"model-{request.node.name}"[:60]
+    fake = FakeWorkers(router.key_prefix, pool(model))
+    await fake.start()
+    yield fake
+    await fake.close()
+
+
+def model_of(workers: FakeWorkers) -> str:
+    return next(iter(workers.records.values())).model
+
+
+async def test_schedule_returns_one_worker_of_each_role(client: RouterClient, workers: FakeWorkers) -> None:
+    model = model_of(workers)
+    placement = await client.schedule("req-roles", model, num_prompt_tokens=12, max_tokens=8)
+    assert placement.request_id == "req-roles"
+    assert placement.prefill.role == "prefill" and placement.decode.role == "decode"
+    assert placement.prefill.worker_id in workers.records and placement.decode.worker_id in workers.records
+    assert placement.prefill.address == workers.records[placement.prefill.worker_id].address
+    assert placement.lease_s == 600
+    assert placement.reason.startswith("least_loaded ")
+    assert await client.release("req-roles") is True
+
+
+async def test_concurrent_unreleased_requests_spread_and_release_frees(
+    client: RouterClient, workers: FakeWorkers
+) -> None:
+    model = model_of(workers)
+    placements = await asyncio.gather(*(client.schedule(f"req-spread-{i}", model) for i in range(4)))
+    assert Counter(p.prefill.worker_id for p in placements) == {f"{model}-p0": 2, f"{model}-p1": 2}
+    assert Counter(p.decode.worker_id for p in placements) == {f"{model}-d0": 2, f"{model}-d1": 2}
+
+    # Free one slot on p0 only: the next request must land there.
+    on_p0 = [p for p in placements if p.prefill.worker_id == f"{model}-p0"]
+    assert await client.release(on_p0[0].request_id) is True
+    assert await client.release(on_p0[0].request_id) is False  # idempotent
+    follow_up = await client.schedule("req-spread-next", model)
+    assert follow_up.prefill.worker_id == f"{model}-p0"
+    for p in [*placements, follow_up]:
+        await client.release(p.request_id)
+
+
+async def test_exclude_worker_ids_is_honoured(client: RouterClient, workers: FakeWorkers) -> None:
+    model = model_of(workers)
+    for i in range(4):
+        placement = await client.schedule(
+            f"req-excl-{i}", model, exclude_worker_ids=[f"{model}-p0", f"{model}-d1"]
+        )
+        assert (placement.prefill.worker_id, placement.decode.worker_id) == (f"{model}-p1", f"{model}-d0")
+        await client.release(placement.request_id)
+
+
+async def test_no_decode_worker_is_no_capacity(router: RouterProcess, client: RouterClient) -> None:
+    fake = FakeWorkers(router.key_prefix, pool("model-prefill-only", num_prefill=2, num_decode=0))
+    await fake.start()
+    try:
+        with pytest.raises(NoCapacityError, match="no decode worker"):
+            await client.schedule("req-nocap", "model-prefill-only")
+    finally:
+        await fake.close()
+
+
+async def test_unknown_model_is_invalid_request(client: RouterClient, workers: FakeWorkers) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        await client.schedule("req-unknown", "no-such-model")
+    assert info.value.code == "model_not_found"
+
+
+async def test_worker_whose_heartbeat_stopped_disappears_within_ttl(
+    client: RouterClient, workers: FakeWorkers
+) -> None:
+    model = model_of(workers)
+    placement = await client.schedule("req-ttl-0", model, exclude_worker_ids=[f"{model}-d1"])
+    assert placement.decode.worker_id == f"{model}-d0"
+    await client.release("req-ttl-0")
+
+    workers.stop_heartbeat(f"{model}-d0")
+    stopped_s = time.monotonic()
+    bound_s = WORKER_TTL_S + HEARTBEAT_INTERVAL_S + REFRESH_INTERVAL_S + 1.0
+    while True:
+        try:
+            await client.schedule("req-ttl", model, exclude_worker_ids=[f"{model}-d1"])
+            await client.release("req-ttl")
+        except NoCapacityError:
+            break
+        assert time.monotonic() - stopped_s < bound_s, "dead worker still scheduled after its TTL"
+        await asyncio.sleep(0.1)
+    # And the survivors still get traffic.
+    placement = await client.schedule("req-ttl-after", model)
+    assert placement.decode.worker_id == f"{model}-d1"
+    await client.release("req-ttl-after")
+
+
+async def test_startup_and_schedule_latency(router: RouterProcess, client: RouterClient,
+                                            workers: FakeWorkers) -> None:
+    model = model_of(workers)
+    latencies_s = []
+    for i in range(100):
+        started_s = time.perf_counter()
+        await client.schedule(f"req-lat-{i}", model)
+        latencies_s.append(time.perf_counter() - started_s)
+        await client.release(f"req-lat-{i}")
+    latencies_s.sort()
+    p50_ms, p99_ms = latencies_s[49] * 1000, latencies_s[98] * 1000
+    print(
+        f"\nrouter startup {router.startup_s:.1f} s (router's own count {router.ready_line['startup_s']} s); "
+        f"Schedule via Serve gRPC proxy p50 {p50_ms:.1f} ms p99 {p99_ms:.1f} ms "
+        f"mean {statistics.mean(latencies_s) * 1000:.1f} ms"
+    )
+    assert p50_ms < 100, f"Schedule p50 {p50_ms:.1f} ms"

@@ -1,0 +1,204 @@
+"""The gRPC KV connector's halves in isolation: the scheduler side's plans,
+and two worker sides moving real tensors over a real gRPC server."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from tandem.common.errors import KVLayoutMismatchError
+from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
+from tandem.worker.kv_connector.params import (
+    HANDLE,
+    KVHandleParams,
+    decode_params,
+    external_request_id,
+    prefill_params,
+)
+from tandem.worker.kv_connector.scheduler_side import SchedulerSide
+from tandem.worker.kv_connector.worker_side import WorkerSide
+
+from ..common_ports import free_port
+
+BLOCK = 4
+NUM_BLOCKS = 16
+LAYERS = 3
+SHAPE = (NUM_BLOCKS, 2, BLOCK, 8)  # blocks, kv heads, block tokens, head content
+
+
+# -- factories -------------------------------------------------------------------
+
+@dataclass
+class FakeBlock:
+    block_id: int
+    block_hash: bytes | None = None
+    is_null: bool = False
+
+
+@dataclass
+class FakeBlocks:
+    blocks: tuple[list[FakeBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in g] for g in self.blocks)
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+    status: Any = None
+    num_computed_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_handle(block_ids: tuple[int, ...], num_tokens: int, kv_address: str = "127.0.0.1:1") -> KVHandleParams:
+    return KVHandleParams(engine_id="p", kv_address=kv_address, remote_request_id="req-1-abcdefgh",
+                          block_ids=block_ids, num_tokens=num_tokens, lease_expires_unix_s=time.time() + 60)
+
+
+def make_side(port: int, model: str = "m", shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.float32,
+              fill: float | None = None) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    side = WorkerSide(model=model, num_blocks=NUM_BLOCKS, block_size_tokens=BLOCK, tp_size=1, tp_rank=0,
+                      kv_host="127.0.0.1", kv_port=port, max_chunk_bytes=2 * 2 * BLOCK * 8 * 4,
+                      pull_timeout_s=5)
+    caches = {f"model.layers.{i}.self_attn.attn": (torch.randn(shape, dtype=dtype) if fill is None
+                                                   else torch.full(shape, fill, dtype=dtype))
+              for i in range(LAYERS)}
+    side.register_kv_caches(caches)
+    return side, caches
+
+
+def wait_until(predicate: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+# -- scheduler side --------------------------------------------------------------
+
+def test_decode_plans_a_load_of_only_the_blocks_not_cached_locally() -> None:
+    side = SchedulerSide(engine_id="d", kv_address="x:1", block_size_tokens=BLOCK, lease_s=60)
+    handle = make_handle((10, 11, 12), num_tokens=10)
+    req = FakeRequest("r", num_prompt_tokens=11, kv_transfer_params=decode_params(handle))
+    # 4 tokens (one block) are in the local prefix cache already.
+    assert side.get_num_new_matched_tokens(req, num_computed_tokens=4) == (6, True)  # type: ignore[arg-type]
+    blocks = FakeBlocks(([FakeBlock(7, b"h"), FakeBlock(8), FakeBlock(9)],))
+    side.update_state_after_alloc(req, blocks, 6)  # type: ignore[arg-type]
+    meta = side.build_connector_meta()
+    assert meta.loads == [LoadSpec("r", handle, (11, 12), (8, 9), 6)]
+    # One transfer per request, and the pending state was drained.
+    assert req.kv_transfer_params[HANDLE] and not req.kv_transfer_params["do_remote_prefill"]
+    assert side.build_connector_meta().loads == []
+
+
+def test_decode_with_everything_cached_releases_without_loading() -> None:
+    side = SchedulerSide(engine_id="d", kv_address="x:1", block_size_tokens=BLOCK, lease_s=60)
+    handle = make_handle((10, 11), num_tokens=8)
+    req = FakeRequest("r", num_prompt_tokens=9, kv_transfer_params=decode_params(handle))
+    assert side.get_num_new_matched_tokens(req, num_computed_tokens=8) == (0, False)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, FakeBlocks(([],)), 0)  # type: ignore[arg-type]
+    meta = side.build_connector_meta()
+    assert meta.loads == [] and meta.releases == [handle]
+
+
+def test_prefill_holds_blocks_only_when_length_capped() -> None:
+    from vllm.v1.request import RequestStatus
+
+    side = SchedulerSide(engine_id="p", kv_address="h:5", block_size_tokens=BLOCK, lease_s=30)
+    capped = FakeRequest("a", 9, prefill_params(), status=RequestStatus.FINISHED_LENGTH_CAPPED,
+                         num_computed_tokens=9)
+    delay, params = side.request_finished(capped, [3, 4, 5])  # type: ignore[arg-type]
+    assert delay is True and params is not None
+    handle = KVHandleParams.from_dict(params[HANDLE])
+    assert (handle.block_ids, handle.num_tokens, handle.kv_address) == ((3, 4, 5), 9, "h:5")
+    assert 29 < handle.lease_expires_unix_s - time.time() <= 30
+    stopped = FakeRequest("b", 9, prefill_params(), status=RequestStatus.FINISHED_STOPPED)
+    assert side.request_finished(stopped, [6]) == (False, None)  # type: ignore[arg-type]
+    aborted = FakeRequest("c", 9, prefill_params(), status=RequestStatus.FINISHED_ABORTED)
+    assert side.request_finished(aborted, [7]) == (False, None)  # type: ignore[arg-type]
+    assert list(side.build_connector_meta().holds) == ["a"]
+
+
+def test_decode_aborted_before_its_load_was_planned_releases_the_prefill_blocks() -> None:
+    side = SchedulerSide(engine_id="d", kv_address="x:1", block_size_tokens=BLOCK, lease_s=60)
+    handle = make_handle((1,), num_tokens=3)
+    req = FakeRequest("r", 4, decode_params(handle))
+    assert side.request_finished(req, []) == (False, None)  # type: ignore[arg-type]
+    assert side.build_connector_meta().releases == [handle]
+
+
+def test_external_request_id_strips_vllm_suffix() -> None:
+    assert external_request_id("abc-12345678") == "abc"
+    assert external_request_id("chat-1-x") == "chat-1-x"
+
+
+# -- worker side over real gRPC ----------------------------------------------------
+
+def test_blocks_move_between_engines_and_are_released() -> None:
+    prefill, p_caches = make_side(free_port())
+    decode, d_caches = make_side(free_port(), fill=0.0)
+    try:
+        handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill._bind)  # noqa: SLF001
+        prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7)]))
+        wait_until(lambda: "req-1-abcdefgh" in decode._done_recving)  # noqa: SLF001
+        for name in p_caches:
+            assert torch.equal(d_caches[name][0], p_caches[name][5])
+            assert torch.equal(d_caches[name][3], p_caches[name][9])
+            assert torch.count_nonzero(d_caches[name][1]) == 0  # untouched
+        _, recving, failed = decode.get_transfer_results(set())
+        assert recving == {"req-1-abcdefgh"} and failed == set()
+        record = decode.stats("req-1").request
+        assert record.num_tokens_loaded == 7 and record.num_bytes == 2 * LAYERS * 2 * BLOCK * 8 * 4
+        # The decode side released the blocks; vLLM hears of it once the request is finished.
+        wait_until(lambda: prefill.stats("").num_held_requests == 0)
+        assert prefill.get_transfer_results(set())[0] == set()
+        assert prefill.get_transfer_results({handle.remote_request_id})[0] == {handle.remote_request_id}
+        assert prefill.stats("").bytes_sent_total == decode.stats("").bytes_received_total > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_mismatched_layout_is_refused_and_reported_as_failed_load() -> None:
+    prefill, _ = make_side(free_port(), model="model-a")
+    decode, _ = make_side(free_port(), model="model-b")
+    try:
+        handle = make_handle((1,), num_tokens=3, kv_address=prefill._bind)  # noqa: SLF001
+        prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (1,), (4,), 3)]))
+        wait_until(lambda: "req-1-abcdefgh" in decode._failed_recving)  # noqa: SLF001
+        assert decode.take_failed_block_ids() == {4}
+        record = decode.stats("req-1").request
+        assert record.failed and "model" in record.error
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_layout_check_names_every_difference() -> None:
+    a = KVLayout("m", "float32", 128, 30, (3, 128, 128))
+    b = KVLayout("m", "bfloat16", 16, 30, (3, 16, 128))
+    with pytest.raises(KVLayoutMismatchError, match="dtype.*block_size_tokens.*block_shape"):
+        a.check_compatible(b)
+    a.check_compatible(KVLayout.from_proto(a.to_proto()))
+
+
+def test_lease_expiry_frees_blocks_nobody_pulled() -> None:
+    prefill, _ = make_side(free_port())
+    try:
+        prefill.start_load_kv(GrpcKVMetadata(holds={"x-12345678": ((1, 2), time.time() - 1)}))
+        assert prefill.get_transfer_results({"x-12345678"})[0] == {"x-12345678"}
+        assert prefill.stats("").leases_expired_total == 1
+    finally:
+        prefill.shutdown()
