@@ -32,8 +32,14 @@ def pct(values: list[float], q: float) -> float:
 
 def stream_once(base_url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
     """(TTFT, inter-token gaps) as vllm bench serve defines them: first non-empty content delta."""
-    body = {"model": model, "stream": True, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
-            "messages": [{"role": "user", "content": prompt}]}
+    body = {
+        "model": model,
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": prompt}],
+    }
     sent = time.perf_counter()
     ttft, last, gaps = None, 0.0, []
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=300) as resp:
@@ -56,10 +62,27 @@ def stream_once(base_url: str, model: str, prompt: str, max_tokens: int) -> tupl
 
 def start_plain_vllm(model_dir: Path, name: str, port: int, log: Path) -> tuple[subprocess.Popen[bytes], float]:
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "PYTHONUNBUFFERED": "1"}
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", name, "--port", str(port), "--host", "127.0.0.1", "--enforce-eager",
-            "--dtype", "float32", "--max-model-len", "4096", "--kv-cache-memory-bytes", str(1 << 30),
-            "--enable-prefix-caching"]
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "4096",
+        "--kv-cache-memory-bytes",
+        str(1 << 30),
+        "--enable-prefix-caching",
+    ]
     started = time.monotonic()
     proc = subprocess.Popen(args, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = started + 600
@@ -91,11 +114,14 @@ def main() -> None:
         stack.start()
         vllm_port = free_port()
         print("[bench] starting plain vLLM", flush=True)
-        vllm_proc, vllm_start_s = start_plain_vllm(config.model_dir, config.served_model_name, vllm_port,
-                                                   run_dir / "plain-vllm.log")
+        vllm_proc, vllm_start_s = start_plain_vllm(
+            config.model_dir, config.served_model_name, vllm_port, run_dir / "plain-vllm.log"
+        )
         targets = {"tandem": config.gateway_url, "vllm": f"http://127.0.0.1:{vllm_port}"}
-        questions = [f"Question {i}: explain in a few sentences why the sky looks blue at noon." for i in range(
-            args.num_requests)]
+        questions = [
+            f"Question {i}: explain in a few sentences why the sky looks blue at noon."
+            for i in range(args.num_requests)
+        ]
         ttft: dict[str, list[float]] = {k: [] for k in targets}
         itl: dict[str, list[float]] = {k: [] for k in targets}
         for name in targets:  # warm-up, not measured
@@ -112,6 +138,7 @@ def main() -> None:
         import grpc
 
         from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
         kv = kv_transfer_pb2_grpc.KVTransferStub(grpc.insecure_channel(f"127.0.0.1:{config.decode_kv_port}"))
         before = kv.GetStats(kv_transfer_pb2.KVStatsRequest())
         for i in range(args.num_long):
@@ -122,24 +149,34 @@ def main() -> None:
         kv_s = after.transfer_seconds_total - before.transfer_seconds_total
         kv_tokens = after.tokens_loaded_total - before.tokens_loaded_total
 
-        print("\nrequest path, measured side by side in one run "
-              f"({args.num_requests} requests each, {args.max_tokens} output tokens, alternating)")
+        print(
+            "\nrequest path, measured side by side in one run "
+            f"({args.num_requests} requests each, {args.max_tokens} output tokens, alternating)"
+        )
         print(f"{'':8} {'TTFT p50':>10} {'TTFT p90':>10} {'ITL p50':>10} {'ITL p90':>10}")
         for name in targets:
-            print(f"{name:8} {statistics.median(ttft[name]) * 1e3:9.1f}ms {pct(ttft[name], .9) * 1e3:9.1f}ms "
-                  f"{statistics.median(itl[name]) * 1e3:9.1f}ms {pct(itl[name], .9) * 1e3:9.1f}ms")
+            print(
+                f"{name:8} {statistics.median(ttft[name]) * 1e3:9.1f}ms {pct(ttft[name], 0.9) * 1e3:9.1f}ms "
+                f"{statistics.median(itl[name]) * 1e3:9.1f}ms {pct(itl[name], 0.9) * 1e3:9.1f}ms"
+            )
         r_ttft = statistics.median(ttft["tandem"]) / statistics.median(ttft["vllm"])
         r_itl = statistics.median(itl["tandem"]) / statistics.median(itl["vllm"])
         print(f"ratio tandem/vllm: TTFT p50 {r_ttft:.2f}  ITL p50 {r_itl:.2f}")
-        print(f"KV transfer: {kv_tokens} tokens in {args.num_long} prompts "
-              f"(~{kv_tokens // max(1, args.num_long)} each), {kv_bytes / 1e6:.1f} MB in {kv_s:.3f} s "
-              f"= {kv_bytes / kv_s / 1e9 if kv_s else 0:.2f} GB/s")
-        print(f"start-up: prefill worker {stack.ready_after_s.get('prefill', 0):.1f} s, decode worker "
-              f"{stack.ready_after_s.get('decode', 0):.1f} s (both at once, one core each), "
-              f"router {stack.ready_after_s.get('router', 0):.1f} s, plain vLLM {vllm_start_s:.1f} s "
-              "(alone, while the stack idled)")
-        print(f"bench-path: ttft_p50_ratio={r_ttft:.2f} itl_p50_ratio={r_itl:.2f} "
-              f"kv_gbps={kv_bytes / kv_s / 1e9 if kv_s else 0:.2f}")
+        print(
+            f"KV transfer: {kv_tokens} tokens in {args.num_long} prompts "
+            f"(~{kv_tokens // max(1, args.num_long)} each), {kv_bytes / 1e6:.1f} MB in {kv_s:.3f} s "
+            f"= {kv_bytes / kv_s / 1e9 if kv_s else 0:.2f} GB/s"
+        )
+        print(
+            f"start-up: prefill worker {stack.ready_after_s.get('prefill', 0):.1f} s, decode worker "
+            f"{stack.ready_after_s.get('decode', 0):.1f} s (both at once, one core each), "
+            f"router {stack.ready_after_s.get('router', 0):.1f} s, plain vLLM {vllm_start_s:.1f} s "
+            "(alone, while the stack idled)"
+        )
+        print(
+            f"bench-path: ttft_p50_ratio={r_ttft:.2f} itl_p50_ratio={r_itl:.2f} "
+            f"kv_gbps={kv_bytes / kv_s / 1e9 if kv_s else 0:.2f}"
+        )
     finally:
         if vllm_proc is not None:
             vllm_proc.terminate()

@@ -53,7 +53,8 @@ def kv_stats(stack: LocalStack, role: str, request_id: str = "") -> kv_transfer_
     port = stack.config.prefill_kv_port if role == "prefill" else stack.config.decode_kv_port
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         return kv_transfer_pb2_grpc.KVTransferStub(channel).GetStats(
-            kv_transfer_pb2.KVStatsRequest(request_id=request_id), timeout=5)
+            kv_transfer_pb2.KVStatsRequest(request_id=request_id), timeout=5
+        )
 
 
 def worker_gauge(stack: LocalStack, role: str, name: str) -> float:

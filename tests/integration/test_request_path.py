@@ -33,8 +33,9 @@ def _chat(stack: LocalStack, **overrides: object) -> dict[str, object]:
 def test_streamed_answer_is_paris_and_kv_came_over_grpc(stack: LocalStack) -> None:
     prefill_before, decode_before = load(stack, "prefill"), load(stack, "decode")
     with httpx.Client(base_url=stack.config.gateway_url, timeout=120) as client:
-        with client.stream("POST", "/v1/chat/completions",
-                           json=_chat(stack, stream=True, stream_options={"include_usage": True})) as resp:
+        with client.stream(
+            "POST", "/v1/chat/completions", json=_chat(stack, stream=True, stream_options={"include_usage": True})
+        ) as resp:
             assert resp.status_code == 200
             assert resp.headers["content-type"].startswith("text/event-stream")
             assert resp.headers["cache-control"] == "no-cache"
@@ -74,9 +75,15 @@ def test_non_stream_chat_and_completions(stack: LocalStack) -> None:
         assert chat["object"] == "chat.completion"
         assert "Paris" in chat["choices"][0]["message"]["content"]
         assert chat["usage"]["total_tokens"] == chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"]
-        text = client.post("/v1/completions", json={
-            "model": stack.config.served_model_name, "prompt": "The capital of France is",
-            "max_tokens": 8, "temperature": 0}).json()
+        text = client.post(
+            "/v1/completions",
+            json={
+                "model": stack.config.served_model_name,
+                "prompt": "The capital of France is",
+                "max_tokens": 8,
+                "temperature": 0,
+            },
+        ).json()
         assert text["object"] == "text_completion"
         assert text["choices"][0]["text"].strip()
         models = client.get("/v1/models").json()
@@ -86,12 +93,21 @@ def test_non_stream_chat_and_completions(stack: LocalStack) -> None:
 def test_openai_client_streams_and_non_streams(stack: LocalStack) -> None:
     client = openai.OpenAI(base_url=f"{stack.config.gateway_url}/v1", api_key="unused", timeout=120)
     messages = [{"role": "user", "content": QUESTION}]
-    reply = client.chat.completions.create(model=stack.config.served_model_name, messages=messages,  # type: ignore[arg-type]
-                                           max_tokens=30, temperature=0)
+    reply = client.chat.completions.create(
+        model=stack.config.served_model_name,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=30,
+        temperature=0,
+    )
     assert "Paris" in (reply.choices[0].message.content or "")
-    stream = client.chat.completions.create(model=stack.config.served_model_name, messages=messages,  # type: ignore[arg-type]
-                                            max_tokens=30, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=stack.config.served_model_name,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=30,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, usage = [], None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -103,8 +119,14 @@ def test_openai_client_streams_and_non_streams(stack: LocalStack) -> None:
 
 
 def test_disconnect_frees_requests_and_kv_on_both_workers(stack: LocalStack) -> None:
-    body = _chat(stack, stream=True, max_tokens=1500, temperature=0.7, ignore_eos=True,
-                 messages=[{"role": "user", "content": "Write a very long story about a dragon and a city."}])
+    body = _chat(
+        stack,
+        stream=True,
+        max_tokens=1500,
+        temperature=0.7,
+        ignore_eos=True,
+        messages=[{"role": "user", "content": "Write a very long story about a dragon and a city."}],
+    )
     with httpx.Client(base_url=stack.config.gateway_url, timeout=120) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
@@ -134,23 +156,50 @@ def test_disconnect_frees_requests_and_kv_on_both_workers(stack: LocalStack) -> 
     assert not any(busy), busy
 
 
-@pytest.mark.parametrize(("body", "status", "code_or_type"), [
-    (b"{not json", 400, "invalid_request_error"),
-    (json.dumps({"model": "SmolLM2-135M-Instruct", "messages": []}).encode(), 400, "invalid_request_error"),
-    (json.dumps({"model": "SmolLM2-135M-Instruct"}).encode(), 400, "invalid_request_error"),
-    (json.dumps({"model": "SmolLM2-135M-Instruct",
-                 "messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400, "invalid_request_error"),
-    (json.dumps({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}],
-                 "max_tokens": "ten"}).encode(), 400, "invalid_request_error"),
-    (json.dumps({"model": "SmolLM2-135M-Instruct", "messages": "hi"}).encode(), 400, "invalid_request_error"),
-    (json.dumps({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}],
-                 "max_tokens": 10_000_000}).encode(), 400, "context_length_exceeded"),
-    (json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-     404, "model_not_found"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "code_or_type"),
+    [
+        (b"{not json", 400, "invalid_request_error"),
+        (json.dumps({"model": "SmolLM2-135M-Instruct", "messages": []}).encode(), 400, "invalid_request_error"),
+        (json.dumps({"model": "SmolLM2-135M-Instruct"}).encode(), 400, "invalid_request_error"),
+        (
+            json.dumps({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "wizard", "content": "hi"}]}).encode(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            json.dumps(
+                {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}
+            ).encode(),
+            400,
+            "invalid_request_error",
+        ),
+        (json.dumps({"model": "SmolLM2-135M-Instruct", "messages": "hi"}).encode(), 400, "invalid_request_error"),
+        (
+            json.dumps(
+                {
+                    "model": "SmolLM2-135M-Instruct",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 10_000_000,
+                }
+            ).encode(),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            json.dumps({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            404,
+            "model_not_found",
+        ),
+    ],
+)
 def test_bad_input_gets_openai_error(stack: LocalStack, body: bytes, status: int, code_or_type: str) -> None:
-    resp = httpx.post(f"{stack.config.gateway_url}/v1/chat/completions", content=body,
-                      headers={"content-type": "application/json"}, timeout=30)
+    resp = httpx.post(
+        f"{stack.config.gateway_url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) >= {"message", "type", "param", "code"}
@@ -163,8 +212,10 @@ def test_health_readiness_and_latency_histograms(stack: LocalStack) -> None:
         assert client.get("/healthz").status_code == 200
         assert client.get("/readyz").status_code == 200
         metrics = client.get("/metrics").text
-    for name in ("tandem_gateway_time_to_first_token_seconds", "tandem_gateway_inter_token_latency_seconds",
-                 "tandem_gateway_e2e_request_latency_seconds"):
-        counts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                  if line.startswith(name + "_count")]
+    for name in (
+        "tandem_gateway_time_to_first_token_seconds",
+        "tandem_gateway_inter_token_latency_seconds",
+        "tandem_gateway_e2e_request_latency_seconds",
+    ):
+        counts = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "_count")]
         assert counts and sum(counts) > 0, name

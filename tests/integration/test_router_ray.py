@@ -84,9 +84,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     )
     started_s = time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.router"], env=env, stdout=log, stderr=subprocess.STDOUT
-        )
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.router"], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         ready = _wait_for_ready_line(proc, log_path)
         yield RouterProcess(f"127.0.0.1:{grpc_port}", key_prefix, time.monotonic() - started_s, ready)
@@ -223,9 +221,7 @@ async def test_concurrent_unreleased_requests_spread_and_release_frees(
 async def test_exclude_worker_ids_is_honoured(client: RouterClient, workers: FakeWorkers) -> None:
     model = model_of(workers)
     for i in range(4):
-        placement = await client.schedule(
-            f"req-excl-{i}", model, exclude_worker_ids=[f"{model}-p0", f"{model}-d1"]
-        )
+        placement = await client.schedule(f"req-excl-{i}", model, exclude_worker_ids=[f"{model}-p0", f"{model}-d1"])
         assert (placement.prefill.worker_id, placement.decode.worker_id) == (f"{model}-p1", f"{model}-d0")
         await client.release(placement.request_id)
 
@@ -246,9 +242,7 @@ async def test_unknown_model_is_invalid_request(client: RouterClient, workers: F
     assert info.value.code == "model_not_found"
 
 
-async def test_worker_whose_heartbeat_stopped_disappears_within_ttl(
-    client: RouterClient, workers: FakeWorkers
-) -> None:
+async def test_worker_whose_heartbeat_stopped_disappears_within_ttl(client: RouterClient, workers: FakeWorkers) -> None:
     model = model_of(workers)
     placement = await client.schedule("req-ttl-0", model, exclude_worker_ids=[f"{model}-d1"])
     assert placement.decode.worker_id == f"{model}-d0"
@@ -271,8 +265,7 @@ async def test_worker_whose_heartbeat_stopped_disappears_within_ttl(
     await client.release("req-ttl-after")
 
 
-async def test_startup_and_schedule_latency(router: RouterProcess, client: RouterClient,
-                                            workers: FakeWorkers) -> None:
+async def test_startup_and_schedule_latency(router: RouterProcess, client: RouterClient, workers: FakeWorkers) -> None:
     model = model_of(workers)
     latencies_s = []
     for i in range(100):

@@ -33,6 +33,7 @@ SHAPE = (NUM_BLOCKS, 2, BLOCK, 8)  # blocks, kv heads, block tokens, head conten
 
 # -- factories -------------------------------------------------------------------
 
+
 @dataclass
 class FakeBlock:
     block_id: int
@@ -59,18 +60,40 @@ class FakeRequest:
 
 
 def make_handle(block_ids: tuple[int, ...], num_tokens: int, kv_address: str = "127.0.0.1:1") -> KVHandleParams:
-    return KVHandleParams(engine_id="p", kv_address=kv_address, remote_request_id="req-1-abcdefgh",
-                          block_ids=block_ids, num_tokens=num_tokens, lease_expires_unix_s=time.time() + 60)
+    return KVHandleParams(
+        engine_id="p",
+        kv_address=kv_address,
+        remote_request_id="req-1-abcdefgh",
+        block_ids=block_ids,
+        num_tokens=num_tokens,
+        lease_expires_unix_s=time.time() + 60,
+    )
 
 
-def make_side(port: int, model: str = "m", shape: tuple[int, ...] = SHAPE, dtype: torch.dtype = torch.float32,
-              fill: float | None = None) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
-    side = WorkerSide(model=model, num_blocks=NUM_BLOCKS, block_size_tokens=BLOCK, tp_size=1, tp_rank=0,
-                      kv_host="127.0.0.1", kv_port=port, max_chunk_bytes=2 * 2 * BLOCK * 8 * 4,
-                      pull_timeout_s=5)
-    caches = {f"model.layers.{i}.self_attn.attn": (torch.randn(shape, dtype=dtype) if fill is None
-                                                   else torch.full(shape, fill, dtype=dtype))
-              for i in range(LAYERS)}
+def make_side(
+    port: int,
+    model: str = "m",
+    shape: tuple[int, ...] = SHAPE,
+    dtype: torch.dtype = torch.float32,
+    fill: float | None = None,
+) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    side = WorkerSide(
+        model=model,
+        num_blocks=NUM_BLOCKS,
+        block_size_tokens=BLOCK,
+        tp_size=1,
+        tp_rank=0,
+        kv_host="127.0.0.1",
+        kv_port=port,
+        max_chunk_bytes=2 * 2 * BLOCK * 8 * 4,
+        pull_timeout_s=5,
+    )
+    caches = {
+        f"model.layers.{i}.self_attn.attn": (
+            torch.randn(shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
+        )
+        for i in range(LAYERS)
+    }
     side.register_kv_caches(caches)
     return side, caches
 
@@ -85,6 +108,7 @@ def wait_until(predicate: Any, timeout_s: float = 5.0) -> None:
 
 
 # -- scheduler side --------------------------------------------------------------
+
 
 def test_decode_plans_a_load_of_only_the_blocks_not_cached_locally() -> None:
     side = SchedulerSide(engine_id="d", kv_address="x:1", block_size_tokens=BLOCK, lease_s=60)
@@ -115,8 +139,7 @@ def test_prefill_holds_blocks_only_when_length_capped() -> None:
     from vllm.v1.request import RequestStatus
 
     side = SchedulerSide(engine_id="p", kv_address="h:5", block_size_tokens=BLOCK, lease_s=30)
-    capped = FakeRequest("a", 9, prefill_params(), status=RequestStatus.FINISHED_LENGTH_CAPPED,
-                         num_computed_tokens=9)
+    capped = FakeRequest("a", 9, prefill_params(), status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=9)
     delay, params = side.request_finished(capped, [3, 4, 5])  # type: ignore[arg-type]
     assert delay is True and params is not None
     handle = KVHandleParams.from_dict(params[HANDLE])
@@ -144,14 +167,15 @@ def test_external_request_id_strips_vllm_suffix() -> None:
 
 # -- worker side over real gRPC ----------------------------------------------------
 
+
 def test_blocks_move_between_engines_and_are_released() -> None:
     prefill, p_caches = make_side(free_port())
     decode, d_caches = make_side(free_port(), fill=0.0)
     try:
-        handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill._bind)  # noqa: SLF001
+        handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill._bind)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode._done_recving)  # noqa: SLF001
+        wait_until(lambda: "req-1-abcdefgh" in decode._done_recving)
         for name in p_caches:
             assert torch.equal(d_caches[name][0], p_caches[name][5])
             assert torch.equal(d_caches[name][3], p_caches[name][9])
@@ -174,10 +198,10 @@ def test_mismatched_layout_is_refused_and_reported_as_failed_load() -> None:
     prefill, _ = make_side(free_port(), model="model-a")
     decode, _ = make_side(free_port(), model="model-b")
     try:
-        handle = make_handle((1,), num_tokens=3, kv_address=prefill._bind)  # noqa: SLF001
+        handle = make_handle((1,), num_tokens=3, kv_address=prefill._bind)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (1,), (4,), 3)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode._failed_recving)  # noqa: SLF001
+        wait_until(lambda: "req-1-abcdefgh" in decode._failed_recving)
         assert decode.take_failed_block_ids() == {4}
         record = decode.stats("req-1").request
         assert record.failed and "model" in record.error
@@ -189,7 +213,7 @@ def test_mismatched_layout_is_refused_and_reported_as_failed_load() -> None:
 def test_layout_check_names_every_difference() -> None:
     a = KVLayout("m", "float32", 128, 30, (3, 128, 128))
     b = KVLayout("m", "bfloat16", 16, 30, (3, 16, 128))
-    with pytest.raises(KVLayoutMismatchError, match="dtype.*block_size_tokens.*block_shape"):
+    with pytest.raises(KVLayoutMismatchError, match=r"dtype.*block_size_tokens.*block_shape"):
         a.check_compatible(b)
     a.check_compatible(KVLayout.from_proto(a.to_proto()))
 

@@ -32,10 +32,14 @@ def main() -> int:
     try:
         stack.start()
         url = config.gateway_url
-        body = ('{"model": "%s", "stream": true, "messages": '
-                '[{"role": "user", "content": "What is the capital of France?"}]}' % config.served_model_name)
-        print(f"\n[tandem] ready in {time.monotonic() - started:.0f} s: gateway {url} "
-              f"(playground {url}/, metrics {url}/metrics); logs in {config.log_dir}/")
+        body = (
+            f'{{"model": "{config.served_model_name}", "stream": true, "messages": '
+            '[{"role": "user", "content": "What is the capital of France?"}]}'
+        )
+        print(
+            f"\n[tandem] ready in {time.monotonic() - started:.0f} s: gateway {url} "
+            f"(playground {url}/, metrics {url}/metrics); logs in {config.log_dir}/"
+        )
         print("[tandem] try:\n")
         print(f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n")
         print("[tandem] Ctrl-C stops everything.", flush=True)

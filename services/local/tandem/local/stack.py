@@ -63,9 +63,20 @@ class StackConfig:
 
     @classmethod
     def with_free_ports(cls, **overrides: object) -> StackConfig:
-        ports = {name: free_port() for name in (
-            "gateway_port", "router_grpc_port", "router_http_port", "prefill_port", "prefill_kv_port",
-            "prefill_metrics_port", "decode_port", "decode_kv_port", "decode_metrics_port")}
+        ports = {
+            name: free_port()
+            for name in (
+                "gateway_port",
+                "router_grpc_port",
+                "router_http_port",
+                "prefill_port",
+                "prefill_kv_port",
+                "prefill_metrics_port",
+                "decode_port",
+                "decode_kv_port",
+                "decode_metrics_port",
+            )
+        }
         return cls(**{**ports, **overrides})  # type: ignore[arg-type]
 
     @property
@@ -104,24 +115,28 @@ class LocalStack:
     def _worker_env(self, role: str) -> dict[str, str]:
         c = self.config
         port, kv_port, metrics_port = (
-            (c.prefill_port, c.prefill_kv_port, c.prefill_metrics_port) if role == "prefill"
-            else (c.decode_port, c.decode_kv_port, c.decode_metrics_port))
+            (c.prefill_port, c.prefill_kv_port, c.prefill_metrics_port)
+            if role == "prefill"
+            else (c.decode_port, c.decode_kv_port, c.decode_metrics_port)
+        )
         env = self._base_env()
-        env.update({
-            "TANDEM_WORKER_ROLE": role,
-            "TANDEM_WORKER_BIND_HOST": c.host,
-            "TANDEM_WORKER_PORT": str(port),
-            "TANDEM_WORKER_METRICS_PORT": str(metrics_port),
-            "TANDEM_WORKER_KV__HOST": c.host,
-            "TANDEM_WORKER_KV__PORT": str(kv_port),
-            "TANDEM_WORKER_KV__LEASE_S": str(c.kv_lease_s),
-            "TANDEM_WORKER_ENGINE__MODEL_DIR": str(c.model_dir),
-            "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME": c.served_model_name,
-            "TANDEM_WORKER_ENGINE__MAX_MODEL_LEN": str(c.max_model_len),
-            "TANDEM_WORKER_ENGINE__KV_CACHE_BYTES": str(c.kv_cache_bytes),
-            "TANDEM_WORKER_REDIS__URL": c.redis_url,
-            "TANDEM_WORKER_REGISTRY__KEY_PREFIX": c.key_prefix,
-        })
+        env.update(
+            {
+                "TANDEM_WORKER_ROLE": role,
+                "TANDEM_WORKER_BIND_HOST": c.host,
+                "TANDEM_WORKER_PORT": str(port),
+                "TANDEM_WORKER_METRICS_PORT": str(metrics_port),
+                "TANDEM_WORKER_KV__HOST": c.host,
+                "TANDEM_WORKER_KV__PORT": str(kv_port),
+                "TANDEM_WORKER_KV__LEASE_S": str(c.kv_lease_s),
+                "TANDEM_WORKER_ENGINE__MODEL_DIR": str(c.model_dir),
+                "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME": c.served_model_name,
+                "TANDEM_WORKER_ENGINE__MAX_MODEL_LEN": str(c.max_model_len),
+                "TANDEM_WORKER_ENGINE__KV_CACHE_BYTES": str(c.kv_cache_bytes),
+                "TANDEM_WORKER_REDIS__URL": c.redis_url,
+                "TANDEM_WORKER_REGISTRY__KEY_PREFIX": c.key_prefix,
+            }
+        )
         if c.pin_engine_cores and (os.cpu_count() or 1) >= 2:
             env["TANDEM_WORKER_ENGINE__CPU_THREADS_BIND"] = "0" if role == "prefill" else "1"
         return env
@@ -129,28 +144,32 @@ class LocalStack:
     def _router_env(self) -> dict[str, str]:
         c = self.config
         env = self._base_env()
-        env.update({
-            "TANDEM_ROUTER_GRPC_PORT": str(c.router_grpc_port),
-            "TANDEM_ROUTER_HTTP_PORT": str(c.router_http_port),
-            "TANDEM_ROUTER_HTTP_HOST": c.host,
-            "TANDEM_ROUTER_REDIS__URL": c.redis_url,
-            "TANDEM_ROUTER_REGISTRY__KEY_PREFIX": c.key_prefix,
-        })
+        env.update(
+            {
+                "TANDEM_ROUTER_GRPC_PORT": str(c.router_grpc_port),
+                "TANDEM_ROUTER_HTTP_PORT": str(c.router_http_port),
+                "TANDEM_ROUTER_HTTP_HOST": c.host,
+                "TANDEM_ROUTER_REDIS__URL": c.redis_url,
+                "TANDEM_ROUTER_REGISTRY__KEY_PREFIX": c.key_prefix,
+            }
+        )
         return env
 
     def _gateway_env(self) -> dict[str, str]:
         c = self.config
         env = self._base_env()
-        env.update({
-            "TANDEM_GATEWAY_HOST": c.host,
-            "TANDEM_GATEWAY_PORT": str(c.gateway_port),
-            "TANDEM_GATEWAY_SERVED_MODEL_NAME": c.served_model_name,
-            "TANDEM_GATEWAY_MODEL_DIR": str(c.model_dir),
-            "TANDEM_GATEWAY_MAX_MODEL_LEN": str(c.max_model_len),
-            "TANDEM_GATEWAY_ROUTER_ADDRESS": f"{c.host}:{c.router_grpc_port}",
-            "TANDEM_GATEWAY_REDIS__URL": c.redis_url,
-            "TANDEM_GATEWAY_REGISTRY__KEY_PREFIX": c.key_prefix,
-        })
+        env.update(
+            {
+                "TANDEM_GATEWAY_HOST": c.host,
+                "TANDEM_GATEWAY_PORT": str(c.gateway_port),
+                "TANDEM_GATEWAY_SERVED_MODEL_NAME": c.served_model_name,
+                "TANDEM_GATEWAY_MODEL_DIR": str(c.model_dir),
+                "TANDEM_GATEWAY_MAX_MODEL_LEN": str(c.max_model_len),
+                "TANDEM_GATEWAY_ROUTER_ADDRESS": f"{c.host}:{c.router_grpc_port}",
+                "TANDEM_GATEWAY_REDIS__URL": c.redis_url,
+                "TANDEM_GATEWAY_REGISTRY__KEY_PREFIX": c.key_prefix,
+            }
+        )
         return env
 
     # -- processes ---------------------------------------------------------------
@@ -174,8 +193,9 @@ class LocalStack:
         if shutil.which("redis-server") is None:
             raise StackError(f"no Redis at {self.config.redis_url} and no redis-server to start")
         port = client.connection_pool.connection_kwargs.get("port", 6379)
-        self._spawn("redis", ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-                    self._base_env())
+        self._spawn(
+            "redis", ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"], self._base_env()
+        )
         self._wait("redis", lambda: bool(client.ping()), timeout_s=15)
 
     def start(self, *, timeout_s: float = 600.0) -> None:
@@ -202,8 +222,9 @@ class LocalStack:
         while time.monotonic() < deadline:
             child = self._children.get(name)
             if child is not None and child.proc.poll() is not None:
-                raise StackError(f"{name} exited with {child.proc.returncode}; see {child.log_path}:\n"
-                                 + self.tail(name))
+                raise StackError(
+                    f"{name} exited with {child.proc.returncode}; see {child.log_path}:\n" + self.tail(name)
+                )
             with contextlib.suppress(Exception):
                 if probe():
                     self.ready_after_s[name] = time.monotonic() - self.started_at.get(name, time.monotonic())
@@ -213,8 +234,10 @@ class LocalStack:
                 self._progress(f"waiting for {name} ...")
                 last_note = time.monotonic()
             time.sleep(0.5)
-        raise StackError(f"{name} not ready after {timeout_s:.0f} s; see "
-                         f"{self._children[name].log_path if name in self._children else '-'}:\n" + self.tail(name))
+        raise StackError(
+            f"{name} not ready after {timeout_s:.0f} s; see "
+            f"{self._children[name].log_path if name in self._children else '-'}:\n" + self.tail(name)
+        )
 
     def _worker_ready(self, port: int) -> bool:
         with grpc.insecure_channel(f"{self.config.host}:{port}") as channel:
@@ -224,8 +247,10 @@ class LocalStack:
     def _router_ready(self) -> bool:
         with grpc.insecure_channel(f"{self.config.host}:{self.config.router_grpc_port}") as channel:
             router_pb2_grpc.RouterStub(channel).Release(
-                router_pb2.RouterReleaseRequest(request_id="readiness-probe"), timeout=2,
-                metadata=(("application", "tandem-router"),))
+                router_pb2.RouterReleaseRequest(request_id="readiness-probe"),
+                timeout=2,
+                metadata=(("application", "tandem-router"),),
+            )
             return True
 
     def _gateway_ready(self) -> bool:

@@ -69,8 +69,9 @@ async def serve(settings: WorkerSettings) -> None:
     engine_start_s = time.perf_counter() - started
     service = WorkerService(settings, engine, worker_id=worker_id)
     await service.start()
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    )
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     address = f"{settings.bind_host}:{settings.port}"
     if server.add_insecure_port(address) == 0:
@@ -80,17 +81,26 @@ async def serve(settings: WorkerSettings) -> None:
         start_metrics_server(settings.bind_host, settings.metrics_port, service)
 
     num_blocks, block_size = _engine_kv_shape(engine)
-    registry = WorkerRegistry(settings.redis.url, key_prefix=settings.registry.key_prefix,
-                              ttl_s=settings.registry.ttl_s)
+    registry = WorkerRegistry(
+        settings.redis.url, key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
+    )
     record = build_record(settings, worker_id, num_kv_blocks=num_blocks, block_size_tokens=block_size)
     heartbeat = asyncio.create_task(
-        heartbeat_forever(registry, record, service, settings.registry.heartbeat_interval_s))
-    logger.info("worker ready", extra={
-        "worker_id": worker_id, "role": settings.role, "address": address,
-        "kv_address": record.kv_address, "engine_start_s": round(engine_start_s, 2),
-        "num_kv_blocks": num_blocks, "block_size_tokens": block_size,
-        "layout": service.layout.to_dict() if service.layout else None,
-    })
+        heartbeat_forever(registry, record, service, settings.registry.heartbeat_interval_s)
+    )
+    logger.info(
+        "worker ready",
+        extra={
+            "worker_id": worker_id,
+            "role": settings.role,
+            "address": address,
+            "kv_address": record.kv_address,
+            "engine_start_s": round(engine_start_s, 2),
+            "num_kv_blocks": num_blocks,
+            "block_size_tokens": block_size,
+            "layout": service.layout.to_dict() if service.layout else None,
+        },
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -102,7 +112,7 @@ async def serve(settings: WorkerSettings) -> None:
     service.draining = True
     try:
         await registry.unregister(worker_id)
-    except Exception as exc:  # noqa: BLE001 - the TTL removes us anyway
+    except Exception as exc:
         logger.warning("unregister failed: %s", exc)
     await wait_idle(service, settings.drain_timeout_s)
     heartbeat.cancel()

@@ -34,8 +34,7 @@ class KVCollector(Collector):
         for name, doc, value in (
             ("tandem_kv_transfer_bytes_sent", "KV bytes served to decode engines", s.bytes_sent_total),
             ("tandem_kv_transfer_bytes_received", "KV bytes pulled from prefill engines", s.bytes_received_total),
-            ("tandem_kv_transfer_tokens_loaded", "Prompt tokens whose KV was loaded over gRPC",
-             s.tokens_loaded_total),
+            ("tandem_kv_transfer_tokens_loaded", "Prompt tokens whose KV was loaded over gRPC", s.tokens_loaded_total),
             ("tandem_kv_transfer_seconds", "Time spent pulling KV", s.transfer_seconds_total),
             ("tandem_kv_transfer_failures", "KV loads that failed", s.loads_failed_total),
             ("tandem_kv_leases_expired", "Held KV freed by lease expiry", s.leases_expired_total),

@@ -16,7 +16,9 @@ from tandem.worker.settings import WorkerSettings
 logger = logging.getLogger(__name__)
 
 
-def build_record(settings: WorkerSettings, worker_id: str, *, num_kv_blocks: int, block_size_tokens: int) -> WorkerRecord:
+def build_record(
+    settings: WorkerSettings, worker_id: str, *, num_kv_blocks: int, block_size_tokens: int
+) -> WorkerRecord:
     host = settings.advertise_host or settings.bind_host
     return WorkerRecord(
         worker_id=worker_id,
@@ -39,10 +41,15 @@ async def heartbeat_forever(
     while True:
         if not service.draining:
             stats = await service.kv_stats()
-            current = WorkerRecord(**{**record.__dict__, "load": WorkerLoad(
-                num_running_requests=service.num_running,
-                num_held_kv_requests=stats.num_held_requests,
-            )})
+            current = WorkerRecord(
+                **{
+                    **record.__dict__,
+                    "load": WorkerLoad(
+                        num_running_requests=service.num_running,
+                        num_held_kv_requests=stats.num_held_requests,
+                    ),
+                }
+            )
             try:
                 await registry.heartbeat(current)
                 if was_down:

@@ -24,6 +24,8 @@ from tandem.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
+_Ctx = grpc.aio.ServicerContext[Any, Any]
+
 
 @dataclass
 class _Counters:
@@ -63,22 +65,27 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return self._counters.num_running
 
     async def kv_stats(self, request_id: str = "") -> kv_transfer_pb2.KVStats:
-        return await self._kv.GetStats(kv_transfer_pb2.KVStatsRequest(request_id=request_id), timeout=5)
+        stats: kv_transfer_pb2.KVStats = await self._kv.GetStats(
+            kv_transfer_pb2.KVStatsRequest(request_id=request_id), timeout=5
+        )
+        return stats
 
     # -- helpers -----------------------------------------------------------------
 
-    async def _check(self, context: grpc.aio.ServicerContext, role: str, prompt_len: int) -> None:
+    async def _check(self, context: _Ctx, role: str, prompt_len: int) -> None:
         if self._role != role:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"worker {self._worker_id} is a {self._role} worker, not {role}")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"worker {self._worker_id} is a {self._role} worker, not {role}"
+            )
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self._worker_id} is draining")
         if prompt_len == 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
         if prompt_len >= self._settings.engine.max_model_len:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt of {prompt_len} tokens does not fit max_model_len "
-                                f"{self._settings.engine.max_model_len}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt of {prompt_len} tokens does not fit max_model_len {self._settings.engine.max_model_len}",
+            )
 
     @staticmethod
     def _prompt(token_ids: list[int], cache_salt: str) -> dict[str, Any]:
@@ -94,8 +101,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     # -- RPCs --------------------------------------------------------------------
 
-    async def Prefill(  # noqa: N802
-        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: _Ctx
     ) -> worker_pb2.PrefillResponse:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -112,8 +119,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         final = None
         self._counters.num_running += 1
         try:
-            async for out in self._engine.generate(self._prompt(prompt_ids, request.cache_salt), params,
-                                                   request.request_id):
+            async for out in self._engine.generate(
+                self._prompt(prompt_ids, request.cache_salt), params, request.request_id
+            ):
                 final = out
         finally:
             self._counters.num_running -= 1
@@ -153,8 +161,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             lease_expires_unix_s=handle.lease_expires_unix_s,
         )
 
-    async def Decode(  # noqa: N802
-        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: _Ctx
     ) -> AsyncIterator[worker_pb2.DecodeChunk]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -170,8 +178,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except Exception as exc:  # KVLayoutMismatchError
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             handle = KVHandleParams(
-                engine_id=h.engine_id, kv_address=h.kv_address, remote_request_id=h.remote_request_id,
-                block_ids=tuple(h.block_ids), num_tokens=h.num_tokens,
+                engine_id=h.engine_id,
+                kv_address=h.kv_address,
+                remote_request_id=h.remote_request_id,
+                block_ids=tuple(h.block_ids),
+                num_tokens=h.num_tokens,
                 lease_expires_unix_s=h.lease_expires_unix_s,
             )
             extra_args = {"kv_transfer_params": decode_params(handle)}
@@ -186,8 +197,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         num_output = 0
         self._counters.num_running += 1
         try:
-            async for out in self._engine.generate(self._prompt(prompt_ids, request.cache_salt), params,
-                                                   request.request_id):
+            async for out in self._engine.generate(
+                self._prompt(prompt_ids, request.cache_salt), params, request.request_id
+            ):
                 completion = out.outputs[0]
                 num_output += len(completion.token_ids)
                 chunk = worker_pb2.DecodeChunk(text=completion.text, token_ids=list(completion.token_ids))
@@ -218,8 +230,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_output_tokens=num_output,
         )
 
-    async def Abort(  # noqa: N802
-        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    async def Abort(
+        self, request: worker_pb2.AbortRequest, context: _Ctx
     ) -> worker_pb2.AbortResponse:
         await self._engine.abort(request.request_id)
         found = False
@@ -231,8 +243,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             found = response.found
         return worker_pb2.AbortResponse(found=found)
 
-    async def GetLoad(  # noqa: N802
-        self, request: worker_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    async def GetLoad(
+        self, request: worker_pb2.LoadRequest, context: _Ctx
     ) -> worker_pb2.LoadReport:
         stats = await self.kv_stats()
         return worker_pb2.LoadReport(
@@ -245,11 +257,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             prompt_tokens_computed_total=self._counters.prompt_tokens_computed,
         )
 
-    async def Health(  # noqa: N802
-        self, request: worker_pb2.HealthRequest, context: grpc.aio.ServicerContext
+    async def Health(
+        self, request: worker_pb2.HealthRequest, context: _Ctx
     ) -> worker_pb2.HealthResponse:
         return worker_pb2.HealthResponse(
-            worker_id=self._worker_id, role=self._role, model=self._model,
+            worker_id=self._worker_id,
+            role=self._role,
+            model=self._model,
             ready=self.layout is not None and not self.draining,
         )
 

@@ -44,9 +44,7 @@ class SchedulerSide:
         count = min(handle.num_tokens, request.num_prompt_tokens) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get(DO_REMOTE_PREFILL):
             return
@@ -69,7 +67,9 @@ class SchedulerSide:
         if len(remote_ids) != len(local_ids):
             logger.error(
                 "kv handle of %s has %d blocks, need %d; loading what exists",
-                request.request_id, len(handle.block_ids), end_block,
+                request.request_id,
+                len(handle.block_ids),
+                end_block,
             )
             n = min(len(remote_ids), len(local_ids))
             local_ids, remote_ids = local_ids[:n], remote_ids[:n]

@@ -144,7 +144,12 @@ class WorkerSide:
         self._server = server
         logger.info(
             "KV transfer server ready on %s: %d layers, block %s %s, block dim %d of %s",
-            self._bind, len(layers), block_shape, self.layout.dtype, self._block_dim, tuple(first.shape),
+            self._bind,
+            len(layers),
+            block_shape,
+            self.layout.dtype,
+            self._block_dim,
+            tuple(first.shape),
         )
 
     def shutdown(self) -> None:
@@ -217,7 +222,7 @@ class WorkerSide:
         per_chunk = max(1, max_chunk_bytes // block_bytes)
         for layer_index, (_, tensor) in enumerate(self._layers):
             for first in range(0, len(block_ids), per_chunk):
-                ids = block_ids[first:first + per_chunk]
+                ids = block_ids[first : first + per_chunk]
                 index = torch.tensor(ids, dtype=torch.long)
                 data = tensor.index_select(self._block_dim, index).movedim(self._block_dim, 0).contiguous()
                 yield kv_transfer_pb2.KVChunk(
@@ -287,7 +292,7 @@ class WorkerSide:
             dtype = self._layers[0][1].dtype
             for chunk in stream:
                 _, tensor = self._layers[chunk.layer_index]
-                ids = spec.local_block_ids[chunk.first_block_index:chunk.first_block_index + chunk.num_blocks]
+                ids = spec.local_block_ids[chunk.first_block_index : chunk.first_block_index + chunk.num_blocks]
                 data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(dtype)
                 data = data.view(chunk.num_blocks, *self.layout.block_shape).movedim(0, self._block_dim)
                 tensor.index_copy_(self._block_dim, torch.tensor(ids, dtype=torch.long), data)
@@ -295,8 +300,8 @@ class WorkerSide:
                 received += chunk.num_blocks
             if received != expected:
                 raise RuntimeError(f"received {received} of {expected} layer-blocks")
-        except Exception as exc:  # noqa: BLE001 - any failure must reach the scheduler
-            message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)  # type: ignore[attr-defined]
+        except Exception as exc:
+            message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             logger.error("KV load of %s from %s failed: %s", spec.request_id, spec.handle.kv_address, message)
             record.failed = True
             record.error = str(message)[:500]
@@ -338,11 +343,11 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     def __init__(self, side: WorkerSide) -> None:
         self._side = side
 
-    def Describe(self, request: kv_transfer_pb2.DescribeRequest, context: grpc.ServicerContext) -> common_pb2.KVLayout:  # noqa: N802
+    def Describe(self, request: kv_transfer_pb2.DescribeRequest, context: grpc.ServicerContext) -> common_pb2.KVLayout:
         assert self._side.layout is not None
         return self._side.layout.to_proto()
 
-    def PullBlocks(self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]  # noqa: N802
+    def PullBlocks(self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
         side = self._side
         assert side.layout is not None
         try:
@@ -351,13 +356,17 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         hold = side.wait_for_hold(request.remote_request_id)
         if hold is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"no KV held for {request.remote_request_id} (released, expired or never prefilled)")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no KV held for {request.remote_request_id} (released, expired or never prefilled)",
+            )
         assert hold is not None
         wanted = list(request.block_ids)
         if not set(wanted) <= set(hold.block_ids):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"blocks {sorted(set(wanted) - set(hold.block_ids))} are not held for this request")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"blocks {sorted(set(wanted) - set(hold.block_ids))} are not held for this request",
+            )
         max_chunk = request.max_chunk_bytes or 4 * 1024 * 1024
         total = 0
         for chunk in side.read_chunks(wanted, max_chunk):
@@ -365,8 +374,12 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             yield chunk
         side.count_sent(total, len(wanted))
 
-    def Release(self, request: kv_transfer_pb2.ReleaseBlocksRequest, context: grpc.ServicerContext) -> kv_transfer_pb2.ReleaseBlocksResponse:  # noqa: N802
+    def Release(
+        self, request: kv_transfer_pb2.ReleaseBlocksRequest, context: grpc.ServicerContext
+    ) -> kv_transfer_pb2.ReleaseBlocksResponse:
         return kv_transfer_pb2.ReleaseBlocksResponse(found=self._side.release(request.remote_request_id))
 
-    def GetStats(self, request: kv_transfer_pb2.KVStatsRequest, context: grpc.ServicerContext) -> kv_transfer_pb2.KVStats:  # noqa: N802
+    def GetStats(
+        self, request: kv_transfer_pb2.KVStatsRequest, context: grpc.ServicerContext
+    ) -> kv_transfer_pb2.KVStats:
         return self._side.stats(request.request_id)
