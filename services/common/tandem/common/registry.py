@@ -7,8 +7,11 @@ heartbeat, so a worker that dies disappears by itself; a worker that stops
 cleanly calls :meth:`WorkerRegistry.unregister`.
 
 Layout: one sorted set ``<prefix>:workers`` (member = worker id, score =
-expiry in Unix ms) and one string ``<prefix>:worker:<id>`` (JSON, with a
-Redis TTL) per worker.
+expiry in Unix ms by the worker's clock, informational) and one string
+``<prefix>:worker:<id>`` (JSON, with a Redis TTL) per worker. Liveness is the
+record key's Redis TTL alone: Redis's clock is the only one that counts, so a
+worker and a router whose clocks disagree still see each other. The sorted set
+is an index; readers prune members whose record has expired.
 """
 
 from __future__ import annotations
@@ -97,7 +100,8 @@ class WorkerRegistry:
 
     async def heartbeat(self, record: WorkerRecord) -> None:
         """Register or refresh ``record`` for another ``ttl_s``."""
-        ttl_ms = int(self._ttl_s * 1000)
+        # Redis rejects PX 0; a sub-millisecond TTL means "expire at once" anyway.
+        ttl_ms = max(1, int(self._ttl_s * 1000))
         expiry_ms = int(time.time() * 1000) + ttl_ms
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
@@ -119,12 +123,16 @@ class WorkerRegistry:
 
     async def list_workers(self, *, role: str | None = None, model: str | None = None) -> list[WorkerRecord]:
         """Live workers, optionally filtered by role and model, sorted by id."""
-        now_ms = int(time.time() * 1000)
         try:
-            await self._redis.zremrangebyscore(self._set_key(), "-inf", now_ms)
             ids = [i.decode() if isinstance(i, bytes) else str(i)
-                   for i in await self._redis.zrangebyscore(self._set_key(), now_ms, "+inf")]
+                   for i in await self._redis.zrange(self._set_key(), 0, -1)]
             raws = await self._redis.mget([self._record_key(i) for i in ids]) if ids else []
+            # Not filtered by the set's scores: they come from the workers' clocks.
+            expired_ids = [i for i, raw in zip(ids, raws, strict=True) if raw is None]
+            if expired_ids:
+                # A worker that re-registers between MGET and ZREM drops out of the
+                # index until its next heartbeat (one interval), never for longer.
+                await self._redis.zrem(self._set_key(), *expired_ids)
         except (RedisError, OSError) as exc:
             raise BackendUnavailableError(f"worker registry unreachable: {exc}") from exc
         records = [WorkerRecord.from_json(raw) for raw in raws if raw is not None]

