@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import pytest_asyncio
 import redis
@@ -40,7 +41,7 @@ REFRESH_INTERVAL_S = 0.5
 WORKER_TTL_S = 2.0
 HEARTBEAT_INTERVAL_S = 0.4
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(300)]
 
 
 def free_port() -> int:
@@ -61,6 +62,7 @@ def redis_is_up() -> bool:
 class RouterProcess:
     address: str
     key_prefix: str
+    metrics_port: int
     startup_s: float
     ready_line: dict[str, object]
 
@@ -69,13 +71,14 @@ class RouterProcess:
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     if not redis_is_up():
         pytest.skip(f"Redis not reachable at {REDIS_URL}")
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     key_prefix = f"tandem-test-router-{uuid.uuid4().hex[:8]}"
     log_path = tmp_path_factory.mktemp("router") / "router.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("TANDEM_ROUTER_")}
     env.update(
         TANDEM_ROUTER_GRPC_PORT=str(grpc_port),
         TANDEM_ROUTER_HTTP_PORT=str(http_port),
+        TANDEM_ROUTER_METRICS_PORT=str(metrics_port),
         TANDEM_ROUTER_REDIS__URL=REDIS_URL,
         TANDEM_ROUTER_REGISTRY__KEY_PREFIX=key_prefix,
         TANDEM_ROUTER_REGISTRY__TTL_S=str(WORKER_TTL_S),
@@ -87,7 +90,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
         proc = subprocess.Popen([sys.executable, "-m", "tandem.router"], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         ready = _wait_for_ready_line(proc, log_path)
-        yield RouterProcess(f"127.0.0.1:{grpc_port}", key_prefix, time.monotonic() - started_s, ready)
+        yield RouterProcess(f"127.0.0.1:{grpc_port}", key_prefix, metrics_port, time.monotonic() - started_s, ready)
     finally:
         _stop(proc, log_path)
         _delete_keys(key_prefix)
@@ -281,3 +284,28 @@ async def test_startup_and_schedule_latency(router: RouterProcess, client: Route
         f"mean {statistics.mean(latencies_s) * 1000:.1f} ms"
     )
     assert p50_ms < 100, f"Schedule p50 {p50_ms:.1f} ms"
+
+
+async def test_metrics_reach_rays_prometheus_endpoint(
+    router: RouterProcess, client: RouterClient, workers: FakeWorkers
+) -> None:
+    model = model_of(workers)
+    placement = await client.schedule("req-metrics", model)
+    # Ray exports every ~10 s and prefixes custom metrics with "ray_".
+    deadline_s = time.monotonic() + 45
+    text = ""
+    async with httpx.AsyncClient() as http:
+        while time.monotonic() < deadline_s:
+            text = (await http.get(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=5)).text
+            if f'worker_id="{placement.decode.worker_id}"' in text and "tandem_router_schedule_seconds" in text:
+                break
+            await asyncio.sleep(1)
+    await client.release("req-metrics")
+    assert "ray_tandem_router_schedule_seconds_count" in text
+    gauge = [
+        line
+        for line in text.splitlines()
+        if line.startswith("ray_tandem_router_in_flight_requests{")
+        and f'worker_id="{placement.decode.worker_id}"' in line
+    ]
+    assert gauge and gauge[0].endswith(" 1.0"), gauge

@@ -1,0 +1,126 @@
+"""Async client of the router, for the gateway.
+
+The gateway calls :meth:`RouterClient.schedule` before Prefill and
+:meth:`RouterClient.release` when a request ends (any way). Each call goes to
+Serve's gRPC proxy with the ``application`` metadata that selects the router
+app, and with the request id as Serve's ``session_id`` so that Schedule and
+Release of one request reach the same router replica. gRPC failures come back
+as tandem.common.errors (see :func:`tandem.router.wire.error_from_status`).
+
+Imports only grpc, tandem.common and tandem.v1 (no Ray): the gateway loads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import TracebackType
+
+import grpc
+import grpc.aio
+
+from tandem.common.errors import TandemError
+from tandem.router.wire import (
+    APPLICATION_NAME,
+    METADATA_APPLICATION,
+    METADATA_REQUEST_ID,
+    METADATA_SESSION_ID,
+    error_from_status,
+)
+from tandem.v1 import router_pb2, router_pb2_grpc
+
+Placement = router_pb2.Placement
+
+
+class RouterClient:
+    """One channel to the router's gRPC address (host:port), shared by all requests."""
+
+    def __init__(self, address: str, *, timeout_s: float = 2.0, application: str = APPLICATION_NAME) -> None:
+        self._address = address
+        self._timeout_s = timeout_s
+        self._application = application
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
+        return (
+            (METADATA_APPLICATION, self._application),
+            (METADATA_SESSION_ID, request_id),
+            (METADATA_REQUEST_ID, request_id),
+        )
+
+    async def schedule(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        num_prompt_tokens: int = 0,
+        max_tokens: int = 0,
+        tenant: str = "",
+        prompt_token_ids: Iterable[int] = (),
+        cache_salt: str = "",
+        exclude_worker_ids: Iterable[str] = (),
+    ) -> router_pb2.Placement:
+        """A (prefill, decode) pair for the request, reserved until :meth:`release` or the lease ends.
+
+        ``num_prompt_tokens`` defaults to ``len(prompt_token_ids)``.
+
+        Raises NoCapacityError (no worker now; retry later), InvalidRequestError
+        (``code="model_not_found"`` for a model no worker serves) or
+        BackendUnavailableError (the router is unreachable).
+        """
+        token_ids = list(prompt_token_ids)
+        request = router_pb2.ScheduleRequest(
+            request_id=request_id,
+            model=model,
+            num_prompt_tokens=num_prompt_tokens or len(token_ids),
+            max_tokens=max_tokens,
+            tenant=tenant,
+            prompt_token_ids=token_ids,
+            cache_salt=cache_salt,
+            exclude_worker_ids=list(exclude_worker_ids),
+        )
+        try:
+            placement: router_pb2.Placement = await self._stub.Schedule(
+                request, timeout=self._timeout_s, metadata=self._metadata(request_id)
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _map_rpc_error(exc) from exc
+        return placement
+
+    async def release(self, request_id: str) -> bool:
+        """Release the request's reservation; False when the router had none (idempotent)."""
+        try:
+            response: router_pb2.RouterReleaseResponse = await self._stub.Release(
+                router_pb2.RouterReleaseRequest(request_id=request_id),
+                timeout=self._timeout_s,
+                metadata=self._metadata(request_id),
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _map_rpc_error(exc) from exc
+        return bool(response.found)
+
+    async def aclose(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> RouterClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+
+def _map_rpc_error(exc: grpc.aio.AioRpcError) -> TandemError:
+    try:
+        trailers = list(exc.trailing_metadata() or ())
+    except Exception:  # a broken trailer must not hide the real error
+        trailers = []
+    return error_from_status(exc.code(), exc.details() or "", trailers)

@@ -1,0 +1,144 @@
+"""The router as a Ray Serve deployment, answering tandem.v1.Router.
+
+Serve's gRPC proxy (started by :mod:`tandem.router.__main__` with
+``add_RouterServicer_to_server``) calls :meth:`RouterDeployment.Schedule` and
+:meth:`RouterDeployment.Release` by RPC name, in the replica chosen for the
+request's ``session_id`` metadata. The methods decode the protos, call
+:class:`tandem.router.scheduler.Scheduler`, and map tandem errors to a gRPC
+status code plus a ``tandem-error`` trailer on the Serve gRPC context (set,
+then return an empty message: Serve sends the code we set, and nothing is
+logged as a crash for an expected "no capacity").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve.deployment import Application
+from ray.serve.grpc_util import RayServegRPCContext
+
+from tandem.common.errors import TandemError
+from tandem.common.registry import WorkerRecord, WorkerRegistry
+from tandem.router.metrics import RayRouterMetrics
+from tandem.router.policy import ScheduleInput, create_policy
+from tandem.router.reservations import ReservationTable
+from tandem.router.scheduler import PlacementDecision, Scheduler
+from tandem.router.settings import RouterConfig
+from tandem.router.wire import status_for_error
+from tandem.router.worker_view import CachedWorkerView
+from tandem.v1 import router_pb2
+
+logger = logging.getLogger(__name__)
+
+#: Period of the replica's upkeep (lease sweep, gauge refresh); well below
+#: Ray's gauge TTL of about two export intervals (2 x 10 s).
+_TICK_INTERVAL_S = 5.0
+#: Ray Serve's consistent-hash request router (keyed by the ``session_id``
+#: metadata, which the client sets to the request id).
+_STICKY_REQUEST_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+
+
+class RouterDeployment:
+    """One router replica: its own reservation table, policy state and registry cache."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        cfg = RouterConfig.model_validate(config)
+        self._registry = WorkerRegistry(cfg.redis.url, key_prefix=cfg.registry.key_prefix, ttl_s=cfg.registry.ttl_s)
+        view = CachedWorkerView(
+            self._registry,
+            refresh_interval_s=cfg.registry_refresh_interval_s,
+            max_stale_s=cfg.registry.ttl_s,
+        )
+        self._scheduler = Scheduler(
+            view, create_policy(cfg.policy), ReservationTable(lease_s=cfg.lease_s), RayRouterMetrics()
+        )
+        self._ticker: asyncio.Task[None] | None = None
+
+    def _ensure_ticker(self) -> None:
+        # Started from the first RPC: that runs on the replica's event loop,
+        # which the constructor does not necessarily do.
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_TICK_INTERVAL_S)
+            try:
+                self._scheduler.tick()
+            except Exception:
+                logger.exception("router upkeep failed")
+
+    async def Schedule(  # Serve dispatches by RPC name
+        self, request: router_pb2.ScheduleRequest, grpc_context: RayServegRPCContext
+    ) -> router_pb2.Placement:
+        self._ensure_ticker()
+        try:
+            decision = await self._scheduler.schedule(schedule_input_from_proto(request))
+        except TandemError as exc:
+            _set_error(grpc_context, exc, request.request_id)
+            return router_pb2.Placement(request_id=request.request_id)
+        return placement_to_proto(decision)
+
+    async def Release(  # Serve dispatches by RPC name
+        self, request: router_pb2.RouterReleaseRequest, grpc_context: RayServegRPCContext
+    ) -> router_pb2.RouterReleaseResponse:
+        self._ensure_ticker()
+        return router_pb2.RouterReleaseResponse(found=self._scheduler.release(request.request_id))
+
+    async def check_health(self) -> None:
+        """Serve's periodic replica health check; the registry being down is not a replica fault."""
+
+
+def _set_error(grpc_context: RayServegRPCContext, exc: TandemError, request_id: str) -> None:
+    code, trailers = status_for_error(exc)
+    grpc_context.set_code(code)
+    grpc_context.set_details(str(exc))
+    grpc_context.set_trailing_metadata(trailers)
+    logger.info("schedule refused: %s", exc, extra={"request_id": request_id, "grpc_code": code.name})
+
+
+def schedule_input_from_proto(request: router_pb2.ScheduleRequest) -> ScheduleInput:
+    return ScheduleInput(
+        request_id=request.request_id,
+        model=request.model,
+        num_prompt_tokens=request.num_prompt_tokens,
+        max_tokens=request.max_tokens,
+        tenant=request.tenant,
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        cache_salt=request.cache_salt,
+        exclude_worker_ids=frozenset(request.exclude_worker_ids),
+    )
+
+
+def _worker_ref(worker: WorkerRecord) -> router_pb2.WorkerRef:
+    return router_pb2.WorkerRef(worker_id=worker.worker_id, role=worker.role, address=worker.address)
+
+
+def placement_to_proto(decision: PlacementDecision) -> router_pb2.Placement:
+    return router_pb2.Placement(
+        request_id=decision.request_id,
+        prefill=_worker_ref(decision.prefill),
+        decode=_worker_ref(decision.decode),
+        lease_s=decision.lease_s,
+        num_cached_tokens=decision.num_cached_tokens,
+        reason=decision.reason,
+    )
+
+
+def build_app(config: RouterConfig, *, num_replicas: int = 1) -> Application:
+    """The router application, ready for ``serve.run``."""
+    options: dict[str, Any] = {
+        "name": "Router",
+        "num_replicas": num_replicas,
+        # Schedule is a few microseconds of CPU; one replica serves many at once.
+        "max_ongoing_requests": 1000,
+        "ray_actor_options": {"num_cpus": 0},
+        "health_check_period_s": 5.0,
+    }
+    if num_replicas > 1:
+        # Reservations live in the replica that made them: Release must reach it.
+        options["request_router_config"] = {"request_router_class": _STICKY_REQUEST_ROUTER}
+    return serve.deployment(**options)(RouterDeployment).bind(config.model_dump(mode="json"))

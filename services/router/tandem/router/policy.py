@@ -1,0 +1,151 @@
+"""Placement policies: filter → score → pick, one worker per role.
+
+:class:`tandem.router.scheduler.Scheduler` calls :meth:`RoutingPolicy.choose`
+once per role (prefill, then decode) for every Schedule RPC. Policies are
+chosen by name from configuration (:func:`create_policy`); they see plain
+:class:`~tandem.common.registry.WorkerRecord` values and a :class:`LoadView`
+of this replica's reservations, and call nothing else.
+
+Adding a policy (the next ones are token budgets and cache-aware scoring):
+subclass :class:`RoutingPolicy`, override :meth:`~RoutingPolicy.score` (and
+:meth:`~RoutingPolicy.filter` to drop workers without budget), register it in
+:data:`POLICIES`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+from tandem.common.registry import WorkerRecord
+
+
+@dataclass(frozen=True)
+class ScheduleInput:
+    """One Schedule request, as the policies see it (decoded from the wire by the deployment)."""
+
+    request_id: str
+    model: str
+    num_prompt_tokens: int = 0
+    max_tokens: int = 0
+    tenant: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    cache_salt: str = ""
+    #: Workers to avoid, e.g. one that just failed this request.
+    exclude_worker_ids: frozenset[str] = frozenset()
+
+
+class LoadView(Protocol):
+    """This replica's own view of the load it has placed (see ReservationTable)."""
+
+    def num_in_flight(self, worker_id: str) -> int:
+        """Requests this replica placed on ``worker_id`` and that are neither released nor expired."""
+        ...
+
+
+@dataclass(frozen=True)
+class ScoredWorker:
+    """A candidate and its score in [0, 1] (higher is better)."""
+
+    worker: WorkerRecord
+    score: float
+
+
+class RoutingPolicy(ABC):
+    """Chooses one worker of a role for a request.
+
+    Methods are called in the replica's event loop, synchronously, on every
+    Schedule: they must not block or do I/O. :meth:`pick` may update the
+    policy's own rotation state; :meth:`filter` and :meth:`score` must be free
+    of side effects.
+    """
+
+    #: Name used in configuration (``TANDEM_ROUTER_POLICY``).
+    name: ClassVar[str]
+
+    def __init__(self) -> None:
+        self._num_picks_by_role: dict[str, int] = {}
+
+    def choose(
+        self, request: ScheduleInput, role: str, workers: Sequence[WorkerRecord], load: LoadView
+    ) -> ScoredWorker | None:
+        """The worker of ``role`` for ``request``, or None when no worker passes the filter."""
+        candidates = self.filter(request, role, workers, load)
+        if not candidates:
+            return None
+        return self.pick(role, [ScoredWorker(w, self.score(request, w, load)) for w in candidates])
+
+    def filter(
+        self, request: ScheduleInput, role: str, workers: Sequence[WorkerRecord], load: LoadView
+    ) -> list[WorkerRecord]:
+        """Workers that may take ``request`` at all: right role, right model, not excluded."""
+        return [
+            w
+            for w in workers
+            if w.role == role and w.model == request.model and w.worker_id not in request.exclude_worker_ids
+        ]
+
+    @abstractmethod
+    def score(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> float:
+        """How good ``worker`` is for ``request``, in [0, 1] (1 is best)."""
+
+    def pick(self, role: str, scored: Sequence[ScoredWorker]) -> ScoredWorker:
+        """The best-scored worker; ties rotate, so equal workers share the traffic."""
+        best_score = max(s.score for s in scored)
+        tied = sorted((s for s in scored if s.score == best_score), key=lambda s: s.worker.worker_id)
+        num_picks = self._num_picks_by_role.get(role, 0)
+        self._num_picks_by_role[role] = num_picks + 1
+        return tied[num_picks % len(tied)]
+
+
+def reported_load(worker: WorkerRecord) -> int:
+    """Requests the worker's engine said it runs or queues at its last heartbeat."""
+    return worker.load.num_running_requests + worker.load.num_waiting_requests
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    """Balance: prefer the worker with the fewest requests.
+
+    The load of a worker is the larger of this replica's in-flight count
+    (fresh, but blind to other router replicas) and the engine-reported count
+    (sees everyone, but a heartbeat old). Among equal loads the lower reported
+    count wins, then the rotation in :meth:`RoutingPolicy.pick`.
+    """
+
+    name = "least_loaded"
+
+    #: Weight of the reported-load tiebreak; below 1 so it never outweighs one whole request.
+    _TIEBREAK_WEIGHT = 0.5
+
+    def score(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> float:
+        num_reported = reported_load(worker)
+        num_effective = max(load.num_in_flight(worker.worker_id), num_reported)
+        tiebreak = self._TIEBREAK_WEIGHT * num_reported / (1 + num_reported)
+        return 1.0 / (1.0 + num_effective + tiebreak)
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Every candidate scores the same, so :meth:`RoutingPolicy.pick` rotates through them."""
+
+    name = "round_robin"
+
+    def score(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> float:
+        return 1.0
+
+
+#: Policies by configuration name.
+POLICIES: Mapping[str, Callable[[], RoutingPolicy]] = {
+    LeastLoadedPolicy.name: LeastLoadedPolicy,
+    RoundRobinPolicy.name: RoundRobinPolicy,
+}
+
+
+def create_policy(name: str) -> RoutingPolicy:
+    """A fresh policy by configuration name; ValueError names the known ones."""
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    return factory()

@@ -1,0 +1,67 @@
+"""Router settings, read once by :mod:`tandem.router.__main__` from the
+environment (prefix ``TANDEM_ROUTER_``, groups nested with ``__``, e.g.
+``TANDEM_ROUTER_REDIS__URL``, ``TANDEM_ROUTER_POLICY``) and passed down: the
+Ray/Serve bootstrap uses the whole of it, each Serve replica gets a
+:class:`RouterConfig` (plain, picklable data)."""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tandem.common.settings import RedisSettings, RegistrySettings
+
+
+class RouterConfig(BaseModel):
+    """What each Serve replica needs; built by the entry point from the settings."""
+
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    registry: RegistrySettings = Field(default_factory=RegistrySettings)
+    #: Placement policy by name: ``least_loaded`` or ``round_robin``.
+    policy: str = "least_loaded"
+    #: A reservation (in-flight count on both workers) expires after this long
+    #: unless released, so a crashed gateway cannot leak in-flight counts.
+    lease_s: float = Field(default=600.0, gt=0)
+    #: The registry is read from Redis at most this often; Schedule uses the cached list in between.
+    registry_refresh_interval_s: float = Field(default=0.5, ge=0)
+
+
+class TandemRouterSettings(BaseSettings):
+    """Everything ``python -m tandem.router`` reads from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", env_nested_delimiter="__", extra="ignore")
+
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    registry: RegistrySettings = Field(default_factory=RegistrySettings)
+    #: These three are documented on :class:`RouterConfig`.
+    policy: str = "least_loaded"
+    lease_s: float = Field(default=600.0, gt=0)
+    registry_refresh_interval_s: float = Field(default=0.5, ge=0)
+    #: Port of Serve's gRPC proxy (the tandem.v1.Router service).
+    grpc_port: int = Field(default=9000, ge=1, le=65535)
+    #: Port of Serve's HTTP proxy (health only); 8001 so it does not clash with 8000.
+    http_port: int = Field(default=8001, ge=1, le=65535)
+    #: Host the HTTP proxy binds to (the gRPC proxy always binds all interfaces).
+    http_host: str = "127.0.0.1"
+    #: Router replicas; above 1, Schedule and Release of one request stick to
+    #: one replica by consistent hashing on the request id.
+    num_replicas: int = Field(default=1, ge=1)
+    #: Address of an existing Ray cluster; unset starts a local one.
+    ray_address: str | None = Field(
+        default=None, validation_alias=AliasChoices("TANDEM_ROUTER_RAY_ADDRESS", "RAY_ADDRESS")
+    )
+    #: Port of Ray's Prometheus endpoint (tandem_router_* and Ray's own metrics)
+    #: for a local Ray; unset lets Ray choose. Ignored when connecting to a cluster.
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    #: CPUs a local Ray may use (ignored when connecting to a cluster).
+    ray_num_cpus: int = Field(default=2, ge=1)
+    log_level: str = "INFO"
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(
+            redis=self.redis,
+            registry=self.registry,
+            policy=self.policy,
+            lease_s=self.lease_s,
+            registry_refresh_interval_s=self.registry_refresh_interval_s,
+        )

@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tandem.common.errors import BackendUnavailableError, InvalidRequestError, NoCapacityError
+from tandem.common.registry import WorkerRecord
+from tandem.router.policy import ScheduleInput, create_policy
+from tandem.router.reservations import ReservationTable
+from tandem.router.scheduler import Scheduler
+from tandem.router.worker_view import CachedWorkerView
+from tests.unit.router.router_factories import FakeClock, FakeRegistry, make_pool, make_worker
+
+pytestmark = pytest.mark.asyncio
+
+
+class RecordingMetrics:
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+        self.in_flight: dict[str, int] = {}
+
+    def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
+        assert duration_s >= 0
+        self.outcomes.append(outcome)
+
+    def set_in_flight(self, worker_id: str, num_requests: int) -> None:
+        self.in_flight[worker_id] = num_requests
+
+
+class Harness:
+    def __init__(self, workers: list[WorkerRecord], *, policy: str = "least_loaded", lease_s: float = 600) -> None:
+        self.clock = FakeClock()
+        self.registry = FakeRegistry(workers)
+        self.metrics = RecordingMetrics()
+        view = CachedWorkerView(self.registry, refresh_interval_s=0.0, max_stale_s=5.0, clock=self.clock)
+        self.scheduler = Scheduler(
+            view, create_policy(policy), ReservationTable(lease_s=lease_s, clock=self.clock), self.metrics
+        )
+
+    async def schedule(self, request_id: str, model: str = "m", **kwargs: object):  # type: ignore[no-untyped-def]
+        return await self.scheduler.schedule(ScheduleInput(request_id=request_id, model=model, **kwargs))  # type: ignore[arg-type]
+
+
+async def test_placement_has_one_worker_of_each_role_and_a_lease() -> None:
+    h = Harness(make_pool(2, 2), lease_s=30)
+    placement = await h.schedule("r1")
+    assert placement.prefill.role == "prefill" and placement.decode.role == "decode"
+    assert placement.lease_s == 30
+    assert placement.reason.startswith("least_loaded prefill=")
+    assert h.scheduler.reservations.num_in_flight(placement.prefill.worker_id) == 1
+    assert h.metrics.outcomes == ["ok"]
+    assert h.metrics.in_flight == {placement.prefill.worker_id: 1, placement.decode.worker_id: 1}
+
+
+async def test_unreleased_requests_spread_over_all_workers() -> None:
+    h = Harness(make_pool(2, 2))
+    placements = [await h.schedule(f"r{i}") for i in range(4)]
+    assert Counter(p.prefill.worker_id for p in placements) == {"p0": 2, "p1": 2}
+    assert Counter(p.decode.worker_id for p in placements) == {"d0": 2, "d1": 2}
+
+
+async def test_release_frees_the_pair_for_the_next_request() -> None:
+    h = Harness(make_pool(2, 1))
+    first = await h.schedule("r1")
+    assert h.scheduler.release("r1") is True
+    assert h.scheduler.release("r1") is False
+    assert h.scheduler.reservations.in_flight_by_worker() == {}
+    assert h.metrics.in_flight[first.prefill.worker_id] == 0
+
+
+async def test_expired_lease_stops_counting() -> None:
+    h = Harness(make_pool(2, 1), lease_s=10)
+    await h.schedule("crashed-gateway")
+    h.clock.advance(11)
+    second = await h.schedule("r2")
+    # Only r2 is left: the lease of the request nobody released was swept.
+    assert h.scheduler.reservations.in_flight_by_worker() == {second.prefill.worker_id: 1, "d0": 1}
+    assert h.scheduler.release("crashed-gateway") is False
+
+
+async def test_exclude_worker_ids_is_honoured() -> None:
+    h = Harness(make_pool(2, 2))
+    for i in range(5):
+        placement = await h.schedule(f"r{i}", exclude_worker_ids=frozenset({"p0", "d1"}))
+        assert (placement.prefill.worker_id, placement.decode.worker_id) == ("p1", "d0")
+
+
+async def test_retry_of_the_same_request_moves_its_reservation() -> None:
+    h = Harness(make_pool(2, 1))
+    first = await h.schedule("r1")
+    retry = await h.schedule("r1", exclude_worker_ids=frozenset({first.prefill.worker_id}))
+    assert retry.prefill.worker_id != first.prefill.worker_id
+    assert h.scheduler.reservations.in_flight_by_worker() == {retry.prefill.worker_id: 1, "d0": 1}
+
+
+async def test_no_worker_of_a_role_is_no_capacity() -> None:
+    h = Harness(make_pool(2, 0))
+    with pytest.raises(NoCapacityError, match="no decode worker"):
+        await h.schedule("r1")
+    assert h.scheduler.reservations.in_flight_by_worker() == {}
+    assert h.metrics.outcomes == ["NoCapacityError"]
+
+
+async def test_empty_registry_is_no_capacity_not_unknown_model() -> None:
+    with pytest.raises(NoCapacityError):
+        await Harness([]).schedule("r1")
+
+
+async def test_all_workers_excluded_is_no_capacity() -> None:
+    h = Harness(make_pool(1, 1))
+    with pytest.raises(NoCapacityError, match="1 excluded"):
+        await h.schedule("r1", exclude_worker_ids=frozenset({"p0"}))
+
+
+async def test_unknown_model_is_model_not_found() -> None:
+    h = Harness([*make_pool(1, 1), make_worker("q0", "prefill", model="other")])
+    with pytest.raises(InvalidRequestError) as info:
+        await h.schedule("r1", model="nope")
+    assert info.value.code == "model_not_found"
+    assert "served models: m, other" in str(info.value)
+    assert h.metrics.outcomes == ["model_not_found"]
+
+
+@pytest.mark.parametrize("request_id,model", [("", "m"), ("r1", "")])
+async def test_missing_request_id_or_model_is_invalid(request_id: str, model: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        await Harness(make_pool(1, 1)).schedule(request_id, model)
+    assert info.value.code == "invalid_request"
+
+
+async def test_registry_down_propagates_backend_unavailable() -> None:
+    h = Harness(make_pool(1, 1))
+    h.registry.fail = True
+    with pytest.raises(BackendUnavailableError):
+        await h.schedule("r1")
+
+
+async def test_round_robin_ignores_in_flight() -> None:
+    h = Harness(make_pool(2, 2), policy="round_robin")
+    placements = [await h.schedule(f"r{i}") for i in range(4)]
+    assert [p.prefill.worker_id for p in placements] == ["p0", "p1", "p0", "p1"]
+
+
+async def test_tick_sweeps_without_traffic_and_refreshes_gauges() -> None:
+    h = Harness(make_pool(1, 1), lease_s=10)
+    await h.schedule("r1")
+    h.metrics.in_flight.clear()
+    h.scheduler.tick()
+    # Still in flight: the gauges are set again so Ray does not forget them.
+    assert h.metrics.in_flight == {"p0": 1, "d0": 1}
+    h.clock.advance(11)
+    h.scheduler.tick()
+    assert h.metrics.in_flight == {"p0": 0, "d0": 0}
+    h.metrics.in_flight.clear()
+    h.scheduler.tick()
+    assert h.metrics.in_flight == {}  # zero was published once; nothing left to refresh
