@@ -31,7 +31,7 @@ import redis
 
 from tandem.common.errors import InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord, WorkerRegistry
-from tandem.router.client import RouterClient
+from tandem.common.router_client import RouterClient
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 STARTUP_TIMEOUT_S = 180.0

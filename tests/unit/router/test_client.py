@@ -12,8 +12,8 @@ import pytest
 import pytest_asyncio
 
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, NoCapacityError
-from tandem.router.client import RouterClient
-from tandem.router.wire import status_for_error
+from tandem.common.router_client import RouterClient
+from tandem.common.router_wire import status_for_error
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.asyncio

@@ -7,7 +7,7 @@ import sys
 def test_client_import_stays_light() -> None:
     """The gateway imports the client: it must not drag in Ray (or torch, vLLM, settings)."""
     code = (
-        "import sys, tandem.router.client\n"
+        "import sys, tandem.common.router_client\n"
         "heavy = [m for m in ('ray', 'torch', 'vllm', 'pydantic_settings') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

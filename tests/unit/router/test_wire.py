@@ -10,7 +10,7 @@ from tandem.common.errors import (
     TandemError,
     WorkerUnavailableError,
 )
-from tandem.router.wire import TRAILER_ERROR, RouterInternalError, error_from_status, status_for_error
+from tandem.common.router_wire import TRAILER_ERROR, RouterInternalError, error_from_status, status_for_error
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ The gateway calls it over gRPC (``tandem.v1.Router``: Schedule, Release) through
 Ray Serve's gRPC proxy; it reads the live workers from the Redis worker
 registry. Importing this package is light: Ray is imported only by
 :mod:`tandem.router.deployment` and :mod:`tandem.router.__main__`, and the
-gateway-side :mod:`tandem.router.client` needs only grpc.
+gateway-side :mod:`tandem.common.router_client` needs only grpc.
 
 Request path inside the router::
 

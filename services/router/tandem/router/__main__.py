@@ -19,9 +19,9 @@ from types import FrameType
 import grpc
 
 from tandem.common.logging import configure_logging
+from tandem.common.router_wire import APPLICATION_NAME, METADATA_APPLICATION
 from tandem.router.policy import create_policy
 from tandem.router.settings import TandemRouterSettings
-from tandem.router.wire import APPLICATION_NAME, METADATA_APPLICATION
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger("tandem.router")

@@ -22,12 +22,12 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from tandem.common.errors import TandemError
 from tandem.common.registry import WorkerRecord, WorkerRegistry
+from tandem.common.router_wire import status_for_error
 from tandem.router.metrics import RayRouterMetrics
 from tandem.router.policy import ScheduleInput, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import PlacementDecision, Scheduler
 from tandem.router.settings import RouterConfig
-from tandem.router.wire import status_for_error
 from tandem.router.worker_view import CachedWorkerView
 from tandem.v1 import router_pb2
 

@@ -5,7 +5,7 @@ The gateway calls :meth:`RouterClient.schedule` before Prefill and
 Serve's gRPC proxy with the ``application`` metadata that selects the router
 app, and with the request id as Serve's ``session_id`` so that Schedule and
 Release of one request reach the same router replica. gRPC failures come back
-as tandem.common.errors (see :func:`tandem.router.wire.error_from_status`).
+as tandem.common.errors (see :func:`tandem.common.router_wire.error_from_status`).
 
 Imports only grpc, tandem.common and tandem.v1 (no Ray): the gateway loads it.
 """
@@ -19,7 +19,7 @@ import grpc
 import grpc.aio
 
 from tandem.common.errors import TandemError
-from tandem.router.wire import (
+from tandem.common.router_wire import (
     APPLICATION_NAME,
     METADATA_APPLICATION,
     METADATA_REQUEST_ID,

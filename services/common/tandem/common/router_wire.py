@@ -2,7 +2,7 @@
 the mapping between tandem.common.errors and gRPC status codes.
 
 Both ends use it: :mod:`tandem.router.deployment` turns errors into a status
-code plus a ``tandem-error`` trailer, :mod:`tandem.router.client` turns them
+code plus a ``tandem-error`` trailer, :mod:`tandem.common.router_client` turns them
 back. The trailer is what tells "the router answered: no capacity" apart from
 "the router (or Serve's proxy) is unreachable", which both arrive as
 UNAVAILABLE. Imports only grpc and tandem.common: the gateway loads it.

@@ -1,0 +1,74 @@
+"""OpenAI-shaped error bodies and the mapping from Tandem errors to HTTP.
+
+Called by the route handlers and the SSE writer; calls nothing. Every error a
+client sees has the shape ``{"error": {"message", "type", "param", "code"}}``;
+before a stream starts it comes with an HTTP status, after it has started it is
+the stream's last event (see :mod:`tandem.gateway.sse`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from tandem.common.errors import (
+    BackendUnavailableError,
+    InvalidRequestError,
+    NoCapacityError,
+    RetryableError,
+    TandemError,
+    WorkerUnavailableError,
+)
+
+
+@dataclass(frozen=True)
+class ApiError:
+    """An error as the client will see it."""
+
+    status_code: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers or None)
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The client asked for a model this gateway does not serve (404)."""
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is over the configured limit (413)."""
+
+
+def api_error_from(exc: TandemError) -> ApiError:
+    """Map a Tandem error to what the client sees."""
+    if isinstance(exc, ModelNotFoundError) or (isinstance(exc, InvalidRequestError) and exc.code == "model_not_found"):
+        return ApiError(404, str(exc), param=exc.param or "model", code=exc.code or "model_not_found")
+    if isinstance(exc, RequestTooLargeError):
+        return ApiError(413, str(exc), code=exc.code or "request_too_large")
+    if isinstance(exc, InvalidRequestError):
+        return ApiError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, RetryableError):
+        code = {
+            NoCapacityError: "no_capacity",
+            BackendUnavailableError: "backend_unavailable",
+            WorkerUnavailableError: "worker_unavailable",
+        }.get(type(exc), "unavailable")
+        retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+        return ApiError(503, str(exc), type="server_error", code=code, headers={"Retry-After": retry_after})
+    return ApiError(502, str(exc), type="server_error", code="upstream_error")
+
+
+def internal_error() -> ApiError:
+    """For bugs: no details leak to the client; the log has the traceback."""
+    return ApiError(500, "The server had an internal error.", type="server_error", code="internal_error")

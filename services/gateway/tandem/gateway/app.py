@@ -1,0 +1,106 @@
+"""Builds the gateway's Starlette app from its parts.
+
+Called by :mod:`tandem.gateway.__main__` (real parts) and by tests (fakes);
+calls nothing at import time. Every dependency is passed in, so a test can
+swap the router (a fake :class:`~tandem.gateway.scheduler.Scheduler`) and the
+workers (fake gRPC servers) without patching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from tandem.gateway.api import routes
+from tandem.gateway.api.errors import ApiError, internal_error
+from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.orchestrator import Orchestrator
+from tandem.gateway.prompt import PromptTokenizer
+from tandem.gateway.readiness import ReadinessCheck
+from tandem.gateway.scheduler import Scheduler
+from tandem.gateway.settings import GatewaySettings
+from tandem.gateway.workers import WorkerChannels
+
+logger = logging.getLogger(__name__)
+
+_HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: f"Unknown path {request.url.path}.", 405: f"Method {request.method} not allowed."}.get(
+        exc.status_code, str(exc.detail)
+    )
+    return ApiError(
+        exc.status_code, message, code=_HTTP_ERROR_CODES.get(exc.status_code), headers=dict(exc.headers or {})
+    ).response()
+
+
+async def _unhandled(request: Request, exc: Exception) -> Response:
+    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return internal_error().response()
+
+
+def build_app(
+    settings: GatewaySettings,
+    *,
+    scheduler: Scheduler,
+    tokenizer: PromptTokenizer,
+    readiness: ReadinessCheck,
+    metrics: GatewayMetrics | None = None,
+    workers: WorkerChannels | None = None,
+) -> Starlette:
+    """The ASGI app. Worker channels are closed and pending cleanups drained at shutdown."""
+    metrics = metrics if metrics is not None else GatewayMetrics()
+    workers = workers if workers is not None else WorkerChannels()
+    orchestrator = Orchestrator(
+        scheduler,
+        workers,
+        metrics=metrics,
+        prefill_timeout_s=settings.prefill_timeout_s,
+        request_timeout_s=settings.request_timeout_s,
+        cleanup_timeout_s=settings.cleanup_timeout_s,
+    )
+    services = routes.GatewayServices(
+        limits=routes.ModelLimits(
+            served_model_name=settings.served_model_name,
+            max_model_len=settings.max_model_len,
+            default_max_tokens=settings.default_max_tokens,
+            max_body_bytes=settings.max_body_bytes,
+        ),
+        tokenizer=tokenizer,
+        orchestrator=orchestrator,
+        readiness=readiness,
+        metrics=metrics,
+        started_unix_s=int(time.time()),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await orchestrator.drain()
+        await workers.aclose()
+
+    app = Starlette(
+        routes=[
+            Route(routes.CHAT_ENDPOINT, routes.chat_completions, methods=["POST"]),
+            Route(routes.COMPLETIONS_ENDPOINT, routes.completions, methods=["POST"]),
+            Route("/v1/models", routes.list_models, methods=["GET"]),
+            Route("/v1/models/{model:path}", routes.get_model, methods=["GET"]),
+            Route("/healthz", routes.healthz, methods=["GET"]),
+            Route("/readyz", routes.readyz, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: _http_exception, Exception: _unhandled},
+        lifespan=lifespan,
+    )
+    app.state.services = services
+    return app

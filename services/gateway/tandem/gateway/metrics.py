@@ -1,0 +1,125 @@
+"""Prometheus metrics of the gateway, in a registry of their own (served at
+``/metrics`` by :mod:`tandem.gateway.app`). Recorded by the route handlers
+(latencies as the client sees them: measured when bytes are handed to the
+server) and by the orchestrator (per-stage timings). Labels never carry
+request content, tenants' keys or ids."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# From a millisecond to several minutes: TTFT under load and whole long answers both fit.
+LATENCY_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+INTER_TOKEN_BUCKETS_S = (
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+class GatewayMetrics:
+    """All gateway metrics; one instance per app."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.time_to_first_token_s = Histogram(
+            "tandem_gateway_time_to_first_token_seconds",
+            "Request received to first generated text handed to the client.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.inter_token_latency_s = Histogram(
+            "tandem_gateway_inter_token_latency_seconds",
+            "Time between consecutive generated tokens handed to the client (a chunk of k tokens "
+            "counts k observations of gap/k).",
+            buckets=INTER_TOKEN_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.e2e_request_latency_s = Histogram(
+            "tandem_gateway_e2e_request_latency_seconds",
+            "Request received to last byte of the response.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.stage_s = Histogram(
+            "tandem_gateway_stage_seconds",
+            "Time spent in one stage of the request path: tokenize (body read, validation, chat "
+            "template), schedule (router), prefill (first token), decode (remaining tokens).",
+            ["stage"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.requests_total = Counter(
+            "tandem_gateway_requests_total",
+            "Finished requests by endpoint and HTTP status (499: the client went away).",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.in_flight_requests = Gauge(
+            "tandem_gateway_in_flight_requests",
+            "Generation requests being served now.",
+            registry=self.registry,
+        )
+        self.generated_tokens_total = Counter(
+            "tandem_gateway_generated_tokens_total",
+            "Completion tokens handed to clients.",
+            registry=self.registry,
+        )
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        self.stage_s.labels(stage=stage).observe(seconds)
+
+    def observe_tokens(self, gap_s: float, num_tokens: int) -> None:
+        """``num_tokens`` arrived together ``gap_s`` after the previous ones."""
+        if num_tokens <= 0:
+            return
+        per_token_s = gap_s / num_tokens
+        for _ in range(num_tokens):
+            self.inter_token_latency_s.observe(per_token_s)

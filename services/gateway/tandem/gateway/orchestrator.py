@@ -1,0 +1,279 @@
+"""One request's path through the disaggregated back end.
+
+Called by the route handlers (through :meth:`Orchestrator.generate`); calls the
+router through a :class:`~tandem.gateway.scheduler.Scheduler` and the workers
+through :class:`~tandem.gateway.workers.WorkerChannels`:
+
+1. ``Schedule`` → a (prefill, decode) placement;
+2. ``Prefill`` on the prefill worker → the first token (retried once on another
+   prefill worker when the first one is UNAVAILABLE);
+3. ``Decode`` stream on the decode worker → the remaining tokens, unless the
+   first token already finished the request;
+4. always: ``Release`` on the router, and ``Abort`` on both workers when the
+   generation did not complete (error, timeout, client gone), so that held KV
+   blocks are freed at once rather than when their lease runs out.
+
+Events are yielded as small frozen dataclasses; the HTTP layer turns them into
+SSE chunks or one JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from tandem.common.errors import PermanentError, TandemError, WorkerUnavailableError
+from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.scheduler import Scheduler
+from tandem.gateway.workers import WorkerChannels, map_worker_error
+from tandem.v1 import common_pb2, router_pb2, worker_pb2
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The client's sampling options; ``None`` means engine default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    #: vLLM's extension: generate ``max_tokens`` even past end-of-sequence (benchmarks).
+    ignore_eos: bool = False
+
+    def to_proto(self, max_tokens: int) -> common_pb2.SamplingOptions:
+        options = common_pb2.SamplingOptions(max_tokens=max_tokens, stop=list(self.stop), ignore_eos=self.ignore_eos)
+        for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(options, name, value)
+        return options
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """A validated, tokenized request, ready to be placed."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tenant: str = "default"
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Newly generated tokens and their text (may be empty); ``first`` marks the prefill's first token."""
+
+    text: str
+    num_tokens: int
+    first: bool = False
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str
+    usage: Usage
+
+
+GenerationEvent = TextDelta | Finished
+
+
+@dataclass
+class _Progress:
+    """What cleanup needs to know about how far a request got."""
+
+    placement: router_pb2.Placement | None = None
+    completed: bool = False
+    decode_call: grpc.aio.UnaryStreamCall | None = None  # type: ignore[type-arg]
+
+
+class Orchestrator:
+    """Runs requests; one instance per process, shared by all requests."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        workers: WorkerChannels,
+        *,
+        metrics: GatewayMetrics,
+        prefill_timeout_s: float,
+        request_timeout_s: float,
+        cleanup_timeout_s: float,
+    ) -> None:
+        self._scheduler = scheduler
+        self._workers = workers
+        self._metrics = metrics
+        self._prefill_timeout_s = prefill_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._cleanup_timeout_s = cleanup_timeout_s
+        self._cleanup_tasks: set[asyncio.Task[None]] = set()
+
+    async def generate(self, job: GenerationJob) -> AsyncGenerator[GenerationEvent, None]:
+        """Yield the first token's delta, further deltas, then one :class:`Finished`.
+
+        Raises TandemError subclasses. The caller must close the iterator
+        (``contextlib.aclosing``) or cancel the task consuming it; either way
+        the in-flight gRPC call is cancelled and cleanup is started.
+        """
+        deadline = time.monotonic() + self._request_timeout_s
+        progress = _Progress()
+        try:
+            prefill = await self._schedule_and_prefill(job, progress, deadline)
+            yield TextDelta(prefill.first_text, 1, first=True)
+            if prefill.finish_reason or job.max_tokens <= 1:
+                progress.completed = True
+                usage = Usage(len(job.prompt_token_ids), 1, prefill.num_cached_tokens)
+                yield Finished(prefill.finish_reason or "length", usage)
+                return
+            assert progress.placement is not None
+            num_decoded_tokens = 0
+            finish_reason = ""
+            started_s = time.monotonic()
+            call = self._start_decode(job, progress.placement, prefill, deadline)
+            progress.decode_call = call
+            try:
+                async for chunk in call:
+                    num_decoded_tokens += len(chunk.token_ids)
+                    if chunk.text or chunk.token_ids:
+                        # Empty text (a token that completes no character yet) still counts as a token.
+                        yield TextDelta(chunk.text, len(chunk.token_ids))
+                    if chunk.finish_reason:
+                        finish_reason = chunk.finish_reason
+            except grpc.aio.AioRpcError as exc:
+                raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
+            self._metrics.observe_stage("decode", time.monotonic() - started_s)
+            if not finish_reason:
+                raise WorkerUnavailableError("decode stream ended without a finish reason")
+            progress.completed = True
+            usage = Usage(len(job.prompt_token_ids), 1 + num_decoded_tokens, prefill.num_cached_tokens)
+            yield Finished(finish_reason, usage)
+        finally:
+            if progress.decode_call is not None and not progress.decode_call.done():
+                progress.decode_call.cancel()
+            if progress.placement is not None:
+                self._start_cleanup(job.request_id, progress.placement, aborted=not progress.completed)
+
+    async def _schedule_and_prefill(
+        self, job: GenerationJob, progress: _Progress, deadline: float
+    ) -> worker_pb2.PrefillResponse:
+        excluded: list[str] = []
+        for attempt in range(2):
+            started_s = time.monotonic()
+            placement = await self._scheduler.schedule(
+                request_id=job.request_id,
+                model=job.model,
+                prompt_token_ids=job.prompt_token_ids,
+                max_tokens=job.max_tokens,
+                tenant=job.tenant,
+                cache_salt=job.cache_salt,
+                exclude_worker_ids=excluded,
+            )
+            progress.placement = placement
+            self._metrics.observe_stage("schedule", time.monotonic() - started_s)
+            started_s = time.monotonic()
+            request = worker_pb2.PrefillRequest(
+                request_id=job.request_id,
+                prompt_token_ids=job.prompt_token_ids,
+                sampling=job.sampling.to_proto(job.max_tokens),
+                cache_salt=job.cache_salt,
+                keep_kv=job.max_tokens > 1,
+            )
+            stub = self._workers.stub(placement.prefill.address)
+            timeout_s = max(0.001, min(self._prefill_timeout_s, deadline - time.monotonic()))
+            try:
+                response: worker_pb2.PrefillResponse = await stub.Prefill(request, timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt == 0:
+                    logger.warning(
+                        "prefill worker unavailable; rescheduling once",
+                        extra={"request_id": job.request_id, "worker_id": placement.prefill.worker_id},
+                    )
+                    progress.placement = None
+                    await self._release(job.request_id)
+                    excluded.append(placement.prefill.worker_id)
+                    continue
+                raise map_worker_error(exc, role="prefill", address=placement.prefill.address) from exc
+            self._metrics.observe_stage("prefill", time.monotonic() - started_s)
+            return response
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start_decode(
+        self,
+        job: GenerationJob,
+        placement: router_pb2.Placement,
+        prefill: worker_pb2.PrefillResponse,
+        deadline: float,
+    ) -> grpc.aio.UnaryStreamCall:  # type: ignore[type-arg]
+        if not prefill.HasField("kv_handle"):
+            raise PermanentError("prefill worker kept no KV for the decode worker")
+        request = worker_pb2.DecodeRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_token_ids,
+            first_token_id=prefill.first_token_id,
+            sampling=job.sampling.to_proto(job.max_tokens - 1),
+            kv_handle=prefill.kv_handle,
+            cache_salt=job.cache_salt,
+        )
+        stub = self._workers.stub(placement.decode.address)
+        call: grpc.aio.UnaryStreamCall = stub.Decode(  # type: ignore[type-arg]
+            request, timeout=max(0.001, deadline - time.monotonic())
+        )
+        return call
+
+    def _start_cleanup(self, request_id: str, placement: router_pb2.Placement, *, aborted: bool) -> None:
+        # A task of its own: cleanup must finish even though the caller's task is being cancelled,
+        # and the client's [DONE] should not wait for the router's Release round trip.
+        task = asyncio.get_running_loop().create_task(self._cleanup(request_id, placement, aborted=aborted))
+        self._cleanup_tasks.add(task)
+        task.add_done_callback(self._cleanup_tasks.discard)
+
+    async def _cleanup(self, request_id: str, placement: router_pb2.Placement, *, aborted: bool) -> None:
+        calls = [self._release(request_id)]
+        if aborted:
+            addresses = {placement.prefill.address, placement.decode.address} - {""}
+            calls += [self._abort(address, request_id) for address in sorted(addresses)]
+        await asyncio.gather(*calls)
+
+    async def _release(self, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(self._scheduler.release(request_id), self._cleanup_timeout_s)
+        except (TandemError, TimeoutError) as exc:
+            # The reservation is a lease in the router: it expires by itself.
+            logger.warning("router release failed: %s", exc, extra={"request_id": request_id})
+
+    async def _abort(self, address: str, request_id: str) -> None:
+        try:
+            await self._workers.stub(address).Abort(
+                worker_pb2.AbortRequest(request_id=request_id), timeout=self._cleanup_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            # Held KV blocks are leased by the prefill worker: they are freed when the lease runs out.
+            logger.warning("abort on %s failed: %s", address, exc.code().name, extra={"request_id": request_id})
+
+    async def drain(self) -> None:
+        """Wait for cleanup started so far (at shutdown)."""
+        if self._cleanup_tasks:
+            await asyncio.gather(*list(self._cleanup_tasks), return_exceptions=True)

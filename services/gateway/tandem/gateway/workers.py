@@ -1,0 +1,67 @@
+"""gRPC channels to the workers, one per address, and the mapping of worker
+gRPC errors into Tandem errors.
+
+Called by the orchestrator; calls ``tandem.v1.Worker`` through grpc.aio.
+Channels are created on first use and kept for the process lifetime: workers
+come and go, but an idle HTTP/2 connection is cheap and reconnects by itself.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from tandem.common.errors import (
+    InvalidRequestError,
+    KVLayoutMismatchError,
+    NoCapacityError,
+    PermanentError,
+    TandemError,
+    WorkerUnavailableError,
+)
+from tandem.v1 import worker_pb2_grpc
+
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    # Notice a dead worker during a long decode without waiting for the deadline.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class WorkerChannels:
+    """Cached grpc.aio channels and Worker stubs, keyed by ``host:port``."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channels[address] = channel
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
+        return stub
+
+    async def aclose(self) -> None:
+        channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for channel in channels:
+            await channel.close()
+
+
+def map_worker_error(exc: grpc.aio.AioRpcError, *, role: str, address: str) -> TandemError:
+    """A worker's gRPC status as a Tandem error (retryable or permanent)."""
+    code = exc.code()
+    where = f"{role} worker {address}: {code.name}: {exc.details()}"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return NoCapacityError(where)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED):
+        return WorkerUnavailableError(where)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+        return InvalidRequestError(exc.details() or where)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return KVLayoutMismatchError(where)
+    return PermanentError(where)

@@ -1,0 +1,214 @@
+"""What happens around a request: retries, errors before and after the stream
+starts, client disconnects, and the cleanup (Release, Abort) that must follow."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from tandem.common.errors import BackendUnavailableError, NoCapacityError
+from tandem.v1 import router_pb2
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello world"}],
+        "max_tokens": 8,
+        **extra,
+    }
+
+
+async def test_client_disconnect_cancels_decode_and_cleans_up(stack: Any, live_url: str, wait: Any) -> None:
+    stack.decode.decode_hang_after = 1  # " world", then the decode stalls until cancelled
+    async with httpx.AsyncClient(base_url=live_url, timeout=10) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=chat_body(stream=True)) as response:
+            assert response.status_code == 200
+            seen: list[str] = []
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    seen.append(json.loads(line[6:])["choices"][0]["delta"].get("content", ""))
+                if len(seen) == 3:  # role chunk, "Hello", " world"
+                    break
+            assert seen == ["", "Hello", " world"]
+            closed_at_s = time.monotonic()
+    # Leaving the block closes the connection mid-stream.
+    await wait(stack.decode.decode_cancelled, 2.0)
+    assert time.monotonic() - closed_at_s < 1.5
+    await wait(stack.decode.aborted_event)
+    await wait(stack.prefill.aborted_event)
+    await wait(stack.scheduler.released_event)
+    request_id = stack.decode.decode_requests[0].request_id
+    assert stack.decode.aborted == [request_id]
+    assert stack.prefill.aborted == [request_id]
+    assert stack.scheduler.released == [request_id]
+    for _ in range(100):
+        if stack.metrics.registry.get_sample_value("tandem_gateway_in_flight_requests") == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert stack.metrics.registry.get_sample_value("tandem_gateway_in_flight_requests") == 0
+    assert (
+        stack.metrics.registry.get_sample_value(
+            "tandem_gateway_requests_total", {"endpoint": "/v1/chat/completions", "status": "499"}
+        )
+        == 1.0
+    )
+
+
+async def test_client_disconnect_during_non_stream_request_cleans_up(stack: Any, live_url: str, wait: Any) -> None:
+    stack.decode.decode_hang_after = 1
+    async with httpx.AsyncClient(base_url=live_url, timeout=10) as client:
+        task = asyncio.create_task(client.post("/v1/chat/completions", json=chat_body()))
+        for _ in range(200):
+            if stack.decode.decode_requests:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        task.cancel()  # httpx closes the connection
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await wait(stack.decode.decode_cancelled, 2.0)
+    await wait(stack.prefill.aborted_event)
+    await wait(stack.scheduler.released_event)
+
+
+async def test_prefill_unavailable_is_retried_once_elsewhere(
+    stack: Any, start_worker: Any, make_placement: Any, free_dead_address: str, wait: Any
+) -> None:
+    dead = router_pb2.WorkerRef(worker_id="prefill-dead", role="prefill", address=free_dead_address)
+    stack.scheduler.placements[:] = [
+        make_placement(dead, stack.decode),
+        make_placement(stack.prefill, stack.decode),
+    ]
+    response = await stack.client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello world!"
+    first, second = stack.scheduler.schedule_calls
+    assert first["exclude_worker_ids"] == []
+    assert second["exclude_worker_ids"] == ["prefill-dead"]
+    assert first["request_id"] == second["request_id"]
+    await wait(stack.scheduler.released_event)
+    for _ in range(100):
+        if len(stack.scheduler.released) == 2:
+            break
+        await asyncio.sleep(0.01)
+    # Once for the abandoned placement, once at the end.
+    assert stack.scheduler.released == [first["request_id"]] * 2
+
+
+async def test_prefill_unavailable_twice_is_503(stack: Any, wait: Any) -> None:
+    stack.prefill.prefill_error = grpc.StatusCode.UNAVAILABLE
+    response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "worker_unavailable"
+    assert len(stack.scheduler.schedule_calls) == 2
+    assert len(stack.prefill.prefill_requests) == 2
+    await wait(stack.scheduler.released_event)
+
+
+async def test_prefill_invalid_argument_is_400_not_retried(stack: Any) -> None:
+    stack.prefill.prefill_error = grpc.StatusCode.INVALID_ARGUMENT
+    response = await stack.client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert len(stack.scheduler.schedule_calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "retry_after"),
+    [
+        (NoCapacityError("all workers busy", retry_after_s=2.5), "no_capacity", "3"),
+        (BackendUnavailableError("router down"), "backend_unavailable", "1"),
+    ],
+)
+async def test_router_refusal_is_503_with_retry_after(
+    stack: Any, error: Exception, code: str, retry_after: str
+) -> None:
+    stack.scheduler.error = error
+    for stream in (False, True):
+        response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=stream))
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == retry_after
+        assert response.headers["content-type"] == "application/json"
+        assert response.json()["error"]["code"] == code
+        assert response.json()["error"]["type"] == "server_error"
+    assert stack.prefill.prefill_requests == []
+    assert stack.scheduler.released == []  # nothing was placed
+
+
+async def test_decode_failure_after_stream_started_is_a_final_error_event(stack: Any, wait: Any) -> None:
+    stack.decode.decode_fail_after = 1
+    response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert response.status_code == 200
+    blocks = response.content.decode().split("\n\n")
+    assert blocks[-1] == ""
+    assert blocks[-2] == "data: [DONE]"
+    error = json.loads(blocks[-3][len("data: ") :])
+    assert set(error) == {"error"}
+    assert set(error["error"]) == {"message", "type", "param", "code"}
+    assert error["error"]["type"] == "server_error"
+    contents = [json.loads(b[6:])["choices"][0]["delta"].get("content") for b in blocks[:-3]]
+    assert contents == ["", "Hello", " world"]
+    await wait(stack.decode.aborted_event)
+    await wait(stack.prefill.aborted_event)
+    await wait(stack.scheduler.released_event)
+
+
+async def test_decode_failure_non_stream_is_an_error_status(stack: Any, wait: Any) -> None:
+    stack.decode.decode_fail_after = 1
+    response = await stack.client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_error"
+    await wait(stack.prefill.aborted_event)
+
+
+async def test_decode_stream_ending_without_finish_reason_is_an_error(stack: Any, wait: Any) -> None:
+    stack.decode.decode_steps = stack.decode.decode_steps[:1]
+    response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert b'"error"' in response.content
+    assert response.content.endswith(b"data: [DONE]\n\n")
+    await wait(stack.prefill.aborted_event)
+
+
+async def test_metrics_observe_each_stage(stack: Any) -> None:
+    stack.decode.decode_step_delay_s = 0.01
+    response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert response.status_code == 200
+    metrics = await stack.client.get("/metrics")
+    assert metrics.status_code == 200
+    text = metrics.text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert f"tandem_gateway_{name}_bucket" in text
+    sample = stack.metrics.registry.get_sample_value
+    assert sample("tandem_gateway_time_to_first_token_seconds_count") == 1
+    assert sample("tandem_gateway_e2e_request_latency_seconds_count") == 1
+    assert sample("tandem_gateway_inter_token_latency_seconds_count") == 3  # three decoded tokens
+    assert sample("tandem_gateway_inter_token_latency_seconds_sum") >= 0.02
+    assert sample("tandem_gateway_requests_total", {"endpoint": "/v1/chat/completions", "status": "200"}) == 1
+    assert sample("tandem_gateway_in_flight_requests") == 0
+    for stage in ("tokenize", "schedule", "prefill", "decode"):
+        assert sample("tandem_gateway_stage_seconds_count", {"stage": stage}) == 1
+
+
+async def test_readyz_reports_the_check(stack: Any) -> None:
+    from tandem.gateway.readiness import ReadinessReport
+
+    response = await stack.client.get("/readyz")
+    assert response.status_code == 200
+    assert response.json()["status"] == "ready"
+    stack.readiness.report = ReadinessReport(False, True, 1, 0, detail="no decode worker")
+    response = await stack.client.get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["detail"] == "no decode worker"
+    assert (await stack.client.get("/healthz")).status_code == 200
