@@ -1,0 +1,121 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else if contains (include "tandem.name" .) .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name (include "tandem.name" .) | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels on every object; pass (dict "ctx" $ "component" "gateway"). */}}
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: tandem
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+{{ include "tandem.selectorLabels" . }}
+{{- end -}}
+
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* image reference; pass (dict "ctx" $ "image" .Values.images.gateway). */}}
+{{- define "tandem.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- end -}}
+
+{{- define "tandem.tdName" -}}
+{{- default (include "tandem.fullname" .) .Values.tandemDeployment.name -}}
+{{- end -}}
+
+{{- define "tandem.redisSecretName" -}}
+{{- if .Values.redis.existingSecret -}}
+{{- .Values.redis.existingSecret -}}
+{{- else -}}
+{{- printf "%s-redis" (include "tandem.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.redisSecretKey" -}}
+{{- if .Values.redis.existingSecret -}}{{ .Values.redis.existingSecretKey }}{{- else -}}url{{- end -}}
+{{- end -}}
+
+{{/* The Redis URL env var for a component; pass (dict "ctx" $ "prefix" "TANDEM_GATEWAY_"). */}}
+{{- define "tandem.redisEnv" -}}
+- name: {{ .prefix }}REDIS__URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.redisSecretName" .ctx }}
+      key: {{ include "tandem.redisSecretKey" .ctx }}
+- name: {{ .prefix }}REGISTRY__KEY_PREFIX
+  value: {{ .ctx.Values.redis.keyPrefix | quote }}
+{{- end -}}
+
+{{- define "tandem.routerAddress" -}}
+{{- printf "%s-router:%d" (include "tandem.fullname" .) (int .Values.router.grpcPort) -}}
+{{- end -}}
+
+{{/* The model volume; the init container variant fills an emptyDir. */}}
+{{- define "tandem.modelVolume" -}}
+- name: model
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.modelMount" -}}
+- name: model
+  mountPath: /models
+  readOnly: true
+{{- if and (eq .Values.model.source "pvc") .Values.model.pvc.subPath }}
+  subPath: {{ .Values.model.pvc.subPath }}
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.checks" -}}
+{{- if and (not .Values.redis.enabled) (not .Values.redis.externalUrl) (not .Values.redis.existingSecret) -}}
+{{- fail "redis: set redis.enabled, redis.externalUrl or redis.existingSecret" -}}
+{{- end -}}
+{{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) -}}
+{{- fail "model.source is pvc: set model.pvc.claimName" -}}
+{{- end -}}
+{{- if and (eq .Values.model.source "initContainer") (or (not .Values.model.initContainer.image) (not .Values.model.initContainer.command)) -}}
+{{- fail "model.source is initContainer: set model.initContainer.image and .command" -}}
+{{- end -}}
+{{- range $role, $pool := .Values.tandemDeployment.pools -}}
+{{- if or (gt (int $pool.minReplicas) (int $pool.replicas)) (gt (int $pool.replicas) (int $pool.maxReplicas)) -}}
+{{- fail (printf "tandemDeployment.pools.%s: need minReplicas <= replicas <= maxReplicas" $role) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Shared parts of the Ray head and worker containers; pass (dict "ctx" $). */}}
+{{- define "tandem.routerContainerCommon" -}}
+imagePullPolicy: {{ .ctx.Values.images.router.pullPolicy }}
+env:
+  {{- include "tandem.redisEnv" (dict "ctx" .ctx "prefix" "TANDEM_ROUTER_") | nindent 2 }}
+  - name: TANDEM_ROUTER_POLICY
+    value: {{ .ctx.Values.router.policy | quote }}
+  - name: TANDEM_ROUTER_GRPC_PORT
+    value: {{ .ctx.Values.router.grpcPort | quote }}
+  - name: HOME
+    value: /tmp
+securityContext:
+  {{- toYaml .ctx.Values.containerSecurityContext | nindent 2 }}
+volumeMounts:
+  - {name: tmp, mountPath: /tmp}
+{{- end -}}

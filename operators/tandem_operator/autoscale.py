@@ -1,0 +1,183 @@
+"""Scaling decisions for one pool, as a pure function of signals, policy and history.
+
+Called by :mod:`tandem_operator.handlers` (the autoscaling timer) and by the
+simulated load test with :class:`PoolSignals` read by
+:mod:`tandem_operator.signals`. Nothing here reads a clock or the network:
+``now_s`` and the recommendation history come in, a :class:`Decision` and
+the new history go out.
+
+Each pool scales on its own signal:
+
+* **prefill** — router queue depth per replica, uncached prompt tokens in
+  flight per replica, TTFT p90 against its SLO;
+* **decode** — average KV-cache usage against a target, ITL p90 against its SLO.
+
+The raw recommendation is the largest count any signal asks for. As in the
+Kubernetes HPA, a scale-up takes the *smallest* recommendation seen within the
+scale-up window (a spike must last). A scale-down needs the pool to have
+sat at its current size for the whole scale-down window, every recommendation
+made at that size asking for fewer, and then removes at most one step: after
+each step the pool is watched for a full window again, because taking a
+decode worker away raises the others' batch and their ITL only with a lag.
+Then the step caps and min/max apply.
+A latency above ``scale_down_slo_fraction × SLO`` vetoes any scale-down.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tandem_operator.spec import AutoscalingSpec, PoolSpec, Role, SloSpec
+
+
+@dataclass(frozen=True)
+class PoolSignals:
+    """What the pool's load looks like now; ``None`` where the source had no data."""
+
+    #: Requests waiting in the router for a prefill worker (prefill).
+    queue_depth: float | None = None
+    #: Uncached prompt tokens the router has in flight on prefill workers (prefill).
+    uncached_tokens: float | None = None
+    #: Time to first token, p90 over the last minute, seconds (prefill).
+    ttft_p90_s: float | None = None
+    #: Average KV-cache usage of the decode workers, 0..1 (decode).
+    kv_usage: float | None = None
+    #: Inter-token latency, p90 over the last minute, seconds (decode).
+    itl_p90_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    at_s: float
+    #: What the signals asked for (within min/max).
+    num_replicas: int
+    #: The pool's replica count when it was made.
+    at_replicas: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    role: Role
+    current_replicas: int
+    #: What the signals alone ask for (before windows, steps and bounds).
+    raw_replicas: int
+    desired_replicas: int
+    reason: str
+    signals: PoolSignals
+    #: Per signal, the replica count it asks for.
+    votes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def changed(self) -> bool:
+        return self.desired_replicas != self.current_replicas
+
+
+def _ratio_vote(current: int, observed: float, target: float, tolerance: float) -> int:
+    """HPA's rule: ceil(current × observed/target), unchanged within the tolerance band."""
+    ratio = observed / target
+    if abs(ratio - 1.0) <= tolerance:
+        return current
+    return max(1, math.ceil(max(current, 1) * ratio)) if observed > 0 else 0
+
+
+def _total_vote(total: float, per_replica: float) -> int:
+    """Replicas so that each holds at most ``per_replica`` of ``total``."""
+    return math.ceil(total / per_replica) if total > 0 else 0
+
+
+def _latency_vote(current: int, p90_s: float, slo_s: float, scale_down_fraction: float) -> int:
+    if p90_s > slo_s:
+        # Over the SLO: grow in proportion, and by at least one.
+        return max(current + 1, math.ceil(max(current, 1) * p90_s / slo_s))
+    if p90_s > scale_down_fraction * slo_s:
+        return current  # close to the SLO: hold, never shrink
+    return 0  # comfortable: latency does not stand in the way of a scale-down
+
+
+def votes_for(
+    role: Role, current: int, signals: PoolSignals, policy: AutoscalingSpec, slo: SloSpec
+) -> dict[str, int]:
+    """Per available signal, how many replicas it asks for."""
+    votes: dict[str, int] = {}
+    if role == "prefill":
+        targets = policy.prefill
+        if signals.queue_depth is not None:
+            votes["queue_depth"] = _total_vote(signals.queue_depth, targets.queue_depth_per_replica)
+        if signals.uncached_tokens is not None:
+            votes["uncached_tokens"] = _total_vote(signals.uncached_tokens, targets.uncached_tokens_per_replica)
+        if signals.ttft_p90_s is not None:
+            votes["ttft_p90"] = _latency_vote(
+                current, signals.ttft_p90_s, slo.ttft_p90_seconds, policy.scale_down_slo_fraction
+            )
+    else:
+        if signals.kv_usage is not None:
+            votes["kv_usage"] = _ratio_vote(current, signals.kv_usage, policy.decode.kv_usage, policy.tolerance)
+        if signals.itl_p90_s is not None:
+            votes["itl_p90"] = _latency_vote(
+                current, signals.itl_p90_s, slo.itl_p90_seconds, policy.scale_down_slo_fraction
+            )
+    return votes
+
+
+def decide(
+    *,
+    role: Role,
+    current_replicas: int,
+    signals: PoolSignals,
+    pool: PoolSpec,
+    policy: AutoscalingSpec,
+    slo: SloSpec,
+    history: tuple[Recommendation, ...],
+    now_s: float,
+) -> tuple[Decision, tuple[Recommendation, ...]]:
+    """The replica count for ``role`` now, and the recommendation history to pass next time.
+
+    An empty history is seeded with the current count, so an operator restart
+    never scales down before a full scale-down window has passed.
+    """
+    votes = votes_for(role, current_replicas, signals, policy, slo)
+    if not history:
+        history = (Recommendation(now_s, current_replicas, current_replicas),)
+    if not votes:
+        decision = Decision(role, current_replicas, current_replicas, current_replicas, "no metrics: hold", signals)
+        return decision, history
+
+    raw = max(votes.values())
+    raw_bounded = min(max(raw, pool.min_replicas), pool.max_replicas)
+    keep_s = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
+    # Keep the window's worth, plus the newest older one: it proves how long the pool has had its size.
+    older = [r for r in history if now_s - r.at_s > keep_s]
+    earlier = (*older[-1:], *(r for r in history if now_s - r.at_s <= keep_s))
+    history = (*earlier, Recommendation(now_s, raw_bounded, current_replicas))
+
+    top_signal = max(votes, key=lambda k: votes[k])
+    desired = current_replicas
+    reason = f"steady ({top_signal} asks {raw})"
+    if raw_bounded > current_replicas:
+        window = [r.num_replicas for r in earlier if now_s - r.at_s < policy.scale_up_stabilization_seconds]
+        stable = min([raw_bounded, *window])
+        if stable > current_replicas:
+            desired = min(stable, current_replicas + policy.max_scale_up_step)
+            reason = f"scale up: {top_signal} asks {raw}"
+        else:
+            reason = f"scale up pending: {top_signal} asks {raw}, waiting for the stabilisation window"
+    elif raw_bounded < current_replicas:
+        window_s = policy.scale_down_stabilization_seconds
+        run_start_s = now_s
+        for r in reversed(earlier):  # the trailing run of recommendations made at this size
+            if r.at_replicas != current_replicas:
+                break
+            run_start_s = r.at_s
+        sat_long_enough = now_s - run_start_s >= window_s
+        in_window = [r.num_replicas for r in earlier if now_s - r.at_s < window_s]
+        stable = max([raw_bounded, *in_window])
+        if sat_long_enough and stable < current_replicas:
+            desired = max(stable, current_replicas - policy.max_scale_down_step)
+            reason = f"scale down: load asks {raw} ({top_signal})"
+        else:
+            reason = f"scale down pending: load asks {raw}, waiting for the stabilisation window"
+    desired = min(max(desired, pool.min_replicas), pool.max_replicas)
+    if desired != current_replicas and (current_replicas < pool.min_replicas or current_replicas > pool.max_replicas):
+        reason = f"clamped into [{pool.min_replicas}, {pool.max_replicas}]"
+    return Decision(role, current_replicas, raw, desired, reason, signals, votes), history

@@ -1,0 +1,211 @@
+"""kopf handlers for ``TandemDeployment``; loaded by ``kopf run -m tandem_operator.handlers``.
+
+Thin on purpose: each handler parses the spec (:mod:`.spec`), asks a pure
+function what should be (:mod:`.reconcile`, :mod:`.autoscale`), applies it
+through :class:`.kube.KubeClient` and writes the answer into ``status``.
+
+* create / update / resume → both pools' Deployment and Service applied,
+  status ``pools`` and conditions ``SpecValid``, ``Reconciled``, ``Ready``.
+  A malformed resource gets ``SpecValid=False`` with the reason and is left
+  alone until it changes (no retry loop, no crash).
+* timer → every ``autoscaling.intervalSeconds``, each pool's signals are read
+  and the decision applied to its Deployment's replicas; every decision is
+  logged as one JSON line (``tandem.autoscale``).
+* delete → the pools' Deployments and Services are deleted (the owner
+  references would let the garbage collector do it too; this makes it
+  immediate). Deleting a Deployment sends SIGTERM to its workers, which
+  drain before they exit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import kopf
+
+from tandem_operator.autoscale import Recommendation, decide
+from tandem_operator.kube import KubeClient, KubeError
+from tandem_operator.reconcile import (
+    Owner,
+    decision_status,
+    desired_objects,
+    invalid_status,
+    owned_names,
+    reconciled_status,
+)
+from tandem_operator.resources import pool_name
+from tandem_operator.settings import OperatorSettings
+from tandem_operator.signals import PrometheusSource, QueryScope, RouterSource, SignalSource
+from tandem_operator.spec import GROUP, PLURAL, ROLES, VERSION, Role, SpecError, TandemSpec, parse_spec
+
+FINALIZER = "tandem.dev/cleanup"
+_Logger = logging.Logger | logging.LoggerAdapter[Any]
+decision_logger = logging.getLogger("tandem.autoscale")
+
+# kopf decorators are evaluated at import, so the timer's tick is read then;
+# each resource's own interval is enforced inside the handler. Everything else
+# is read once per operator run, at login/startup, into ``memo.settings``.
+_TICK_S = OperatorSettings().tick_s
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _owner(name: str, namespace: str, uid: str, labels: Any, meta: Any) -> Owner:
+    return Owner(name=name, namespace=namespace, uid=uid, labels=dict(labels),
+                 generation=int(meta.get("generation") or 0))
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    settings = OperatorSettings()
+    if settings.api_server_url:
+        return kopf.ConnectionInfo(server=settings.api_server_url, insecure=True)
+    if settings.kubernetes_service_host:
+        return kopf.login_with_service_account(**kwargs)
+    return kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.WARNING
+    cfg = OperatorSettings()
+    memo.settings = cfg
+    if cfg.api_server_url:
+        memo.kube = KubeClient(cfg.api_server_url, insecure=True)
+    else:
+        memo.kube = KubeClient.in_cluster(cfg.kubernetes_service_host, cfg.kubernetes_service_port)
+    memo.http = aiohttp.ClientSession()
+    memo.history = {}
+    memo.last_decision_s = {}
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await memo.kube.close()
+    await memo.http.close()
+
+
+async def _current_replicas(kube: KubeClient, owner: Owner) -> dict[Role, int | None]:
+    current: dict[Role, int | None] = {}
+    for role in ROLES:
+        dep = await kube.get("apps/v1", "Deployment", owner.namespace, pool_name(owner.name, role))
+        current[role] = None if dep is None else int((dep.get("spec") or {}).get("replicas", 0))
+    return current
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+async def reconcile_handler(
+    *, name: str, namespace: str | None, uid: str, labels: Any, meta: Any, spec: Any, status: Any,
+    patch: kopf.Patch, memo: Any, logger: _Logger, **_: Any,
+) -> None:
+    assert namespace is not None  # the resource is namespaced
+    owner = _owner(name, namespace, uid, labels, meta)
+    conditions = list(status.get("conditions", []))
+    try:
+        td = parse_spec(spec)
+    except SpecError as exc:
+        logger.error("not reconciling %s/%s: %s", namespace, name, exc)
+        patch.status.update(invalid_status(owner, str(exc), conditions, _now()))
+        return  # permanent until the resource changes: no retry, no crash loop
+    kube: KubeClient = memo.kube
+    try:
+        current = await _current_replicas(kube, owner)
+        for obj in desired_objects(owner, td, current):
+            await kube.apply(obj)
+        deployments = {
+            role: await kube.get("apps/v1", "Deployment", namespace, pool_name(name, role)) for role in ROLES
+        }
+    except KubeError as exc:
+        raise kopf.TemporaryError(str(exc), delay=memo.settings.retry_delay_s) from exc
+    patch.status.update(reconciled_status(owner, deployments, conditions, _now()))
+
+
+def _source(td: TandemSpec, namespace: str, name: str, http: aiohttp.ClientSession) -> SignalSource:
+    if td.autoscaling.source == "router":
+        return RouterSource(td.autoscaling.router_metrics_url, http)
+    return PrometheusSource(td.autoscaling.prometheus_url, QueryScope(namespace, name), http)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=_TICK_S, idle=0)
+async def autoscale_handler(
+    *, name: str, namespace: str | None, meta: Any, spec: Any, status: Any, patch: kopf.Patch, memo: Any,
+    logger: _Logger, **_: Any,
+) -> None:
+    assert namespace is not None
+    try:
+        td = parse_spec(spec)
+    except SpecError:
+        return  # the reconcile handler reports it
+    key = (namespace, name)
+    now_s = time.monotonic()
+    if not td.autoscaling.enabled or now_s - memo.last_decision_s.get(key, -1e9) < td.autoscaling.interval_seconds:
+        return
+    memo.last_decision_s[key] = now_s
+    kube: KubeClient = memo.kube
+    source = _source(td, namespace, name, memo.http)
+    entries: dict[str, Any] = {}
+    num_with_metrics = 0
+    try:
+        for role in ROLES:
+            dep_name = pool_name(name, role)
+            dep = await kube.get("apps/v1", "Deployment", namespace, dep_name)
+            if dep is None:
+                continue  # not reconciled yet
+            current = int((dep.get("spec") or {}).get("replicas", 0))
+            signals = await source.read(role)
+            history: tuple[Recommendation, ...] = memo.history.get((namespace, name, role), ())
+            decision, history = decide(
+                role=role, current_replicas=current, signals=signals, pool=td.pools.get(role),
+                policy=td.autoscaling, slo=td.slo, history=history, now_s=now_s,
+            )
+            memo.history[(namespace, name, role)] = history
+            num_with_metrics += bool(decision.votes)
+            decision_logger.info(json.dumps({
+                "event": "autoscale_decision", "namespace": namespace, "name": name, "role": role,
+                "current": decision.current_replicas, "desired": decision.desired_replicas,
+                "raw": decision.raw_replicas, "votes": decision.votes, "reason": decision.reason,
+                "signals": {k: v for k, v in vars(signals).items() if v is not None},
+            }))
+            if decision.changed:
+                await kube.patch("apps/v1", "Deployment", namespace, dep_name,
+                                 {"spec": {"replicas": decision.desired_replicas}})
+                logger.info("%s pool %s → %s replicas: %s", role, decision.current_replicas,
+                            decision.desired_replicas, decision.reason)
+            previous = (status.get("autoscaling") or {}).get(role) or {}
+            entry = decision_status(decision, _now())
+            if all(previous.get(k) == entry[k] for k in ("currentReplicas", "desiredReplicas", "reason")):
+                continue  # nothing new: keep status writes rare
+            entries[role] = entry
+    except KubeError as exc:
+        raise kopf.TemporaryError(str(exc), delay=memo.settings.retry_delay_s) from exc
+    if entries:
+        # Not a condition: the reconcile handler owns status.conditions (a list,
+        # replaced whole by a merge patch), and the two handlers run concurrently.
+        entries["metricsAvailable"] = num_with_metrics > 0
+        entries["source"] = td.autoscaling.source
+        patch.status["autoscaling"] = entries
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+async def delete_handler(*, name: str, namespace: str | None, memo: Any, logger: _Logger, **_: Any) -> None:
+    assert namespace is not None
+    kube: KubeClient = memo.kube
+    try:
+        for api_version, kind, obj_name in owned_names(name):
+            if await kube.delete(api_version, kind, namespace, obj_name):
+                logger.info("deleted %s %s/%s", kind, namespace, obj_name)
+    except KubeError as exc:
+        raise kopf.TemporaryError(str(exc), delay=memo.settings.retry_delay_s) from exc
+    for role in ROLES:
+        memo.history.pop((namespace, name, role), None)
+    memo.last_decision_s.pop((namespace, name), None)

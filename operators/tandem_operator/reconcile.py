@@ -1,0 +1,130 @@
+"""Pure reconcile logic: from a TandemDeployment and what exists, to what should exist and its status.
+
+:mod:`tandem_operator.handlers` calls these with plain dicts read from the
+API and applies the results; tests call them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem_operator.autoscale import Decision
+from tandem_operator.resources import build_pool_deployment, build_pool_service, pool_name
+from tandem_operator.spec import ROLES, PoolSpec, Role, TandemSpec
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The TandemDeployment being reconciled."""
+
+    name: str
+    namespace: str
+    uid: str
+    labels: dict[str, str]
+    generation: int
+
+
+def replicas_to_apply(pool: PoolSpec, *, autoscaling_enabled: bool, current: int | None) -> int:
+    """With autoscaling on, the autoscaler owns the count (kept within min/max); otherwise the spec does."""
+    if not autoscaling_enabled or current is None:
+        return pool.replicas
+    return min(max(current, pool.min_replicas), pool.max_replicas)
+
+
+def desired_objects(owner: Owner, spec: TandemSpec, current_replicas: dict[Role, int | None]) -> list[dict[str, Any]]:
+    """The Deployment and Service of both pools."""
+    objects: list[dict[str, Any]] = []
+    for role in ROLES:
+        replicas = replicas_to_apply(
+            spec.pools.get(role), autoscaling_enabled=spec.autoscaling.enabled, current=current_replicas.get(role)
+        )
+        objects.append(build_pool_deployment(name=owner.name, namespace=owner.namespace, uid=owner.uid,
+                                             cr_labels=owner.labels, spec=spec, role=role, replicas=replicas))
+        objects.append(build_pool_service(name=owner.name, namespace=owner.namespace, uid=owner.uid,
+                                          cr_labels=owner.labels, spec=spec, role=role))
+    return objects
+
+
+def owned_names(owner_name: str) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of everything the operator creates for ``owner_name``."""
+    return [
+        (api, kind, pool_name(owner_name, role))
+        for role in ROLES
+        for api, kind in (("apps/v1", "Deployment"), ("v1", "Service"))
+    ]
+
+
+def observed_pool(deployment: dict[str, Any] | None) -> dict[str, Any]:
+    if deployment is None:
+        return {"replicas": 0, "readyReplicas": 0, "desiredReplicas": 0}
+    status = deployment.get("status") or {}
+    return {
+        "replicas": int(status.get("replicas", 0) or 0),
+        "readyReplicas": int(status.get("readyReplicas", 0) or 0),
+        "desiredReplicas": int((deployment.get("spec") or {}).get("replicas", 0) or 0),
+    }
+
+
+def set_condition(
+    conditions: list[dict[str, Any]],
+    *,
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    now: str,
+    generation: int,
+) -> list[dict[str, Any]]:
+    """``conditions`` with ``type_`` replaced; ``lastTransitionTime`` moves only when the status flips."""
+    status_str = "True" if status else "False"
+    previous = next((c for c in conditions if c.get("type") == type_), None)
+    transition = previous["lastTransitionTime"] if previous and previous.get("status") == status_str else now
+    new = {
+        "type": type_,
+        "status": status_str,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": transition,
+        "observedGeneration": generation,
+    }
+    return [c for c in conditions if c.get("type") != type_] + [new]
+
+
+def reconciled_status(
+    owner: Owner, deployments: dict[Role, dict[str, Any] | None], conditions: list[dict[str, Any]], now: str
+) -> dict[str, Any]:
+    pools = {role: observed_pool(deployments.get(role)) for role in ROLES}
+    ready = all(p["readyReplicas"] > 0 for p in pools.values())
+    conditions = set_condition(conditions, type_="SpecValid", status=True, reason="Valid", message="",
+                               now=now, generation=owner.generation)
+    conditions = set_condition(conditions, type_="Reconciled", status=True, reason="Applied",
+                               message="Deployments and Services of both pools applied", now=now,
+                               generation=owner.generation)
+    conditions = set_condition(
+        conditions, type_="Ready", status=ready, reason="PoolsReady" if ready else "PoolsNotReady",
+        message=", ".join(f"{r}: {p['readyReplicas']}/{p['desiredReplicas']} ready" for r, p in pools.items()),
+        now=now, generation=owner.generation,
+    )
+    return {"observedGeneration": owner.generation, "pools": pools, "conditions": conditions}
+
+
+def invalid_status(owner: Owner, message: str, conditions: list[dict[str, Any]], now: str) -> dict[str, Any]:
+    """Status for a resource the operator will not act on until it is fixed."""
+    conditions = set_condition(conditions, type_="SpecValid", status=False, reason="InvalidSpec", message=message,
+                               now=now, generation=owner.generation)
+    conditions = set_condition(conditions, type_="Ready", status=False, reason="InvalidSpec", message=message,
+                               now=now, generation=owner.generation)
+    return {"observedGeneration": owner.generation, "conditions": conditions}
+
+
+def decision_status(decision: Decision, now: str) -> dict[str, Any]:
+    """The ``status.autoscaling.<role>`` entry for a decision."""
+    signals = {k: v for k, v in vars(decision.signals).items() if v is not None}
+    return {
+        "currentReplicas": decision.current_replicas,
+        "desiredReplicas": decision.desired_replicas,
+        "reason": decision.reason,
+        "signals": {k: round(v, 6) for k, v in signals.items()},
+        "lastDecisionTime": now,
+    }

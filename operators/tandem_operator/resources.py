@@ -1,0 +1,234 @@
+"""The Kubernetes objects of one pool (prefill or decode) as plain dicts.
+
+Pure functions: :mod:`tandem_operator.reconcile` calls them with a parsed
+:class:`tandem_operator.spec.TandemSpec` and gets the Deployment and Service
+it should apply; nothing here talks to the API server.
+
+The pod contract with the worker (``python -m tandem.worker``): gRPC on
+:data:`WORKER_PORT`, KV transfer on :data:`KV_PORT`, metrics on
+:data:`METRICS_PORT`; it advertises its pod IP (downward API), and on SIGTERM
+unregisters, finishes in-flight requests for up to ``drainTimeoutSeconds``,
+then exits. The grace period is longer than the drain so the kubelet never
+kills a draining worker; that is how a scale-down drains.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem_operator.spec import GROUP, KIND, VERSION, PoolSpec, Role, TandemSpec
+
+WORKER_PORT = 50051
+KV_PORT = 50061
+METRICS_PORT = 9101
+#: Seconds of grace on top of the drain timeout (process exit, engine shutdown).
+GRACE_MARGIN_S = 30
+
+LABEL_DEPLOYMENT = "tandem.dev/deployment"
+LABEL_POOL = "tandem.dev/pool"
+#: CR labels copied onto the pools (so the chart's NetworkPolicies and PDBs select them).
+INHERITED_LABELS = ("app.kubernetes.io/instance", "app.kubernetes.io/part-of", "app.kubernetes.io/name")
+
+RESTRICTED_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def pool_name(deployment_name: str, role: Role) -> str:
+    return f"{deployment_name}-{role}"
+
+
+def selector_labels(deployment_name: str, role: Role) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: deployment_name, LABEL_POOL: role}
+
+
+def pool_labels(deployment_name: str, role: Role, cr_labels: dict[str, str], spec: TandemSpec) -> dict[str, str]:
+    labels = {key: cr_labels[key] for key in INHERITED_LABELS if key in cr_labels}
+    labels.update(spec.pod_labels)
+    labels.update(
+        {
+            "app.kubernetes.io/component": "worker",
+            "app.kubernetes.io/managed-by": "tandem-operator",
+            **selector_labels(deployment_name, role),
+        }
+    )
+    return labels
+
+
+def owner_reference(name: str, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _env(spec: TandemSpec, role: Role, pool: PoolSpec) -> list[dict[str, Any]]:
+    field = {"fieldRef": {"fieldPath": "status.podIP"}}
+    env: list[dict[str, Any]] = [
+        {"name": "TANDEM_WORKER_ROLE", "value": role},
+        {"name": "TANDEM_WORKER_BIND_HOST", "value": "0.0.0.0"},
+        {"name": "TANDEM_WORKER_ADVERTISE_HOST", "valueFrom": field},
+        {"name": "TANDEM_WORKER_PORT", "value": str(WORKER_PORT)},
+        {"name": "TANDEM_WORKER_METRICS_PORT", "value": str(METRICS_PORT)},
+        {"name": "TANDEM_WORKER_KV__HOST", "valueFrom": field},
+        {"name": "TANDEM_WORKER_KV__PORT", "value": str(KV_PORT)},
+        {"name": "TANDEM_WORKER_ENGINE__MODEL_DIR", "value": spec.model.path},
+        {"name": "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME", "value": spec.model.served_model_name},
+        {"name": "TANDEM_WORKER_ENGINE__MAX_MODEL_LEN", "value": str(spec.model.max_model_len)},
+        {"name": "TANDEM_WORKER_ENGINE__DTYPE", "value": pool.engine_args.dtype},
+        {
+            "name": "TANDEM_WORKER_ENGINE__TENSOR_PARALLEL_SIZE",
+            "value": str(pool.engine_args.tensor_parallel_size),
+        },
+        {"name": "TANDEM_WORKER_REGISTRY__KEY_PREFIX", "value": spec.redis.key_prefix},
+        {"name": "TANDEM_WORKER_DRAIN_TIMEOUT_S", "value": str(pool.drain_timeout_seconds)},
+        # Writable caches on a read-only root filesystem.
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    if pool.engine_args.kv_cache_bytes is not None:
+        env.append({"name": "TANDEM_WORKER_ENGINE__KV_CACHE_BYTES", "value": str(pool.engine_args.kv_cache_bytes)})
+    if spec.redis.secret_name is not None:
+        secret = {"secretKeyRef": {"name": spec.redis.secret_name, "key": spec.redis.secret_key}}
+        env.append({"name": "TANDEM_WORKER_REDIS__URL", "valueFrom": secret})
+    else:
+        env.append({"name": "TANDEM_WORKER_REDIS__URL", "value": spec.redis.url})
+    env.extend({"name": name, "value": value} for name, value in sorted(pool.engine_args.extra_env.items()))
+    return env
+
+
+def _volumes(spec: TandemSpec, pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): the model under /models, a writable /tmp, and /dev/shm for tensor parallelism."""
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model.pvc is not None:
+        claim = {"claimName": spec.model.pvc.claim_name, "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mount: dict[str, Any] = {"name": "model", "mountPath": "/models", "readOnly": True}
+        if spec.model.pvc.sub_path:
+            mount["subPath"] = spec.model.pvc.sub_path
+        mounts.append(mount)
+    else:
+        volumes.append({"name": "model", "emptyDir": {}})
+        mounts.append({"name": "model", "mountPath": "/models", "readOnly": True})
+    if pool.num_gpus > 0 or pool.engine_args.tensor_parallel_size > 1:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def build_pool_deployment(
+    *,
+    name: str,
+    namespace: str,
+    uid: str,
+    cr_labels: dict[str, str],
+    spec: TandemSpec,
+    role: Role,
+    replicas: int,
+) -> dict[str, Any]:
+    """The Deployment of one pool, owned by the TandemDeployment ``name``."""
+    pool = spec.pools.get(role)
+    labels = pool_labels(name, role, cr_labels, spec)
+    volumes, mounts = _volumes(spec, pool)
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": spec.image.ref,
+        "imagePullPolicy": spec.image.pull_policy,
+        "args": ["--role", role],
+        "env": _env(spec, role, pool),
+        "ports": [
+            {"name": "grpc", "containerPort": WORKER_PORT, "protocol": "TCP"},
+            {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
+        # The engine loads the model before the gRPC port opens; the startup
+        # probe gives it up to 20 minutes, then liveness takes over.
+        "startupProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 10, "failureThreshold": 120},
+        "livenessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 15, "failureThreshold": 4},
+        "readinessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5, "failureThreshold": 2},
+        "resources": pool.resources.model_dump(),
+        "securityContext": RESTRICTED_SECURITY_CONTEXT,
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": pool.drain_timeout_seconds + GRACE_MARGIN_S,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.model.init_container is not None:
+        pod_spec["initContainers"] = [
+            {
+                "name": "fetch-model",
+                "image": spec.model.init_container.image,
+                "command": list(spec.model.init_container.command),
+                "securityContext": RESTRICTED_SECURITY_CONTEXT,
+                "volumeMounts": [{"name": "model", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}],
+            }
+        ]
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in pool.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": pool_name(name, role),
+            "namespace": namespace,
+            "labels": labels,
+            "ownerReferences": [owner_reference(name, uid)],
+        },
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(name, role)},
+            # Never two workers down at once because of a rollout; surge instead.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {"kubectl.kubernetes.io/default-container": "worker"},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_pool_service(
+    *, name: str, namespace: str, uid: str, cr_labels: dict[str, str], spec: TandemSpec, role: Role
+) -> dict[str, Any]:
+    """A headless Service per pool: stable DNS for the pods and a target for monitoring."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": pool_name(name, role),
+            "namespace": namespace,
+            "labels": pool_labels(name, role, cr_labels, spec),
+            "ownerReferences": [owner_reference(name, uid)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(name, role),
+            "ports": [
+                {"name": "grpc", "port": WORKER_PORT, "targetPort": "grpc", "protocol": "TCP"},
+                {"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"},
+                {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
+            ],
+        },
+    }

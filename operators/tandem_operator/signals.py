@@ -1,0 +1,141 @@
+"""Where the autoscaler's :class:`~tandem_operator.autoscale.PoolSignals` come from.
+
+:mod:`tandem_operator.handlers` picks a :class:`SignalSource` by the
+resource's ``autoscaling.source`` and calls :meth:`SignalSource.read` on every
+autoscaling tick. Two implementations:
+
+* :class:`PrometheusSource` — instant PromQL queries against Prometheus's HTTP
+  API (the metrics of the gateway, the router and the workers scraped by the
+  chart's ServiceMonitor/PodMonitor);
+* :class:`RouterSource` — reads the router's Prometheus text endpoint directly
+  (queue depth and uncached-token backlog only; no latency, no KV usage), for
+  clusters without Prometheus.
+
+A signal that cannot be read is ``None``; the decision then rests on the
+others (and holds when none is left). Network errors are logged here, not
+raised: a flaky Prometheus must not crash-loop the operator.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem_operator.autoscale import PoolSignals
+from tandem_operator.spec import Role
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
+
+class SignalSource(Protocol):
+    async def read(self, role: Role) -> PoolSignals:
+        """The current signals of the pool ``role``; fields it cannot read stay ``None``."""
+        ...
+
+
+@dataclass(frozen=True)
+class QueryScope:
+    """Which series belong to this TandemDeployment."""
+
+    namespace: str
+    deployment_name: str
+
+    def queries(self, role: Role) -> dict[str, str]:
+        ns = f'namespace="{self.namespace}"'
+        pods = f'pod=~"{self.deployment_name}-{role}-.*"'
+        if role == "prefill":
+            return {
+                "queue_depth": f"sum(tandem_router_queue_depth{{{ns}}})",
+                "uncached_tokens": f"sum(tandem_router_uncached_prompt_tokens_in_flight{{{ns}}})",
+                "ttft_p90_s": (
+                    "histogram_quantile(0.9, sum by (le) "
+                    f"(rate(tandem_gateway_time_to_first_token_seconds_bucket{{{ns}}}[1m])))"
+                ),
+            }
+        return {
+            "kv_usage": f'avg(vllm:kv_cache_usage_perc{{{ns},{pods}}})',
+            "itl_p90_s": (
+                "histogram_quantile(0.9, sum by (le) "
+                f"(rate(tandem_gateway_inter_token_latency_seconds_bucket{{{ns}}}[1m])))"
+            ),
+        }
+
+
+def parse_instant_value(payload: object) -> float | None:
+    """The scalar of a Prometheus ``/api/v1/query`` answer with at most one series; ``None`` if empty or NaN."""
+    if not isinstance(payload, dict) or payload.get("status") != "success":
+        return None
+    data = payload.get("data") or {}
+    result = data.get("result") or []
+    if data.get("resultType") == "scalar":
+        raw = result[1] if isinstance(result, list) and len(result) == 2 else None
+    elif isinstance(result, list) and result:
+        raw = result[0].get("value", [None, None])[1]
+    else:
+        return None
+    try:
+        value = float(str(raw))
+    except ValueError:
+        return None
+    return None if math.isnan(value) or math.isinf(value) else value
+
+
+class PrometheusSource:
+    def __init__(self, url: str, scope: QueryScope, session: aiohttp.ClientSession) -> None:
+        self._url = url.rstrip("/") + "/api/v1/query"
+        self._scope = scope
+        self._session = session
+
+    async def _query(self, promql: str) -> float | None:
+        try:
+            async with self._session.get(self._url, params={"query": promql}, timeout=_TIMEOUT) as resp:
+                if resp.status != 200:
+                    logger.warning("prometheus answered %s for %s", resp.status, promql)
+                    return None
+                return parse_instant_value(await resp.json(content_type=None))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            logger.warning("prometheus query failed (%s): %s", type(exc).__name__, promql)
+            return None
+
+    async def read(self, role: Role) -> PoolSignals:
+        values = {name: await self._query(q) for name, q in self._scope.queries(role).items()}
+        return PoolSignals(**values)
+
+
+def parse_router_metrics(text: str) -> PoolSignals:
+    """Queue depth and uncached-token backlog from the router's Prometheus text (summed over replicas)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("tandem_router_queue_depth", "tandem_router_uncached_prompt_tokens_in_flight"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return PoolSignals(
+        queue_depth=totals.get("tandem_router_queue_depth"),
+        uncached_tokens=totals.get("tandem_router_uncached_prompt_tokens_in_flight"),
+    )
+
+
+class RouterSource:
+    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+        self._url = url
+        self._session = session
+
+    async def read(self, role: Role) -> PoolSignals:
+        if role != "prefill" or not self._url:
+            return PoolSignals()  # the router knows nothing about decode KV usage or latency
+        try:
+            async with self._session.get(self._url, timeout=_TIMEOUT) as resp:
+                if resp.status != 200:
+                    logger.warning("router metrics answered %s", resp.status)
+                    return PoolSignals()
+                return parse_router_metrics(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            logger.warning("router metrics unreadable (%s) at %s", type(exc).__name__, self._url)
+            return PoolSignals()

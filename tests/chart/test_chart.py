@@ -1,0 +1,326 @@
+"""charts/tandem: lint, render over the values matrix, validate every manifest,
+and assert on the rendered objects (security, probes, policies, GPU requests)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from tandem_operator.reconcile import Owner, desired_objects
+from tandem_operator.spec import parse_spec
+
+from tests.chart.conftest import CHART, RELEASE, VALUES_MATRIX, find, one, render, run_helm, values_args
+from tests.chart.crd_schema import validate_custom_resource
+
+K8S_VERSION = "1.30.0"
+FULL = f"{RELEASE}-tandem"
+#: Kinds from other operators' CRDs, whose schemas are not available offline.
+THIRD_PARTY_KINDS = {"RayService", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
+POD_KINDS = {"Deployment"}
+
+
+def _ids(values: str | None) -> str:
+    return values or "defaults"
+
+
+@pytest.mark.parametrize("values", VALUES_MATRIX, ids=_ids)
+def test_helm_lint_strict(values: str | None) -> None:
+    proc = run_helm("lint", "--strict", str(CHART), *values_args(values))
+    assert "0 chart(s) failed" in proc.stdout
+
+
+@pytest.mark.parametrize("values", VALUES_MATRIX, ids=_ids)
+def test_every_manifest_validates(values: str | None) -> None:
+    docs = render(values)
+    assert docs
+    for doc in docs:
+        kind = doc["kind"]
+        if kind == "TandemDeployment":
+            validate_custom_resource(doc)
+            parse_spec(doc["spec"])  # the operator accepts what the chart renders
+        elif kind in THIRD_PARTY_KINDS:
+            assert doc["apiVersion"] in ("ray.io/v1", "monitoring.coreos.com/v1")
+            assert doc["metadata"]["name"] and doc["spec"]
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_validation_catches_a_broken_manifest() -> None:
+    """The validator above is not a rubber stamp."""
+    deployment = json.loads(json.dumps(one(render(None), "Deployment", f"{FULL}-gateway")))
+    deployment["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    deployment["spec"]["replicas"] = 2
+    deployment["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    td = json.loads(json.dumps(one(render(None), "TandemDeployment", FULL)))
+    td["spec"]["pools"]["prefill"]["replicaz"] = 3
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom_resource(td)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["gateway.replcas=2", "accelerator=tpu", "tandemDeployment.pools.decode.maxReplicas=0",
+     "monitoring.prometheusRules.objective=1.5", "podSecurityContext.runAsNonRoot=false"],
+)
+def test_values_schema_rejects(bad: str) -> None:
+    proc = run_helm("template", RELEASE, str(CHART), "--set", bad, check=False)
+    assert proc.returncode != 0
+    assert "schema" in proc.stderr.lower() or "values don't meet" in proc.stderr.lower()
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (("redis.enabled=false",), "redis"),
+        (("tandemDeployment.pools.prefill.replicas=9",), "minReplicas <= replicas <= maxReplicas"),
+        (("model.source=initContainer",), "initContainer"),
+    ],
+)
+def test_inconsistent_values_fail_with_a_message(sets: tuple[str, ...], message: str) -> None:
+    args = [a for s in sets for a in ("--set", s)]
+    proc = run_helm("template", RELEASE, str(CHART), *args, check=False)
+    assert proc.returncode != 0 and message in proc.stderr
+
+
+def _walk_values(node: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    paths = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            paths.append((*path, key))
+            # Free-form maps (resources, selectors, labels) are typed as maps, not key by key.
+            if isinstance(value, dict) and key not in {"requests", "limits", "labels", "nodeSelector",
+                                                       "monitoringNamespaceSelector", "extraEnv", "annotations"}:
+                paths.extend(_walk_values(value, (*path, key)))
+    return paths
+
+
+def test_every_value_is_typed_in_the_schema() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for path in _walk_values(values):
+        node = schema
+        for key in path:
+            assert key in node.get("properties", {}), f"values.{'.'.join(path)} is not in values.schema.json"
+            node = node["properties"][key]
+        assert "type" in node or "const" in node or "enum" in node, f"values.{'.'.join(path)} has no type"
+
+
+def test_every_value_is_documented() -> None:
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    undocumented = []
+    for i, line in enumerate(lines):
+        match = re.match(r"^(\s*)([A-Za-z][\w.-]*):", line)
+        if not match:
+            continue
+        previous = lines[i - 1].strip() if i else ""
+        if not previous.startswith("#"):
+            undocumented.append(line.strip())
+    # Keys inside free-form maps (resource quantities, labels) are examples, not values.
+    undocumented = [u for u in undocumented if not re.match(r"^(cpu|memory|grafana_dashboard|kubernetes\.io)", u)]
+    assert not undocumented, f"values without a comment: {undocumented}"
+
+
+def _pod_specs(docs: tuple[dict[str, Any], ...]) -> list[tuple[str, dict[str, Any]]]:
+    specs = [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in docs if d["kind"] in POD_KINDS]
+    for ray in find(docs, "RayService"):
+        cluster = ray["spec"]["rayClusterConfig"]
+        specs.append((f"{ray['metadata']['name']}-head", cluster["headGroupSpec"]["template"]["spec"]))
+        specs += [(f"{ray['metadata']['name']}-{g['groupName']}", g["template"]["spec"])
+                  for g in cluster["workerGroupSpecs"]]
+    return specs
+
+
+def _operator_pools(docs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """What the operator would create for the chart's TandemDeployment (same code as in the cluster)."""
+    (td,) = find(docs, "TandemDeployment")
+    owner = Owner(name=td["metadata"]["name"], namespace="tandem", uid="uid-1",
+                  labels=td["metadata"]["labels"], generation=1)
+    return desired_objects(owner, parse_spec(td["spec"]), {"prefill": None, "decode": None})
+
+
+@pytest.mark.parametrize("values", VALUES_MATRIX, ids=_ids)
+def test_secure_pod_defaults(values: str | None) -> None:
+    docs = render(values)
+    pods = _pod_specs(docs) + [(d["metadata"]["name"], d["spec"]["template"]["spec"])
+                               for d in _operator_pools(docs) if d["kind"] == "Deployment"]
+    assert len(pods) >= 6
+    for name, pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
+        expected_token = name.endswith("-operator")
+        assert pod.get("automountServiceAccountToken") is expected_token, name
+        for container in pod["containers"] + pod.get("initContainers", []):
+            ctx = container["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False, (name, container["name"])
+            assert ctx["readOnlyRootFilesystem"] is True, (name, container["name"])
+            assert ctx["capabilities"]["drop"] == ["ALL"], (name, container["name"])
+            assert container.get("resources", {}).get("requests") or container["name"] == "fetch-model", name
+
+
+def test_probes_point_at_the_service_endpoints() -> None:
+    docs = render(None)
+    gateway = one(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert gateway["startupProbe"]["httpGet"]["path"] == "/healthz"
+    operator = one(docs, "Deployment", f"{FULL}-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert "--liveness=http://0.0.0.0:8081/healthz" in operator["args"]
+    assert operator["livenessProbe"]["httpGet"]["port"] == "health"
+    for pool in _operator_pools(docs):
+        if pool["kind"] != "Deployment":
+            continue
+        worker = pool["spec"]["template"]["spec"]["containers"][0]
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert worker[probe]["tcpSocket"]["port"] == "grpc"
+
+
+def test_gateway_reaches_the_router_service() -> None:
+    docs = render(None)
+    env = {e["name"]: e for e in one(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]
+           ["containers"][0]["env"]}
+    router_svc = one(docs, "Service", f"{FULL}-router")
+    assert env["TANDEM_GATEWAY_ROUTER_ADDRESS"]["value"] == f"{FULL}-router:{router_svc['spec']['ports'][0]['port']}"
+    assert env["TANDEM_GATEWAY_REDIS__URL"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULL}-redis"
+    ray = one(docs, "RayService", f"{FULL}-router")
+    serve = yaml.safe_load(ray["spec"]["serveConfigV2"])
+    assert serve["applications"][0]["name"] == "tandem-router"
+    assert serve["grpc_options"]["port"] == router_svc["spec"]["ports"][0]["port"]
+    assert serve["grpc_options"]["grpc_servicer_functions"] == [
+        "tandem.v1.router_pb2_grpc.add_RouterServicer_to_server"
+    ]
+
+
+def test_external_redis_goes_through_a_secret() -> None:
+    docs = render("ci/values-external-redis-initcontainer.yaml")
+    assert not find(docs, "Deployment", f"{FULL}-redis")
+    secret = one(docs, "Secret", f"{FULL}-redis")
+    assert secret["stringData"]["url"] == "redis://redis.example.internal:6379/3"
+    td = one(docs, "TandemDeployment", "chat")
+    assert td["spec"]["redis"]["secretName"] == f"{FULL}-redis"
+    assert td["spec"]["model"]["initContainer"]["image"].startswith("registry.example.com/")
+    assert not find(docs, "NetworkPolicy")
+
+
+def test_ingress_is_safe_for_server_sent_events() -> None:
+    docs = render("ci/values-everything.yaml")
+    annotations = one(docs, "Ingress", f"{FULL}-gateway")["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    assert annotations["nginx.ingress.kubernetes.io/proxy-request-buffering"] == "off"
+    assert int(annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 3600
+    assert int(annotations["nginx.ingress.kubernetes.io/proxy-send-timeout"]) >= 3600
+    assert not find(render(None), "Ingress")
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _peers(rule: dict[str, Any]) -> list[dict[str, Any]]:
+    return rule.get("from", [])
+
+
+def test_network_policies_isolate_the_workers() -> None:
+    docs = render(None)
+    policies = {p["metadata"]["name"]: p["spec"] for p in find(docs, "NetworkPolicy")}
+    pools = [d for d in _operator_pools(docs) if d["kind"] == "Deployment"]
+    worker_labels = pools[0]["spec"]["template"]["metadata"]["labels"]
+    gateway_labels = one(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["metadata"]["labels"]
+    # Default deny covers every pod of the release, the operator's workers included.
+    deny = policies[f"{FULL}-default-deny"]
+    assert deny["policyTypes"] == ["Ingress"] and "ingress" not in deny
+    assert _selects(deny["podSelector"]["matchLabels"], worker_labels)
+    # Only the gateway admits everyone, on its HTTP port only.
+    open_policies = [n for n, p in policies.items() for r in p.get("ingress", []) if not _peers(r)]
+    assert open_policies == [f"{FULL}-gateway"]
+    assert policies[f"{FULL}-gateway"]["ingress"][0]["ports"] == [{"port": "http", "protocol": "TCP"}]
+    # Workers: from gateway, router, workers (all ports); Prometheus on the metrics port only.
+    workers = policies[f"{FULL}-workers"]
+    assert all(_selects(workers["podSelector"]["matchLabels"], p["spec"]["template"]["metadata"]["labels"])
+               for p in pools)
+    full_access = workers["ingress"][0]
+    assert "ports" not in full_access
+    components = sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in _peers(full_access))
+    assert components == ["gateway", "router", "worker"]
+    assert _selects(_peers(full_access)[0]["podSelector"]["matchLabels"], gateway_labels)
+    monitoring = workers["ingress"][1]
+    assert monitoring["ports"] == [{"port": 9101, "protocol": "TCP"}] and "namespaceSelector" in _peers(monitoring)[0]
+    # Redis: only Tandem components.
+    redis_from = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                  for p in _peers(policies[f"{FULL}-redis"]["ingress"][0])]
+    assert sorted(redis_from) == ["gateway", "router", "worker"]
+
+
+def test_pod_disruption_budgets_select_the_pools() -> None:
+    docs = render(None)
+    pools = {d["metadata"]["name"]: d for d in _operator_pools(docs) if d["kind"] == "Deployment"}
+    for role in ("prefill", "decode"):
+        pdb = one(docs, "PodDisruptionBudget", f"{FULL}-{role}")
+        pod_labels = pools[f"{FULL}-{role}"]["spec"]["template"]["metadata"]["labels"]
+        assert _selects(pdb["spec"]["selector"]["matchLabels"], pod_labels)
+        assert pdb["spec"]["maxUnavailable"] == 1
+    assert one(docs, "PodDisruptionBudget", f"{FULL}-gateway")["spec"]["minAvailable"] == 1
+
+
+def test_gpu_values_request_gpus_with_selectors_and_tolerations() -> None:
+    docs = render("examples/values-gpu.yaml")
+    td = one(docs, "TandemDeployment", FULL)
+    assert td["spec"]["image"]["repository"].endswith("tandem-worker-gpu")
+    for pool in _operator_pools(docs):
+        if pool["kind"] != "Deployment":
+            continue
+        pod = pool["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert pod["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])
+        drain = int(next(e["value"] for e in container["env"] if e["name"] == "TANDEM_WORKER_DRAIN_TIMEOUT_S"))
+        assert pod["terminationGracePeriodSeconds"] > drain
+    cpu_td = one(render("examples/values-cpu-demo.yaml"), "TandemDeployment", FULL)
+    assert cpu_td["spec"]["image"]["repository"].endswith("tandem-worker-cpu")
+    assert "nvidia.com/gpu" not in json.dumps(cpu_td)
+
+
+def test_operator_rbac_is_least_privilege() -> None:
+    docs = render("ci/values-everything.yaml")
+    (cluster_role,) = find(docs, "ClusterRole")
+    assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"],
+                                      "resources": ["customresourcedefinitions"],
+                                      "verbs": ["get", "list", "watch"]}]
+    roles = find(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["tandem", "tandem-b"]
+    for role in roles:
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+            assert not {"secrets", "pods/exec", "configmaps"} & set(rule["resources"])
+    operator = one(docs, "Deployment", f"{FULL}-operator")["spec"]["template"]["spec"]["containers"][0]
+    assert "--namespace=tandem" in operator["args"] and "--namespace=tandem-b" in operator["args"]
+
+
+def test_monitoring_objects() -> None:
+    docs = render("ci/values-everything.yaml")
+    assert {d["metadata"]["name"] for d in find(docs, "ServiceMonitor")} == {f"{FULL}-gateway", f"{FULL}-router"}
+    (pod_monitor,) = find(docs, "PodMonitor")
+    assert pod_monitor["spec"]["selector"]["matchLabels"] == {"tandem.dev/deployment": FULL}
+    (rule,) = find(docs, "PrometheusRule")
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+    assert {"TandemTTFTBudgetBurnFast", "TandemITLBudgetBurnFast", "TandemTTFTBudgetBurnSlow",
+            "TandemITLBudgetBurnSlow"} <= alerts
+    recorded = " ".join(r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r)
+    assert 'le="2"' in recorded or 'le="2.0"' in recorded  # the TTFT SLO threshold from values
+    (dashboard_cm,) = find(docs, "ConfigMap")
+    assert dashboard_cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(dashboard_cm["data"]["tandem.json"])
+    titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
+    for needle in ("time to first token", "inter-token", "queue", "kv-cache usage", "kv transfer", "replicas"):
+        assert needle in titles
+    assert not find(render(None), "ServiceMonitor") and not find(render(None), "PrometheusRule")

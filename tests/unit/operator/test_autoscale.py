@@ -1,0 +1,79 @@
+"""tandem_operator.autoscale: each pool on its own signal, windows, steps, bounds."""
+
+from __future__ import annotations
+
+from tandem_operator.autoscale import Decision, PoolSignals, Recommendation, decide
+from tandem_operator.spec import AutoscalingSpec, PoolSpec, Role, SloSpec
+
+POOL = PoolSpec(replicas=2, min_replicas=1, max_replicas=6)
+SLO = SloSpec(ttft_p90_seconds=2.0, itl_p90_seconds=0.1)
+
+
+def policy(**kw: float) -> AutoscalingSpec:
+    base = {"scale_up_stabilization_seconds": 0, "scale_down_stabilization_seconds": 0}
+    return AutoscalingSpec.model_validate({**base, **kw})
+
+
+def once(role: Role, current: int, signals: PoolSignals, pol: AutoscalingSpec | None = None,
+         pool: PoolSpec = POOL) -> Decision:
+    decision, _ = decide(role=role, current_replicas=current, signals=signals, pool=pool,
+                         policy=pol or policy(), slo=SLO, history=(), now_s=100.0)
+    return decision
+
+
+def test_prefill_scales_on_queue_depth_and_backlog() -> None:
+    assert once("prefill", 2, PoolSignals(queue_depth=12)).desired_replicas == 3  # asks 3, within step 2
+    assert once("prefill", 1, PoolSignals(queue_depth=40)).desired_replicas == 3  # asks 10, capped at +2
+    assert once("prefill", 2, PoolSignals(queue_depth=0, uncached_tokens=8192 * 4)).desired_replicas == 4
+
+
+def test_prefill_ignores_decode_signals_and_vice_versa() -> None:
+    assert once("prefill", 2, PoolSignals(kv_usage=0.99, itl_p90_s=1.0)).desired_replicas == 2
+    assert once("prefill", 2, PoolSignals(kv_usage=0.99, itl_p90_s=1.0)).reason == "no metrics: hold"
+    assert once("decode", 2, PoolSignals(queue_depth=100, ttft_p90_s=10)).desired_replicas == 2
+
+
+def test_decode_scales_on_kv_usage_with_tolerance() -> None:
+    assert once("decode", 2, PoolSignals(kv_usage=0.95)).desired_replicas == 3  # ceil(2·0.95/0.7)
+    assert once("decode", 2, PoolSignals(kv_usage=0.74)).desired_replicas == 2  # within 10 %
+    assert once("decode", 4, PoolSignals(kv_usage=0.2)).desired_replicas == 3  # one step down
+
+
+def test_latency_over_slo_scales_up_and_near_slo_vetoes_scale_down() -> None:
+    assert once("prefill", 2, PoolSignals(queue_depth=0, ttft_p90_s=3.0)).desired_replicas == 3
+    assert once("decode", 2, PoolSignals(kv_usage=0.1, itl_p90_s=0.25)).desired_replicas == 4  # 2.5×, step 2
+    # Little load but ITL at 90 % of its SLO: hold, never shrink.
+    assert once("decode", 3, PoolSignals(kv_usage=0.1, itl_p90_s=0.09)).desired_replicas == 3
+    assert once("decode", 3, PoolSignals(kv_usage=0.1, itl_p90_s=0.05)).desired_replicas == 2
+
+
+def test_bounds() -> None:
+    small = PoolSpec(replicas=1, min_replicas=1, max_replicas=2)
+    assert once("prefill", 2, PoolSignals(queue_depth=100), pool=small).desired_replicas == 2
+    assert once("prefill", 1, PoolSignals(queue_depth=0), pool=small).desired_replicas == 1
+
+
+def test_scale_up_waits_for_its_window() -> None:
+    pol = policy(scale_up_stabilization_seconds=30)
+    history: tuple[Recommendation, ...] = ()
+    desired = []
+    for t in range(0, 50, 10):
+        decision, history = decide(role="prefill", current_replicas=1, signals=PoolSignals(queue_depth=12),
+                                   pool=POOL, policy=pol, slo=SLO, history=history, now_s=float(t))
+        desired.append(decision.desired_replicas)
+    # The seed (1 replica at t=0) holds the scale-up back for the 30 s window.
+    assert desired == [1, 1, 1, 3, 3]
+
+
+def test_scale_down_waits_for_its_window_and_a_spike_resets_it() -> None:
+    pol = policy(scale_down_stabilization_seconds=60)
+    history: tuple[Recommendation, ...] = (Recommendation(0.0, 4, 4),)
+    current = 4
+    trace = []
+    for t, queue in [(10, 0), (30, 0), (50, 16), (70, 0), (100, 0), (115, 0)]:
+        decision, history = decide(role="prefill", current_replicas=current, signals=PoolSignals(queue_depth=queue),
+                                   pool=POOL, policy=pol, slo=SLO, history=history, now_s=float(t))
+        current = decision.desired_replicas
+        trace.append(current)
+    # The 4 at t=50 keeps replicas up until it leaves the window (t=110).
+    assert trace == [4, 4, 4, 4, 4, 3]

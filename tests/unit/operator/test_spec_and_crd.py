@@ -1,0 +1,81 @@
+"""The operator's spec model and the chart's CRD schema describe the same resource."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+from tandem_operator.resources import build_pool_deployment
+from tandem_operator.spec import SpecError, TandemSpec, parse_spec
+
+from tests.chart.crd_schema import crd_version_schema, validate_custom_resource
+
+VALID: dict[str, Any] = {
+    "model": {"servedModelName": "smol", "pvc": {"claimName": "models"}},
+    "image": {"repository": "r", "tag": "t"},
+    "redis": {"url": "redis://r:6379/0"},
+    "pools": {"decode": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3,
+                         "resources": {"limits": {"nvidia.com/gpu": 1}},
+                         "engineArgs": {"extraEnv": {"TANDEM_WORKER_X": "1"}}}},
+}
+
+
+def _model_fields(model: type[BaseModel]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        alias = field.alias or name
+        sub = field.annotation
+        args = getattr(sub, "__args__", ())
+        nested = next((a for a in (sub, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        out[alias] = _model_fields(nested) if nested else None
+    return out
+
+
+def _schema_fields(node: dict[str, Any]) -> dict[str, Any]:
+    return {k: (_schema_fields(v) if "properties" in v else None) for k, v in node.get("properties", {}).items()}
+
+
+def test_crd_and_model_have_the_same_fields() -> None:
+    crd = _schema_fields(crd_version_schema()["properties"]["spec"])
+    model = _model_fields(TandemSpec)
+    # Tolerations are a list of objects in the CRD and a list of models in the spec.
+    for tree in (crd, model):
+        for role in ("prefill", "decode"):
+            tree["pools"][role]["tolerations"] = None
+    assert crd == model
+
+
+def test_valid_spec_passes_both() -> None:
+    validate_custom_resource({"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemDeployment",
+                              "metadata": {"name": "x"}, "spec": VALID})
+    spec = parse_spec(VALID)
+    assert spec.pools.decode.num_gpus == 1
+    dep = build_pool_deployment(name="x", namespace="ns", uid="u", cr_labels={}, spec=spec, role="decode", replicas=2)
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TANDEM_WORKER_ROLE"] == "decode" and env["TANDEM_WORKER_X"] == "1"
+    assert env["TANDEM_WORKER_REDIS__URL"] == "redis://r:6379/0"
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"model": {"servedModelName": "m"}}, "exactly one source"),
+        ({"redis": {"url": "redis://a", "secretName": "s"}}, "exactly one of url or secretName"),
+        ({"pools": {"prefill": {"replicas": 5, "minReplicas": 1, "maxReplicas": 4}}}, "replicas 5 outside"),
+        ({"autoscaling": {"decode": {"kvUsage": 1.5}}}, "autoscaling.decode.kvUsage"),
+        ({"slo": {"ttftP90Seconds": 0}}, "slo.ttftP90Seconds"),
+        ({"pools": {"prefill": {"replicaz": 1}}}, "replicaz"),
+    ],
+)
+def test_malformed_specs_are_one_clear_error(patch: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError, match=message.replace(".", r"\.")):
+        parse_spec({**VALID, **patch})
+
+
+def test_crd_schema_rejects_what_the_model_rejects() -> None:
+    bad = {**VALID, "autoscaling": {"decode": {"kvUsage": 1.5}}}
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom_resource({"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemDeployment",
+                                  "metadata": {"name": "x"}, "spec": bad})
