@@ -5,8 +5,11 @@ disappears after the registry's TTL. Run by ``__main__``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+
+import grpc
 
 from tandem.common.errors import BackendUnavailableError
 from tandem.common.registry import WorkerLoad, WorkerRecord, WorkerRegistry
@@ -40,18 +43,8 @@ async def heartbeat_forever(
     was_down = False
     while True:
         if not service.draining:
-            stats = await service.kv_stats()
-            current = WorkerRecord(
-                **{
-                    **record.__dict__,
-                    "load": WorkerLoad(
-                        num_running_requests=service.num_running,
-                        num_held_kv_requests=stats.num_held_requests,
-                    ),
-                }
-            )
             try:
-                await registry.heartbeat(current)
+                await registry.heartbeat(await _current(record, service))
                 if was_down:
                     logger.info("registry reachable again; worker re-registered")
                 was_down = False
@@ -59,4 +52,17 @@ async def heartbeat_forever(
                 if not was_down:
                     logger.warning("cannot refresh registration: %s", exc)
                 was_down = True
+            except Exception:  # a heartbeat must never die: a silent stop unregisters the worker
+                logger.exception("heartbeat failed; retrying")
         await asyncio.sleep(interval_s)
+
+
+async def _current(record: WorkerRecord, service: WorkerService) -> WorkerRecord:
+    """``record`` with the load of this moment (held KV from the engine's KV server when it answers)."""
+    try:
+        num_held = (await service.kv_stats()).num_held_requests
+    except grpc.RpcError:
+        num_held = record.load.num_held_kv_requests
+    return dataclasses.replace(
+        record, load=WorkerLoad(num_running_requests=service.num_running, num_held_kv_requests=num_held)
+    )

@@ -101,9 +101,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     # -- RPCs --------------------------------------------------------------------
 
-    async def Prefill(
-        self, request: worker_pb2.PrefillRequest, context: _Ctx
-    ) -> worker_pb2.PrefillResponse:
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: _Ctx) -> worker_pb2.PrefillResponse:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -161,9 +159,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             lease_expires_unix_s=handle.lease_expires_unix_s,
         )
 
-    async def Decode(
-        self, request: worker_pb2.DecodeRequest, context: _Ctx
-    ) -> AsyncIterator[worker_pb2.DecodeChunk]:
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: _Ctx) -> AsyncIterator[worker_pb2.DecodeChunk]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -195,17 +191,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             extra_args=extra_args,
         )
         num_output = 0
+        started = time.perf_counter()
+        first_token_s = 0.0
         self._counters.num_running += 1
         try:
             async for out in self._engine.generate(
                 self._prompt(prompt_ids, request.cache_salt), params, request.request_id
             ):
                 completion = out.outputs[0]
+                if not num_output and completion.token_ids:
+                    first_token_s = time.perf_counter() - started
                 num_output += len(completion.token_ids)
                 chunk = worker_pb2.DecodeChunk(text=completion.text, token_ids=list(completion.token_ids))
                 if out.finished:
                     chunk.finish_reason = completion.finish_reason or "stop"
-                    chunk.stats.CopyFrom(await self._decode_stats(request, out, len(prompt_ids), num_output))
+                    stats = await self._decode_stats(request, out, len(prompt_ids), num_output)
+                    stats.first_token_seconds = first_token_s
+                    chunk.stats.CopyFrom(stats)
                 yield chunk
         finally:
             self._counters.num_running -= 1
@@ -213,11 +215,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def _decode_stats(
         self, request: worker_pb2.DecodeRequest, out: Any, num_prompt: int, num_output: int
     ) -> worker_pb2.DecodeStats:
-        num_external = 0
+        num_external, kv_seconds, kv_bytes = 0, 0.0, 0
         if request.HasField("kv_handle"):
             stats = await self.kv_stats(request.request_id)
-            if stats.request_found and not stats.request.failed:
-                num_external = stats.request.num_tokens_loaded
+            if stats.request_found:
+                kv_seconds, kv_bytes = stats.request.seconds, stats.request.num_bytes
+                if not stats.request.failed:
+                    num_external = stats.request.num_tokens_loaded
         num_cached_total = int(out.num_cached_tokens or 0)
         num_local_cached = max(0, num_cached_total - num_external)
         num_computed = num_prompt - num_local_cached - num_external
@@ -228,11 +232,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_computed_prompt_tokens=num_computed,
             num_local_cached_tokens=num_local_cached,
             num_output_tokens=num_output,
+            kv_transfer_seconds=kv_seconds,
+            kv_transfer_bytes=kv_bytes,
         )
 
-    async def Abort(
-        self, request: worker_pb2.AbortRequest, context: _Ctx
-    ) -> worker_pb2.AbortResponse:
+    async def Abort(self, request: worker_pb2.AbortRequest, context: _Ctx) -> worker_pb2.AbortResponse:
         await self._engine.abort(request.request_id)
         found = False
         handle = self._held.pop(request.request_id, None)
@@ -243,9 +247,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             found = response.found
         return worker_pb2.AbortResponse(found=found)
 
-    async def GetLoad(
-        self, request: worker_pb2.LoadRequest, context: _Ctx
-    ) -> worker_pb2.LoadReport:
+    async def GetLoad(self, request: worker_pb2.LoadRequest, context: _Ctx) -> worker_pb2.LoadReport:
         stats = await self.kv_stats()
         return worker_pb2.LoadReport(
             worker_id=self._worker_id,
@@ -257,9 +259,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             prompt_tokens_computed_total=self._counters.prompt_tokens_computed,
         )
 
-    async def Health(
-        self, request: worker_pb2.HealthRequest, context: _Ctx
-    ) -> worker_pb2.HealthResponse:
+    async def Health(self, request: worker_pb2.HealthRequest, context: _Ctx) -> worker_pb2.HealthResponse:
         return worker_pb2.HealthResponse(
             worker_id=self._worker_id,
             role=self._role,
