@@ -1,0 +1,66 @@
+"""Worker configuration pieces: settings and flags, engine arguments, sampling."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.v1 import common_pb2
+from tandem.worker.__main__ import parse_settings
+from tandem.worker.engine import CONNECTOR_CLASS, CONNECTOR_MODULE, engine_args_kwargs, resolve_dtype
+from tandem.worker.registration import build_record
+from tandem.worker.sampling import sampling_kwargs
+from tandem.worker.settings import WorkerSettings
+
+
+def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_WORKER_ROLE", "prefill")
+    monkeypatch.setenv("TANDEM_WORKER_KV__LEASE_S", "12.5")
+    monkeypatch.setenv("TANDEM_WORKER_ENGINE__MAX_MODEL_LEN", "2048")
+    settings = parse_settings(["--role", "decode", "--port", "6000", "--kv-port", "6001", "--cpu-threads-bind", "1"])
+    assert (settings.role, settings.port, settings.kv.port) == ("decode", 6000, 6001)
+    assert settings.kv.lease_s == 12.5  # environment kept where no flag was given
+    assert settings.engine.max_model_len == 2048
+    assert settings.engine.cpu_threads_bind == "1"
+
+
+def test_engine_args_wire_the_grpc_connector_per_role() -> None:
+    prefill = engine_args_kwargs(WorkerSettings(role="prefill"), engine_id="p-1")
+    decode = engine_args_kwargs(WorkerSettings(role="decode"), engine_id="d-1")
+    for kwargs in (prefill, decode):
+        kv = kwargs["kv_transfer_config"]
+        assert (kv["kv_connector"], kv["kv_connector_module_path"]) == (CONNECTOR_CLASS, CONNECTOR_MODULE)
+        assert kwargs["enable_prefix_caching"] and kwargs["disable_hybrid_kv_cache_manager"]
+    assert prefill["kv_transfer_config"]["kv_role"] == "kv_producer"
+    assert decode["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    assert prefill["kv_transfer_config"]["engine_id"] == "p-1"
+
+
+def test_connector_module_path_imports_the_connector_class() -> None:
+    import importlib
+
+    module = importlib.import_module(CONNECTOR_MODULE)
+    assert getattr(module, CONNECTOR_CLASS).__name__ == CONNECTOR_CLASS
+
+
+def test_auto_dtype_is_float32_on_cpu_and_explicit_dtype_is_kept() -> None:
+    assert resolve_dtype("auto") == "float32"  # this machine runs vLLM's CPU backend
+    assert resolve_dtype("bfloat16") == "bfloat16"
+
+
+def test_sampling_keeps_engine_defaults_for_unset_options() -> None:
+    options = common_pb2.SamplingOptions(max_tokens=9, temperature=0.0, stop=["\n\n"], ignore_eos=True)
+    assert sampling_kwargs(options, max_tokens=1) == {
+        "max_tokens": 1,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stop": ["\n\n"],
+    }
+    assert "top_p" not in sampling_kwargs(common_pb2.SamplingOptions(), max_tokens=4)
+
+
+def test_registry_record_advertises_addresses_and_capacity() -> None:
+    settings = WorkerSettings(role="prefill", bind_host="0.0.0.0", advertise_host="10.1.2.3", port=7000)
+    record = build_record(settings, "w1", num_kv_blocks=100, block_size_tokens=128)
+    assert record.address == "10.1.2.3:7000"
+    assert record.kv_address == f"{settings.kv.host}:{settings.kv.port}"
+    assert record.capacity_tokens == 12_800
