@@ -53,7 +53,7 @@ MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS))
 .PHONY: help setup protos model lint test run clean distclean redis bench-path
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 setup: $(INSTALL_STAMP) protos model  ## create .venv, install services + dev tools, generate stubs, prepare the model
 

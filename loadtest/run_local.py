@@ -1,0 +1,72 @@
+"""``make loadtest``: a short mixed multi-tenant load test against the local
+stack (started here with :class:`tandem.local.stack.LocalStack` on free
+ports, stopped at the end), or against ``TANDEM_LOADTEST_URL`` when set.
+The report goes to ``reports/loadtest-<timestamp>/`` unless ``--out`` is given.
+
+Extra arguments are passed to ``tandem-loadtest run`` and override the
+defaults below (argparse keeps the last value of a repeated flag).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from tandem_loadtest.cli import main as cli_main
+
+# Two tenants with different mixes; bounded by count and by time so that the
+# run takes a few minutes on a 2-core machine with CPU engines.
+DEFAULT_ARGS = [
+    "--tenant", "alice:sk-alice:doc-qa=2,chat=1",
+    "--tenant", "bob:sk-bob:synthetic=1,mixed=1",
+    "--arrival", "poisson:0.5",
+    "--num-requests", "30",
+    "--duration-s", "90",
+    "--input-tokens", "uniform:64:256",
+    "--output-tokens", "uniform:16:32",
+    "--ignore-eos",
+    "--doc-tokens", "800",
+    "--long-input-tokens", "1500",
+    "--long-output-tokens", "8",
+    "--chat-turns", "uniform:2:4",
+    "--cancel-fraction", "0.1",
+    "--cancel-after-s", "1.0",
+    "--request-timeout-s", "180",
+    "--goodput", "ttft:3000", "tpot:250",
+]
+
+
+def main() -> int:
+    extra = sys.argv[1:]
+    out = ["--out", str(Path("reports") / time.strftime("loadtest-%Y%m%d-%H%M%S"))] if "--out" not in extra else []
+    url = os.environ.get("TANDEM_LOADTEST_URL")
+    if url:
+        return cli_main(["run", "--url", url, *DEFAULT_ARGS, *out, *extra])
+
+    from tandem.local.stack import LocalStack, StackConfig, StackError
+
+    config = StackConfig.with_free_ports(
+        key_prefix=f"tandem-loadtest-{uuid.uuid4().hex[:8]}", log_dir=Path(".run/loadtest-logs")
+    )
+    stack = LocalStack(config, progress=lambda msg: print(f"[loadtest] {msg}", flush=True))
+    try:
+        stack.start()
+    except StackError as exc:
+        print(f"[loadtest] local stack failed: {exc}", file=sys.stderr)
+        stack.stop()
+        return 1
+    try:
+        print(f"[loadtest] local stack ready at {config.gateway_url}", flush=True)
+        return cli_main([
+            "run", "--url", config.gateway_url, "--model", config.served_model_name, *DEFAULT_ARGS, *out, *extra
+        ])
+    finally:
+        print("[loadtest] stopping the local stack", flush=True)
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
