@@ -130,14 +130,12 @@ def test_disconnect_frees_requests_and_kv_on_both_workers(stack: LocalStack) -> 
     with httpx.Client(base_url=stack.config.gateway_url, timeout=120) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
-            num_events = 0
-            for line in resp.iter_lines():
-                if line.startswith("data:"):
-                    num_events += 1
-                if num_events >= 6:
-                    break
+            # Keep the line iterator referenced: dropping it (as `break` would) closes the connection.
+            lines = resp.iter_lines()
+            events = [line for line in (next(lines) for _ in range(40)) if line.startswith("data:")]
+            assert len(events) >= 6, events
             # Mid-stream: the decode engine is generating for us right now.
-            assert load(stack, "decode").num_running_requests == 1
+            assert load(stack, "decode").num_running_requests == 1, events
             assert worker_gauge(stack, "decode", "vllm:num_requests_running") == 1
         # Leaving the block closes the connection: a client disconnect.
     deadline = time.monotonic() + 5
