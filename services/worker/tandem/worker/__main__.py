@@ -16,6 +16,7 @@ import grpc
 from tandem.common.ids import new_worker_id
 from tandem.common.logging import configure_logging
 from tandem.common.registry import WorkerRegistry
+from tandem.common.tls import add_port
 from tandem.v1 import worker_pb2_grpc
 from tandem.worker.registration import build_record, heartbeat_forever
 from tandem.worker.service import WorkerService, wait_idle
@@ -74,11 +75,11 @@ async def serve(settings: WorkerSettings) -> None:
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     address = f"{settings.bind_host}:{settings.port}"
-    if server.add_insecure_port(address) == 0:
+    if add_port(server, address, settings.tls) == 0:
         raise SystemExit(f"cannot bind {address}")
     await server.start()
     if settings.metrics_port:
-        start_metrics_server(settings.bind_host, settings.metrics_port, service)
+        start_metrics_server(settings.bind_host, settings.metrics_port, service, settings.tls)
 
     num_blocks, block_size = _engine_kv_shape(engine)
     registry = WorkerRegistry(
@@ -95,6 +96,7 @@ async def serve(settings: WorkerSettings) -> None:
             "role": settings.role,
             "address": address,
             "kv_address": record.kv_address,
+            "tls": settings.tls.enabled,
             "engine_start_s": round(engine_start_s, 2),
             "num_kv_blocks": num_blocks,
             "block_size_tokens": block_size,

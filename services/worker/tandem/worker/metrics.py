@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tandem.common.tls import TLSSettings, channel
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 if TYPE_CHECKING:
@@ -21,8 +22,8 @@ if TYPE_CHECKING:
 class KVCollector(Collector):
     """Reads the KV server's counters at scrape time (no state of its own)."""
 
-    def __init__(self, kv_address: str, role: str) -> None:
-        self._stub = kv_transfer_pb2_grpc.KVTransferStub(grpc.insecure_channel(kv_address))
+    def __init__(self, kv_address: str, role: str, tls: TLSSettings) -> None:
+        self._stub = kv_transfer_pb2_grpc.KVTransferStub(channel(kv_address, tls))
         self._role = role
 
     def collect(self) -> Iterator[Metric]:
@@ -47,7 +48,7 @@ class KVCollector(Collector):
         yield g
 
 
-def start_metrics_server(host: str, port: int, service: WorkerService) -> None:
+def start_metrics_server(host: str, port: int, service: WorkerService, tls: TLSSettings) -> None:
     """Serve /metrics on its own thread."""
-    REGISTRY.register(KVCollector(service.kv_address, service.role))
+    REGISTRY.register(KVCollector(service.kv_address, service.role, tls))
     start_http_server(port, addr=host)

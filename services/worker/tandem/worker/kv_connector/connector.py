@@ -7,7 +7,7 @@ Engine configuration (``kv_transfer_config.kv_connector_extra_config``):
 ``model`` (served name, part of the layout check), ``kv_host`` and
 ``kv_port`` (the KV server of rank 0; rank r listens on ``kv_port + r``),
 ``lease_s`` (how long a prefill engine holds blocks nobody released),
-``max_chunk_bytes`` and ``pull_timeout_s``.
+``max_chunk_bytes``, ``pull_timeout_s`` and ``tls`` (a TLSSettings dict).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from tandem.common.tls import TLSSettings
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata
 from tandem.worker.kv_connector.scheduler_side import SchedulerSide
 from tandem.worker.kv_connector.worker_side import WorkerSide
@@ -68,6 +69,7 @@ class GrpcKVConnector(KVConnectorBase_V1):
                 kv_port=kv_port,
                 max_chunk_bytes=int(extra.get("max_chunk_bytes", 4 * 1024 * 1024)),
                 pull_timeout_s=float(extra.get("pull_timeout_s", 30.0)),
+                tls=TLSSettings(**dict(extra.get("tls") or {})),
             )
 
     # -- scheduler role ----------------------------------------------------------

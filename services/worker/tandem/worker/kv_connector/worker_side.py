@@ -23,6 +23,8 @@ import grpc
 import torch
 
 from tandem.common.errors import KVLayoutMismatchError
+from tandem.common.tls import TLSSettings, add_port
+from tandem.common.tls import channel as tls_channel
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
@@ -78,6 +80,7 @@ class WorkerSide:
         kv_port: int,
         max_chunk_bytes: int,
         pull_timeout_s: float,
+        tls: TLSSettings | None = None,
     ) -> None:
         self._model = model
         self._num_blocks = num_blocks
@@ -87,6 +90,7 @@ class WorkerSide:
         self._bind = f"{kv_host}:{kv_port + tp_rank}"
         self._max_chunk_bytes = max_chunk_bytes
         self._pull_timeout_s = pull_timeout_s
+        self._tls = tls or TLSSettings()
 
         self._lock = threading.Lock()
         self._hold_announced = threading.Condition(self._lock)
@@ -138,7 +142,7 @@ class WorkerSide:
             options=_GRPC_OPTIONS,
         )
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferServicer(self), server)
-        if server.add_insecure_port(self._bind) == 0:
+        if add_port(server, self._bind, self._tls) == 0:
             raise RuntimeError(f"KV transfer server cannot bind {self._bind}")
         server.start()
         self._server = server
@@ -267,7 +271,7 @@ class WorkerSide:
         address = f"{host}:{int(port) + self._tp_rank}"
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+            channel = tls_channel(address, self._tls, options=list(_GRPC_OPTIONS))
             self._channels[address] = channel
         return kv_transfer_pb2_grpc.KVTransferStub(channel)
 

@@ -1,0 +1,69 @@
+"""KV transfer over mutual TLS: a peer with a certificate from the cluster's CA
+pulls blocks; one without a trusted certificate gets nothing."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tandem.common.tls import TLSSettings, channel
+from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
+from tandem.worker.kv_connector.worker_side import WorkerSide
+
+from ..certs import make_pki
+from ..common_ports import free_port
+from .test_kv_connector import BLOCK, LAYERS, NUM_BLOCKS, SHAPE, make_handle, wait_until
+
+
+def _side(port: int, tls: TLSSettings, fill: float | None = None) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    side = WorkerSide(
+        model="m",
+        num_blocks=NUM_BLOCKS,
+        block_size_tokens=BLOCK,
+        tp_size=1,
+        tp_rank=0,
+        kv_host="127.0.0.1",
+        kv_port=port,
+        max_chunk_bytes=1 << 20,
+        pull_timeout_s=5,
+        tls=tls,
+    )
+    caches = {
+        f"layers.{i}.attn": torch.randn(SHAPE) if fill is None else torch.full(SHAPE, fill) for i in range(LAYERS)
+    }
+    side.register_kv_caches(caches)
+    return side, caches
+
+
+def test_blocks_move_over_mutual_tls_and_strangers_are_refused(tmp_path: Path) -> None:
+    trusted, stranger = make_pki(tmp_path)
+    prefill, p_caches = _side(free_port(), trusted)
+    decode, d_caches = _side(free_port(), trusted, fill=0.0)
+    try:
+        handle = make_handle((3,), num_tokens=4, kv_address=prefill._bind)
+        prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (3,), (0,), 4)]))
+        wait_until(lambda: "req-1-abcdefgh" in decode._done_recving)
+        assert not decode.stats("req-1").request.failed
+        for name in p_caches:
+            assert torch.equal(d_caches[name][0], p_caches[name][3])
+
+        # A client whose certificate the CA did not sign cannot even describe the layout ...
+        with channel(prefill._bind, stranger) as ch, pytest.raises(grpc.RpcError):
+            kv_transfer_pb2_grpc.KVTransferStub(ch).Describe(kv_transfer_pb2.DescribeRequest(), timeout=3)
+        # ... and neither can a plaintext client.
+        with channel(prefill._bind, TLSSettings()) as ch, pytest.raises(grpc.RpcError):
+            kv_transfer_pb2_grpc.KVTransferStub(ch).Describe(kv_transfer_pb2.DescribeRequest(), timeout=3)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_tls_settings_demand_their_files() -> None:
+    with pytest.raises(ValueError, match="cert_file, key_file, ca_file"):
+        TLSSettings(enabled=True)
