@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -23,11 +24,26 @@ import redis
 
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+#: Ports handed to the stack's servers come from here: below Linux's ephemeral range (where
+#: bind(0), outgoing connections and Ray's gRPC servers take theirs) and above Ray's worker ports.
+_PORT_RANGE = (20000, 32000)
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free right now on all interfaces, never handed out before by this process."""
+    for _ in range(1000):
+        port = random.randrange(*_PORT_RANGE)
+        if port in _handed_out:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_PORT_RANGE}")
 
 
 def default_model_dir() -> Path:

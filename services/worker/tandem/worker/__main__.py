@@ -70,8 +70,13 @@ async def serve(settings: WorkerSettings) -> None:
     engine_start_s = time.perf_counter() - started
     service = WorkerService(settings, engine, worker_id=worker_id)
     await service.start()
+    # so_reuseport off: a port someone else holds must fail the bind, not share its traffic.
     server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.so_reuseport", 0),
+        ]
     )
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
     address = f"{settings.bind_host}:{settings.port}"

@@ -139,7 +139,8 @@ class WorkerSide:
         )
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tandem-kv-serve"),
-            options=_GRPC_OPTIONS,
+            # so_reuseport off: a port someone else holds must fail the bind, not share its traffic.
+            options=[*_GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
         )
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferServicer(self), server)
         if add_port(server, self._bind, self._tls) == 0:
