@@ -60,9 +60,13 @@ def main() -> int:
         return 1
     try:
         print(f"[loadtest] local stack ready at {config.gateway_url}", flush=True)
-        return cli_main([
-            "run", "--url", config.gateway_url, "--model", config.served_model_name, *DEFAULT_ARGS, *out, *extra
-        ])
+        # The demo tenants get real keys from the stack's tenant store (auth is on, as in production).
+        args = list(DEFAULT_ARGS)
+        if stack.api_key:
+            for tenant in ("alice", "bob"):
+                key = stack.create_tenant_key(tenant)
+                args = [a.replace(f"{tenant}:sk-{tenant}:", f"{tenant}:{key}:") for a in args]
+        return cli_main(["run", "--url", config.gateway_url, "--model", config.served_model_name, *args, *out, *extra])
     finally:
         print("[loadtest] stopping the local stack", flush=True)
         stack.stop()

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import copy
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -74,7 +75,7 @@ def run_vllm(args: argparse.Namespace) -> tuple[list[float], list[float]]:
 def run_ours(a: argparse.Namespace, prompts: Path) -> tuple[list[float], list[float]]:
     config = RunConfig(
         base_url=a.url, model=a.model, arrival=FixedConcurrency(1),
-        tenants=[TenantConfig("agreement", "sk-agreement", {"file": 1.0})],
+        tenants=[TenantConfig("agreement", os.environ.get("OPENAI_API_KEY"), {"file": 1.0})],
         workload=WorkloadOptions(prompts_file=prompts), num_requests=a.num_prompts,
         ignore_eos=True, temperature=0.0,
     )

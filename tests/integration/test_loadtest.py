@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,8 @@ def test_mixed_multi_tenant_run_gives_a_sane_report(stack: LocalStack, tmp_path:
         model=stack.config.served_model_name,
         arrival=PoissonArrivals(1.0),
         tenants=[
-            TenantConfig("alice", "sk-alice", {"doc-qa": 1.0, "chat": 1.0}),
-            TenantConfig("bob", "sk-bob", {"synthetic": 1.0, "mixed": 1.0}),
+            TenantConfig("alice", stack.create_tenant_key("alice"), {"doc-qa": 1.0, "chat": 1.0}),
+            TenantConfig("bob", stack.create_tenant_key("bob"), {"synthetic": 1.0, "mixed": 1.0}),
         ],
         workload=WorkloadOptions(
             input_tokens=LengthDist.parse("48"),
@@ -99,6 +100,8 @@ def test_ttft_and_itl_medians_agree_with_vllm_bench_serve(stack: LocalStack) -> 
          "--model", stack.config.served_model_name, "--tokenizer", str(stack.config.model_dir),
          "--tolerance", str(AGREEMENT_TOLERANCE)],
         capture_output=True, text=True, timeout=1100,
+        # Both tools authenticate as the stack's dev tenant (vllm bench serve reads OPENAI_API_KEY).
+        env={**os.environ, "OPENAI_API_KEY": stack.api_key},
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("AGREEMENT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -32,7 +32,7 @@ def _chat(stack: LocalStack, **overrides: object) -> dict[str, object]:
 
 def test_streamed_answer_is_paris_and_kv_came_over_grpc(stack: LocalStack) -> None:
     prefill_before, decode_before = load(stack, "prefill"), load(stack, "decode")
-    with httpx.Client(base_url=stack.config.gateway_url, timeout=120) as client:
+    with httpx.Client(base_url=stack.config.gateway_url, timeout=120, headers=stack.auth_headers) as client:
         with client.stream(
             "POST", "/v1/chat/completions", json=_chat(stack, stream=True, stream_options={"include_usage": True})
         ) as resp:
@@ -70,7 +70,7 @@ def test_streamed_answer_is_paris_and_kv_came_over_grpc(stack: LocalStack) -> No
 
 
 def test_non_stream_chat_and_completions(stack: LocalStack) -> None:
-    with httpx.Client(base_url=stack.config.gateway_url, timeout=120) as client:
+    with httpx.Client(base_url=stack.config.gateway_url, timeout=120, headers=stack.auth_headers) as client:
         chat = client.post("/v1/chat/completions", json=_chat(stack)).json()
         assert chat["object"] == "chat.completion"
         assert "Paris" in chat["choices"][0]["message"]["content"]
@@ -91,7 +91,7 @@ def test_non_stream_chat_and_completions(stack: LocalStack) -> None:
 
 
 def test_openai_client_streams_and_non_streams(stack: LocalStack) -> None:
-    client = openai.OpenAI(base_url=f"{stack.config.gateway_url}/v1", api_key="unused", timeout=120)
+    client = openai.OpenAI(base_url=f"{stack.config.gateway_url}/v1", api_key=stack.api_key or "unused", timeout=120)
     messages = [{"role": "user", "content": QUESTION}]
     reply = client.chat.completions.create(
         model=stack.config.served_model_name,
@@ -127,7 +127,7 @@ def test_disconnect_frees_requests_and_kv_on_both_workers(stack: LocalStack) -> 
         ignore_eos=True,
         messages=[{"role": "user", "content": "Write a very long story about a dragon and a city."}],
     )
-    with httpx.Client(base_url=stack.config.gateway_url, timeout=120) as client:
+    with httpx.Client(base_url=stack.config.gateway_url, timeout=120, headers=stack.auth_headers) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
             # Keep the line iterator referenced: dropping it (as `break` would) closes the connection.
@@ -195,7 +195,7 @@ def test_bad_input_gets_openai_error(stack: LocalStack, body: bytes, status: int
     resp = httpx.post(
         f"{stack.config.gateway_url}/v1/chat/completions",
         content=body,
-        headers={"content-type": "application/json"},
+        headers={"content-type": "application/json", **stack.auth_headers},
         timeout=30,
     )
     assert resp.status_code == status, resp.text
@@ -206,7 +206,7 @@ def test_bad_input_gets_openai_error(stack: LocalStack, body: bytes, status: int
 
 
 def test_health_readiness_and_latency_histograms(stack: LocalStack) -> None:
-    with httpx.Client(base_url=stack.config.gateway_url, timeout=30) as client:
+    with httpx.Client(base_url=stack.config.gateway_url, timeout=30, headers=stack.auth_headers) as client:
         assert client.get("/healthz").status_code == 200
         assert client.get("/readyz").status_code == 200
         metrics = client.get("/metrics").text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,6 +226,7 @@ class FakeScheduler:
         tenant: str,
         cache_salt: str,
         exclude_worker_ids: Sequence[str],
+        priority: str = "",
     ) -> router_pb2.Placement:
         self.schedule_calls.append(
             {
@@ -233,6 +235,9 @@ class FakeScheduler:
                 "prompt_token_ids": list(prompt_token_ids),
                 "max_tokens": max_tokens,
                 "exclude_worker_ids": list(exclude_worker_ids),
+                "tenant": tenant,
+                "cache_salt": cache_salt,
+                "priority": priority,
             }
         )
         if self.error is not None:
@@ -296,6 +301,9 @@ def gateway_settings(**overrides: Any) -> GatewaySettings:
         "cleanup_timeout_s": 1.0,
         "prefill_timeout_s": 5.0,
         "request_timeout_s": 20.0,
+        # These tests are about the request path; tenancy has its own tests (test_tenancy.py and others).
+        "auth": {"mode": "disabled"},
+        "tenancy": {"key_prefix": f"tandem-unit-{uuid.uuid4().hex[:8]}"},
     }
     values.update(overrides)
     return GatewaySettings(**values)
@@ -350,3 +358,172 @@ async def wait_for(event: asyncio.Event, timeout_s: float = 2.0) -> None:
 @pytest.fixture
 def wait() -> Callable[..., Any]:
     return wait_for
+
+
+# --- tenancy: the app with API keys, quotas and Redis -------------------------------------------------------
+
+
+@dataclass
+class Edge:
+    """The app with auth on, its Redis store, and helpers to make tenants and keys."""
+
+    app: Any
+    scheduler: FakeScheduler
+    prefill: FakeWorker
+    decode: FakeWorker
+    metrics: GatewayMetrics
+    client: httpx.AsyncClient
+    store: Any
+    redis: Any
+    key_prefix: str
+    admin_key: str
+
+    async def tenant(self, tenant_id: str, **policy: Any) -> str:
+        """Create a tenant with ``policy`` and return a fresh key of it."""
+        from tandem.gateway.tenancy.models import Tenant
+
+        await self.store.put_tenant(Tenant(id=tenant_id, **policy))
+        _, key = await self.store.create_key(tenant_id)
+        return key
+
+    async def settled(self, timeout_s: float = 5.0) -> None:
+        """Wait until every request ended and its completion work (quota, usage, conversation) ran."""
+        services = self.app.state.services
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while services.drain.num_in_flight and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        await services.orchestrator.drain()
+
+
+async def delete_prefix(client: Any, prefix: str) -> None:
+    async for key in client.scan_iter(match=f"{prefix}:*", count=500):
+        await client.delete(key)
+
+
+@pytest.fixture
+def edge_overrides() -> dict[str, Any]:
+    """Settings of the ``edge`` app beyond the defaults below; a test module overrides this fixture."""
+    return {}
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for name, value in extra.items():
+        out[name] = {**out[name], **value} if isinstance(value, dict) and isinstance(out.get(name), dict) else value
+    return out
+
+
+@pytest_asyncio.fixture
+async def edge(
+    start_worker: Callable[..., Any],
+    fake_scheduler: FakeScheduler,
+    prompt_tokenizer: HfPromptTokenizer,
+    edge_overrides: dict[str, Any],
+) -> AsyncIterator[Edge]:
+    from tandem.gateway.redis_client import connect
+    from tandem.gateway.tenancy.store import TenantStore
+
+    prefill = await start_worker("prefill-0")
+    decode = await start_worker("decode-0")
+    fake_scheduler.placements.append(placement(prefill, decode))
+    prefix = f"tandem-unit-{uuid.uuid4().hex[:8]}"
+    admin_key = "admin-" + uuid.uuid4().hex
+    base = {
+        "auth": {"mode": "api_key", "cache_s": 0, "admin_key": admin_key},
+        "tenancy": {"key_prefix": prefix},
+        "stream": {"heartbeat_interval_s": 0.3},
+    }
+    settings = gateway_settings(**_merge(base, edge_overrides))
+    metrics = GatewayMetrics()
+    app = build_app(
+        settings, scheduler=fake_scheduler, tokenizer=prompt_tokenizer, readiness=FakeReadiness(), metrics=metrics
+    )
+    redis_client = connect(settings.redis.url, timeout_s=2.0)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        async with app.router.lifespan_context(app):
+            yield Edge(
+                app,
+                fake_scheduler,
+                prefill,
+                decode,
+                metrics,
+                client,
+                TenantStore(redis_client, key_prefix=prefix),
+                redis_client,
+                prefix,
+                admin_key,
+            )
+    await delete_prefix(redis_client, prefix)
+    await redis_client.aclose()
+
+
+async def serve_app(app: Any) -> tuple[str, Callable[[], Any]]:
+    """``app`` on a real uvicorn on a free port: its URL and an async stop function."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=2))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    for _ in range(500):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert server.started
+
+    async def stop() -> None:
+        server.should_exit = True
+        await task
+        sock.close()
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+@pytest_asyncio.fixture
+async def edge_url(edge: Edge) -> AsyncIterator[str]:
+    url, stop = await serve_app(edge.app)
+    yield url
+    await stop()
+
+
+# --- a fake router over gRPC, for gateway processes started as `python -m tandem.gateway` ------------------
+
+
+@dataclass
+class FakeRouter:
+    """tandem.v1.Router: hands out one placement; records schedules and releases."""
+
+    placement: router_pb2.Placement
+    scheduled: list[router_pb2.ScheduleRequest] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+
+    async def Schedule(self, request: router_pb2.ScheduleRequest, context: Any) -> router_pb2.Placement:
+        self.scheduled.append(request)
+        reply = router_pb2.Placement()
+        reply.CopyFrom(self.placement)
+        reply.request_id = request.request_id
+        return reply
+
+    async def Release(self, request: router_pb2.RouterReleaseRequest, context: Any) -> router_pb2.RouterReleaseResponse:
+        self.released.append(request.request_id)
+        return router_pb2.RouterReleaseResponse(found=True)
+
+
+@pytest_asyncio.fixture
+async def start_router() -> AsyncIterator[Callable[..., Any]]:
+    from tandem.v1 import router_pb2_grpc
+
+    servers: list[grpc.aio.Server] = []
+
+    async def start(placement_: router_pb2.Placement) -> tuple[FakeRouter, str]:
+        router = FakeRouter(placement_)
+        server = grpc.aio.server()
+        router_pb2_grpc.add_RouterServicer_to_server(router, server)  # type: ignore[no-untyped-call]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        return router, f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        await server.stop(grace=None)

@@ -56,7 +56,9 @@ async def routed(start_worker: Any, make_placement: Any, prompt_tokenizer: Any) 
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     scheduler = connect_scheduler(f"127.0.0.1:{port}", timeout_s=2.0)
-    settings = GatewaySettings(served_model_name=MODEL, max_model_len=64, cleanup_timeout_s=1.0)
+    settings = GatewaySettings(
+        served_model_name=MODEL, max_model_len=64, cleanup_timeout_s=1.0, auth={"mode": "disabled"}
+    )
 
     class Ready:
         async def check(self) -> Any:

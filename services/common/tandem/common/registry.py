@@ -40,6 +40,10 @@ class WorkerLoad:
     num_waiting_requests: int = 0
     kv_usage: float = 0.0
     num_held_kv_requests: int = 0
+    #: Prompt tokens of the requests the worker is prefilling now (prefill role).
+    num_prompt_tokens_in_flight: int = 0
+    #: KV tokens its running requests may grow to, prompt plus max_tokens (decode role).
+    num_kv_tokens_in_flight: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,11 @@ class WorkerRecord:
     kv_address: str = ""
     #: ZMQ endpoint of the engine's KV-event publisher, "" when off.
     kv_events_endpoint: str = ""
+    #: ZMQ endpoint of the publisher's replay (ROUTER) socket, "" when off.
+    kv_events_replay_endpoint: str = ""
+    #: How the engine hashes prefix-cache blocks (see tandem.common.block_hash).
+    block_hash_algo: str = "sha256"
+    block_hash_seed: str = "vllm-none-hash"
     block_size_tokens: int = 0
     num_kv_blocks: int = 0
     max_model_len: int = 0

@@ -22,6 +22,7 @@ from tandem.common.errors import TandemError
 from tandem.common.router_wire import (
     APPLICATION_NAME,
     METADATA_APPLICATION,
+    METADATA_PRIORITY,
     METADATA_REQUEST_ID,
     METADATA_SESSION_ID,
     error_from_status,
@@ -63,10 +64,14 @@ class RouterClient:
         prompt_token_ids: Iterable[int] = (),
         cache_salt: str = "",
         exclude_worker_ids: Iterable[str] = (),
+        priority: int | str = 0,
     ) -> router_pb2.Placement:
         """A (prefill, decode) pair for the request, reserved until :meth:`release` or the lease ends.
 
-        ``num_prompt_tokens`` defaults to ``len(prompt_token_ids)``.
+        ``num_prompt_tokens`` defaults to ``len(prompt_token_ids)``. ``priority``
+        is the admission priority: an int (larger is served first, 1 = lowest
+        class; 0 = not set) or a class name; it travels as ``tandem-priority``
+        metadata.
 
         Raises NoCapacityError (no worker now; retry later), InvalidRequestError
         (``code="model_not_found"`` for a model no worker serves) or
@@ -85,7 +90,9 @@ class RouterClient:
         )
         try:
             placement: router_pb2.Placement = await self._stub.Schedule(
-                request, timeout=self._timeout_s, metadata=self._metadata(request_id)
+                request,
+                timeout=self._timeout_s,
+                metadata=self._metadata(request_id) + (((METADATA_PRIORITY, str(priority)),) if priority else ()),
             )
         except grpc.aio.AioRpcError as exc:
             raise _map_rpc_error(exc) from exc

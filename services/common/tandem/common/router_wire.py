@@ -32,6 +32,8 @@ APPLICATION_NAME = "tandem-router"
 METADATA_APPLICATION = "application"
 METADATA_SESSION_ID = "session_id"
 METADATA_REQUEST_ID = "request_id"
+#: Admission priority class of the request (the router's queue serves classes in order).
+METADATA_PRIORITY = "tandem-priority"
 
 #: Trailers the router sets on errors.
 TRAILER_ERROR = "tandem-error"

@@ -1,23 +1,65 @@
 """``python -m tandem.gateway``: read settings, load the tokenizer, connect to
 the router and the registry, serve the app with uvicorn, and log one JSON line
-with the URL once it is listening."""
+with the URL once it is listening.
+
+SIGTERM drains (see :mod:`tandem.gateway.drain`): readiness false, new
+requests 503, in-flight streams get ``stream.drain_grace_s``, then the server
+stops. A second SIGTERM or SIGINT stops at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import socket
+from types import FrameType
 
 import uvicorn
 
 from tandem.common.logging import configure_logging
 from tandem.common.registry import WorkerRegistry
 from tandem.gateway.app import build_app
+from tandem.gateway.drain import Drain
+from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.prompt import HfPromptTokenizer
 from tandem.gateway.readiness import GrpcConnectProbe, RouterAndWorkersReadiness
 from tandem.gateway.scheduler import connect_scheduler
 from tandem.gateway.settings import GatewaySettings
 
 logger = logging.getLogger("tandem.gateway")
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM drains before it stops."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, grace_s: float, metrics: GatewayMetrics) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._grace_s = grace_s
+        self._metrics = metrics
+        self._drain_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self._drain_task is not None or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        # We are in a signal handler: hand the work to the loop rather than touch it from here.
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._metrics.draining.set(1)
+            self._drain_task = asyncio.create_task(self._drain_then_exit())
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    async def _drain_then_exit(self) -> None:
+        await self._drain.start(self._grace_s)
+        self.should_exit = True
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -32,17 +74,21 @@ async def serve(settings: GatewaySettings) -> None:
         cache_s=settings.readiness_cache_s,
         timeout_s=settings.readiness_timeout_s,
     )
-    app = build_app(settings, scheduler=scheduler, tokenizer=tokenizer, readiness=readiness)
+    drain = Drain()
+    metrics = GatewayMetrics()
+    app = build_app(
+        settings, scheduler=scheduler, tokenizer=tokenizer, readiness=readiness, drain=drain, metrics=metrics
+    )
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_config=None,  # keep our JSON root handler
         access_log=False,  # one line per request comes from the gateway itself
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=5,  # streams were drained before; this only closes idle connections
         timeout_keep_alive=75,
     )
-    server = uvicorn.Server(config)
+    server = _DrainingServer(config, drain, settings.stream.drain_grace_s, metrics)
     task = asyncio.create_task(server.serve())
     try:
         while not server.started and not task.done():
@@ -55,12 +101,14 @@ async def serve(settings: GatewaySettings) -> None:
                     "url": f"http://{host}:{port}",
                     "model": settings.served_model_name,
                     "router_address": settings.router_address,
+                    "auth_mode": settings.auth.mode,
                 },
             )
         await task
     finally:
         await scheduler.aclose()
         await registry.aclose()
+        logger.info("gateway stopped")
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """Builds the gateway's Starlette app from its parts.
 
 Called by :mod:`tandem.gateway.__main__` (real parts) and by tests (fakes);
-calls nothing at import time. Every dependency is passed in, so a test can
-swap the router (a fake :class:`~tandem.gateway.scheduler.Scheduler`) and the
-workers (fake gRPC servers) without patching.
+calls nothing at import time. Every dependency can be passed in, so a test can
+swap the router (a fake :class:`~tandem.gateway.scheduler.Scheduler`), the
+workers (fake gRPC servers) or Redis (a private redis-server) without patching.
 """
 
 from __future__ import annotations
@@ -13,20 +13,30 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from tandem.gateway.api import routes
+from tandem.gateway import playground
+from tandem.gateway.api import openapi, routes
 from tandem.gateway.api.errors import ApiError, internal_error
+from tandem.gateway.api.generation import StreamLimits
+from tandem.gateway.conversations import ConversationStore
+from tandem.gateway.drain import Drain
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.orchestrator import Orchestrator
 from tandem.gateway.prompt import PromptTokenizer
+from tandem.gateway.quota.redis_quota import RedisQuota
 from tandem.gateway.readiness import ReadinessCheck
+from tandem.gateway.redis_client import connect
 from tandem.gateway.scheduler import Scheduler
 from tandem.gateway.settings import GatewaySettings
+from tandem.gateway.tenancy.auth import Authenticator
+from tandem.gateway.tenancy.store import TenantStore
+from tandem.gateway.usage import UsageStore
 from tandem.gateway.workers import WorkerChannels
 
 logger = logging.getLogger(__name__)
@@ -57,10 +67,25 @@ def build_app(
     readiness: ReadinessCheck,
     metrics: GatewayMetrics | None = None,
     workers: WorkerChannels | None = None,
+    redis_client: aioredis.Redis | None = None,
+    drain: Drain | None = None,
 ) -> Starlette:
-    """The ASGI app. Worker channels are closed and pending cleanups drained at shutdown."""
+    """The ASGI app. Worker channels and Redis are closed and pending cleanups drained at shutdown."""
     metrics = metrics if metrics is not None else GatewayMetrics()
     workers = workers if workers is not None else WorkerChannels()
+    drain = drain if drain is not None else Drain()
+    owns_redis = redis_client is None
+    client = (
+        redis_client
+        if redis_client is not None
+        else connect(settings.redis.url, timeout_s=settings.tenancy.redis_timeout_s)
+    )
+    tenancy = settings.tenancy
+    prefix = tenancy.key_prefix
+    store = TenantStore(client, key_prefix=prefix)
+    fail_open = tenancy.fail_mode == "open"
+    if settings.auth.mode == "disabled":
+        logger.warning("authentication is disabled: every request is the anonymous tenant")
     orchestrator = Orchestrator(
         scheduler,
         workers,
@@ -81,6 +106,23 @@ def build_app(
         readiness=readiness,
         metrics=metrics,
         started_unix_s=int(time.time()),
+        authenticator=Authenticator(store, mode=settings.auth.mode, cache_s=settings.auth.cache_s, fail_open=fail_open),
+        # A concurrency slot outlives the longest request, so a replica that dies cannot hold it for long.
+        quota=RedisQuota(client, key_prefix=prefix, lease_s=settings.request_timeout_s + 30, fail_open=fail_open),
+        usage=UsageStore(client, key_prefix=prefix),
+        conversations=ConversationStore(
+            client,
+            key_prefix=prefix,
+            ttl_s=tenancy.conversation_ttl_s,
+            max_messages=tenancy.max_conversation_messages,
+        ),
+        drain=drain,
+        stream_limits=StreamLimits(
+            heartbeat_interval_s=settings.stream.heartbeat_interval_s,
+            max_buffered_bytes=settings.stream.max_buffered_bytes,
+            slow_reader_timeout_s=settings.stream.slow_reader_timeout_s,
+        ),
+        admin_key=settings.auth.admin_key.get_secret_value() if settings.auth.admin_key is not None else None,
     )
 
     @contextlib.asynccontextmanager
@@ -88,13 +130,19 @@ def build_app(
         yield
         await orchestrator.drain()
         await workers.aclose()
+        if owns_redis:
+            await client.aclose()
 
     app = Starlette(
         routes=[
+            Route("/", playground.page, methods=["GET"]),
+            Route("/openapi.json", openapi.document, methods=["GET"]),
             Route(routes.CHAT_ENDPOINT, routes.chat_completions, methods=["POST"]),
             Route(routes.COMPLETIONS_ENDPOINT, routes.completions, methods=["POST"]),
             Route("/v1/models", routes.list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.get_model, methods=["GET"]),
+            Route("/v1/usage", routes.usage, methods=["GET"]),
+            Route("/v1/admin/usage", routes.admin_usage, methods=["GET"]),
             Route("/healthz", routes.healthz, methods=["GET"]),
             Route("/readyz", routes.readyz, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
@@ -103,4 +151,5 @@ def build_app(
         lifespan=lifespan,
     )
     app.state.services = services
+    app.state.drain = drain
     return app

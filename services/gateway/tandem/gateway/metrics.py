@@ -90,8 +90,11 @@ class GatewayMetrics:
         )
         self.stage_s = Histogram(
             "tandem_gateway_stage_seconds",
-            "Time spent in one stage of the request path: tokenize (body read, validation, chat "
-            "template), schedule (router), prefill (first token), decode (remaining tokens).",
+            "Time spent in one stage of the request path: auth (key lookup), tokenize (body read, "
+            "validation, prompt assembly, chat template), quota (Redis admission), schedule (router, admission "
+            "queue included), prefill (first token, gateway's view), prefill_engine (the prefill worker's engine "
+            "time), kv_transfer (decode worker pulling KV), first_byte_write (first token to first byte handed "
+            "to the server), decode (remaining tokens).",
             ["stage"],
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
@@ -110,6 +113,24 @@ class GatewayMetrics:
         self.generated_tokens_total = Counter(
             "tandem_gateway_generated_tokens_total",
             "Completion tokens handed to clients.",
+            registry=self.registry,
+        )
+
+        self.slow_reader_disconnects_total = Counter(
+            "tandem_gateway_slow_reader_disconnects_total",
+            "Streams cut off because the client stopped reading (their generation was cancelled).",
+            registry=self.registry,
+        )
+        self.rejected_requests_total = Counter(
+            "tandem_gateway_rejected_requests_total",
+            "Requests refused before generation: unauthenticated (401), forbidden (403), rate_limited (429), "
+            "backend_unavailable (503: Redis down), draining (503).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.draining = Gauge(
+            "tandem_gateway_draining",
+            "1 while this replica drains (SIGTERM received).",
             registry=self.registry,
         )
 

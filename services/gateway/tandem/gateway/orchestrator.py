@@ -22,14 +22,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from tandem.common.errors import PermanentError, TandemError, WorkerUnavailableError
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.scheduler import Scheduler
+from tandem.gateway.timings import StageClock
 from tandem.gateway.workers import WorkerChannels, map_worker_error
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
 
@@ -70,6 +72,10 @@ class GenerationJob:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = "default"
     cache_salt: str = ""
+    #: The tenant's priority class for the router's admission queue ("": the router's default).
+    priority: str = ""
+    #: Marks scheduled / prefill_done and collects the workers' timings (mutable, owned by this request).
+    clock: StageClock = field(default_factory=StageClock)
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,24 @@ class _Progress:
     placement: router_pb2.Placement | None = None
     completed: bool = False
     decode_call: grpc.aio.UnaryStreamCall | None = None  # type: ignore[type-arg]
+
+
+async def _logged(work: Coroutine[Any, Any, None]) -> None:
+    try:
+        await work
+    except Exception:
+        logger.exception("background work failed")
+
+
+def _record_decode_stats(clock: StageClock, stats: worker_pb2.DecodeStats) -> None:
+    if stats.kv_transfer_seconds:
+        clock.worker["kv_transfer_s"] = stats.kv_transfer_seconds
+    if stats.kv_transfer_bytes:
+        clock.worker["kv_transfer_bytes"] = stats.kv_transfer_bytes
+    if stats.first_token_seconds:
+        clock.worker["decode_first_token_s"] = stats.first_token_seconds
+    if stats.num_external_tokens:
+        clock.worker["num_kv_tokens_received"] = stats.num_external_tokens
 
 
 class Orchestrator:
@@ -156,6 +180,8 @@ class Orchestrator:
             progress.decode_call = call
             try:
                 async for chunk in call:
+                    if chunk.HasField("stats"):
+                        _record_decode_stats(job.clock, chunk.stats)
                     num_decoded_tokens += len(chunk.token_ids)
                     if chunk.text or chunk.token_ids:
                         # Empty text (a token that completes no character yet) still counts as a token.
@@ -190,8 +216,10 @@ class Orchestrator:
                 tenant=job.tenant,
                 cache_salt=job.cache_salt,
                 exclude_worker_ids=excluded,
+                priority=job.priority,
             )
             progress.placement = placement
+            job.clock.remark("scheduled")
             self._metrics.observe_stage("schedule", time.monotonic() - started_s)
             started_s = time.monotonic()
             request = worker_pb2.PrefillRequest(
@@ -217,6 +245,10 @@ class Orchestrator:
                     continue
                 raise map_worker_error(exc, role="prefill", address=placement.prefill.address) from exc
             self._metrics.observe_stage("prefill", time.monotonic() - started_s)
+            job.clock.mark("prefill_done")
+            job.clock.worker["prefill_engine_s"] = response.engine_seconds
+            job.clock.worker["num_cached_tokens"] = response.num_cached_tokens
+            job.clock.worker["num_router_expected_cached_tokens"] = placement.num_cached_tokens
             return response
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -272,6 +304,12 @@ class Orchestrator:
         except grpc.aio.AioRpcError as exc:
             # Held KV blocks are leased by the prefill worker: they are freed when the lease runs out.
             logger.warning("abort on %s failed: %s", address, exc.code().name, extra={"request_id": request_id})
+
+    def run_in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` to its end even if the request's task is cancelled; awaited by :meth:`drain`."""
+        task = asyncio.get_running_loop().create_task(_logged(work))
+        self._cleanup_tasks.add(task)
+        task.add_done_callback(self._cleanup_tasks.discard)
 
     async def drain(self) -> None:
         """Wait for cleanup started so far (at shutdown)."""

@@ -37,6 +37,7 @@ class Scheduler(Protocol):
         tenant: str,
         cache_salt: str,
         exclude_worker_ids: Sequence[str],
+        priority: str = "",
     ) -> router_pb2.Placement: ...
 
     async def release(self, request_id: str) -> None: ...
@@ -61,6 +62,7 @@ class RouterClientScheduler:
         tenant: str,
         cache_salt: str,
         exclude_worker_ids: Sequence[str],
+        priority: str = "",
     ) -> router_pb2.Placement:
         placement: router_pb2.Placement = await self._client.schedule(
             request_id=request_id,
@@ -70,6 +72,7 @@ class RouterClientScheduler:
             tenant=tenant,
             cache_salt=cache_salt,
             exclude_worker_ids=list(exclude_worker_ids),
+            priority=priority,
         )
         return placement
 

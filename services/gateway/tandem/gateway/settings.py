@@ -5,8 +5,9 @@ environment variables prefixed ``TANDEM_GATEWAY_`` (groups nested with
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
@@ -14,6 +15,50 @@ from tandem.common.settings import RedisSettings, RegistrySettings
 
 def _default_model_dir() -> Path:
     return Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
+
+
+class AuthSettings(BaseModel):
+    """Who may call the gateway (see docs/tenancy.md)."""
+
+    #: ``api_key``: every request needs a tenant's key (``Authorization: Bearer …``); the default, and what
+    #: the chart runs. ``disabled``: every request is the anonymous tenant below (a laptop, a test); the
+    #: gateway logs a warning at start.
+    mode: Literal["api_key", "disabled"] = "api_key"
+    #: Credential of the admin endpoints (``/v1/admin/…``); unset: they answer 403.
+    admin_key: SecretStr | None = None
+    #: How long a key → tenant lookup is reused in this process; a revoked key stops working after at most
+    #: this long (0: ask Redis on every request).
+    cache_s: float = Field(2.0, ge=0)
+
+
+class TenancySettings(BaseModel):
+    """Where tenants, keys, quotas, usage and conversations live in Redis."""
+
+    #: Key prefix in Redis; several stacks may share one Redis.
+    key_prefix: str = "tandem"
+    #: Deadline of one Redis round trip on the request path; past it Redis counts as down.
+    redis_timeout_s: float = Field(0.5, gt=0)
+    #: Redis down: ``closed`` answers 503 (the default: quotas cannot be overspent); ``open`` serves
+    #: tenants already authenticated (cached) without quota checks.
+    fail_mode: Literal["closed", "open"] = "closed"
+    #: How long a stored conversation lives after its last turn.
+    conversation_ttl_s: int = Field(7 * 24 * 3600, ge=60)
+    #: Most messages kept per conversation (oldest dropped first).
+    max_conversation_messages: int = Field(200, ge=2)
+
+
+class StreamSettings(BaseModel):
+    """SSE behaviour on real networks."""
+
+    #: A streamed request still waiting for its first token after this long commits to 200 and sends an
+    #: SSE comment (``: queued``) every this many seconds, so proxies and clients keep the connection.
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+    #: Bytes of encoded events one stream may hold while the client is not reading.
+    max_buffered_bytes: int = Field(256 * 1024, ge=1024)
+    #: A stream whose buffer stays full this long is cut off and its generation cancelled.
+    slow_reader_timeout_s: float = Field(10.0, gt=0)
+    #: SIGTERM: in-flight streams get this long to finish; new requests are refused at once.
+    drain_grace_s: float = Field(30.0, ge=0)
 
 
 class GatewaySettings(BaseSettings):
@@ -53,6 +98,9 @@ class GatewaySettings(BaseSettings):
 
     redis: RedisSettings = Field(default_factory=RedisSettings)
     registry: RegistrySettings = Field(default_factory=RegistrySettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    tenancy: TenancySettings = Field(default_factory=TenancySettings)
+    stream: StreamSettings = Field(default_factory=StreamSettings)
 
     #: Log level of the root logger.
     log_level: str = "INFO"

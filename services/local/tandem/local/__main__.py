@@ -40,8 +40,12 @@ def main() -> int:
             f"\n[tandem] ready in {time.monotonic() - started:.0f} s: gateway {url} "
             f"(playground {url}/, metrics {url}/metrics); logs in {config.log_dir}/"
         )
+        auth = f" -H 'Authorization: Bearer {stack.api_key}'" if stack.api_key else ""
+        if stack.api_key:
+            print(f"[tandem] API key of tenant {config.dev_tenant_id} (new at every start): {stack.api_key}")
+            print(f"[tandem] admin key (GET {url}/v1/admin/usage): {stack.admin_key}")
         print("[tandem] try:\n")
-        print(f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'\n")
+        print(f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n")
         print("[tandem] Ctrl-C stops everything.", flush=True)
         while True:
             time.sleep(1)

@@ -1,13 +1,15 @@
 """Starts and stops the local stack: Redis (unless one answers already), the
-Ray Serve router, one prefill and one decode worker, and the gateway, each a
-child process with its own log file. Readiness is probed the way a client
+Ray Serve router, one prefill (or ``num_prefill_workers``) and one decode
+worker, and the gateway, each a child process with its own log file. Readiness is probed the way a client
 would see it (Health RPC, a router Release call, the gateway's /readyz)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -50,6 +52,21 @@ def default_model_dir() -> Path:
     return Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
 
 
+@dataclass(frozen=True)
+class WorkerPorts:
+    """The ports of one worker: gRPC service, KV server, metrics, KV events (PUB and replay)."""
+
+    port: int
+    kv_port: int
+    metrics_port: int
+    kv_events_port: int
+    kv_events_replay_port: int
+
+    @classmethod
+    def free(cls) -> WorkerPorts:
+        return cls(free_port(), free_port(), free_port(), free_port(), free_port())
+
+
 @dataclass
 class StackConfig:
     """Ports and places of one local stack."""
@@ -66,6 +83,17 @@ class StackConfig:
     decode_port: int = 50052
     decode_kv_port: int = 50062
     decode_metrics_port: int = 9102
+    prefill_kv_events_port: int = 5557
+    prefill_kv_events_replay_port: int = 6557
+    decode_kv_events_port: int = 5558
+    decode_kv_events_replay_port: int = 6558
+    #: Prefill workers beyond the first (named prefill-1, prefill-2, ...).
+    extra_prefill_workers: list[WorkerPorts] = field(default_factory=list)
+    #: Start the router and the gateway too (benchmarks that drive the workers directly say no).
+    start_router: bool = True
+    start_gateway: bool = True
+    #: TANDEM_ROUTER_POLICY for the router ("" = the router's default, cache_aware).
+    router_policy: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = "tandem"
     max_model_len: int = 4096
@@ -76,6 +104,11 @@ class StackConfig:
     pin_engine_cores: bool = True
     #: Extra environment for every child.
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: ``api_key`` (as in production: the stack creates the tenant ``local-dev`` and a fresh key at every
+    #: start, see :attr:`LocalStack.api_key`) or ``disabled`` (no keys at all).
+    auth_mode: str = "api_key"
+    #: Tenant the local stack creates and hands a key for.
+    dev_tenant_id: str = "local-dev"
 
     @classmethod
     def with_free_ports(cls, **overrides: object) -> StackConfig:
@@ -91,9 +124,37 @@ class StackConfig:
                 "decode_port",
                 "decode_kv_port",
                 "decode_metrics_port",
+                "prefill_kv_events_port",
+                "prefill_kv_events_replay_port",
+                "decode_kv_events_port",
+                "decode_kv_events_replay_port",
             )
         }
-        return cls(**{**ports, **overrides})  # type: ignore[arg-type]
+        num_prefill = int(overrides.pop("num_prefill_workers", 1))  # type: ignore[call-overload]
+        extra = [WorkerPorts.free() for _ in range(max(0, num_prefill - 1))]
+        return cls(**{**ports, "extra_prefill_workers": extra, **overrides})  # type: ignore[arg-type]
+
+    def worker_ports(self) -> dict[str, WorkerPorts]:
+        """Every worker by component name: prefill, prefill-1, ..., decode."""
+        workers = {
+            "prefill": WorkerPorts(
+                self.prefill_port,
+                self.prefill_kv_port,
+                self.prefill_metrics_port,
+                self.prefill_kv_events_port,
+                self.prefill_kv_events_replay_port,
+            )
+        }
+        for i, ports in enumerate(self.extra_prefill_workers, start=1):
+            workers[f"prefill-{i}"] = ports
+        workers["decode"] = WorkerPorts(
+            self.decode_port,
+            self.decode_kv_port,
+            self.decode_metrics_port,
+            self.decode_kv_events_port,
+            self.decode_kv_events_replay_port,
+        )
+        return workers
 
     @property
     def gateway_url(self) -> str:
@@ -120,6 +181,14 @@ class LocalStack:
         self._children: dict[str, _Child] = {}
         self.started_at: dict[str, float] = {}
         self.ready_after_s: dict[str, float] = {}
+        #: The dev tenant's API key (``Authorization: Bearer …``), created at start; "" with auth disabled.
+        self.api_key = ""
+        #: Credential of the gateway's admin endpoints, fresh at every start.
+        self.admin_key = secrets.token_urlsafe(24)
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     # -- environment -------------------------------------------------------------
 
@@ -128,13 +197,11 @@ class LocalStack:
         env.update({"PYTHONUNBUFFERED": "1", **self.config.extra_env})
         return env
 
-    def _worker_env(self, role: str) -> dict[str, str]:
+    def _worker_env(self, name: str) -> dict[str, str]:
         c = self.config
-        port, kv_port, metrics_port = (
-            (c.prefill_port, c.prefill_kv_port, c.prefill_metrics_port)
-            if role == "prefill"
-            else (c.decode_port, c.decode_kv_port, c.decode_metrics_port)
-        )
+        role = "decode" if name == "decode" else "prefill"
+        ports = c.worker_ports()[name]
+        port, kv_port, metrics_port = ports.port, ports.kv_port, ports.metrics_port
         env = self._base_env()
         env.update(
             {
@@ -145,6 +212,8 @@ class LocalStack:
                 "TANDEM_WORKER_KV__HOST": c.host,
                 "TANDEM_WORKER_KV__PORT": str(kv_port),
                 "TANDEM_WORKER_KV__LEASE_S": str(c.kv_lease_s),
+                "TANDEM_WORKER_KV_EVENTS__PORT": str(ports.kv_events_port),
+                "TANDEM_WORKER_KV_EVENTS__REPLAY_PORT": str(ports.kv_events_replay_port),
                 "TANDEM_WORKER_ENGINE__MODEL_DIR": str(c.model_dir),
                 "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME": c.served_model_name,
                 "TANDEM_WORKER_ENGINE__MAX_MODEL_LEN": str(c.max_model_len),
@@ -153,8 +222,13 @@ class LocalStack:
                 "TANDEM_WORKER_REGISTRY__KEY_PREFIX": c.key_prefix,
             }
         )
-        if c.pin_engine_cores and (os.cpu_count() or 1) >= 2:
-            env["TANDEM_WORKER_ENGINE__CPU_THREADS_BIND"] = "0" if role == "prefill" else "1"
+        num_cpus = os.cpu_count() or 1
+        if c.pin_engine_cores and num_cpus >= 2:
+            # Prefill workers one core each, round the cores; decode on the last core
+            # (with two cores and two prefill workers it shares core 1 with prefill-1).
+            names = list(c.worker_ports())
+            core = num_cpus - 1 if role == "decode" else names.index(name) % num_cpus
+            env["TANDEM_WORKER_ENGINE__CPU_THREADS_BIND"] = str(core)
         return env
 
     def _router_env(self) -> dict[str, str]:
@@ -169,6 +243,8 @@ class LocalStack:
                 "TANDEM_ROUTER_REGISTRY__KEY_PREFIX": c.key_prefix,
             }
         )
+        if c.router_policy:
+            env["TANDEM_ROUTER_POLICY"] = c.router_policy
         return env
 
     def _gateway_env(self) -> dict[str, str]:
@@ -184,9 +260,39 @@ class LocalStack:
                 "TANDEM_GATEWAY_ROUTER_ADDRESS": f"{c.host}:{c.router_grpc_port}",
                 "TANDEM_GATEWAY_REDIS__URL": c.redis_url,
                 "TANDEM_GATEWAY_REGISTRY__KEY_PREFIX": c.key_prefix,
+                "TANDEM_GATEWAY_TENANCY__KEY_PREFIX": c.key_prefix,
+                "TANDEM_GATEWAY_AUTH__MODE": c.auth_mode,
+                "TANDEM_GATEWAY_AUTH__ADMIN_KEY": self.admin_key,
             }
         )
         return env
+
+    def _create_dev_key(self) -> None:
+        """The dev tenant (unlimited) and a fresh key; the previous start's keys are revoked."""
+        self.api_key = self.create_tenant_key(self.config.dev_tenant_id, name="local development")
+
+    def create_tenant_key(self, tenant_id: str, *, name: str = "", label: str = "local-stack") -> str:
+        """Create ``tenant_id`` (unlimited) if missing and return a fresh API key for it;
+        earlier keys with the same label are revoked. For local use and tests."""
+        from tandem.gateway.redis_client import connect
+        from tandem.gateway.tenancy.models import Tenant
+        from tandem.gateway.tenancy.store import TenantStore
+
+        async def create() -> str:
+            client = connect(self.config.redis_url, timeout_s=5.0)
+            try:
+                store = TenantStore(client, key_prefix=self.config.key_prefix)
+                if await store.get_tenant(tenant_id) is None:
+                    await store.put_tenant(Tenant(id=tenant_id, name=name or tenant_id))
+                for old in await store.list_keys(tenant_id):
+                    if old.label == label and not old.revoked:
+                        await store.revoke_key(old.key_id)
+                _, key = await store.create_key(tenant_id, label=label)
+                return key
+            finally:
+                await client.aclose()
+
+        return asyncio.run(create())
 
     # -- processes ---------------------------------------------------------------
 
@@ -220,14 +326,25 @@ class LocalStack:
             raise StackError(f"model folder {c.model_dir} is missing; run `make model`")
         self._progress("starting redis")
         self._ensure_redis()
-        self._progress("starting router (Ray Serve), prefill and decode workers (vLLM)")
+        workers = c.worker_ports()
+        self._progress(
+            ("starting router (Ray Serve), " if c.start_router else "starting ")
+            + f"{len(workers) - 1} prefill and 1 decode worker (vLLM)"
+        )
         py = sys.executable
-        self._spawn("router", [py, "-m", "tandem.router"], self._router_env())
-        self._spawn("prefill", [py, "-m", "tandem.worker"], self._worker_env("prefill"))
-        self._spawn("decode", [py, "-m", "tandem.worker"], self._worker_env("decode"))
-        self._wait("prefill", lambda: self._worker_ready(c.prefill_port), timeout_s)
-        self._wait("decode", lambda: self._worker_ready(c.decode_port), timeout_s)
-        self._wait("router", self._router_ready, timeout_s)
+        if c.start_router:
+            self._spawn("router", [py, "-m", "tandem.router"], self._router_env())
+        for name in workers:
+            self._spawn(name, [py, "-m", "tandem.worker"], self._worker_env(name))
+        for name, ports in workers.items():
+            self._wait(name, lambda port=ports.port: self._worker_ready(port), timeout_s)  # type: ignore[misc]
+        if c.start_router:
+            self._wait("router", self._router_ready, timeout_s)
+        if not c.start_gateway:
+            return
+        if c.auth_mode == "api_key":
+            self._create_dev_key()
+            self._progress(f"created an API key for tenant {c.dev_tenant_id}")
         self._progress("starting gateway")
         self._spawn("gateway", [py, "-m", "tandem.gateway"], self._gateway_env())
         self._wait("gateway", self._gateway_ready, timeout_s)
@@ -288,7 +405,7 @@ class LocalStack:
 
     def stop(self, *, timeout_s: float = 30.0) -> None:
         """SIGTERM every child (gateway first), then SIGKILL what is left."""
-        order = ["gateway", "router", "decode", "prefill", "redis"]
+        order = ["gateway", "router", "decode", *[n for n in self._children if n.startswith("prefill")], "redis"]
         for name in order:
             if name in self._children and self._children[name].proc.poll() is None:
                 self.kill(name, signal.SIGTERM)

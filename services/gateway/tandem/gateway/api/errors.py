@@ -22,6 +22,7 @@ from tandem.common.errors import (
     TandemError,
     WorkerUnavailableError,
 )
+from tandem.gateway.errors import AuthenticationError, PermissionDeniedError, RateLimitedError, ShuttingDownError
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,21 @@ class RequestTooLargeError(InvalidRequestError):
 
 def api_error_from(exc: TandemError) -> ApiError:
     """Map a Tandem error to what the client sees."""
+    if isinstance(exc, AuthenticationError):
+        return ApiError(401, str(exc), code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="tandem"'})
+    if isinstance(exc, PermissionDeniedError):
+        return ApiError(403, str(exc), type="permission_error", param=exc.param, code=exc.code)
+    if isinstance(exc, RateLimitedError):
+        headers = {**exc.headers, "Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+        return ApiError(429, str(exc), type=exc.kind, code="rate_limit_exceeded", headers=headers)
+    if isinstance(exc, ShuttingDownError):
+        return ApiError(
+            503,
+            str(exc),
+            type="server_error",
+            code="shutting_down",
+            headers={"Retry-After": "1", "Connection": "close"},
+        )
     if isinstance(exc, ModelNotFoundError) or (isinstance(exc, InvalidRequestError) and exc.code == "model_not_found"):
         return ApiError(404, str(exc), param=exc.param or "model", code=exc.code or "model_not_found")
     if isinstance(exc, RequestTooLargeError):

@@ -83,6 +83,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
     tools: list[Any] | None = None
+    #: Tandem extension: the server keeps this conversation's turns; send only the new message.
+    conversation_id: StrictStr | None = Field(None, min_length=1, max_length=128)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

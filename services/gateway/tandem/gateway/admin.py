@@ -1,0 +1,165 @@
+"""Admin CLI: ``python -m tandem.gateway.admin`` (or ``tandem-admin``).
+
+Creates, lists, updates and deletes tenants, creates, lists and revokes their
+API keys, and shows usage. Talks to the same Redis as the gateways, with the
+same settings (``TANDEM_GATEWAY_REDIS__URL``, ``TANDEM_GATEWAY_TENANCY__KEY_PREFIX``).
+A new key is printed once and never stored; output is JSON, one object per line.
+
+    tandem-admin tenant create acme --output-tokens-per-minute 20000 --max-concurrent-streams 4
+    tandem-admin key create acme --label ci
+    tandem-admin key revoke <key id>
+    tandem-admin usage acme
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from tandem.common.errors import BackendUnavailableError
+from tandem.gateway.redis_client import connect
+from tandem.gateway.settings import GatewaySettings
+from tandem.gateway.tenancy.models import Tenant, TenantPolicy
+from tandem.gateway.tenancy.store import TenantError, TenantStore
+from tandem.gateway.usage import UsageStore
+
+_POLICY_FLAGS: dict[str, type] = {
+    "input_tokens_per_minute": int,
+    "output_tokens_per_minute": int,
+    "max_concurrent_streams": int,
+    "max_context_tokens": int,
+    "priority_class": str,
+    "system_prompt": str,
+}
+
+
+def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
+    for name, kind in _POLICY_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=_help(name))
+    parser.add_argument(
+        "--allowed-model",
+        action="append",
+        dest="allowed_models",
+        default=None,
+        help="a model this tenant may use (repeat; none: all models)",
+    )
+    parser.add_argument(
+        "--allow-client-system-prompt",
+        dest="allow_client_system_prompt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether clients may send their own system messages",
+    )
+
+
+def _help(name: str) -> str:
+    field = TenantPolicy.model_fields[name]
+    return (field.description or name.replace("_", " ")) + " (default: unlimited/unset)"
+
+
+def _policy_changes(args: argparse.Namespace) -> dict[str, Any]:
+    names = [*_POLICY_FLAGS, "allowed_models", "allow_client_system_prompt"]
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem-admin", description="Manage Tandem tenants, API keys and usage.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tenant = sub.add_parser("tenant", help="tenants").add_subparsers(dest="action", required=True)
+    create = tenant.add_parser("create", help="create (or replace) a tenant")
+    create.add_argument("tenant_id")
+    create.add_argument("--name", default="")
+    _add_policy_flags(create)
+    update = tenant.add_parser("update", help="change some of a tenant's settings")
+    update.add_argument("tenant_id")
+    update.add_argument("--name", default=None)
+    update.add_argument("--disabled", action=argparse.BooleanOptionalAction, default=None)
+    _add_policy_flags(update)
+    tenant.add_parser("list", help="list tenants")
+    show = tenant.add_parser("show", help="one tenant and its keys")
+    show.add_argument("tenant_id")
+    delete = tenant.add_parser("delete", help="delete a tenant and revoke its keys")
+    delete.add_argument("tenant_id")
+
+    key = sub.add_parser("key", help="API keys").add_subparsers(dest="action", required=True)
+    key_create = key.add_parser("create", help="a new key (printed once)")
+    key_create.add_argument("tenant_id")
+    key_create.add_argument("--label", default="")
+    key_list = key.add_parser("list", help="a tenant's keys (ids only)")
+    key_list.add_argument("tenant_id")
+    key_revoke = key.add_parser("revoke", help="revoke a key by its id")
+    key_revoke.add_argument("key_id")
+
+    usage = sub.add_parser("usage", help="usage per tenant and model")
+    usage.add_argument("tenant_id", nargs="?", help="one tenant (default: all)")
+    usage.add_argument("--day", default=None, help="one UTC day, YYYY-MM-DD")
+    return parser
+
+
+async def run(args: argparse.Namespace, settings: GatewaySettings) -> list[dict[str, Any]]:
+    client = connect(settings.redis.url, timeout_s=max(2.0, settings.tenancy.redis_timeout_s))
+    store = TenantStore(client, key_prefix=settings.tenancy.key_prefix)
+    try:
+        return await _dispatch(args, store, UsageStore(client, key_prefix=settings.tenancy.key_prefix))
+    finally:
+        await client.aclose()
+
+
+async def _dispatch(args: argparse.Namespace, store: TenantStore, usage: UsageStore) -> list[dict[str, Any]]:
+    if args.command == "tenant":
+        if args.action == "create":
+            tenant = await store.put_tenant(Tenant(id=args.tenant_id, name=args.name, **_policy_changes(args)))
+            return [tenant.model_dump()]
+        if args.action == "update":
+            changes = _policy_changes(args)
+            for name in ("name", "disabled"):
+                if getattr(args, name) is not None:
+                    changes[name] = getattr(args, name)
+            return [(await store.update_tenant(args.tenant_id, **changes)).model_dump()]
+        if args.action == "list":
+            return [t.model_dump() for t in await store.list_tenants()]
+        if args.action == "show":
+            found = await store.get_tenant(args.tenant_id)
+            if found is None:
+                raise TenantError(f"no tenant {args.tenant_id!r}")
+            keys = [k.model_dump() for k in await store.list_keys(args.tenant_id)]
+            return [{**found.model_dump(), "keys": keys}]
+        if args.action == "delete":
+            await store.delete_tenant(args.tenant_id)
+            return [{"deleted": args.tenant_id}]
+    if args.command == "key":
+        if args.action == "create":
+            record, key = await store.create_key(args.tenant_id, label=args.label)
+            return [{**record.model_dump(), "api_key": key, "note": "shown once; store it now"}]
+        if args.action == "list":
+            return [k.model_dump() for k in await store.list_keys(args.tenant_id)]
+        if args.action == "revoke":
+            return [(await store.revoke_key(args.key_id)).model_dump()]
+    if args.command == "usage":
+        tenant_ids = [args.tenant_id] if args.tenant_id else await usage.tenants()
+        return [await usage.tenant_usage(t, day=args.day) for t in tenant_ids]
+    raise AssertionError(f"unhandled command {args.command} {getattr(args, 'action', '')}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = GatewaySettings()
+    try:
+        for item in asyncio.run(run(args, settings)):
+            print(json.dumps(item, ensure_ascii=False))
+    except (TenantError, ValueError) as exc:
+        print(f"tandem-admin: {exc}", file=sys.stderr)
+        return 2
+    except BackendUnavailableError as exc:
+        print(f"tandem-admin: {exc} ({settings.redis.url})", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Gateway-only errors, under tandem.common.errors' tree::
+
+    PermanentError
+    ├── AuthenticationError     no, unknown or revoked key (401)
+    └── PermissionDeniedError   the tenant may not do this (403)
+    RetryableError
+    ├── RateLimitedError        quota or concurrency cap reached (429, Retry-After, x-ratelimit-*)
+    └── ShuttingDownError       this replica is draining (503)
+
+Raised by the tenancy, quota and drain modules; mapped to HTTP by
+:func:`tandem.gateway.api.errors.api_error_from`.
+"""
+
+from __future__ import annotations
+
+from tandem.common.errors import PermanentError, RetryableError
+
+
+class AuthenticationError(PermanentError):
+    pass
+
+
+class PermissionDeniedError(PermanentError):
+    def __init__(self, message: str, *, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+class RateLimitedError(RetryableError):
+    """``kind`` is ``tokens`` or ``requests`` (OpenAI's error type); headers go to the client as they are."""
+
+    def __init__(self, message: str, *, kind: str, retry_after_s: float, headers: dict[str, str]) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.kind = kind
+        self.headers = headers
+
+
+class ShuttingDownError(RetryableError):
+    pass

@@ -1,0 +1,37 @@
+"""The quota seam. Route handlers call :meth:`Quota.admit` after the prompt is
+built and before the router is asked; the generation response calls
+:meth:`Quota.settle` exactly once when the request ends, however it ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.gateway.tenancy.models import TenantPolicy
+
+
+@dataclass(frozen=True)
+class Admission:
+    """An admitted request's reservation, and the figures for the ``x-ratelimit-*`` headers."""
+
+    tenant_id: str
+    request_id: str
+    num_input_tokens: int
+    num_reserved_output_tokens: int
+    policy: TenantPolicy
+    headers: dict[str, str] = field(default_factory=dict)
+    #: False when nothing was charged (unlimited tenant, or Redis down with fail_mode=open).
+    charged: bool = True
+
+
+class Quota(Protocol):
+    async def admit(
+        self, tenant_id: str, policy: TenantPolicy, request_id: str, num_input_tokens: int, num_output_tokens: int
+    ) -> Admission:
+        """Charge the prompt and reserve ``num_output_tokens``; RateLimitedError (429) when over quota,
+        BackendUnavailableError (503) when the quota cannot be checked."""
+        ...
+
+    async def settle(self, admission: Admission, num_output_tokens: int) -> None:
+        """Refund the unused reservation and free the concurrency slot. Never raises."""
+        ...

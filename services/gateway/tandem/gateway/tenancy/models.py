@@ -1,0 +1,70 @@
+"""What a tenant is allowed: quotas, models, priority and its trusted prompt.
+
+Plain pydantic models, stored as JSON in Redis by :mod:`.store`, read by the
+route handlers, the quota and the prompt assembly. No logic beyond defaults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: The router's admission classes, highest first (sent as ``tandem-priority`` gRPC metadata).
+PriorityClass = Literal["interactive", "standard", "batch"]
+TENANT_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+ANONYMOUS_TENANT_ID = "anonymous"
+
+
+class TenantPolicy(BaseModel):
+    """Limits and prompt rules of one tenant. ``None`` means unlimited."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    #: Prompt tokens admitted per minute (token bucket, shared by all gateway replicas).
+    input_tokens_per_minute: int | None = Field(None, ge=1)
+    #: Completion tokens per minute; a request reserves its ``max_tokens`` at admission.
+    output_tokens_per_minute: int | None = Field(None, ge=1)
+    #: Requests generating at the same time.
+    max_concurrent_streams: int | None = Field(None, ge=1)
+    #: Prompt plus completion tokens per request (capped by the model's own context).
+    max_context_tokens: int | None = Field(None, ge=2)
+    #: Models this tenant may call; empty: every served model.
+    allowed_models: list[str] = Field(default_factory=list)
+    priority_class: PriorityClass = "standard"
+    #: Inserted by the server as the first system block of every chat request.
+    system_prompt: str = ""
+    #: Whether clients may send their own ``system``/``developer`` messages (appended after the trusted one).
+    allow_client_system_prompt: bool = True
+
+
+class Tenant(TenantPolicy):
+    id: str
+    name: str = ""
+    created_unix_s: int = 0
+    #: A disabled tenant's keys answer 401.
+    disabled: bool = False
+
+    @property
+    def cache_salt(self) -> str:
+        """Prefix-cache namespace of this tenant: blocks computed for one tenant never match another's."""
+        return hashlib.sha256(f"tandem-tenant:{self.id}".encode()).hexdigest()[:32]
+
+    def may_use(self, model: str) -> bool:
+        return not self.allowed_models or model in self.allowed_models
+
+
+class ApiKeyRecord(BaseModel):
+    """A key as stored: never the key itself, only its id (public) and hash (the lookup)."""
+
+    key_id: str
+    tenant_id: str
+    label: str = ""
+    created_unix_s: int = 0
+    revoked: bool = False
+
+
+def valid_tenant_id(tenant_id: str) -> bool:
+    return bool(TENANT_ID_PATTERN.match(tenant_id))

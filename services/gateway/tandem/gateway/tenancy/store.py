@@ -1,0 +1,124 @@
+"""Tenants and API keys in Redis.
+
+Called by the admin CLI (create, list, revoke) and by the authenticator
+(:meth:`TenantStore.lookup_key`); calls Redis. Layout under ``<prefix>:gw:``::
+
+    tenants              set of tenant ids
+    tenant:<id>          Tenant as JSON
+    tenant:<id>:keys     set of key ids
+    keyid:<key id>       the key's SHA-256
+    key:<sha256>         ApiKeyRecord as JSON (the lookup of every request)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from tandem.gateway.redis_client import redis_errors
+from tandem.gateway.tenancy.keys import hash_key, new_api_key
+from tandem.gateway.tenancy.models import ApiKeyRecord, Tenant, valid_tenant_id
+
+
+class TenantError(ValueError):
+    """An admin operation that cannot be done (unknown tenant, bad id)."""
+
+
+class TenantStore:
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str) -> None:
+        self._redis = client
+        self._p = f"{key_prefix}:gw"
+
+    def _k(self, *parts: str) -> str:
+        return ":".join((self._p, *parts))
+
+    # -- tenants -------------------------------------------------------------------------------------
+
+    async def put_tenant(self, tenant: Tenant) -> Tenant:
+        """Create or replace a tenant."""
+        if not valid_tenant_id(tenant.id):
+            raise TenantError(f"tenant id {tenant.id!r}: use 1-63 of a-z 0-9 _ -, starting with a letter or digit")
+        if not tenant.created_unix_s:
+            tenant = tenant.model_copy(update={"created_unix_s": int(time.time())})
+        with redis_errors("put tenant"):
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(self._k("tenant", tenant.id), tenant.model_dump_json())
+                pipe.sadd(self._k("tenants"), tenant.id)
+                await pipe.execute()
+        return tenant
+
+    async def get_tenant(self, tenant_id: str) -> Tenant | None:
+        with redis_errors("get tenant"):
+            raw = await self._redis.get(self._k("tenant", tenant_id))
+        return None if raw is None else Tenant.model_validate_json(raw)
+
+    async def update_tenant(self, tenant_id: str, **changes: Any) -> Tenant:
+        tenant = await self.get_tenant(tenant_id)
+        if tenant is None:
+            raise TenantError(f"no tenant {tenant_id!r}")
+        updated = Tenant.model_validate({**tenant.model_dump(), **changes})
+        return await self.put_tenant(updated)
+
+    async def list_tenants(self) -> list[Tenant]:
+        with redis_errors("list tenants"):
+            ids = sorted(str(i) for i in await self._redis.smembers(self._k("tenants")))
+            raws = await self._redis.mget([self._k("tenant", i) for i in ids]) if ids else []
+        return [Tenant.model_validate_json(raw) for raw in raws if raw is not None]
+
+    async def delete_tenant(self, tenant_id: str) -> None:
+        """Remove a tenant and revoke all its keys (usage figures stay)."""
+        for record in await self.list_keys(tenant_id):
+            await self.revoke_key(record.key_id)
+        with redis_errors("delete tenant"):
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self._k("tenant", tenant_id), self._k("tenant", tenant_id, "keys"))
+                pipe.srem(self._k("tenants"), tenant_id)
+                await pipe.execute()
+
+    # -- keys ----------------------------------------------------------------------------------------
+
+    async def create_key(self, tenant_id: str, *, label: str = "") -> tuple[ApiKeyRecord, str]:
+        """A new key for the tenant: the record and the key itself (shown once, never stored)."""
+        if await self.get_tenant(tenant_id) is None:
+            raise TenantError(f"no tenant {tenant_id!r}")
+        key_id, key = new_api_key()
+        record = ApiKeyRecord(key_id=key_id, tenant_id=tenant_id, label=label, created_unix_s=int(time.time()))
+        digest = hash_key(key)
+        with redis_errors("create key"):
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(self._k("key", digest), record.model_dump_json())
+                pipe.set(self._k("keyid", key_id), digest)
+                pipe.sadd(self._k("tenant", tenant_id, "keys"), key_id)
+                await pipe.execute()
+        return record, key
+
+    async def list_keys(self, tenant_id: str) -> list[ApiKeyRecord]:
+        with redis_errors("list keys"):
+            key_ids = sorted(str(k) for k in await self._redis.smembers(self._k("tenant", tenant_id, "keys")))
+            digests = await self._redis.mget([self._k("keyid", k) for k in key_ids]) if key_ids else []
+            raws = await self._redis.mget([self._k("key", str(d)) for d in digests if d]) if any(digests) else []
+        return [ApiKeyRecord.model_validate_json(raw) for raw in raws if raw is not None]
+
+    async def revoke_key(self, key_id: str) -> ApiKeyRecord:
+        with redis_errors("revoke key"):
+            digest = await self._redis.get(self._k("keyid", key_id))
+            raw = await self._redis.get(self._k("key", str(digest))) if digest else None
+            if digest is None or raw is None:
+                raise TenantError(f"no key {key_id!r}")
+            record = ApiKeyRecord.model_validate_json(raw).model_copy(update={"revoked": True})
+            await self._redis.set(self._k("key", str(digest)), record.model_dump_json())
+        return record
+
+    async def lookup_key(self, key: str) -> tuple[ApiKeyRecord, Tenant] | None:
+        """The key's record and tenant, or None for an unknown key (revoked ones are returned, flagged)."""
+        with redis_errors("key lookup"):
+            raw = await self._redis.get(self._k("key", hash_key(key)))
+            if raw is None:
+                return None
+            record = ApiKeyRecord.model_validate_json(raw)
+            tenant_raw = await self._redis.get(self._k("tenant", record.tenant_id))
+        if tenant_raw is None:
+            return None
+        return record, Tenant.model_validate_json(tenant_raw)
