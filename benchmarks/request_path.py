@@ -30,7 +30,9 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
-def stream_once(base_url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+def stream_once(
+    base_url: str, model: str, prompt: str, max_tokens: int, headers: dict[str, str] | None = None
+) -> tuple[float, list[float]]:
     """(TTFT, inter-token gaps) as vllm bench serve defines them: first non-empty content delta."""
     body = {
         "model": model,
@@ -42,7 +44,7 @@ def stream_once(base_url: str, model: str, prompt: str, max_tokens: int) -> tupl
     }
     sent = time.perf_counter()
     ttft, last, gaps = None, 0.0, []
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=300) as resp:
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=300) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if not line.startswith("data:") or line.endswith("[DONE]"):
@@ -118,6 +120,8 @@ def main() -> None:
             config.model_dir, config.served_model_name, vllm_port, run_dir / "plain-vllm.log"
         )
         targets = {"tandem": config.gateway_url, "vllm": f"http://127.0.0.1:{vllm_port}"}
+        # Tandem authenticates tenants like production; plain vLLM has no keys.
+        headers = {"tandem": stack.auth_headers, "vllm": {}}
         questions = [
             f"Question {i}: explain in a few sentences why the sky looks blue at noon."
             for i in range(args.num_requests)
@@ -125,11 +129,11 @@ def main() -> None:
         ttft: dict[str, list[float]] = {k: [] for k in targets}
         itl: dict[str, list[float]] = {k: [] for k in targets}
         for name in targets:  # warm-up, not measured
-            stream_once(targets[name], config.served_model_name, "Hello", 4)
+            stream_once(targets[name], config.served_model_name, "Hello", 4, headers[name])
         for i, q in enumerate(questions):
             order = list(targets) if i % 2 == 0 else list(reversed(targets))
             for name in order:
-                t, gaps = stream_once(targets[name], config.served_model_name, q, args.max_tokens)
+                t, gaps = stream_once(targets[name], config.served_model_name, q, args.max_tokens, headers[name])
                 ttft[name].append(t)
                 itl[name].extend(gaps)
             print(f"[bench] {i + 1}/{len(questions)}", flush=True)
@@ -143,7 +147,7 @@ def main() -> None:
         before = kv.GetStats(kv_transfer_pb2.KVStatsRequest())
         for i in range(args.num_long):
             doc = " ".join(f"Fact {i}-{j}: the number {j * 7 + i} is interesting." for j in range(150))
-            stream_once(config.gateway_url, config.served_model_name, doc + " Summarize.", 4)
+            stream_once(config.gateway_url, config.served_model_name, doc + " Summarize.", 4, stack.auth_headers)
         after = kv.GetStats(kv_transfer_pb2.KVStatsRequest())
         kv_bytes = after.bytes_received_total - before.bytes_received_total
         kv_s = after.transfer_seconds_total - before.transfer_seconds_total
