@@ -33,7 +33,7 @@ def main() -> int:
         stack.start()
         url = config.gateway_url
         body = (
-            f'{{"model": "{config.served_model_name}", "stream": true, "messages": '
+            f'{{"model": "{config.served_model_name}", "stream": true, "temperature": 0, "messages": '
             '[{"role": "user", "content": "What is the capital of France?"}]}'
         )
         print(
