@@ -199,7 +199,7 @@ async def test_schedule_returns_one_worker_of_each_role(client: RouterClient, wo
     assert placement.prefill.worker_id in workers.records and placement.decode.worker_id in workers.records
     assert placement.prefill.address == workers.records[placement.prefill.worker_id].address
     assert placement.lease_s == 600
-    assert placement.reason.startswith("least_loaded ")
+    assert placement.reason.startswith("cache_aware ")  # the default policy
     assert await client.release("req-roles") is True
 
 

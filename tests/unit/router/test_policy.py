@@ -89,7 +89,7 @@ def test_rotation_is_per_role() -> None:
 
 
 def test_create_policy_by_name() -> None:
-    assert set(POLICIES) == {"least_loaded", "round_robin"}
+    assert set(POLICIES) == {"cache_aware", "least_loaded", "round_robin"}
     assert isinstance(create_policy("least_loaded"), LeastLoadedPolicy)
     assert isinstance(create_policy("round_robin"), RoundRobinPolicy)
     # Fresh state every time: two replicas must not share rotation counters.
@@ -97,5 +97,5 @@ def test_create_policy_by_name() -> None:
 
 
 def test_create_policy_rejects_unknown_name_listing_known_ones() -> None:
-    with pytest.raises(ValueError, match="least_loaded, round_robin"):
-        create_policy("cache_aware")
+    with pytest.raises(ValueError, match="cache_aware, least_loaded, round_robin"):
+        create_policy("cache-aware")

@@ -6,6 +6,7 @@ import pytest
 
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord
+from tandem.router.metrics import NullRouterMetrics
 from tandem.router.policy import ScheduleInput, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import Scheduler
@@ -15,7 +16,7 @@ from tests.unit.router.router_factories import FakeClock, FakeRegistry, make_poo
 pytestmark = pytest.mark.asyncio
 
 
-class RecordingMetrics:
+class RecordingMetrics(NullRouterMetrics):
     def __init__(self) -> None:
         self.outcomes: list[str] = []
         self.in_flight: dict[str, int] = {}

@@ -64,3 +64,25 @@ def test_registry_record_advertises_addresses_and_capacity() -> None:
     assert record.address == "10.1.2.3:7000"
     assert record.kv_address == f"{settings.kv.host}:{settings.kv.port}"
     assert record.capacity_tokens == 12_800
+
+
+def test_engine_publishes_kv_events_on_the_configured_ports() -> None:
+    settings = WorkerSettings.model_validate(
+        {"role": "prefill", "bind_host": "10.0.0.5", "kv_events": {"port": 5600, "replay_port": 5601}}
+    )
+    kwargs = engine_args_kwargs(settings, engine_id="p-1")
+    events = kwargs["kv_events_config"]
+    assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
+    # "*" makes vLLM bind (any other host would make it connect)
+    assert (events["endpoint"], events["replay_endpoint"]) == ("tcp://*:5600", "tcp://*:5601")
+    assert kwargs["prefix_caching_hash_algo"] == "sha256"
+    record = build_record(settings, "w-1", num_kv_blocks=10, block_size_tokens=128)
+    assert record.kv_events_endpoint == "tcp://10.0.0.5:5600"
+    assert record.kv_events_replay_endpoint == "tcp://10.0.0.5:5601"
+    assert (record.block_hash_algo, record.block_hash_seed) == ("sha256", "vllm-none-hash")
+
+
+def test_kv_events_can_be_turned_off() -> None:
+    settings = WorkerSettings.model_validate({"kv_events": {"enabled": False}})
+    assert "kv_events_config" not in engine_args_kwargs(settings, engine_id="p-1")
+    assert build_record(settings, "w-1", num_kv_blocks=1, block_size_tokens=16).kv_events_endpoint == ""

@@ -8,25 +8,36 @@ request's ``session_id`` metadata. The methods decode the protos, call
 status code plus a ``tandem-error`` trailer on the Serve gRPC context (set,
 then return an empty message: Serve sends the code we set, and nothing is
 logged as a crash for an expected "no capacity").
+
+Each replica follows every worker's KV events (its own
+:class:`tandem.router.kv_subscriber.KVEventSubscriber` and index, rebuilt
+from the publishers' replay when the replica starts) and shares its budgets
+with the other replicas through Redis (:mod:`tandem.router.replica_sync`), so
+replicas are active-active: any of them can place any request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.grpc_util import RayServegRPCContext
 
-from tandem.common.errors import TandemError
+from tandem.common.errors import BackendUnavailableError, TandemError
 from tandem.common.registry import WorkerRecord, WorkerRegistry
-from tandem.common.router_wire import status_for_error
+from tandem.common.router_wire import METADATA_PRIORITY, status_for_error
+from tandem.router.budget import BudgetConfig
+from tandem.router.kv_index import KVIndex
+from tandem.router.kv_subscriber import KVEventSubscriber
 from tandem.router.metrics import RayRouterMetrics
 from tandem.router.policy import ScheduleInput, create_policy
+from tandem.router.replica_sync import ReplicaSync
 from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import PlacementDecision, Scheduler
+from tandem.router.scheduler import PlacementDecision, QueueConfig, Scheduler
 from tandem.router.settings import RouterConfig
 from tandem.router.worker_view import CachedWorkerView
 from tandem.v1 import router_pb2
@@ -52,16 +63,58 @@ class RouterDeployment:
             refresh_interval_s=cfg.registry_refresh_interval_s,
             max_stale_s=cfg.registry.ttl_s,
         )
+        self._replica_sync = ReplicaSync(
+            cfg.redis.url,
+            key_prefix=cfg.registry.key_prefix,
+            replica_id=uuid.uuid4().hex[:12],
+            interval_s=cfg.replica_sync_interval_s,
+            lease_s=cfg.lease_s,
+        )
+        self._subscriber = KVEventSubscriber(
+            KVIndex(max_blocks_per_worker=cfg.kv_index.max_blocks_per_worker),
+            replay_timeout_s=cfg.kv_index.replay_timeout_s,
+        )
+        q = cfg.queue
         self._scheduler = Scheduler(
-            view, create_policy(cfg.policy), ReservationTable(lease_s=cfg.lease_s), RayRouterMetrics()
+            view,
+            create_policy(cfg.policy, cfg.weights),
+            ReservationTable(lease_s=cfg.lease_s, young_s=2 * cfg.registry.heartbeat_interval_s + 1.0),
+            RayRouterMetrics(),
+            budget=BudgetConfig(cfg.budget.prefill_tokens_in_flight, cfg.budget.decode_kv_fraction),
+            subscriber=self._subscriber,
+            replica_sync=self._replica_sync,
+            queue=QueueConfig(
+                priority_classes=tuple(q.priority_classes),
+                default_priority=q.default_priority,
+                tenant_priorities=dict(q.tenant_priorities),
+                timeout_s=q.timeout_s,
+                poll_interval_s=q.poll_interval_s,
+                max_depth=q.max_depth,
+            ),
         )
         self._ticker: asyncio.Task[None] | None = None
+        self._syncer: asyncio.Task[None] | None = None
 
     def _ensure_ticker(self) -> None:
-        # Started from the first RPC: that runs on the replica's event loop,
-        # which the constructor does not necessarily do.
+        # Started from the first RPC (the router's readiness probe is one): that
+        # runs on the replica's event loop, which the constructor does not necessarily do.
+        loop = asyncio.get_running_loop()
         if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.get_running_loop().create_task(self._tick_forever())
+            self._ticker = loop.create_task(self._tick_forever())
+        if self._syncer is None or self._syncer.done():
+            self._syncer = loop.create_task(self._sync_forever())
+
+    async def _sync_forever(self) -> None:
+        """Share budgets with the other replicas and keep following the registered workers' KV events."""
+        while True:
+            try:
+                await self._scheduler.refresh_workers()
+                await self._scheduler.sync_replicas()
+            except BackendUnavailableError:
+                pass  # Redis is down: the view and the sync log it; Schedule answers for itself
+            except Exception:
+                logger.exception("router replica sync failed")
+            await asyncio.sleep(self._replica_sync.interval_s)
 
     async def _tick_forever(self) -> None:
         while True:
@@ -75,8 +128,9 @@ class RouterDeployment:
         self, request: router_pb2.ScheduleRequest, grpc_context: RayServegRPCContext
     ) -> router_pb2.Placement:
         self._ensure_ticker()
+        priority = _metadata_value(grpc_context, METADATA_PRIORITY)
         try:
-            decision = await self._scheduler.schedule(schedule_input_from_proto(request))
+            decision = await self._scheduler.schedule(schedule_input_from_proto(request, priority=priority))
         except TandemError as exc:
             _set_error(grpc_context, exc, request.request_id)
             return router_pb2.Placement(request_id=request.request_id)
@@ -86,10 +140,13 @@ class RouterDeployment:
         self, request: router_pb2.RouterReleaseRequest, grpc_context: RayServegRPCContext
     ) -> router_pb2.RouterReleaseResponse:
         self._ensure_ticker()
-        return router_pb2.RouterReleaseResponse(found=self._scheduler.release(request.request_id))
+        return router_pb2.RouterReleaseResponse(found=await self._scheduler.release_anywhere(request.request_id))
 
     async def check_health(self) -> None:
-        """Serve's periodic replica health check; the registry being down is not a replica fault."""
+        """Serve's periodic replica health check (every 5 s, on the replica's event loop): it
+        also starts the upkeep loops, so a new replica follows the workers' KV events and
+        shares its budgets before its first request. The registry being down is not a replica fault."""
+        self._ensure_ticker()
 
 
 def _set_error(grpc_context: RayServegRPCContext, exc: TandemError, request_id: str) -> None:
@@ -100,7 +157,17 @@ def _set_error(grpc_context: RayServegRPCContext, exc: TandemError, request_id: 
     logger.info("schedule refused: %s", exc, extra={"request_id": request_id, "grpc_code": code.name})
 
 
-def schedule_input_from_proto(request: router_pb2.ScheduleRequest) -> ScheduleInput:
+def _metadata_value(grpc_context: RayServegRPCContext, key: str) -> str:
+    try:
+        for k, v in grpc_context.invocation_metadata() or ():
+            if k == key:
+                return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:  # metadata is advisory; never fail a Schedule on it
+        pass
+    return ""
+
+
+def schedule_input_from_proto(request: router_pb2.ScheduleRequest, *, priority: str = "") -> ScheduleInput:
     return ScheduleInput(
         request_id=request.request_id,
         model=request.model,
@@ -110,6 +177,7 @@ def schedule_input_from_proto(request: router_pb2.ScheduleRequest) -> ScheduleIn
         prompt_token_ids=tuple(request.prompt_token_ids),
         cache_salt=request.cache_salt,
         exclude_worker_ids=frozenset(request.exclude_worker_ids),
+        priority=priority,
     )
 
 
@@ -139,6 +207,7 @@ def build_app(config: RouterConfig, *, num_replicas: int = 1) -> Application:
         "health_check_period_s": 5.0,
     }
     if num_replicas > 1:
-        # Reservations live in the replica that made them: Release must reach it.
+        # Reservations live in the replica that made them: Release should reach
+        # it (one that does not is forwarded through Redis, see replica_sync).
         options["request_router_config"] = {"request_router_class": _STICKY_REQUEST_ROUTER}
     return serve.deployment(**options)(RouterDeployment).bind(config.model_dump(mode="json"))

@@ -12,15 +12,29 @@ from typing import Protocol
 
 #: Upper bounds of the schedule-latency histogram, in seconds.
 SCHEDULE_SECONDS_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
+#: Upper bounds of the admission-queue wait histogram, in seconds.
+QUEUE_WAIT_SECONDS_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
 class RouterMetrics(Protocol):
     def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
-        """One Schedule took ``duration_s``; outcome is ``ok`` or an error code."""
+        """One Schedule took ``duration_s`` (queue wait included); outcome is ``ok`` or an error code."""
         ...
 
     def set_in_flight(self, worker_id: str, num_requests: int) -> None:
         """This replica now has ``num_requests`` reserved on ``worker_id``."""
+        ...
+
+    def set_tokens_in_flight(self, worker_id: str, num_tokens: int) -> None:
+        """Budget tokens this replica holds on ``worker_id`` (uncached prompt tokens on prefill)."""
+        ...
+
+    def set_queue_depth(self, priority: str, depth: int) -> None:
+        """Requests of ``priority`` waiting for budget in this replica."""
+        ...
+
+    def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
+        """A request left the admission queue: ``admitted``, ``timeout`` or ``error``."""
         ...
 
 
@@ -31,17 +45,25 @@ class NullRouterMetrics:
     def set_in_flight(self, worker_id: str, num_requests: int) -> None:
         pass
 
+    def set_tokens_in_flight(self, worker_id: str, num_tokens: int) -> None:
+        pass
+
+    def set_queue_depth(self, priority: str, depth: int) -> None:
+        pass
+
+    def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
+        pass
+
 
 class RayRouterMetrics:
-    """``tandem_router_schedule_seconds`` and ``tandem_router_in_flight_requests``
-    through :mod:`ray.serve.metrics`. Construct inside a Serve replica."""
+    """``tandem_router_*`` metrics through :mod:`ray.serve.metrics`. Construct inside a Serve replica."""
 
     def __init__(self) -> None:
         from ray.serve import metrics as serve_metrics  # heavy; only inside the replica
 
         self._schedule_seconds = serve_metrics.Histogram(
             "tandem_router_schedule_seconds",
-            description="Time to answer one Schedule inside the router replica.",
+            description="Time to answer one Schedule inside the router replica, queue wait included.",
             boundaries=SCHEDULE_SECONDS_BOUNDARIES,
             tag_keys=("outcome",),
         )
@@ -50,9 +72,35 @@ class RayRouterMetrics:
             description="Requests this router replica has reserved on a worker and not yet released.",
             tag_keys=("worker_id",),
         )
+        self._tokens_in_flight = serve_metrics.Gauge(
+            "tandem_router_uncached_prompt_tokens_in_flight",
+            description="Budget tokens this replica holds per worker: uncached prompt tokens on prefill "
+            "workers, prompt plus max_tokens on decode workers.",
+            tag_keys=("worker_id",),
+        )
+        self._queue_depth = serve_metrics.Gauge(
+            "tandem_router_queue_depth",
+            description="Requests waiting in this replica's admission queue for token budget.",
+            tag_keys=("priority",),
+        )
+        self._queue_wait = serve_metrics.Histogram(
+            "tandem_router_queue_wait_seconds",
+            description="Time requests spent in the admission queue.",
+            boundaries=QUEUE_WAIT_SECONDS_BOUNDARIES,
+            tag_keys=("outcome",),
+        )
 
     def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
         self._schedule_seconds.observe(duration_s, tags={"outcome": outcome})
 
     def set_in_flight(self, worker_id: str, num_requests: int) -> None:
         self._in_flight.set(num_requests, tags={"worker_id": worker_id})
+
+    def set_tokens_in_flight(self, worker_id: str, num_tokens: int) -> None:
+        self._tokens_in_flight.set(num_tokens, tags={"worker_id": worker_id})
+
+    def set_queue_depth(self, priority: str, depth: int) -> None:
+        self._queue_depth.set(depth, tags={"priority": priority})
+
+    def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
+        self._queue_wait.observe(duration_s, tags={"outcome": outcome})

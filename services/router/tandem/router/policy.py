@@ -6,10 +6,14 @@ chosen by name from configuration (:func:`create_policy`); they see plain
 :class:`~tandem.common.registry.WorkerRecord` values and a :class:`LoadView`
 of this replica's reservations, and call nothing else.
 
-Adding a policy (the next ones are token budgets and cache-aware scoring):
-subclass :class:`RoutingPolicy`, override :meth:`~RoutingPolicy.score` (and
-:meth:`~RoutingPolicy.filter` to drop workers without budget), register it in
-:data:`POLICIES`.
+The scheduler passes a :class:`tandem.router.budget.BudgetView` as the load
+view: the shared filter then also drops workers without token budget left.
+``cache_aware`` (the default) scores prefix locality, token load and KV
+headroom, each in [0, 1], weighted by :class:`CacheAwareWeights`; see
+``services/router/README.md``.
+
+Adding a policy: subclass :class:`RoutingPolicy`, override
+:meth:`~RoutingPolicy.score`, register it in :data:`POLICIES`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from tandem.common.registry import WorkerRecord
+from pydantic import BaseModel, Field
+
+from tandem.common.registry import ROLE_DECODE, WorkerRecord
+from tandem.router.budget import BudgetView
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,12 @@ class ScheduleInput:
     cache_salt: str = ""
     #: Workers to avoid, e.g. one that just failed this request.
     exclude_worker_ids: frozenset[str] = frozenset()
+    #: Admission priority class ("" = the tenant's or the default class).
+    priority: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens or len(self.prompt_token_ids)
 
 
 class LoadView(Protocol):
@@ -80,12 +93,17 @@ class RoutingPolicy(ABC):
     def filter(
         self, request: ScheduleInput, role: str, workers: Sequence[WorkerRecord], load: LoadView
     ) -> list[WorkerRecord]:
-        """Workers that may take ``request`` at all: right role, right model, not excluded."""
-        return [
+        """Workers that may take ``request`` at all: right role, right model, not
+        excluded, and (with a :class:`BudgetView`) token budget left."""
+        candidates = [
             w
             for w in workers
             if w.role == role and w.model == request.model and w.worker_id not in request.exclude_worker_ids
         ]
+        if isinstance(load, BudgetView):
+            n = request.num_tokens
+            candidates = [w for w in candidates if load.fits(w, load.need_tokens(w, n, request.max_tokens))]
+        return candidates
 
     @abstractmethod
     def score(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> float:
@@ -135,17 +153,78 @@ class RoundRobinPolicy(RoutingPolicy):
         return 1.0
 
 
+class CacheAwareWeights(BaseModel):
+    """Scorer weights of ``cache_aware`` (``TANDEM_ROUTER_WEIGHTS__PREFIX_LOCALITY=...``)."""
+
+    #: Affinity: share of the prompt already in the worker's prefix cache (prefill only).
+    prefix_locality: float = Field(3.0, ge=0)
+    #: Balance: 1 - (budget tokens in flight + tokens placed lately, decayed) / budget.
+    token_load: float = Field(1.0, ge=0)
+    #: Balance: 1 - how full the worker's KV cache is.
+    kv_headroom: float = Field(0.5, ge=0)
+
+
+class CacheAwarePolicy(RoutingPolicy):
+    """Prefer the worker that already holds the longest prefix of the prompt.
+
+    The locality weight outweighs both balance scorers together, so a request
+    stays on its cache-warm worker until that worker's budget is spent (the
+    filter then drops it) and only then spreads; cold requests go where the
+    load and the KV cache are lightest. Without a :class:`BudgetView` (unit
+    tests of other seams) every scorer reads as neutral.
+    """
+
+    name = "cache_aware"
+
+    def __init__(self, weights: CacheAwareWeights | None = None) -> None:
+        super().__init__()
+        self.weights = weights or CacheAwareWeights()
+
+    def scorers(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> dict[str, float]:
+        """Each scorer's value in [0, 1] (for tests and the placement reason)."""
+        locality, token_load, kv_headroom = self._scorers(request, worker, load)
+        return {"prefix_locality": locality, "token_load": token_load, "kv_headroom": kv_headroom}
+
+    @staticmethod
+    def _scorers(request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> tuple[float, float, float]:
+        if not isinstance(load, BudgetView):
+            return 0.0, 1.0, 1.0
+        num_tokens = request.num_tokens
+        locality = 0.0
+        if worker.role != ROLE_DECODE and num_tokens:
+            locality = min(1.0, load.cached_tokens.get(worker.worker_id, 0) / num_tokens)
+        return locality, 1.0 - load.busy_fraction(worker), 1.0 - load.kv_fullness(worker)
+
+    #: Share of the score given to fewer requests in flight: breaks ties between workers
+    #: whose token scores are equal (e.g. requests without prompt tokens), never more.
+    _TIEBREAK = 0.01
+
+    def score(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> float:
+        w = self.weights
+        locality, token_load, kv_headroom = self._scorers(request, worker, load)
+        w_locality = 0.0 if worker.role == ROLE_DECODE else w.prefix_locality
+        total = w_locality + w.token_load + w.kv_headroom
+        weighted = 1.0
+        if total > 0:
+            weighted = (w_locality * locality + w.token_load * token_load + w.kv_headroom * kv_headroom) / total
+        fewer_in_flight = 1.0 / (1.0 + load.num_in_flight(worker.worker_id))
+        return (1.0 - self._TIEBREAK) * weighted + self._TIEBREAK * fewer_in_flight
+
+
 #: Policies by configuration name.
-POLICIES: Mapping[str, Callable[[], RoutingPolicy]] = {
-    LeastLoadedPolicy.name: LeastLoadedPolicy,
-    RoundRobinPolicy.name: RoundRobinPolicy,
+POLICIES: Mapping[str, Callable[[CacheAwareWeights], RoutingPolicy]] = {
+    LeastLoadedPolicy.name: lambda _weights: LeastLoadedPolicy(),
+    RoundRobinPolicy.name: lambda _weights: RoundRobinPolicy(),
+    CacheAwarePolicy.name: CacheAwarePolicy,
 }
 
+DEFAULT_POLICY = CacheAwarePolicy.name
 
-def create_policy(name: str) -> RoutingPolicy:
+
+def create_policy(name: str, weights: CacheAwareWeights | None = None) -> RoutingPolicy:
     """A fresh policy by configuration name; ValueError names the known ones."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
-    return factory()
+    return factory(weights or CacheAwareWeights())

@@ -4,17 +4,21 @@
 on Schedule and :meth:`ReservationTable.release` on Release, and
 :meth:`ReservationTable.sweep` before each of them, so a reservation whose
 caller crashed stops counting after ``lease_s``. The policies read the table
-through :meth:`ReservationTable.num_in_flight`. Pure bookkeeping: no I/O, the
-clock is injected.
+through :meth:`ReservationTable.num_in_flight` and
+:meth:`ReservationTable.num_tokens_in_flight` (the token budget: uncached
+prompt tokens on a prefill worker, prompt plus max_tokens on a decode worker).
+Tokens reserved less than ``young_s`` ago are tracked apart, so the budget can
+trust the workers' own reports for older ones (see :mod:`tandem.router.budget`).
+Pure bookkeeping: no I/O, the clock is injected.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -24,18 +28,41 @@ class Reservation:
     request_id: str
     worker_ids: tuple[str, ...]
     expires_at_s: float
+    #: Budget tokens held per worker.
+    tokens_by_worker: Mapping[str, int] = field(default_factory=dict)
+    tenant: str = ""
+    reserved_at_s: float = 0.0
 
 
 class ReservationTable:
     """Reservations by request id, with per-worker in-flight counts."""
 
-    def __init__(self, *, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        young_s: float = 2.0,
+        recent_half_life_s: float = 30.0,
+    ) -> None:
         if lease_s <= 0:
             raise ValueError("lease_s must be positive")
         self._lease_s = lease_s
         self._clock = clock
+        self._young_s = young_s
         self._by_request_id: dict[str, Reservation] = {}
         self._num_in_flight: Counter[str] = Counter()
+        self._num_tokens: Counter[str] = Counter()
+        self._num_young_tokens: Counter[str] = Counter()
+        self._num_by_tenant: Counter[str] = Counter()
+        # (reserved_at_s, request_id) in reservation order, for aging young tokens;
+        # _young_ids holds the requests whose tokens still count as young.
+        self._young: deque[tuple[float, str]] = deque()
+        self._young_ids: set[str] = set()
+        # Budget tokens placed per worker, decayed with a half-life: how much work a
+        # worker was given lately, even when none of it is in flight any more.
+        self._recent_half_life_s = recent_half_life_s
+        self._recent: dict[str, tuple[float, float]] = {}
         # (expires_at_s, request_id); may hold stale entries of released or
         # replaced reservations, which sweep() recognises and skips.
         self._expiry_heap: list[tuple[float, str]] = []
@@ -50,28 +77,103 @@ class ReservationTable:
     def num_in_flight(self, worker_id: str) -> int:
         return self._num_in_flight.get(worker_id, 0)
 
+    def num_tokens_in_flight(self, worker_id: str) -> int:
+        """Budget tokens held on ``worker_id`` by live reservations."""
+        return self._num_tokens.get(worker_id, 0)
+
+    def num_young_tokens_in_flight(self, worker_id: str) -> int:
+        """The part of :meth:`num_tokens_in_flight` reserved less than ``young_s`` ago."""
+        self._age()
+        return self._num_young_tokens.get(worker_id, 0)
+
+    def token_snapshot(self) -> tuple[Mapping[str, int], Mapping[str, int]]:
+        """(tokens, young tokens) per worker, read-only views valid until the next change
+        (one decision reads them many times)."""
+        self._age()
+        return self._num_tokens, self._num_young_tokens
+
+    def recent_tokens(self, worker_id: str) -> float:
+        """Budget tokens placed on ``worker_id`` lately (exponentially decayed)."""
+        value, at_s = self._recent.get(worker_id, (0.0, 0.0))
+        if not value:
+            return 0.0
+        return float(value * 0.5 ** ((self._clock() - at_s) / self._recent_half_life_s))
+
+    def tokens_by_worker(self) -> dict[str, int]:
+        return {w: n for w, n in self._num_tokens.items() if n > 0}
+
+    def young_tokens_by_worker(self) -> dict[str, int]:
+        self._age()
+        return {w: n for w, n in self._num_young_tokens.items() if n > 0}
+
+    def num_in_flight_for_tenant(self, tenant: str) -> int:
+        return self._num_by_tenant.get(tenant, 0)
+
+    def get(self, request_id: str) -> Reservation | None:
+        return self._by_request_id.get(request_id)
+
+    def _age(self) -> None:
+        horizon_s = self._clock() - self._young_s
+        while self._young and self._young[0][0] <= horizon_s:
+            reserved_at_s, request_id = self._young.popleft()
+            current = self._by_request_id.get(request_id)
+            if current is not None and current.reserved_at_s == reserved_at_s and request_id in self._young_ids:
+                self._young_ids.discard(request_id)
+                self._num_young_tokens.subtract(current.tokens_by_worker)
+
     def in_flight_by_worker(self) -> dict[str, int]:
         """Workers with at least one reservation and their counts."""
         return {w: n for w, n in self._num_in_flight.items() if n > 0}
 
-    def reserve(self, request_id: str, worker_ids: tuple[str, ...]) -> Reservation:
-        """Hold ``worker_ids`` for ``request_id``; a second Schedule of the same
-        request (a retry elsewhere) replaces its earlier reservation."""
+    def reserve(
+        self,
+        request_id: str,
+        worker_ids: tuple[str, ...],
+        tokens_by_worker: Mapping[str, int] | None = None,
+        *,
+        tenant: str = "",
+    ) -> Reservation:
+        """Hold ``worker_ids`` (and their budget tokens) for ``request_id``; a
+        second Schedule of the same request (a retry elsewhere) replaces its
+        earlier reservation."""
         self.release(request_id)
-        reservation = Reservation(request_id, worker_ids, self._clock() + self._lease_s)
+        self._age()
+        now_s = self._clock()
+        tokens = {w: n for w, n in (tokens_by_worker or {}).items() if n > 0}
+        reservation = Reservation(request_id, worker_ids, now_s + self._lease_s, tokens, tenant, now_s)
         self._by_request_id[request_id] = reservation
         self._num_in_flight.update(worker_ids)
+        self._num_tokens.update(tokens)
+        self._num_young_tokens.update(tokens)
+        for worker_id, n in tokens.items():
+            self._recent[worker_id] = (self.recent_tokens(worker_id) + n, now_s)
+        self._num_by_tenant[tenant] += 1
+        self._young.append((now_s, request_id))
+        self._young_ids.add(request_id)
         heapq.heappush(self._expiry_heap, (reservation.expires_at_s, request_id))
         return reservation
 
     def release(self, request_id: str) -> Reservation | None:
         """Drop ``request_id``'s reservation; None when there is none (idempotent)."""
+        self._age()
         reservation = self._by_request_id.pop(request_id, None)
         if reservation is not None:
             self._num_in_flight.subtract(reservation.worker_ids)
             for worker_id in reservation.worker_ids:
                 if self._num_in_flight[worker_id] <= 0:
                     del self._num_in_flight[worker_id]
+            self._num_tokens.subtract(reservation.tokens_by_worker)
+            if request_id in self._young_ids:
+                self._young_ids.discard(request_id)
+                self._num_young_tokens.subtract(reservation.tokens_by_worker)
+            for worker_id in reservation.tokens_by_worker:
+                if self._num_tokens[worker_id] <= 0:
+                    del self._num_tokens[worker_id]
+                if self._num_young_tokens.get(worker_id, 0) <= 0:
+                    self._num_young_tokens.pop(worker_id, None)
+            self._num_by_tenant[reservation.tenant] -= 1
+            if self._num_by_tenant[reservation.tenant] <= 0:
+                del self._num_by_tenant[reservation.tenant]
             self._maybe_compact()
         return reservation
 

@@ -1,23 +1,43 @@
 """Schedule and Release, without Ray or gRPC.
 
 :class:`tandem.router.deployment.RouterDeployment` calls :meth:`Scheduler.schedule`
-and :meth:`Scheduler.release` for each RPC. Schedule reads the cached worker
-list (:mod:`tandem.router.worker_view`), asks the policy (:mod:`tandem.router.policy`)
-for one prefill and one decode worker, and records the pair as a lease
-(:mod:`tandem.router.reservations`). Errors are tandem.common.errors; the
-deployment maps them to gRPC status codes.
+and :meth:`Scheduler.release_anywhere` for each RPC, and :meth:`Scheduler.tick`
+/ :meth:`Scheduler.sync_replicas` from its upkeep loops. Schedule:
+
+1. reads the cached worker list (:mod:`tandem.router.worker_view`) and keeps
+   the KV-event subscriptions in step with it (:mod:`tandem.router.kv_subscriber`);
+2. hashes the prompt's blocks per engine configuration
+   (:class:`tandem.common.block_hash.BlockHasher`) and looks up each worker's
+   cached prefix in the :class:`tandem.router.kv_index.KVIndex`;
+3. asks the policy (:mod:`tandem.router.policy`) for one prefill and one
+   decode worker within budget (:mod:`tandem.router.budget`), and records the
+   pair with its budget tokens as a lease (:mod:`tandem.router.reservations`);
+4. when no worker of some role has budget, waits in the admission queue
+   (:mod:`tandem.router.admission`) until budget frees up or the queue
+   timeout passes (then NoCapacityError with a Retry-After).
+
+Errors are tandem.common.errors; the deployment maps them to gRPC status codes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
+from tandem.common.block_hash import HASH_ALGO_SHA256, BlockHasher
 from tandem.common.errors import InvalidRequestError, NoCapacityError, TandemError
 from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
+from tandem.router.admission import AdmissionQueue, QueueFullError, Waiter
+from tandem.router.budget import BudgetConfig, BudgetView
+from tandem.router.kv_index import KVIndex
+from tandem.router.kv_subscriber import KVEventSubscriber
 from tandem.router.metrics import NullRouterMetrics, RouterMetrics
 from tandem.router.policy import RoutingPolicy, ScheduleInput, ScoredWorker
+from tandem.router.replica_sync import ReplicaSync
 from tandem.router.reservations import Reservation, ReservationTable
 
 #: How long a caller told "no capacity" should wait before trying again.
@@ -40,6 +60,32 @@ class PlacementDecision:
     reason: str
 
 
+@dataclass(frozen=True)
+class QueueConfig:
+    #: Priority classes, highest first.
+    priority_classes: tuple[str, ...] = ("high", "normal", "low")
+    default_priority: str = "normal"
+    #: Tenant → priority class, for callers that do not send one.
+    tenant_priorities: Mapping[str, str] = field(default_factory=dict)
+    #: How long a request may wait for budget; must stay below the gateway's router timeout.
+    timeout_s: float = 5.0
+    #: How often a waiting request re-reads the budget (other replicas free budget too).
+    poll_interval_s: float = 0.05
+    max_depth: int = 10_000
+
+
+@dataclass
+class _Pending:
+    """A request being placed, with its block hashes per engine configuration (computed once)."""
+
+    request: ScheduleInput
+    hashes: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+
+
+class _NoBudget(Exception):
+    """Workers of the role exist, but none has budget left: wait in the queue."""
+
+
 class Scheduler:
     """One per Serve replica. Not thread-safe; used from the replica's event loop."""
 
@@ -49,24 +95,56 @@ class Scheduler:
         policy: RoutingPolicy,
         reservations: ReservationTable,
         metrics: RouterMetrics | None = None,
+        *,
+        budget: BudgetConfig | None = None,
+        index: KVIndex | None = None,
+        subscriber: KVEventSubscriber | None = None,
+        replica_sync: ReplicaSync | None = None,
+        queue: QueueConfig | None = None,
     ) -> None:
         self._view = view
         self._policy = policy
         self._reservations = reservations
         self._metrics: RouterMetrics = metrics or NullRouterMetrics()
-        # Workers whose in-flight gauge is non-zero, so tick() can refresh them.
+        self._budget = budget or BudgetConfig()
+        self._index = index if index is not None else (subscriber.index if subscriber else KVIndex())
+        self._subscriber = subscriber
+        self._replica_sync = replica_sync
+        self._queue_config = queue or QueueConfig()
+        self._queue: AdmissionQueue[_Pending] = AdmissionQueue(
+            priority_classes=self._queue_config.priority_classes,
+            default_priority=self._queue_config.default_priority,
+            max_depth=self._queue_config.max_depth,
+        )
+        self._hashers: dict[tuple[int, str], BlockHasher] = {}
+        self._last_workers: list[WorkerRecord] | None = None
+        # Workers whose gauges are non-zero, so tick() can refresh them.
         self._published_worker_ids: set[str] = set()
 
     @property
     def reservations(self) -> ReservationTable:
         return self._reservations
 
+    @property
+    def index(self) -> KVIndex:
+        return self._index
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        return self._policy
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    # -- Schedule ----------------------------------------------------------------
+
     async def schedule(self, request: ScheduleInput) -> PlacementDecision:
         """Choose and reserve a (prefill, decode) pair for ``request``.
 
         Raises InvalidRequestError (bad input, or ``code="model_not_found"``
-        when no live worker serves the model) or NoCapacityError (the model is
-        served but no worker of some role is left after filtering).
+        when no live worker serves the model) or NoCapacityError (no worker of
+        some role, or no budget within the queue timeout).
         """
         started_s = time.perf_counter()
         outcome = "ok"
@@ -84,41 +162,219 @@ class Scheduler:
         if not request.model:
             raise InvalidRequestError("model is required", param="model", code="invalid_request")
         self._sweep()
-        workers = await self._view.workers()
+        workers = await self._workers()
         # A repeated Schedule of one request is a retry elsewhere: its earlier
         # pair must not count as load while choosing the new one.
         self._publish(self._reservations.release(request.request_id))
-        prefill = self._policy.choose(request, ROLE_PREFILL, workers, self._reservations)
-        decode = self._policy.choose(request, ROLE_DECODE, workers, self._reservations)
-        if prefill is None or decode is None:
-            raise self._no_worker_error(request, workers, ROLE_PREFILL if prefill is None else ROLE_DECODE)
-        reservation = self._reservations.reserve(
-            request.request_id, (prefill.worker.worker_id, decode.worker.worker_id)
+        pending = _Pending(request)
+        if not self._queue:
+            try:
+                return self._place(pending, workers)
+            except _NoBudget:
+                pass
+        else:
+            self._check_servable(request, workers)
+        return await self._wait_in_queue(pending)
+
+    async def refresh_workers(self) -> None:
+        """Read the registry (through the view's cache) and follow its workers' KV events."""
+        await self._workers()
+
+    async def _workers(self) -> list[WorkerRecord]:
+        workers = await self._view.workers()
+        if workers is not self._last_workers:
+            self._last_workers = workers
+            if self._subscriber is not None:
+                self._subscriber.sync(workers)
+            else:
+                live = {w.worker_id for w in workers}
+                for worker_id in self._index.workers():
+                    if worker_id not in live:
+                        self._index.remove_worker(worker_id)
+        return workers
+
+    def place_now(self, request: ScheduleInput, workers: Sequence[WorkerRecord]) -> PlacementDecision:
+        """One placement decision without queueing or I/O (benchmarks, tests); NoCapacityError when no budget."""
+        try:
+            return self._place(_Pending(request), workers)
+        except _NoBudget:
+            raise NoCapacityError("no worker has budget", retry_after_s=NO_CAPACITY_RETRY_AFTER_S) from None
+
+    def _place(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> PlacementDecision:
+        request = pending.request
+        cached = self._cached_tokens(pending, workers)
+        view = BudgetView(
+            self._reservations,
+            self._budget,
+            self._replica_sync,
+            cached_tokens=cached,
+            num_indexed_blocks=self._index.num_blocks,
         )
+        prefill = self._policy.choose(request, ROLE_PREFILL, workers, view)
+        decode = self._policy.choose(request, ROLE_DECODE, workers, view) if prefill is not None else None
+        if prefill is None or decode is None:
+            role = ROLE_PREFILL if prefill is None else ROLE_DECODE
+            if self._num_candidates(request, workers, role):
+                raise _NoBudget
+            raise self._no_worker_error(request, workers, role)
+        num_tokens = request.num_tokens
+        tokens = {
+            prefill.worker.worker_id: view.need_tokens(prefill.worker, num_tokens, request.max_tokens),
+            decode.worker.worker_id: view.need_tokens(decode.worker, num_tokens, request.max_tokens),
+        }
+        reservation = self._reservations.reserve(
+            request.request_id, (prefill.worker.worker_id, decode.worker.worker_id), tokens, tenant=request.tenant
+        )
+        if self._replica_sync is not None:
+            self._replica_sync.placed(request.request_id)
         self._publish(reservation)
+        num_cached = cached.get(prefill.worker.worker_id, 0)
         return PlacementDecision(
             request_id=request.request_id,
             prefill=prefill.worker,
             decode=decode.worker,
             lease_s=self._reservations.lease_s,
-            num_cached_tokens=0,
-            reason=self._reason(prefill, decode),
+            num_cached_tokens=num_cached,
+            reason=self._reason(prefill, decode, num_cached),
         )
 
+    def _cached_tokens(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> dict[str, int]:
+        """Prompt tokens each worker holds in its prefix cache, from the KV index."""
+        request = pending.request
+        if not request.prompt_token_ids or not self._index.num_workers:
+            return {}
+        cached: dict[str, int] = {}
+        num_tokens = len(request.prompt_token_ids)
+        for worker in workers:
+            if worker.model != request.model or worker.block_size_tokens <= 0:
+                continue
+            if worker.block_hash_algo != HASH_ALGO_SHA256:
+                continue  # not reproducible here: treated as cold
+            key = (worker.block_size_tokens, worker.block_hash_seed)
+            if key not in pending.hashes:
+                hasher = self._hashers.get(key)
+                if hasher is None:
+                    hasher = self._hashers[key] = BlockHasher(*key)
+                pending.hashes[key] = hasher.block_hashes(request.prompt_token_ids, cache_salt=request.cache_salt)
+                # one lookup per configuration, shared by its workers
+                matched = self._index.match(pending.hashes[key])
+                for worker_id, num_blocks in matched.items():
+                    # vLLM recomputes at least the last prompt token even on a full hit.
+                    cached[worker_id] = min(num_blocks * key[0], num_tokens - 1)
+        return cached
+
+    def _num_candidates(self, request: ScheduleInput, workers: Sequence[WorkerRecord], role: str) -> int:
+        return sum(
+            1
+            for w in workers
+            if w.role == role and w.model == request.model and w.worker_id not in request.exclude_worker_ids
+        )
+
+    def _check_servable(self, request: ScheduleInput, workers: Sequence[WorkerRecord]) -> None:
+        for role in (ROLE_PREFILL, ROLE_DECODE):
+            if not self._num_candidates(request, workers, role):
+                raise self._no_worker_error(request, workers, role)
+
+    # -- the admission queue -------------------------------------------------------
+
+    async def _wait_in_queue(self, pending: _Pending) -> PlacementDecision:
+        request = pending.request
+        cfg = self._queue_config
+        priority = request.priority or cfg.tenant_priorities.get(request.tenant, "")
+        try:
+            waiter = self._queue.push(pending, tenant=request.tenant, priority=priority)
+        except QueueFullError as exc:
+            raise NoCapacityError(str(exc), retry_after_s=NO_CAPACITY_RETRY_AFTER_S) from None
+        self._metrics.set_queue_depth(waiter.priority, self._queue.depth(waiter.priority))
+        started_s = time.monotonic()
+        outcome = "timeout"
+        try:
+            self._drain(self._last_workers or [])
+            while True:
+                remaining_s = started_s + cfg.timeout_s - time.monotonic()
+                if waiter.future.done() or remaining_s <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(waiter.future), min(cfg.poll_interval_s, remaining_s))
+                if not waiter.future.done():
+                    self._sweep()
+                    self._drain(await self._workers())
+            if waiter.future.done():
+                outcome = "admitted" if waiter.future.exception() is None else "error"
+                result = waiter.future.result()
+                assert isinstance(result, PlacementDecision)
+                return result
+            raise NoCapacityError(
+                f"no worker had budget for {cfg.timeout_s:g} s ({len(self._queue)} requests waiting)",
+                retry_after_s=max(NO_CAPACITY_RETRY_AFTER_S, cfg.timeout_s),
+            )
+        finally:
+            self._queue.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.cancel()
+            self._metrics.set_queue_depth(waiter.priority, self._queue.depth(waiter.priority))
+            self._metrics.observe_queue_wait(time.monotonic() - started_s, outcome=outcome)
+
+    def _drain(self, workers: Sequence[WorkerRecord]) -> None:
+        """Admit waiters in priority / fair-share order while the head one fits."""
+        while True:
+            waiter: Waiter[_Pending] | None = self._queue.next(self._reservations.num_in_flight_for_tenant)
+            if waiter is None:
+                return
+            if waiter.future.done():
+                self._queue.remove(waiter)
+                continue
+            try:
+                decision = self._place(waiter.item, workers)
+            except _NoBudget:
+                return
+            except TandemError as exc:
+                self._queue.remove(waiter)
+                waiter.future.set_exception(exc)
+                continue
+            self._queue.remove(waiter, admitted=True)
+            waiter.future.set_result(decision)
+
+    # -- Release and upkeep ------------------------------------------------------------
+
     def release(self, request_id: str) -> bool:
-        """Drop ``request_id``'s reservation; False when there was none (idempotent)."""
+        """Drop ``request_id``'s reservation held here; False when there was none (idempotent)."""
         self._sweep()
         reservation = self._reservations.release(request_id)
         self._publish(reservation)
+        if reservation is not None and self._queue and self._last_workers is not None:
+            self._drain(self._last_workers)
         return reservation is not None
+
+    async def release_anywhere(self, request_id: str) -> bool:
+        """Release here, or forward to the replica that holds the reservation."""
+        if self.release(request_id):
+            return True
+        if self._replica_sync is not None:
+            return await self._replica_sync.forward_release(request_id)
+        return False
 
     def tick(self) -> None:
         """Periodic upkeep, called by the deployment every few seconds: drop
-        expired leases even without traffic, and set every in-flight gauge
-        again (Ray forgets a gauge that is not set for a couple of export intervals)."""
+        expired leases even without traffic, and set every gauge again (Ray
+        forgets a gauge that is not set for a couple of export intervals)."""
         self._sweep()
         for worker_id in list(self._published_worker_ids):
-            self._set_gauge(worker_id)
+            self._set_gauges(worker_id)
+        for priority in self._queue.priority_classes:
+            self._metrics.set_queue_depth(priority, self._queue.depth(priority))
+
+    async def sync_replicas(self) -> None:
+        """Share budgets with the other replicas and apply Releases they forwarded here."""
+        if self._replica_sync is None:
+            return
+        forwarded = await self._replica_sync.sync(
+            self._reservations.tokens_by_worker(), self._reservations.young_tokens_by_worker()
+        )
+        for request_id in forwarded:
+            self.release(request_id)
+        if self._queue and self._last_workers is not None:
+            self._drain(self._last_workers)
 
     def _sweep(self) -> None:
         for reservation in self._reservations.sweep():
@@ -127,24 +383,25 @@ class Scheduler:
     def _publish(self, reservation: Reservation | None) -> None:
         if reservation is not None:
             for worker_id in set(reservation.worker_ids):
-                self._set_gauge(worker_id)
+                self._set_gauges(worker_id)
 
-    def _set_gauge(self, worker_id: str) -> None:
+    def _set_gauges(self, worker_id: str) -> None:
         num_in_flight = self._reservations.num_in_flight(worker_id)
         self._metrics.set_in_flight(worker_id, num_in_flight)
+        self._metrics.set_tokens_in_flight(worker_id, self._reservations.num_tokens_in_flight(worker_id))
         if num_in_flight:
             self._published_worker_ids.add(worker_id)
         else:
             self._published_worker_ids.discard(worker_id)
 
-    def _reason(self, prefill: ScoredWorker, decode: ScoredWorker) -> str:
+    def _reason(self, prefill: ScoredWorker, decode: ScoredWorker, num_cached_tokens: int) -> str:
         return (
             f"{self._policy.name} prefill={prefill.worker.worker_id}:{prefill.score:.3f} "
-            f"decode={decode.worker.worker_id}:{decode.score:.3f}"
+            f"decode={decode.worker.worker_id}:{decode.score:.3f} cached={num_cached_tokens}"
         )
 
     @staticmethod
-    def _no_worker_error(request: ScheduleInput, workers: list[WorkerRecord], role: str) -> TandemError:
+    def _no_worker_error(request: ScheduleInput, workers: Sequence[WorkerRecord], role: str) -> TandemError:
         served_models = sorted({w.model for w in workers})
         if served_models and request.model not in served_models:
             return InvalidRequestError(

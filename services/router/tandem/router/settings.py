@@ -10,6 +10,39 @@ from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
+from tandem.router.policy import DEFAULT_POLICY, CacheAwareWeights
+
+
+class BudgetSettings(BaseModel):
+    """Token budgets per worker (see tandem.router.budget)."""
+
+    #: Uncached prompt tokens a prefill worker may have in flight.
+    prefill_tokens_in_flight: int = Field(16_384, gt=0)
+    #: Share of a decode worker's KV cache (block_size x num_kv_blocks) the router fills.
+    decode_kv_fraction: float = Field(0.9, gt=0, le=1)
+
+
+class QueueSettings(BaseModel):
+    """The admission queue (see tandem.router.admission)."""
+
+    #: Priority classes, highest first; callers send one in ``tandem-priority`` metadata.
+    priority_classes: list[str] = Field(default_factory=lambda: ["high", "normal", "low"])
+    default_priority: str = "normal"
+    #: Tenant → priority class for callers that send none.
+    tenant_priorities: dict[str, str] = Field(default_factory=dict)
+    #: Longest wait for budget; keep it below the gateway's router timeout (10 s).
+    timeout_s: float = Field(5.0, gt=0)
+    poll_interval_s: float = Field(0.05, gt=0)
+    max_depth: int = Field(10_000, gt=0)
+
+
+class KVIndexSettings(BaseModel):
+    """The prefix-cache index fed by the workers' KV events."""
+
+    #: Memory bound: blocks remembered per worker (an engine holds at most its num_kv_blocks).
+    max_blocks_per_worker: int = Field(1 << 20, gt=0)
+    #: How long a (re)subscriber waits for a publisher's replay.
+    replay_timeout_s: float = Field(2.0, gt=0)
 
 
 class RouterConfig(BaseModel):
@@ -17,8 +50,14 @@ class RouterConfig(BaseModel):
 
     redis: RedisSettings = Field(default_factory=RedisSettings)
     registry: RegistrySettings = Field(default_factory=RegistrySettings)
-    #: Placement policy by name: ``least_loaded`` or ``round_robin``.
-    policy: str = "least_loaded"
+    #: Placement policy by name: ``cache_aware``, ``least_loaded`` or ``round_robin``.
+    policy: str = DEFAULT_POLICY
+    weights: CacheAwareWeights = Field(default_factory=CacheAwareWeights)
+    budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    queue: QueueSettings = Field(default_factory=QueueSettings)
+    kv_index: KVIndexSettings = Field(default_factory=KVIndexSettings)
+    #: How often replicas exchange their budgets through Redis (active-active).
+    replica_sync_interval_s: float = Field(default=0.25, gt=0)
     #: A reservation (in-flight count on both workers) expires after this long
     #: unless released, so a crashed gateway cannot leak in-flight counts.
     lease_s: float = Field(default=600.0, gt=0)
@@ -33,8 +72,13 @@ class TandemRouterSettings(BaseSettings):
 
     redis: RedisSettings = Field(default_factory=RedisSettings)
     registry: RegistrySettings = Field(default_factory=RegistrySettings)
-    #: These three are documented on :class:`RouterConfig`.
-    policy: str = "least_loaded"
+    #: These are documented on :class:`RouterConfig`.
+    policy: str = DEFAULT_POLICY
+    weights: CacheAwareWeights = Field(default_factory=CacheAwareWeights)
+    budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    queue: QueueSettings = Field(default_factory=QueueSettings)
+    kv_index: KVIndexSettings = Field(default_factory=KVIndexSettings)
+    replica_sync_interval_s: float = Field(default=0.25, gt=0)
     lease_s: float = Field(default=600.0, gt=0)
     registry_refresh_interval_s: float = Field(default=0.5, ge=0)
     #: Port of Serve's gRPC proxy (the tandem.v1.Router service).
@@ -62,6 +106,11 @@ class TandemRouterSettings(BaseSettings):
             redis=self.redis,
             registry=self.registry,
             policy=self.policy,
+            weights=self.weights,
+            budget=self.budget,
+            queue=self.queue,
+            kv_index=self.kv_index,
+            replica_sync_interval_s=self.replica_sync_interval_s,
             lease_s=self.lease_s,
             registry_refresh_interval_s=self.registry_refresh_interval_s,
         )

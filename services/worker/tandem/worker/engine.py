@@ -25,10 +25,49 @@ def resolve_dtype(dtype: str) -> str:
     return "float32" if current_platform.is_cpu() else "auto"
 
 
+#: vLLM's default prefix-caching hash; the router reproduces only this one.
+PREFIX_CACHING_HASH_ALGO = "sha256"
+
+
+def none_hash_seed() -> str:
+    """The seed of the engine's first-block parent hash, as vLLM resolves it
+    (PYTHONHASHSEED, inherited by the engine process, else a fixed default)."""
+    from tandem.common.block_hash import DEFAULT_NONE_HASH_SEED
+
+    return os.environ.get("PYTHONHASHSEED") or DEFAULT_NONE_HASH_SEED
+
+
+def kv_events_config(settings: WorkerSettings) -> dict[str, Any] | None:
+    """vLLM's ``kv_events_config``: a ZMQ publisher bound on all interfaces
+    (``*`` makes vLLM bind rather than connect) plus its replay socket."""
+    ev = settings.kv_events
+    if not ev.enabled:
+        return None
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{ev.port}",
+        "replay_endpoint": f"tcp://*:{ev.replay_port}",
+        "buffer_steps": ev.buffer_steps,
+        "topic": "",
+    }
+
+
+def kv_events_endpoints(settings: WorkerSettings) -> tuple[str, str]:
+    """(PUB endpoint, replay endpoint) as others reach them; ("", "") when off."""
+    if not settings.kv_events.enabled:
+        return "", ""
+    host = settings.advertise_host or settings.bind_host
+    return f"tcp://{host}:{settings.kv_events.port}", f"tcp://{host}:{settings.kv_events.replay_port}"
+
+
 def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str, Any]:
     """Keyword arguments for ``AsyncEngineArgs`` (kept plain for tests)."""
     eng = settings.engine
+    events = kv_events_config(settings)
     return {
+        **({"kv_events_config": events} if events else {}),
+        "prefix_caching_hash_algo": PREFIX_CACHING_HASH_ALGO,
         "model": str(eng.model_dir),
         "served_model_name": eng.served_model_name,
         "max_model_len": eng.max_model_len,

@@ -22,13 +22,20 @@ logger = logging.getLogger(__name__)
 def build_record(
     settings: WorkerSettings, worker_id: str, *, num_kv_blocks: int, block_size_tokens: int
 ) -> WorkerRecord:
+    from tandem.worker.engine import PREFIX_CACHING_HASH_ALGO, kv_events_endpoints, none_hash_seed
+
     host = settings.advertise_host or settings.bind_host
+    events_endpoint, replay_endpoint = kv_events_endpoints(settings)
     return WorkerRecord(
         worker_id=worker_id,
         role=settings.role,
         model=settings.engine.served_model_name,
         address=f"{host}:{settings.port}",
         kv_address=f"{settings.kv.host}:{settings.kv.port}",
+        kv_events_endpoint=events_endpoint,
+        kv_events_replay_endpoint=replay_endpoint,
+        block_hash_algo=PREFIX_CACHING_HASH_ALGO,
+        block_hash_seed=none_hash_seed(),
         block_size_tokens=block_size_tokens,
         num_kv_blocks=num_kv_blocks,
         max_model_len=settings.engine.max_model_len,
@@ -64,5 +71,11 @@ async def _current(record: WorkerRecord, service: WorkerService) -> WorkerRecord
     except grpc.RpcError:
         num_held = record.load.num_held_kv_requests
     return dataclasses.replace(
-        record, load=WorkerLoad(num_running_requests=service.num_running, num_held_kv_requests=num_held)
+        record,
+        load=WorkerLoad(
+            num_running_requests=service.num_running,
+            num_held_kv_requests=num_held,
+            num_prompt_tokens_in_flight=service.num_prompt_tokens_in_flight,
+            num_kv_tokens_in_flight=service.num_kv_tokens_in_flight,
+        ),
     )

@@ -31,6 +31,8 @@ _Ctx = grpc.aio.ServicerContext[Any, Any]
 @dataclass
 class _Counters:
     num_running: int = 0
+    num_prompt_tokens_in_flight: int = 0
+    num_kv_tokens_in_flight: int = 0
     prompt_tokens_computed: int = 0
     external_tokens_loaded: int = 0
 
@@ -64,6 +66,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     @property
     def num_running(self) -> int:
         return self._counters.num_running
+
+    @property
+    def num_prompt_tokens_in_flight(self) -> int:
+        """Prompt tokens of the prefills running now (reported to the router to correct its budgets)."""
+        return self._counters.num_prompt_tokens_in_flight
+
+    @property
+    def num_kv_tokens_in_flight(self) -> int:
+        """Prompt plus max_tokens of the decodes running now."""
+        return self._counters.num_kv_tokens_in_flight
 
     async def kv_stats(self, request_id: str = "") -> kv_transfer_pb2.KVStats:
         stats: kv_transfer_pb2.KVStats = await self._kv.GetStats(
@@ -117,6 +129,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         started = time.perf_counter()
         final = None
         self._counters.num_running += 1
+        self._counters.num_prompt_tokens_in_flight += len(prompt_ids)
         try:
             async for out in self._engine.generate(
                 self._prompt(prompt_ids, request.cache_salt), params, request.request_id
@@ -124,6 +137,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 final = out
         finally:
             self._counters.num_running -= 1
+            self._counters.num_prompt_tokens_in_flight -= len(prompt_ids)
         if final is None or not final.outputs or not final.outputs[0].token_ids:
             await context.abort(grpc.StatusCode.INTERNAL, "engine returned no token")
         assert final is not None
@@ -194,7 +208,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         num_output = 0
         started = time.perf_counter()
         first_token_s = 0.0
+        num_kv_tokens = len(prompt_ids) + max_tokens
         self._counters.num_running += 1
+        self._counters.num_kv_tokens_in_flight += num_kv_tokens
         try:
             async for out in self._engine.generate(
                 self._prompt(prompt_ids, request.cache_salt), params, request.request_id
@@ -212,6 +228,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 yield chunk
         finally:
             self._counters.num_running -= 1
+            self._counters.num_kv_tokens_in_flight -= num_kv_tokens
 
     async def _decode_stats(
         self, request: worker_pb2.DecodeRequest, out: Any, num_prompt: int, num_output: int

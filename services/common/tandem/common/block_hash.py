@@ -1,0 +1,88 @@
+"""Prefix-cache block hashes computed exactly as vLLM 0.32's engine does, without vLLM.
+
+The router (:mod:`tandem.router.kv_index`) hashes a request's prompt with
+:class:`BlockHasher` and looks the hashes up in the block sets that the
+workers' KV events reported. Simulated workers use it to publish the hashes a
+real engine would. It imports only the standard library.
+
+What vLLM does (``vllm/v1/core/kv_cache_utils.py``, ``vllm/utils/hashing.py``):
+
+* only full blocks of ``block_size`` tokens are hashed (the CPU backend's
+  default block size is 128, GPUs use 16);
+* ``hash(block) = sha256(pickle.dumps((parent, tuple(tokens), extra_keys),
+  protocol=HIGHEST_PROTOCOL))``, where ``parent`` is the previous block's
+  32-byte digest, or ``NONE_HASH`` for the first block;
+* ``NONE_HASH = sha256(pickle(seed))`` with seed ``$PYTHONHASHSEED`` when set
+  in the engine's environment, else the fixed ``"vllm-none-hash"``;
+* ``extra_keys`` is ``None``, or for the first block of a salted request
+  ``(("cache_salt", salt),)`` (LoRA, multimodal and prompt-embeds keys are not
+  used by Tandem and are not reproduced);
+* KV events carry the low 64 bits of the digest (big-endian) as an int
+  (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default), or the raw bytes.
+
+Only the ``sha256`` algorithm (vLLM's default) is reproduced; the router
+treats workers with another algorithm as having nothing cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+#: vLLM's NONE_HASH seed when PYTHONHASHSEED is not set (sha256 algorithms).
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+#: The one prefix-caching hash algorithm reproduced here.
+HASH_ALGO_SHA256 = "sha256"
+
+_LOW_64_BITS = (1 << 64) - 1
+
+
+def sha256_pickle(value: object) -> bytes:
+    """vLLM's ``sha256``: pickle with the highest protocol, then SHA-256."""
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def external_block_hash(digest: bytes | int) -> int:
+    """The 64-bit int a KV event carries for a block digest (ints pass through masked)."""
+    if isinstance(digest, int):
+        return digest & _LOW_64_BITS
+    return int.from_bytes(digest, "big") & _LOW_64_BITS
+
+
+@dataclass(frozen=True)
+class BlockHasher:
+    """Chained block hashes of one engine configuration (block size, seed)."""
+
+    block_size_tokens: int
+    none_hash_seed: str = DEFAULT_NONE_HASH_SEED
+    _none_hash: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size_tokens <= 0:
+            raise ValueError("block_size_tokens must be positive")
+        object.__setattr__(self, "_none_hash", sha256_pickle(self.none_hash_seed))
+
+    @property
+    def none_hash(self) -> bytes:
+        return self._none_hash
+
+    def block_digests(self, token_ids: Sequence[int], *, cache_salt: str = "") -> list[bytes]:
+        """The 32-byte digest of every full block of ``token_ids``, in order."""
+        size = self.block_size_tokens
+        # A tuple of Python ints (not numpy ints, not a list): pickle must see what vLLM hashes.
+        ids = tuple(map(int, token_ids))
+        digests: list[bytes] = []
+        parent = self._none_hash
+        dumps, sha256, protocol = pickle.dumps, hashlib.sha256, pickle.HIGHEST_PROTOCOL
+        salt_keys = (("cache_salt", cache_salt),) if cache_salt else None
+        for start in range(0, len(ids) - size + 1, size):
+            extra_keys = salt_keys if start == 0 else None
+            parent = sha256(dumps((parent, ids[start : start + size], extra_keys), protocol=protocol)).digest()
+            digests.append(parent)
+        return digests
+
+    def block_hashes(self, token_ids: Sequence[int], *, cache_salt: str = "") -> list[int]:
+        """The block hashes as KV events carry them (low 64 bits as int)."""
+        return [external_block_hash(d) for d in self.block_digests(token_ids, cache_salt=cache_salt)]

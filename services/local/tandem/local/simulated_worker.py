@@ -1,0 +1,382 @@
+"""SIMULATED workers: stand-ins for vLLM workers when testing the router at scale.
+
+Nothing here runs a model. A :class:`SimulatedWorker` speaks the same
+protocols as a real worker so that the router cannot tell the difference:
+
+* it registers in the Redis worker registry with a heartbeat (worker ids
+  start with ``simulated-``), with block size, KV capacity and load;
+* it serves ``tandem.v1.Worker`` (Prefill, Decode, GetLoad, Health) over gRPC,
+  sleeping as long as :class:`SimulatedLatencyModel` says a CPU engine would;
+* it keeps a prefix cache of ``num_kv_blocks`` blocks (LRU, hashed exactly as
+  vLLM does, :mod:`tandem.common.block_hash`) and publishes BlockStored /
+  BlockRemoved on a ZMQ PUB socket with a replay ROUTER socket, in vLLM's
+  wire format (:mod:`tandem.common.kv_events`).
+
+The latency model is fitted to measured CPU numbers (``benchmarks/data/
+simulated_latency_cpu.json`` says how they were measured). Numbers from
+simulated workers describe the router, never model speed. Used by the router
+tests (tests/unit/router, tests/integration) and ``benchmarks/bench_router.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tandem.common.block_hash import BlockHasher
+from tandem.common.kv_events import END_SEQ, BlockRemoved, BlockStored, KVEvent, encode_batch, encode_seq
+from tandem.common.registry import WorkerLoad, WorkerRecord, WorkerRegistry
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+#: Where the fitted CPU latency model lives in the repository.
+DEFAULT_LATENCY_MODEL_PATH = Path(__file__).resolve().parents[4] / "benchmarks" / "data" / "simulated_latency_cpu.json"
+
+_Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+@dataclass(frozen=True)
+class SimulatedLatencyModel:
+    """Seconds a CPU vLLM engine takes, as straight lines fitted to measurements."""
+
+    #: Prefill: fixed cost plus a cost per uncached prompt token.
+    prefill_base_s: float = 0.05
+    prefill_s_per_token: float = 0.0005
+    #: Decode: seconds per output token (inter-token latency).
+    decode_s_per_token: float = 0.03
+    #: Multiplies every sleep (tests use 0 to run at the router's own speed).
+    time_scale: float = 1.0
+
+    def prefill_s(self, num_uncached_tokens: int) -> float:
+        return self.time_scale * (self.prefill_base_s + self.prefill_s_per_token * num_uncached_tokens)
+
+    def decode_token_s(self) -> float:
+        return self.time_scale * self.decode_s_per_token
+
+    @classmethod
+    def from_json(cls, path: Path = DEFAULT_LATENCY_MODEL_PATH, *, time_scale: float = 1.0) -> SimulatedLatencyModel:
+        data = json.loads(path.read_text())["model"]
+        return cls(
+            prefill_base_s=float(data["prefill_base_s"]),
+            prefill_s_per_token=float(data["prefill_s_per_token"]),
+            decode_s_per_token=float(data["decode_s_per_token"]),
+            time_scale=time_scale,
+        )
+
+
+class SimulatedPrefixCache:
+    """An LRU set of block hashes, ``num_blocks`` at most (vLLM evicts least recently used free blocks)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._num_blocks = num_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def admit(self, block_hashes: Sequence[int]) -> tuple[int, list[int], list[int]]:
+        """Run a prompt's blocks through the cache: (leading blocks that hit, stored, evicted)."""
+        num_hit = 0
+        for h in block_hashes:
+            if h not in self._blocks:
+                break
+            num_hit += 1
+        stored: list[int] = []
+        evicted: list[int] = []
+        for h in block_hashes:
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
+                continue
+            while len(self._blocks) >= self._num_blocks:
+                old, _ = self._blocks.popitem(last=False)
+                evicted.append(old)
+            self._blocks[h] = None
+            stored.append(h)
+        return num_hit, stored, evicted
+
+
+class SimulatedKVEventPublisher:
+    """vLLM's ``ZmqEventPublisher`` protocol: PUB ``(topic, seq, payload)`` plus a
+    ROUTER replay socket that streams buffered batches from a start seq, then END_SEQ."""
+
+    def __init__(self, host: str, port: int, replay_port: int, *, buffer_steps: int = 10_000) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._replay = self._ctx.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        # port 0: any free port (what tests and benchmarks with many workers want)
+        port = self._pub.bind_to_random_port(f"tcp://{host}") if port == 0 else self._bind(self._pub, host, port)
+        replay_port = (
+            self._replay.bind_to_random_port(f"tcp://{host}")
+            if replay_port == 0
+            else self._bind(self._replay, host, replay_port)
+        )
+        self.endpoint = f"tcp://{host}:{port}"
+        self.replay_endpoint = f"tcp://{host}:{replay_port}"
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._seq = 0
+        self._replay_task: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def _bind(sock: Any, host: str, port: int) -> int:
+        sock.bind(f"tcp://{host}:{port}")
+        return port
+
+    def start(self) -> None:
+        self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    async def publish(self, events: Sequence[KVEvent], *, block_size: int, lose: bool = False) -> None:
+        """Send one batch; ``lose`` keeps it for replay only, as if the PUB message was dropped."""
+        if not events:
+            return
+        payload = encode_batch(time.time(), events, block_size=block_size)
+        seq = self._seq
+        self._seq += 1
+        self._buffer.append((seq, payload))
+        if not lose:
+            await self._pub.send_multipart((b"", encode_seq(seq), payload))
+
+    async def _serve_replay(self) -> None:
+        while True:
+            frames = await self._replay.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client_id, _, start = frames
+            start_seq = int.from_bytes(start, "big", signed=True)
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    await self._replay.send_multipart((client_id, b"", b"", encode_seq(seq), payload))
+            await self._replay.send_multipart((client_id, b"", b"", END_SEQ, b""))
+
+    async def aclose(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_task
+        self._pub.close(linger=0)
+        self._replay.close(linger=0)
+
+
+@dataclass
+class SimulatedWorkerConfig:
+    worker_id: str
+    role: str
+    model: str = "simulated-model"
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_events_port: int = 0
+    kv_events_replay_port: int = 0
+    block_size_tokens: int = 128
+    num_kv_blocks: int = 2048
+    latency: SimulatedLatencyModel = field(default_factory=SimulatedLatencyModel)
+    #: Serve tandem.v1.Worker over gRPC (scale benchmarks that only need KV events skip it).
+    serve_grpc: bool = True
+
+
+class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
+    """One SIMULATED worker (see the module docstring). Start with :meth:`start`, stop with :meth:`aclose`."""
+
+    def __init__(self, config: SimulatedWorkerConfig) -> None:
+        if not config.worker_id.startswith("simulated-"):
+            raise ValueError("simulated worker ids start with 'simulated-'")
+        self.config = config
+        self.cache = SimulatedPrefixCache(config.num_kv_blocks)
+        self._hasher = BlockHasher(config.block_size_tokens)
+        self._publisher: SimulatedKVEventPublisher | None = None
+        self._server: grpc.aio.Server | None = None
+        self._compute = asyncio.Lock()  # one prefill computes at a time, like one CPU engine
+        self.num_running = 0
+        self.num_prompt_tokens_in_flight = 0
+        self.num_kv_tokens_in_flight = 0
+        self.prompt_tokens_computed_total = 0
+
+    async def start(self) -> None:
+        c = self.config
+        self._publisher = SimulatedKVEventPublisher(c.host, c.kv_events_port, c.kv_events_replay_port)
+        self._publisher.start()
+        if c.serve_grpc:
+            self._server = grpc.aio.server()
+            worker_pb2_grpc.add_WorkerServicer_to_server(self, self._server)
+            bound = self._server.add_insecure_port(f"{c.host}:{c.port}")
+            self.config = replace(c, port=bound)
+            await self._server.start()
+
+    def record(self) -> WorkerRecord:
+        c = self.config
+        assert self._publisher is not None
+        return WorkerRecord(
+            worker_id=c.worker_id,
+            role=c.role,
+            model=c.model,
+            address=f"{c.host}:{c.port}",
+            kv_events_endpoint=self._publisher.endpoint,
+            kv_events_replay_endpoint=self._publisher.replay_endpoint,
+            block_size_tokens=c.block_size_tokens,
+            num_kv_blocks=c.num_kv_blocks,
+            max_model_len=1 << 16,
+            started_unix_s=time.time(),
+            load=WorkerLoad(
+                num_running_requests=self.num_running,
+                kv_usage=len(self.cache) / c.num_kv_blocks,
+                num_prompt_tokens_in_flight=self.num_prompt_tokens_in_flight,
+                num_kv_tokens_in_flight=self.num_kv_tokens_in_flight,
+            ),
+        )
+
+    async def cache_prompt(self, token_ids: Sequence[int], cache_salt: str = "", *, lose_event: bool = False) -> int:
+        """Put a prompt's blocks in the cache and publish the events; returns cached prompt tokens.
+        ``lose_event`` simulates a dropped PUB message (the batch is only in the replay buffer)."""
+        hashes = self._hasher.block_hashes(token_ids, cache_salt=cache_salt)
+        num_hit, stored, evicted = self.cache.admit(hashes)
+        events: list[KVEvent] = []
+        if evicted:
+            events.append(BlockRemoved(tuple(evicted)))
+        if stored:
+            first = hashes.index(stored[0])
+            parent = hashes[first - 1] if first else None
+            events.append(BlockStored(tuple(stored), parent, block_size=self.config.block_size_tokens))
+        assert self._publisher is not None
+        await self._publisher.publish(events, block_size=self.config.block_size_tokens, lose=lose_event)
+        num_cached = min(num_hit * self.config.block_size_tokens, max(0, len(token_ids) - 1))
+        return num_cached
+
+    # -- tandem.v1.Worker ----------------------------------------------------------
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: _Ctx) -> worker_pb2.PrefillResponse:
+        prompt = list(request.prompt_token_ids)
+        started_s = time.perf_counter()
+        self.num_running += 1
+        self.num_prompt_tokens_in_flight += len(prompt)
+        try:
+            async with self._compute:
+                num_cached = await self.cache_prompt(prompt, request.cache_salt)
+                num_computed = len(prompt) - num_cached
+                await asyncio.sleep(self.config.latency.prefill_s(num_computed))
+                self.prompt_tokens_computed_total += num_computed
+        finally:
+            self.num_running -= 1
+            self.num_prompt_tokens_in_flight -= len(prompt)
+        return worker_pb2.PrefillResponse(
+            request_id=request.request_id,
+            first_token_id=1,
+            first_text=" simulated",
+            num_prompt_tokens=len(prompt),
+            num_cached_tokens=num_cached,
+            engine_seconds=time.perf_counter() - started_s,
+            finish_reason="length" if not request.keep_kv else "",
+        )
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: _Ctx) -> AsyncIterator[worker_pb2.DecodeChunk]:
+        max_tokens = max(1, request.sampling.max_tokens)
+        num_kv = len(request.prompt_token_ids) + max_tokens
+        self.num_running += 1
+        self.num_kv_tokens_in_flight += num_kv
+        try:
+            for i in range(max_tokens - 1):
+                await asyncio.sleep(self.config.latency.decode_token_s())
+                chunk = worker_pb2.DecodeChunk(text=" sim", token_ids=[2 + i])
+                if i == max_tokens - 2:
+                    chunk.finish_reason = "length"
+                yield chunk
+        finally:
+            self.num_running -= 1
+            self.num_kv_tokens_in_flight -= num_kv
+
+    async def Abort(self, request: worker_pb2.AbortRequest, context: _Ctx) -> worker_pb2.AbortResponse:
+        return worker_pb2.AbortResponse(found=False)
+
+    async def GetLoad(self, request: worker_pb2.LoadRequest, context: _Ctx) -> worker_pb2.LoadReport:
+        return worker_pb2.LoadReport(
+            worker_id=self.config.worker_id,
+            num_running_requests=self.num_running,
+            kv_usage=len(self.cache) / self.config.num_kv_blocks,
+            prompt_tokens_computed_total=self.prompt_tokens_computed_total,
+            num_kv_blocks_total=self.config.num_kv_blocks,
+        )
+
+    async def Health(self, request: worker_pb2.HealthRequest, context: _Ctx) -> worker_pb2.HealthResponse:
+        return worker_pb2.HealthResponse(
+            worker_id=self.config.worker_id, role=self.config.role, model=self.config.model, ready=True
+        )
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=0.1)
+        if self._publisher is not None:
+            await self._publisher.aclose()
+
+
+class SimulatedCluster:
+    """Many SIMULATED workers in one process, registered in Redis under ``key_prefix``."""
+
+    def __init__(
+        self,
+        configs: Sequence[SimulatedWorkerConfig],
+        *,
+        redis_url: str,
+        key_prefix: str,
+        heartbeat_interval_s: float = 0.5,
+        ttl_s: float = 3.0,
+    ) -> None:
+        self.workers = [SimulatedWorker(c) for c in configs]
+        self.key_prefix = key_prefix
+        self._registry = WorkerRegistry(redis_url, key_prefix=key_prefix, ttl_s=ttl_s)
+        self._interval_s = heartbeat_interval_s
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._started_unix_s: dict[str, float] = {}
+
+    async def start(self) -> None:
+        for worker in self.workers:
+            await worker.start()
+            self._started_unix_s[worker.config.worker_id] = time.time()
+        await self.heartbeat_once()
+        self._heartbeat = asyncio.get_running_loop().create_task(self._beat_forever())
+
+    async def heartbeat_once(self) -> None:
+        for worker in self.workers:
+            record = replace(worker.record(), started_unix_s=self._started_unix_s[worker.config.worker_id])
+            await self._registry.heartbeat(record)
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.heartbeat_once()
+            except Exception:
+                logger.exception("simulated heartbeat failed")
+
+    async def stop_worker(self, worker: SimulatedWorker) -> None:
+        """Take one worker away (unregister and close), like a worker that was drained."""
+        self.workers.remove(worker)
+        await self._registry.unregister(worker.config.worker_id)
+        await worker.aclose()
+
+    async def aclose(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                await self._registry.unregister(worker.config.worker_id)
+            await worker.aclose()
+        await self._registry.aclose()

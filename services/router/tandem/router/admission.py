@@ -1,0 +1,128 @@
+"""The admission queue: requests wait here while no worker has budget.
+
+:class:`tandem.router.scheduler.Scheduler` puts a request in with
+:meth:`AdmissionQueue.push` when placement finds no budget, and, whenever
+budget may have come free (a release, an expired lease, a fresh registry
+read, a poll), asks :meth:`AdmissionQueue.next` which waiter to try first:
+
+* priority classes strictly in order (``priority_classes``, highest first);
+* within a class, per-tenant fair share: the tenant with the fewest requests
+  in flight in this replica goes first, then the one admitted least often
+  since the queue was last empty, then the one waiting longest; so a tenant
+  with a burst cannot starve one with a single request;
+* within a tenant, first in, first out.
+
+A waiter whose timeout passes is removed and answered "no capacity" with a
+Retry-After, which the gateway turns into a 503. Pure bookkeeping, no I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Waiter(Generic[T]):
+    """One queued request; ``future`` gets the placement (or an error)."""
+
+    item: T
+    tenant: str
+    priority: str
+    enqueued_at_s: float
+    future: asyncio.Future[object] = field(repr=False)
+
+
+class QueueFullError(Exception):
+    pass
+
+
+class AdmissionQueue(Generic[T]):
+    def __init__(
+        self,
+        *,
+        priority_classes: Sequence[str],
+        default_priority: str,
+        max_depth: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if default_priority not in priority_classes:
+            raise ValueError(f"default priority {default_priority!r} is not one of {list(priority_classes)}")
+        self._classes = list(priority_classes)
+        self._default = default_priority
+        self._max_depth = max_depth
+        self._clock = clock
+        # priority → tenant → FIFO of waiters
+        self._queues: dict[str, dict[str, deque[Waiter[T]]]] = {p: {} for p in self._classes}
+        self._depth = 0
+        # Admissions per tenant since the queue was last empty (fair-share tiebreak).
+        self._num_admitted: dict[str, int] = {}
+
+    @property
+    def priority_classes(self) -> list[str]:
+        return list(self._classes)
+
+    def priority_of(self, requested: str) -> str:
+        """A known priority class for ``requested``: a class name, or a number
+        where larger is served first and 1 is the lowest class (the gateway's
+        tenant priority); "", 0 or unknown: the default."""
+        if requested in self._queues:
+            return requested
+        if requested.isdigit() and 1 <= int(requested) <= len(self._classes):
+            return self._classes[len(self._classes) - int(requested)]
+        return self._default
+
+    def __len__(self) -> int:
+        return self._depth
+
+    def depth(self, priority: str) -> int:
+        return sum(len(q) for q in self._queues.get(priority, {}).values())
+
+    def push(self, item: T, *, tenant: str, priority: str) -> Waiter[T]:
+        if self._depth >= self._max_depth:
+            raise QueueFullError(f"admission queue full ({self._max_depth} waiting)")
+        waiter: Waiter[T] = Waiter(
+            item, tenant, self.priority_of(priority), self._clock(), asyncio.get_running_loop().create_future()
+        )
+        self._queues[waiter.priority].setdefault(tenant, deque()).append(waiter)
+        self._depth += 1
+        return waiter
+
+    def next(self, num_in_flight_for_tenant: Callable[[str], int]) -> Waiter[T] | None:
+        """The waiter to try first (it stays queued until :meth:`remove`)."""
+        for priority in self._classes:
+            tenants = self._queues[priority]
+            if not tenants:
+                continue
+            admitted = self._num_admitted
+            tenant = min(
+                tenants,
+                key=lambda t: (num_in_flight_for_tenant(t), admitted.get(t, 0), tenants[t][0].enqueued_at_s),
+            )
+            return tenants[tenant][0]
+        return None
+
+    def remove(self, waiter: Waiter[T], *, admitted: bool = False) -> bool:
+        """Take ``waiter`` out (admitted or timed out); False when it was not queued."""
+        tenants = self._queues[waiter.priority]
+        fifo = tenants.get(waiter.tenant)
+        if fifo is None:
+            return False
+        try:
+            fifo.remove(waiter)
+        except ValueError:
+            return False
+        if not fifo:
+            del tenants[waiter.tenant]
+        self._depth -= 1
+        if admitted:
+            self._num_admitted[waiter.tenant] = self._num_admitted.get(waiter.tenant, 0) + 1
+        if not self._depth:
+            self._num_admitted.clear()
+        return True

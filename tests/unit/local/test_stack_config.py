@@ -1,0 +1,26 @@
+"""LocalStack configuration: several prefill workers, KV-event ports, core pinning (no processes started)."""
+
+from __future__ import annotations
+
+from tandem.local.stack import LocalStack, StackConfig
+
+
+def test_free_ports_cover_every_worker_and_are_distinct() -> None:
+    config = StackConfig.with_free_ports(num_prefill_workers=3)
+    workers = config.worker_ports()
+    assert list(workers) == ["prefill", "prefill-1", "prefill-2", "decode"]
+    ports = [p for w in workers.values() for p in (w.port, w.kv_port, w.metrics_port, w.kv_events_port,
+                                                    w.kv_events_replay_port)]
+    assert len(set(ports)) == len(ports)
+
+
+def test_worker_env_has_kv_event_ports_and_pins_cores(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    config = StackConfig.with_free_ports(num_prefill_workers=2, router_policy="round_robin")
+    stack = LocalStack(config)
+    env = {name: stack._worker_env(name) for name in config.worker_ports()}
+    assert env["prefill-1"]["TANDEM_WORKER_KV_EVENTS__PORT"] == str(config.worker_ports()["prefill-1"].kv_events_port)
+    assert env["prefill"]["TANDEM_WORKER_ROLE"] == "prefill" and env["decode"]["TANDEM_WORKER_ROLE"] == "decode"
+    pins = {name: e["TANDEM_WORKER_ENGINE__CPU_THREADS_BIND"] for name, e in env.items()}
+    assert pins == {"prefill": "0", "prefill-1": "1", "decode": "1"}
+    assert stack._router_env()["TANDEM_ROUTER_POLICY"] == "round_robin"
