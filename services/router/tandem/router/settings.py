@@ -65,22 +65,13 @@ class RouterConfig(BaseModel):
     registry_refresh_interval_s: float = Field(default=0.5, ge=0)
 
 
-class TandemRouterSettings(BaseSettings):
-    """Everything ``python -m tandem.router`` reads from the environment."""
+class TandemRouterSettings(BaseSettings, RouterConfig):
+    """Everything ``python -m tandem.router`` reads from the environment: the
+    replicas' :class:`RouterConfig` (inherited, documented there) plus the
+    process's own ports and Ray connection."""
 
     model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", env_nested_delimiter="__", extra="ignore")
 
-    redis: RedisSettings = Field(default_factory=RedisSettings)
-    registry: RegistrySettings = Field(default_factory=RegistrySettings)
-    #: These are documented on :class:`RouterConfig`.
-    policy: str = DEFAULT_POLICY
-    weights: CacheAwareWeights = Field(default_factory=CacheAwareWeights)
-    budget: BudgetSettings = Field(default_factory=BudgetSettings)
-    queue: QueueSettings = Field(default_factory=QueueSettings)
-    kv_index: KVIndexSettings = Field(default_factory=KVIndexSettings)
-    replica_sync_interval_s: float = Field(default=0.25, gt=0)
-    lease_s: float = Field(default=600.0, gt=0)
-    registry_refresh_interval_s: float = Field(default=0.5, ge=0)
     #: Port of Serve's gRPC proxy (the tandem.v1.Router service).
     grpc_port: int = Field(default=9000, ge=1, le=65535)
     #: Port of Serve's HTTP proxy (health only); 8001 so it does not clash with 8000.
@@ -102,15 +93,5 @@ class TandemRouterSettings(BaseSettings):
     log_level: str = "INFO"
 
     def router_config(self) -> RouterConfig:
-        return RouterConfig(
-            redis=self.redis,
-            registry=self.registry,
-            policy=self.policy,
-            weights=self.weights,
-            budget=self.budget,
-            queue=self.queue,
-            kv_index=self.kv_index,
-            replica_sync_interval_s=self.replica_sync_interval_s,
-            lease_s=self.lease_s,
-            registry_refresh_interval_s=self.registry_refresh_interval_s,
-        )
+        """The part every Serve replica needs (plain, picklable data)."""
+        return RouterConfig(**{name: getattr(self, name) for name in RouterConfig.model_fields})
