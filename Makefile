@@ -92,7 +92,14 @@ $(PROTO_STAMP): $(PROTO_FILES) $(TOOLS_STAMP)
 		--pyi_out=$(PROTO_OUT) $(PROTO_FILES)
 	@touch $@
 
-model: $(INSTALL_STAMP)  ## prepare the default model (SmolLM2-135M-Instruct) in the cache folder
+MODEL_TOOLS_STAMP := $(STAMP_DIR)/model-tools-$(shell cat $(CONSTRAINTS) requirements/model.txt | sha256sum | cut -c1-16)
+
+$(MODEL_TOOLS_STAMP): | $(INSTALL_STAMP)
+	@echo "[setup] installing the model converter's packages (requirements/model.txt)"
+	$(PIP) install --quiet -c $(CONSTRAINTS) -r requirements/model.txt
+	@rm -f $(STAMP_DIR)/model-tools-* && touch $@
+
+model: $(INSTALL_STAMP) $(MODEL_TOOLS_STAMP)  ## prepare the default model (SmolLM2-135M-Instruct) in the cache folder
 	$(PY) scripts/prepare_model.py
 
 lint: $(INSTALL_STAMP)  ## ruff over the code + mypy --strict over services/ (generated tandem.v1 excluded)
