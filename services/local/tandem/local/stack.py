@@ -1,6 +1,7 @@
 """Starts and stops the local stack: Redis (unless one answers already), the
 Ray Serve router, one prefill (or ``num_prefill_workers``) and one decode
-worker, and the gateway, each a child process with its own log file. Readiness is probed the way a client
+(or ``num_decode_workers``) worker, and the gateway, each a child process with
+its own log file. Readiness is probed the way a client
 would see it (Health RPC, a router Release call, the gateway's /readyz)."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import grpc
 import httpx
 import redis
 
+from tandem.common.tls import TLSSettings, channel_credentials
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 #: Ports handed to the stack's servers come from here: below Linux's ephemeral range (where
@@ -89,12 +91,19 @@ class StackConfig:
     decode_kv_events_replay_port: int = 6558
     #: Prefill workers beyond the first (named prefill-1, prefill-2, ...).
     extra_prefill_workers: list[WorkerPorts] = field(default_factory=list)
+    #: Decode workers beyond the first (named decode-1, decode-2, ...).
+    extra_decode_workers: list[WorkerPorts] = field(default_factory=list)
     #: Start the router and the gateway too (benchmarks that drive the workers directly say no).
     start_router: bool = True
     start_gateway: bool = True
     #: TANDEM_ROUTER_POLICY for the router ("" = the router's default, cache_aware).
     router_policy: str = ""
     redis_url: str = "redis://127.0.0.1:6379/0"
+    #: When the stack starts its own Redis: keep its data here (append-only file), so that a restarted
+    #: Redis comes back with its tenants and keys, as a production Redis does. None: in memory only.
+    redis_data_dir: Path | None = None
+    #: mTLS for the workers' gRPC and KV transfer, and the gateway's calls to them (None: plaintext).
+    tls: TLSSettings | None = None
     key_prefix: str = "tandem"
     max_model_len: int = 4096
     kv_cache_bytes: int = 1 << 30
@@ -131,11 +140,15 @@ class StackConfig:
             )
         }
         num_prefill = int(overrides.pop("num_prefill_workers", 1))  # type: ignore[call-overload]
+        num_decode = int(overrides.pop("num_decode_workers", 1))  # type: ignore[call-overload]
         extra = [WorkerPorts.free() for _ in range(max(0, num_prefill - 1))]
-        return cls(**{**ports, "extra_prefill_workers": extra, **overrides})  # type: ignore[arg-type]
+        extra_decode = [WorkerPorts.free() for _ in range(max(0, num_decode - 1))]
+        return cls(
+            **{**ports, "extra_prefill_workers": extra, "extra_decode_workers": extra_decode, **overrides}  # type: ignore[arg-type]
+        )
 
     def worker_ports(self) -> dict[str, WorkerPorts]:
-        """Every worker by component name: prefill, prefill-1, ..., decode."""
+        """Every worker by component name: prefill, prefill-1, ..., decode, decode-1, ..."""
         workers = {
             "prefill": WorkerPorts(
                 self.prefill_port,
@@ -154,11 +167,27 @@ class StackConfig:
             self.decode_kv_events_port,
             self.decode_kv_events_replay_port,
         )
+        for i, ports in enumerate(self.extra_decode_workers, start=1):
+            workers[f"decode-{i}"] = ports
         return workers
 
     @property
     def gateway_url(self) -> str:
         return f"http://{self.host}:{self.gateway_port}"
+
+
+def _session_members(session_id: int) -> list[int]:
+    """Processes whose session is ``session_id`` (Linux /proc; elsewhere none)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        # After the command: state, ppid, pgrp, session, ...
+        if len(fields) > 3 and int(fields[3]) == session_id:
+            members.append(int(stat.parent.name))
+    return members
 
 
 class StackError(RuntimeError):
@@ -179,6 +208,8 @@ class LocalStack:
         self.config = config
         self._progress = progress or (lambda msg: None)
         self._children: dict[str, _Child] = {}
+        self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self._redis_args: list[str] = []
         self.started_at: dict[str, float] = {}
         self.ready_after_s: dict[str, float] = {}
         #: The dev tenant's API key (``Authorization: Bearer …``), created at start; "" with auth disabled.
@@ -199,7 +230,7 @@ class LocalStack:
 
     def _worker_env(self, name: str) -> dict[str, str]:
         c = self.config
-        role = "decode" if name == "decode" else "prefill"
+        role = "decode" if name.startswith("decode") else "prefill"
         ports = c.worker_ports()[name]
         port, kv_port, metrics_port = ports.port, ports.kv_port, ports.metrics_port
         env = self._base_env()
@@ -224,12 +255,24 @@ class LocalStack:
         )
         num_cpus = os.cpu_count() or 1
         if c.pin_engine_cores and num_cpus >= 2:
-            # Prefill workers one core each, round the cores; decode on the last core
-            # (with two cores and two prefill workers it shares core 1 with prefill-1).
+            # Prefill workers one core each, round the cores; the first decode on the last core
+            # (with two cores and two prefill workers it shares core 1 with prefill-1), further
+            # decode workers round the cores from the other end.
             names = list(c.worker_ports())
-            core = num_cpus - 1 if role == "decode" else names.index(name) % num_cpus
+            if role == "decode":
+                decode_names = [n for n in names if n.startswith("decode")]
+                core = num_cpus - 1 - decode_names.index(name) % num_cpus
+            else:
+                core = names.index(name) % num_cpus
             env["TANDEM_WORKER_ENGINE__CPU_THREADS_BIND"] = str(core)
+        env.update(self._tls_env("TANDEM_WORKER_TLS__"))
         return env
+
+    def _tls_env(self, prefix: str) -> dict[str, str]:
+        tls = self.config.tls
+        if tls is None or not tls.enabled:
+            return {}
+        return {f"{prefix}{key.upper()}": str(value) for key, value in tls.to_dict().items() if value is not None}
 
     def _router_env(self) -> dict[str, str]:
         c = self.config
@@ -265,6 +308,7 @@ class LocalStack:
                 "TANDEM_GATEWAY_AUTH__ADMIN_KEY": self.admin_key,
             }
         )
+        env.update(self._tls_env("TANDEM_GATEWAY_TLS__"))
         return env
 
     def _create_dev_key(self) -> None:
@@ -299,10 +343,11 @@ class LocalStack:
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.config.log_dir / f"{name}.log"
-        log = log_path.open("wb")
+        log = log_path.open("ab" if name in self._commands else "wb")  # a restart appends
         # A process group per child so that stop() also reaches the engine's children.
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._children[name] = _Child(name, proc, log_path)
+        self._commands[name] = (args, env)
         self.started_at[name] = time.monotonic()
 
     def _ensure_redis(self) -> None:
@@ -315,9 +360,14 @@ class LocalStack:
         if shutil.which("redis-server") is None:
             raise StackError(f"no Redis at {self.config.redis_url} and no redis-server to start")
         port = client.connection_pool.connection_kwargs.get("port", 6379)
-        self._spawn(
-            "redis", ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"], self._base_env()
-        )
+        args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        if self.config.redis_data_dir is None:
+            args += ["--appendonly", "no"]
+        else:
+            self.config.redis_data_dir.mkdir(parents=True, exist_ok=True)
+            args += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.config.redis_data_dir)]
+        self._spawn("redis", args, self._base_env())
+        self._redis_args = args
         self._wait("redis", lambda: bool(client.ping()), timeout_s=15)
 
     def start(self, *, timeout_s: float = 600.0) -> None:
@@ -329,15 +379,16 @@ class LocalStack:
         workers = c.worker_ports()
         self._progress(
             ("starting router (Ray Serve), " if c.start_router else "starting ")
-            + f"{len(workers) - 1} prefill and 1 decode worker (vLLM)"
+            + f"{sum(not n.startswith('decode') for n in workers)} prefill and "
+            + f"{sum(n.startswith('decode') for n in workers)} decode worker(s) (vLLM)"
         )
         py = sys.executable
         if c.start_router:
             self._spawn("router", [py, "-m", "tandem.router"], self._router_env())
         for name in workers:
             self._spawn(name, [py, "-m", "tandem.worker"], self._worker_env(name))
-        for name, ports in workers.items():
-            self._wait(name, lambda port=ports.port: self._worker_ready(port), timeout_s)  # type: ignore[misc]
+        for name in workers:
+            self._wait(name, lambda name=name: self._worker_ready(name), timeout_s)  # type: ignore[misc]
         if c.start_router:
             self._wait("router", self._router_ready, timeout_s)
         if not c.start_gateway:
@@ -372,10 +423,45 @@ class LocalStack:
             f"{self._children[name].log_path if name in self._children else '-'}:\n" + self.tail(name)
         )
 
-    def _worker_ready(self, port: int) -> bool:
-        with grpc.insecure_channel(f"{self.config.host}:{port}") as channel:
+    def worker_channel(self, name: str) -> grpc.Channel:
+        """A blocking channel to a worker's gRPC service (over mTLS when the stack runs it)."""
+        address = f"{self.config.host}:{self.config.worker_ports()[name].port}"
+        tls = self.config.tls
+        if tls is not None and tls.enabled:
+            return grpc.secure_channel(address, channel_credentials(tls))
+        return grpc.insecure_channel(address)
+
+    def _worker_ready(self, name: str) -> bool:
+        with self.worker_channel(name) as channel:
             reply = worker_pb2_grpc.WorkerStub(channel).Health(worker_pb2.HealthRequest(), timeout=2)
             return bool(reply.ready)
+
+    @property
+    def components(self) -> list[str]:
+        """Every component this stack started (also those that died since)."""
+        return list(self._commands)
+
+    def is_running(self, name: str) -> bool:
+        child = self._children.get(name)
+        return child is not None and child.proc.poll() is None
+
+    def restart(self, name: str, *, timeout_s: float = 600.0) -> None:
+        """Start a component again with its first command line (after a fault test killed it) and wait
+        until it is ready. A running one is killed first."""
+        if self.is_running(name):
+            self.kill(name, signal.SIGKILL)
+            self._children[name].proc.wait(timeout=30)
+        args, env = self._commands[name]
+        self._spawn(name, args, env)
+        if name == "redis":
+            client = redis.Redis.from_url(self.config.redis_url, socket_connect_timeout=1)
+            self._wait(name, lambda: bool(client.ping()), timeout_s)
+        elif name == "router":
+            self._wait(name, self._router_ready, timeout_s)
+        elif name == "gateway":
+            self._wait(name, self._gateway_ready, timeout_s)
+        else:
+            self._wait(name, lambda: self._worker_ready(name), timeout_s)
 
     def _router_ready(self) -> bool:
         with grpc.insecure_channel(f"{self.config.host}:{self.config.router_grpc_port}") as channel:
@@ -399,13 +485,24 @@ class LocalStack:
         return self._children[name].proc.pid
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to a component's whole process group (fault tests)."""
+        """Send ``sig`` to a component and everything it started: its process group, and the processes
+        of its session that moved to groups of their own (Ray's actors do)."""
+        pid = self._children[name].proc.pid
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._children[name].proc.pid, sig)
+            os.killpg(pid, sig)
+        for other in _session_members(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(other, sig)
 
     def stop(self, *, timeout_s: float = 30.0) -> None:
         """SIGTERM every child (gateway first), then SIGKILL what is left."""
-        order = ["gateway", "router", "decode", *[n for n in self._children if n.startswith("prefill")], "redis"]
+        order = [
+            "gateway",
+            "router",
+            *[n for n in self._children if n.startswith("decode")],
+            *[n for n in self._children if n.startswith("prefill")],
+            "redis",
+        ]
         for name in order:
             if name in self._children and self._children[name].proc.poll() is None:
                 self.kill(name, signal.SIGTERM)
