@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
@@ -48,9 +48,18 @@ class KVSettings(BaseModel):
     #: How long a prefill engine holds blocks that no decode engine released.
     lease_s: float = Field(60.0, gt=0)
     max_chunk_bytes: int = Field(4 << 20, gt=0)
+    #: A decode engine gives up a pull after this long (a hung or dead prefill worker) and applies
+    #: ``load_failure_policy``; shorter than ``lease_s``, so it gives up before the blocks it waits
+    #: for could be freed under it.
     pull_timeout_s: float = Field(30.0, gt=0)
     #: On a failed pull: "recompute" the prompt locally, or "fail" the request.
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
+
+    @model_validator(mode="after")
+    def _pull_gives_up_within_the_lease(self) -> KVSettings:
+        if self.pull_timeout_s >= self.lease_s:
+            raise ValueError(f"kv.pull_timeout_s ({self.pull_timeout_s}) must be less than kv.lease_s ({self.lease_s})")
+        return self
 
 
 class KVEventsSettings(BaseModel):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from tandem.common import failpoints
 from tandem.common.errors import KVLayoutMismatchError
 from tandem.common.tls import TLSSettings, add_port
 from tandem.common.tls import channel as tls_channel
@@ -35,6 +36,14 @@ logger = logging.getLogger(__name__)
 _GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+#: Client channels to other engines' KV servers: a prefill worker restarted on the same address is
+#: dialled again within two seconds (gRPC's default backoff grows to two minutes).
+_CLIENT_OPTIONS = [
+    *_GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 #: How long PullBlocks waits for a hold the scheduler has not announced yet.
 _HOLD_ANNOUNCE_WAIT_S = 5.0
@@ -272,7 +281,7 @@ class WorkerSide:
         address = f"{host}:{int(port) + self._tp_rank}"
         channel = self._channels.get(address)
         if channel is None:
-            channel = tls_channel(address, self._tls, options=list(_GRPC_OPTIONS))
+            channel = tls_channel(address, self._tls, options=list(_CLIENT_OPTIONS))
             self._channels[address] = channel
         return kv_transfer_pb2_grpc.KVTransferStub(channel)
 
@@ -372,6 +381,7 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"blocks {sorted(set(wanted) - set(hold.block_ids))} are not held for this request",
             )
+        failpoints.hit("kv_server.before_pull")
         max_chunk = request.max_chunk_bytes or 4 * 1024 * 1024
         total = 0
         for chunk in side.read_chunks(wanted, max_chunk):

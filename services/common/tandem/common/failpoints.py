@@ -1,0 +1,54 @@
+"""Failpoints: named places where the fault suite injects a fault into a
+running process (in the manner of etcd's gofail and TiKV's fail-rs).
+
+Inert unless the process was started with ``TANDEM_FAILPOINTS_DIR`` set, which
+production deployments never do; then :func:`hit` costs one ``stat`` of
+``$TANDEM_FAILPOINTS_DIR/<name>``. A test arms a failpoint by writing an action
+into that file and disarms it by deleting the file:
+
+* ``sleep <seconds>``: stall here (a hung peer, a slow disk);
+* ``error <message>``: raise :class:`FailpointError` here.
+
+The names in use are listed in :data:`KNOWN`; :func:`hit` refuses others so a
+typo in a test cannot silently arm nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: Every failpoint in the code base, with where it sits.
+KNOWN = {
+    "kv_server.before_pull": "prefill worker's KV server, after the held blocks were found, before sending them",
+}
+
+_DIR = os.environ.get("TANDEM_FAILPOINTS_DIR")
+
+
+class FailpointError(RuntimeError):
+    """Raised by an armed ``error`` failpoint."""
+
+
+def hit(name: str) -> None:
+    """Run the action armed for ``name``, if any."""
+    if _DIR is None:
+        return
+    if name not in KNOWN:
+        raise ValueError(f"unknown failpoint {name!r}")
+    try:
+        action = (Path(_DIR) / name).read_text().strip()
+    except FileNotFoundError:
+        return
+    verb, _, argument = action.partition(" ")
+    logger.warning("failpoint %s: %s", name, action)
+    if verb == "sleep":
+        time.sleep(float(argument))
+    elif verb == "error":
+        raise FailpointError(argument or name)
+    else:
+        raise ValueError(f"failpoint {name}: unknown action {action!r}")
