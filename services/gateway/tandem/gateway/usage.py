@@ -9,6 +9,7 @@ actually generated) by the generation response's completion hook, and by the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 COUNTERS = ("requests", "aborted_requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 _DAY_TTL_S = 400 * 24 * 3600
+#: How long a request id stays marked as recorded (retries come within seconds).
+_RECORDED_MARKER_TTL_S = 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -33,15 +36,43 @@ class UsageRecord:
     num_completion_tokens: int
     num_cached_tokens: int
     aborted: bool
+    #: Makes :meth:`UsageStore.record` idempotent across retries ("": no marker).
+    request_id: str = ""
+
+
+#: Adds one request's counters to both hashes, once: a retry after a lost reply finds the marker and
+#: adds nothing. KEYS: all-time hash, day hash, tenants set, marker ('' for none). ARGV: model, day TTL,
+#: marker TTL, tenant id, then counter name / value pairs.
+_RECORD_ONCE = """
+if KEYS[4] ~= '' and redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[3]) == false then
+  return 0
+end
+for i = 5, #ARGV, 2 do
+  local field = ARGV[1] .. '|' .. ARGV[i]
+  redis.call('HINCRBY', KEYS[1], field, ARGV[i + 1])
+  redis.call('HINCRBY', KEYS[2], field, ARGV[i + 1])
+end
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('SADD', KEYS[3], ARGV[4])
+return 1
+"""
 
 
 class UsageStore:
-    def __init__(self, client: aioredis.Redis, *, key_prefix: str) -> None:
+    """Usage counters in Redis.
+
+    :meth:`record` survives a Redis outage of up to ``retry_for_s``: it keeps retrying (it runs after
+    the response, off the request path), and a request id makes the retry idempotent, so a write whose
+    reply was lost is not counted twice.
+    """
+
+    def __init__(self, client: aioredis.Redis, *, key_prefix: str, retry_for_s: float = 60.0) -> None:
         self._redis = client
         self._p = f"{key_prefix}:gw:usage"
+        self._retry_for_s = retry_for_s
 
     async def record(self, record: UsageRecord) -> None:
-        """Add one request's figures. Logs and drops them when Redis is down (the request already ran)."""
+        """Add one request's figures; retries while Redis is down, then logs and drops them."""
         day = time.strftime("%Y-%m-%d", time.gmtime())
         values = {
             "requests": 1,
@@ -50,18 +81,29 @@ class UsageStore:
             "completion_tokens": record.num_completion_tokens,
             "cached_tokens": record.num_cached_tokens,
         }
-        try:
-            with redis_errors("usage record"):
-                async with self._redis.pipeline(transaction=True) as pipe:
-                    for key in (f"{self._p}:{record.tenant_id}", f"{self._p}:{record.tenant_id}:{day}"):
-                        for name, value in values.items():
-                            if value:
-                                pipe.hincrby(key, f"{record.model}|{name}", value)
-                    pipe.expire(f"{self._p}:{record.tenant_id}:{day}", _DAY_TTL_S)
-                    pipe.sadd(f"{self._p}:tenants", record.tenant_id)
-                    await pipe.execute()
-        except BackendUnavailableError as exc:
-            logger.warning("usage not recorded: %s", exc, extra={"tenant": record.tenant_id, **values})
+        keys = [
+            f"{self._p}:{record.tenant_id}",
+            f"{self._p}:{record.tenant_id}:{day}",
+            f"{self._p}:tenants",
+            f"{self._p}:recorded:{record.request_id}" if record.request_id else "",
+        ]
+        args: list[str | int] = [record.model, _DAY_TTL_S, _RECORDED_MARKER_TTL_S, record.tenant_id]
+        for name, value in values.items():
+            if value:
+                args += [name, value]
+        deadline = time.monotonic() + self._retry_for_s
+        delay_s = 0.25
+        while True:
+            try:
+                with redis_errors("usage record"):
+                    await self._redis.eval(_RECORD_ONCE, len(keys), *keys, *args)
+                return
+            except BackendUnavailableError as exc:
+                if time.monotonic() + delay_s > deadline:
+                    logger.warning("usage not recorded: %s", exc, extra={"tenant": record.tenant_id, **values})
+                    return
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
 
     async def tenant_usage(self, tenant_id: str, *, day: str | None = None) -> dict[str, Any]:
         """``{"tenant": id, "period": "all"|day, "data": [{"model", counters…}], "total": {counters…}}``."""

@@ -272,6 +272,7 @@ async def _settle(services: GatewayServices, admission: Admission, model: str, o
             num_completion_tokens=outcome.num_completion_tokens,
             num_cached_tokens=cached,
             aborted=outcome.finished is None,
+            request_id=admission.request_id,
         )
     )
 
