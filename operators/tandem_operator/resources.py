@@ -21,6 +21,8 @@ from tandem_operator.spec import GROUP, KIND, VERSION, PoolSpec, Role, TandemSpe
 WORKER_PORT = 50051
 KV_PORT = 50061
 METRICS_PORT = 9101
+#: Where the TLS Secret (spec.tls) is mounted.
+TLS_DIR = "/etc/tandem/tls"
 #: Seconds of grace on top of the drain timeout (process exit, engine shutdown).
 GRACE_MARGIN_S = 30
 
@@ -102,6 +104,14 @@ def _env(spec: TandemSpec, role: Role, pool: PoolSpec) -> list[dict[str, Any]]:
         env.append({"name": "TANDEM_WORKER_REDIS__URL", "valueFrom": secret})
     else:
         env.append({"name": "TANDEM_WORKER_REDIS__URL", "value": spec.redis.url})
+    if spec.tls is not None:
+        env += [
+            {"name": "TANDEM_WORKER_TLS__ENABLED", "value": "true"},
+            {"name": "TANDEM_WORKER_TLS__CERT_FILE", "value": f"{TLS_DIR}/tls.crt"},
+            {"name": "TANDEM_WORKER_TLS__KEY_FILE", "value": f"{TLS_DIR}/tls.key"},
+            {"name": "TANDEM_WORKER_TLS__CA_FILE", "value": f"{TLS_DIR}/ca.crt"},
+            {"name": "TANDEM_WORKER_TLS__SERVER_NAME_OVERRIDE", "value": spec.tls.server_name},
+        ]
     env.extend({"name": name, "value": value} for name, value in sorted(pool.engine_args.extra_env.items()))
     return env
 
@@ -123,6 +133,9 @@ def _volumes(spec: TandemSpec, pool: PoolSpec) -> tuple[list[dict[str, Any]], li
     if pool.num_gpus > 0 or pool.engine_args.tensor_parallel_size > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.tls is not None:
+        volumes.append({"name": "internal-tls", "secret": {"secretName": spec.tls.secret_name, "defaultMode": 0o440}})
+        mounts.append({"name": "internal-tls", "mountPath": TLS_DIR, "readOnly": True})
     return volumes, mounts
 
 

@@ -85,6 +85,14 @@ class RedisRef(_Model):
         return self
 
 
+class TLSRef(_Model):
+    """Mutual TLS of the pools' gRPC (Worker service, KV transfer): a Secret with tls.crt, tls.key, ca.crt."""
+
+    secret_name: str = Field(min_length=1)
+    #: DNS name in the certificate that callers check (workers are dialled by pod IP); "" = the IP.
+    server_name: str = ""
+
+
 class EngineArgs(_Model):
     dtype: str = "auto"
     tensor_parallel_size: int = Field(default=1, ge=1)
@@ -187,6 +195,8 @@ class TandemSpec(_Model):
     service_account_name: str = ""
     #: Extra labels for every pod of both pools.
     pod_labels: dict[str, str] = Field(default_factory=dict)
+    #: Mutual TLS for the pools' gRPC; None: plaintext, fenced by NetworkPolicies.
+    tls: TLSRef | None = None
 
 
 def parse_spec(raw: dict[str, Any] | Any) -> TandemSpec:

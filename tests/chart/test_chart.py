@@ -242,16 +242,20 @@ def test_network_policies_isolate_the_workers() -> None:
     open_policies = [n for n, p in policies.items() for r in p.get("ingress", []) if not _peers(r)]
     assert open_policies == [f"{FULL}-gateway"]
     assert policies[f"{FULL}-gateway"]["ingress"][0]["ports"] == [{"port": "http", "protocol": "TCP"}]
-    # Workers: from gateway, router, workers (all ports); Prometheus on the metrics port only.
+    # Workers: each peer on its own ports only (gateway → gRPC, workers → KV, router → KV events),
+    # Prometheus on the metrics port only.
     workers = policies[f"{FULL}-workers"]
     assert all(_selects(workers["podSelector"]["matchLabels"], p["spec"]["template"]["metadata"]["labels"])
                for p in pools)
-    full_access = workers["ingress"][0]
-    assert "ports" not in full_access
-    components = sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in _peers(full_access))
-    assert components == ["gateway", "router", "worker"]
-    assert _selects(_peers(full_access)[0]["podSelector"]["matchLabels"], gateway_labels)
-    monitoring = workers["ingress"][1]
+    assert all(rule.get("ports") for rule in workers["ingress"])
+    by_peer = {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: sorted(str(q["port"])
+                                                                                     for q in r["ports"])
+               for r in workers["ingress"][:3] for p in _peers(r)}
+    assert by_peer == {"gateway": ["grpc"], "worker": ["kv"], "router": ["5557", "6557"]}
+    assert _selects(_peers(workers["ingress"][0])[0]["podSelector"]["matchLabels"], gateway_labels)
+    worker_ports = {p["name"] for p in pools[0]["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert {"grpc", "kv"} <= worker_ports  # the named ports exist on the operator's pods
+    monitoring = workers["ingress"][3]
     assert monitoring["ports"] == [{"port": 9101, "protocol": "TCP"}] and "namespaceSelector" in _peers(monitoring)[0]
     # Redis: only Tandem components.
     redis_from = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]

@@ -103,6 +103,38 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/* Where the internal TLS Secret is mounted. */}}
+{{- define "tandem.internalTLSDir" -}}/etc/tandem/tls{{- end -}}
+
+{{/* TLS env of a component (when internalTLS.enabled); pass (dict "ctx" $ "prefix" "TANDEM_GATEWAY_"). */}}
+{{- define "tandem.internalTLSEnv" -}}
+{{- $dir := include "tandem.internalTLSDir" .ctx -}}
+- name: {{ .prefix }}TLS__ENABLED
+  value: "true"
+- name: {{ .prefix }}TLS__CERT_FILE
+  value: {{ printf "%s/tls.crt" $dir | quote }}
+- name: {{ .prefix }}TLS__KEY_FILE
+  value: {{ printf "%s/tls.key" $dir | quote }}
+- name: {{ .prefix }}TLS__CA_FILE
+  value: {{ printf "%s/ca.crt" $dir | quote }}
+- name: {{ .prefix }}TLS__SERVER_NAME_OVERRIDE
+  value: {{ .ctx.Values.internalTLS.serverName | quote }}
+{{- end -}}
+
+{{/* The internal TLS Secret as a volume, and its read-only mount (when internalTLS.enabled). */}}
+{{- define "tandem.internalTLSVolume" -}}
+- name: internal-tls
+  secret:
+    secretName: {{ .Values.internalTLS.secretName }}
+    defaultMode: 0440
+{{- end -}}
+
+{{- define "tandem.internalTLSMount" -}}
+- name: internal-tls
+  mountPath: {{ include "tandem.internalTLSDir" . }}
+  readOnly: true
+{{- end -}}
+
 {{/* Shared parts of the Ray head and worker containers; pass (dict "ctx" $). */}}
 {{- define "tandem.routerContainerCommon" -}}
 imagePullPolicy: {{ .ctx.Values.images.router.pullPolicy }}

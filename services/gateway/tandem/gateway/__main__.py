@@ -102,6 +102,7 @@ async def serve(settings: GatewaySettings) -> None:
                     "model": settings.served_model_name,
                     "router_address": settings.router_address,
                     "auth_mode": settings.auth.mode,
+                    "worker_tls": settings.tls.enabled,
                 },
             )
         await task

@@ -72,7 +72,7 @@ def build_app(
 ) -> Starlette:
     """The ASGI app. Worker channels and Redis are closed and pending cleanups drained at shutdown."""
     metrics = metrics if metrics is not None else GatewayMetrics()
-    workers = workers if workers is not None else WorkerChannels()
+    workers = workers if workers is not None else WorkerChannels(settings.tls)
     drain = drain if drain is not None else Drain()
     owns_redis = redis_client is None
     client = (

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
+from tandem.common.tls import TLSSettings
 
 
 def _default_model_dir() -> Path:
@@ -101,6 +102,9 @@ class GatewaySettings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     tenancy: TenancySettings = Field(default_factory=TenancySettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
+    #: mTLS of the calls to the workers (``TANDEM_GATEWAY_TLS__ENABLED``, ``__CERT_FILE``, ``__KEY_FILE``,
+    #: ``__CA_FILE``); off: plaintext, fenced by NetworkPolicies (see docs/security.md).
+    tls: TLSSettings = Field(default_factory=TLSSettings)
 
     #: Log level of the root logger.
     log_level: str = "INFO"

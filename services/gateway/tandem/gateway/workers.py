@@ -1,9 +1,12 @@
 """gRPC channels to the workers, one per address, and the mapping of worker
 gRPC errors into Tandem errors.
 
-Called by the orchestrator; calls ``tandem.v1.Worker`` through grpc.aio.
-Channels are created on first use and kept for the process lifetime: workers
-come and go, but an idle HTTP/2 connection is cheap and reconnects by itself.
+Called by the orchestrator; calls ``tandem.v1.Worker`` through grpc.aio, over
+mutual TLS when the gateway's ``tls`` settings are enabled (the gateway
+presents its certificate and checks the worker's against the CA; see
+docs/security.md). Channels are created on first use and kept for the process
+lifetime: workers come and go, but an idle HTTP/2 connection is cheap and
+reconnects by itself.
 """
 
 from __future__ import annotations
@@ -18,30 +21,38 @@ from tandem.common.errors import (
     TandemError,
     WorkerUnavailableError,
 )
+from tandem.common.tls import TLSSettings, aio_channel
 from tandem.v1 import worker_pb2_grpc
 
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-_CHANNEL_OPTIONS = [
+_CHANNEL_OPTIONS: list[tuple[str, object]] = [
     ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
     # Notice a dead worker during a long decode without waiting for the deadline.
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # A worker restarted on the same address (a container restart keeps its pod's IP) is dialled again
+    # within a second or two: gRPC's default backoff grows to two minutes, and a call made while the
+    # channel backs off fails at once with UNAVAILABLE, as if the new worker were dead too.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 
 class WorkerChannels:
-    """Cached grpc.aio channels and Worker stubs, keyed by ``host:port``."""
+    """Cached grpc.aio channels and Worker stubs, keyed by ``host:port``; plaintext unless ``tls`` is enabled."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TLSSettings | None = None) -> None:
+        self._tls = tls if tls is not None else TLSSettings()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = aio_channel(address, self._tls, options=_CHANNEL_OPTIONS)
             self._channels[address] = channel
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
