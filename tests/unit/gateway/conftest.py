@@ -216,6 +216,8 @@ class FakeScheduler:
     schedule_calls: list[dict[str, Any]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     released_event: asyncio.Event = field(default_factory=asyncio.Event)
+    #: How long each Schedule takes (a router queueing the request).
+    schedule_delay_s: float = 0.0
 
     async def schedule(
         self,
@@ -240,6 +242,8 @@ class FakeScheduler:
                 "priority": priority,
             }
         )
+        if self.schedule_delay_s:
+            await asyncio.sleep(self.schedule_delay_s)
         if self.error is not None:
             raise self.error
         index = min(len(self.schedule_calls) - 1, len(self.placements) - 1)

@@ -106,6 +106,54 @@ async def test_prefill_unavailable_is_retried_once_elsewhere(
     assert stack.scheduler.released == [first["request_id"]] * 2
 
 
+async def test_decode_unavailable_before_its_first_token_is_placed_once_more(
+    stack: Any, free_dead_address: str, wait: Any
+) -> None:
+    """A decode worker that died between requests (registration not yet expired): the prefill worker
+    still holds the KV, so the decode goes to another decode worker and the client sees nothing."""
+    dead = router_pb2.WorkerRef(worker_id="decode-dead", role="decode", address=free_dead_address)
+    unused_prefill = router_pb2.WorkerRef(worker_id="prefill-other", role="prefill", address=free_dead_address)
+    stack.scheduler.placements[:] = [
+        router_pb2.Placement(prefill=stack.prefill.ref("prefill"), decode=dead, lease_s=30.0),
+        router_pb2.Placement(prefill=unused_prefill, decode=stack.decode.ref("decode"), lease_s=30.0),
+    ]
+    response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert response.status_code == 200
+    body = response.content.decode()
+    assert '"error"' not in body and body.endswith("data: [DONE]\n\n")
+    assert "Hello" in body
+    first, second = stack.scheduler.schedule_calls
+    assert second["exclude_worker_ids"] == ["decode-dead"]
+    assert len(stack.prefill.prefill_requests) == 1  # the KV stays where it was computed
+    (decode_request,) = stack.decode.decode_requests
+    assert decode_request.kv_handle.remote_request_id  # the handle the first prefill returned
+    await wait(stack.scheduler.released_event)
+    assert stack.prefill.aborted == []  # completed: nothing to abort
+
+
+async def test_decode_unavailable_twice_is_a_final_error_event(stack: Any, free_dead_address: str) -> None:
+    dead = router_pb2.WorkerRef(worker_id="decode-dead", role="decode", address=free_dead_address)
+    stack.scheduler.placements[:] = [router_pb2.Placement(prefill=stack.prefill.ref("prefill"), decode=dead)]
+    response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert response.status_code == 200  # the first token was already sent
+    assert '"worker_unavailable"' in response.text and response.text.endswith("data: [DONE]\n\n")
+    assert len(stack.scheduler.schedule_calls) == 2
+
+
+async def test_client_gone_while_the_router_places_releases_the_placement(
+    stack: Any, live_url: str, wait: Any
+) -> None:
+    """The router reserves a pair for a request whose client has already left: the reservation is
+    released as soon as the placement arrives, not held until its lease runs out."""
+    stack.scheduler.schedule_delay_s = 0.5
+    async with httpx.AsyncClient(base_url=live_url) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/chat/completions", json=chat_body(stream=True), timeout=0.1)
+    await wait(stack.scheduler.released_event, 3.0)
+    assert stack.scheduler.released == [stack.scheduler.schedule_calls[0]["request_id"]]
+    assert stack.prefill.prefill_requests == []  # nothing ran on the workers
+
+
 async def test_prefill_unavailable_twice_is_503(stack: Any, wait: Any) -> None:
     stack.prefill.prefill_error = grpc.StatusCode.UNAVAILABLE
     response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))

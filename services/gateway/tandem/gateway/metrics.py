@@ -116,6 +116,13 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.worker_retries_total = Counter(
+            "tandem_gateway_worker_retries_total",
+            "Requests placed once more because their prefill or decode worker was unavailable before it "
+            "answered (a worker that died and whose registration has not expired yet).",
+            ["role"],
+            registry=self.registry,
+        )
         self.slow_reader_disconnects_total = Counter(
             "tandem_gateway_slow_reader_disconnects_total",
             "Streams cut off because the client stopped reading (their generation was cancelled).",

@@ -8,7 +8,9 @@ through :class:`~tandem.gateway.workers.WorkerChannels`:
 2. ``Prefill`` on the prefill worker → the first token (retried once on another
    prefill worker when the first one is UNAVAILABLE);
 3. ``Decode`` stream on the decode worker → the remaining tokens, unless the
-   first token already finished the request;
+   first token already finished the request (placed once more on another
+   decode worker when the first one is UNAVAILABLE before it sent anything; a
+   decode worker that dies mid-stream ends the stream with an error);
 4. always: ``Release`` on the router, and ``Abort`` on both workers when the
    generation did not complete (error, timeout, client gone), so that held KV
    blocks are freed at once rather than when their lease runs out.
@@ -176,20 +178,30 @@ class Orchestrator:
             num_decoded_tokens = 0
             finish_reason = ""
             started_s = time.monotonic()
-            call = self._start_decode(job, progress.placement, prefill, deadline)
-            progress.decode_call = call
-            try:
-                async for chunk in call:
-                    if chunk.HasField("stats"):
-                        _record_decode_stats(job.clock, chunk.stats)
-                    num_decoded_tokens += len(chunk.token_ids)
-                    if chunk.text or chunk.token_ids:
-                        # Empty text (a token that completes no character yet) still counts as a token.
-                        yield TextDelta(chunk.text, len(chunk.token_ids))
-                    if chunk.finish_reason:
-                        finish_reason = chunk.finish_reason
-            except grpc.aio.AioRpcError as exc:
-                raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
+            for attempt in range(2):
+                call = self._start_decode(job, progress.placement, prefill, deadline)
+                progress.decode_call = call
+                num_chunks = 0
+                try:
+                    async for chunk in call:
+                        num_chunks += 1
+                        if chunk.HasField("stats"):
+                            _record_decode_stats(job.clock, chunk.stats)
+                        num_decoded_tokens += len(chunk.token_ids)
+                        if chunk.text or chunk.token_ids:
+                            # Empty text (a token that completes no character yet) still counts as a token.
+                            yield TextDelta(chunk.text, len(chunk.token_ids))
+                        if chunk.finish_reason:
+                            finish_reason = chunk.finish_reason
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE and num_chunks == 0 and attempt == 0:
+                        # The decode worker was gone before it sent anything (it died between requests and
+                        # its registration has not expired yet): the prefill worker still holds the KV under
+                        # its lease, so another decode worker can take over without the client noticing.
+                        await self._replace_decode_worker(job, progress)
+                        continue
+                    raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
             self._metrics.observe_stage("decode", time.monotonic() - started_s)
             if not finish_reason:
                 raise WorkerUnavailableError("decode stream ended without a finish reason")
@@ -208,16 +220,7 @@ class Orchestrator:
         excluded: list[str] = []
         for attempt in range(2):
             started_s = time.monotonic()
-            placement = await self._scheduler.schedule(
-                request_id=job.request_id,
-                model=job.model,
-                prompt_token_ids=job.prompt_token_ids,
-                max_tokens=job.max_tokens,
-                tenant=job.tenant,
-                cache_salt=job.cache_salt,
-                exclude_worker_ids=excluded,
-                priority=job.priority,
-            )
+            placement = await self._place(job, excluded)
             progress.placement = placement
             job.clock.remark("scheduled")
             self._metrics.observe_stage("schedule", time.monotonic() - started_s)
@@ -239,6 +242,7 @@ class Orchestrator:
                         "prefill worker unavailable; rescheduling once",
                         extra={"request_id": job.request_id, "worker_id": placement.prefill.worker_id},
                     )
+                    self._metrics.worker_retries_total.labels(role="prefill").inc()
                     progress.placement = None
                     await self._release(job.request_id)
                     excluded.append(placement.prefill.worker_id)
@@ -251,6 +255,54 @@ class Orchestrator:
             job.clock.worker["num_router_expected_cached_tokens"] = placement.num_cached_tokens
             return response
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _place(self, job: GenerationJob, exclude_worker_ids: list[str]) -> router_pb2.Placement:
+        """``Schedule`` on the router. If the request is cancelled meanwhile (the client left), the call
+        is not cancelled with it: the router may already have reserved a pair, so the call runs to its
+        end in the background and what it reserved is released, rather than held until its lease ends."""
+        schedule = asyncio.ensure_future(
+            self._scheduler.schedule(
+                request_id=job.request_id,
+                model=job.model,
+                prompt_token_ids=job.prompt_token_ids,
+                max_tokens=job.max_tokens,
+                tenant=job.tenant,
+                cache_salt=job.cache_salt,
+                exclude_worker_ids=list(exclude_worker_ids),
+                priority=job.priority,
+            )
+        )
+        try:
+            return await asyncio.shield(schedule)
+        except asyncio.CancelledError:
+            self.run_in_background(self._release_once_placed(job.request_id, schedule))
+            raise
+
+    async def _release_once_placed(self, request_id: str, schedule: asyncio.Future[router_pb2.Placement]) -> None:
+        try:
+            await schedule
+        except Exception:  # it failed: nothing was reserved
+            return
+        await self._release(request_id)
+
+    async def _replace_decode_worker(self, job: GenerationJob, progress: _Progress) -> None:
+        """Ask the router for another decode worker, keeping the prefill worker that holds the KV."""
+        assert progress.placement is not None
+        dead = progress.placement.decode
+        logger.warning(
+            "decode worker unavailable before its first token; placing the decode once more",
+            extra={"request_id": job.request_id, "worker_id": dead.worker_id},
+        )
+        self._metrics.worker_retries_total.labels(role="decode").inc()
+        prefill = progress.placement.prefill
+        await self._release(job.request_id)
+        progress.placement = None
+        placement = await self._place(job, [dead.worker_id])
+        # The new placement's prefill worker is not used: the KV stays where it was computed.
+        replaced = router_pb2.Placement()
+        replaced.CopyFrom(placement)
+        replaced.prefill.CopyFrom(prefill)
+        progress.placement = replaced
 
     def _start_decode(
         self,
