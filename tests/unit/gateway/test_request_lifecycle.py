@@ -122,7 +122,7 @@ async def test_decode_unavailable_before_its_first_token_is_placed_once_more(
     body = response.content.decode()
     assert '"error"' not in body and body.endswith("data: [DONE]\n\n")
     assert "Hello" in body
-    first, second = stack.scheduler.schedule_calls
+    _, second = stack.scheduler.schedule_calls
     assert second["exclude_worker_ids"] == ["decode-dead"]
     assert len(stack.prefill.prefill_requests) == 1  # the KV stays where it was computed
     (decode_request,) = stack.decode.decode_requests
