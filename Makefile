@@ -50,7 +50,7 @@ empty :=
 space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS))
 
-.PHONY: help setup protos model lint test run clean distclean redis bench-path
+.PHONY: help setup protos model lint test faults run clean distclean redis bench-path
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -117,8 +117,19 @@ redis:  ## make sure a Redis answers on 127.0.0.1:$(REDIS_PORT)
 		for _ in $$(seq 50); do redis-cli -p $(REDIS_PORT) ping >/dev/null 2>&1 && break; sleep 0.1; done; \
 		redis-cli -p $(REDIS_PORT) ping; fi
 
-test: setup redis  ## run the test suite (PYTEST_ARGS=... to narrow it)
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: setup redis  ## run the test suite, then the fault suite (PYTEST_ARGS=... to narrow it to pytest only)
+	$(PY) -m pytest $(PYTEST_ARGS) --ignore=tests/faults
+	$(if $(filter tests,$(PYTEST_ARGS)),@$(MAKE) --no-print-directory faults)
+
+# The fault suite starts stacks of its own (two prefill and two decode engines at most), one at a
+# time, so it runs as a pytest session of its own after the others' stack is gone.
+FAULTS_LEDGER := .run/faults/ledger.jsonl
+FAULTS_PYTEST_ARGS ?=
+
+faults: setup redis  ## break the stack on purpose (workers, router, Redis, churn, hostile input, tenants); prints the table
+	@rm -f $(FAULTS_LEDGER)
+	@status=0; TANDEM_FAULTS_LEDGER=$(FAULTS_LEDGER) $(PY) -m pytest tests/faults $(FAULTS_PYTEST_ARGS) || status=$$?; \
+	$(PY) -m tests.faults.report $(FAULTS_LEDGER) || status=1; exit $$status
 
 run: setup  ## start the local stack; prints the gateway URL and a curl line when ready
 	$(PY) -m tandem.local

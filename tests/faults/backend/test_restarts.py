@@ -1,0 +1,223 @@
+"""Promise 2: the router or Redis restarts. Requests in flight finish; new
+requests wait or get 503 with Retry-After; the system recovers by itself."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import psutil
+import pytest
+import redis
+
+from tandem.local.stack import LocalStack
+from tests.faults.backend.client import chat_body, stream_chat, usage_total
+from tests.faults.backend.conftest import KV_LEASE_S, BackendStack
+from tests.faults.ledger import FaultLedger, FaultRecord
+from tests.faults.probes import StreamResult, quiesce, wait_until
+
+pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
+
+#: The system must serve again this soon after the broken part is back (or after the kill, for a
+#: component that restarts by itself).
+RECOVERY_BOUND_S = 90.0
+#: The gateway's key → tenant cache (auth.cache_s default).
+AUTH_CACHE_S = 2.0
+
+
+def router_replica_pids() -> list[int]:
+    """Ray Serve replica processes of the router (their process title names the deployment)."""
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info.get("cmdline") or [])
+        if "ServeReplica:tandem-router" in cmdline:
+            pids.append(proc.pid)
+    return pids
+
+
+class InFlight:
+    """Streams started before the fault, each waiting until it has produced some tokens."""
+
+    def __init__(self, stack: LocalStack, num: int) -> None:
+        self.results: list[StreamResult | BaseException] = []
+        self._started = threading.Semaphore(0)
+        self._threads = [threading.Thread(target=self._run, args=(stack, i)) for i in range(num)]
+        for t in self._threads:
+            t.start()
+        for _ in range(num):
+            assert self._started.acquire(timeout=120), "an in-flight stream never started"
+
+    def _run(self, stack: LocalStack, i: int) -> None:
+        signalled = False
+
+        def on_line(lines: list[str]) -> None:
+            nonlocal signalled
+            if not signalled and sum('"content"' in line for line in lines) >= 2:
+                signalled = True
+                self._started.release()
+
+        try:
+            self.results.append(
+                stream_chat(
+                    stack,
+                    chat_body(stack, f"Tell me about the number {i}.", max_tokens=80, ignore_eos=True),
+                    on_line=on_line,
+                )
+            )
+        except BaseException as exc:
+            self.results.append(exc)
+        finally:
+            if not signalled:
+                self._started.release()
+
+    def join(self) -> list[StreamResult]:
+        for t in self._threads:
+            t.join(timeout=180)
+        out = []
+        for r in self.results:
+            assert isinstance(r, StreamResult), r
+            out.append(r)
+        return out
+
+
+def probe_until_recovered(stack: LocalStack, f: FaultRecord, *, deadline_s: float) -> Counter[str]:
+    """New requests during the outage: each must be a 200 or a 503 with Retry-After, never a hang
+    or another error; returns what was seen, once a request succeeds again."""
+    seen: Counter[str] = Counter()
+    started = time.monotonic()
+    while True:
+        result = stream_chat(stack, chat_body(stack, "Say yes.", max_tokens=4), timeout_s=60)
+        f.tried()
+        if result.status == 200:
+            assert result.done and not result.errors, result
+            seen["200"] += 1
+            return seen
+        error: dict[str, Any] = result.errors[0]
+        assert result.status == 503, (result.status, result.body)
+        assert error.get("retry_after"), f"503 without Retry-After: {result.body}"
+        assert "message" in error and "type" in error, result.body
+        seen[f"503 {error.get('code')} Retry-After {error['retry_after']}"] += 1
+        assert time.monotonic() - started < deadline_s, f"not recovered after {deadline_s} s: {seen}"
+        time.sleep(0.5)
+
+
+def probe_until_refused(stack: LocalStack, f: FaultRecord, *, within_s: float = 20.0) -> StreamResult:
+    """Right after a kill, requests may still get through (processes take a moment to die); each
+    must be a 200 or a 503 with Retry-After, and a 503 must come within ``within_s``."""
+    started = time.monotonic()
+    while True:
+        result = stream_chat(stack, chat_body(stack, "Say no.", max_tokens=4), timeout_s=60)
+        if result.status == 200:
+            assert result.done and not result.errors, result
+            f.saw("right after the kill: 200 (still dying)")
+        else:
+            assert result.status == 503 and result.errors[0].get("retry_after"), (result.status, result.body)
+            return result
+        assert time.monotonic() - started < within_s, "still serving long after the kill"
+        time.sleep(0.2)
+
+
+def router_budget_tokens(stack: LocalStack) -> int:
+    """Tokens every live router replica still reserves (what they share through Redis)."""
+    client = redis.Redis.from_url(stack.config.redis_url, socket_timeout=2)
+    try:
+        total = 0
+        for key in client.scan_iter(match=f"{stack.config.key_prefix}:router:replica:*"):
+            raw = client.get(key)
+            for value in json.loads(raw or "{}").values():
+                total += value if isinstance(value, int) else int(value[0])
+        return total
+    finally:
+        client.close()
+
+
+def assert_nothing_left(backend: BackendStack, f: FaultRecord) -> None:
+    left = quiesce(backend.stack, timeout_s=KV_LEASE_S + 10)
+    f.leaked("running requests", sum(r.running + r.waiting for r in left.values()))
+    f.leaked("KV blocks in use (%)", round(sum(r.kv_usage_perc for r in left.values()) * 100, 3))
+    f.leaked("KV blocks held for decode", sum(r.held_blocks for r in left.values()))
+    wait_until(lambda: router_budget_tokens(backend.stack) == 0, timeout_s=30)
+    f.leaked("router budget tokens", router_budget_tokens(backend.stack))
+
+
+def _check_in_flight(results: list[StreamResult], f: FaultRecord) -> None:
+    for r in results:
+        assert r.status == 200 and r.done and not r.errors, r
+        assert r.finish_reasons == ["length"], r.finish_reasons
+        f.saw("in-flight stream: finished normally")
+
+
+def test_router_replica_killed(backend: BackendStack, ledger: FaultLedger) -> None:
+    """Ray Serve restarts a dead replica by itself; nobody restarts anything here."""
+    stack = backend.stack
+    with ledger.fault("router replica SIGKILLed (Serve restarts it)") as f:
+        pids = router_replica_pids()
+        assert pids, "no router replica process found"
+        in_flight = InFlight(stack, 2)
+        for pid in pids:
+            psutil.Process(pid).send_signal(signal.SIGKILL)
+        f.tried()
+        killed_at = time.monotonic()
+        seen = probe_until_recovered(stack, f, deadline_s=RECOVERY_BOUND_S)
+        recovered_s = time.monotonic() - killed_at
+        for what, num in seen.items():
+            f.saw(f"new request: {what}", num)
+        _check_in_flight(in_flight.join(), f)
+        f.saw(f"recovered after {recovered_s:.1f} s")
+        assert wait_until(lambda: bool(set(router_replica_pids()) - set(pids)), timeout_s=RECOVERY_BOUND_S)
+        assert_nothing_left(backend, f)
+
+
+def test_router_process_restarted(backend: BackendStack, ledger: FaultLedger) -> None:
+    """The whole router (Ray, Serve's proxy and the replicas) dies, then comes back, as a pod would."""
+    stack = backend.stack
+    with ledger.fault("router process SIGKILLed and restarted") as f:
+        in_flight = InFlight(stack, 2)
+        stack.kill("router")
+        f.tried()
+        down = probe_until_refused(stack, f)
+        f.saw(f"while down: 503 {down.errors[0].get('code')} with Retry-After")
+        _check_in_flight(in_flight.join(), f)
+        stack.restart("router")
+        back_at = time.monotonic()
+        seen = probe_until_recovered(stack, f, deadline_s=RECOVERY_BOUND_S)
+        for what, num in seen.items():
+            f.saw(f"after restart: {what}", num)
+        f.saw(f"recovered {time.monotonic() - back_at:.1f} s after the router was ready")
+        assert_nothing_left(backend, f)
+
+
+def test_redis_restarted(backend: BackendStack, ledger: FaultLedger) -> None:
+    """Redis dies (SIGKILL) for a few seconds and comes back from its append-only file."""
+    stack = backend.stack
+    with ledger.fault("Redis SIGKILLed, restarted 5 s later") as f:
+        usage_before = usage_total(stack)
+        in_flight = InFlight(stack, 2)
+        stack.kill("redis")
+        f.tried()
+        # A key looked up in the last auth.cache_s (2 s) is still known; after that the gateway must ask
+        # Redis, and with Redis down it refuses (quotas fail closed) rather than serving unchecked.
+        time.sleep(AUTH_CACHE_S + 1)
+        down = stream_chat(stack, chat_body(stack, "Say no.", max_tokens=4), timeout_s=60)
+        assert down.status == 503 and down.errors[0].get("retry_after"), (down.status, down.body)
+        f.saw(f"while down: 503 {down.errors[0].get('code')} with Retry-After (quotas fail closed)")
+        time.sleep(5)
+        stack.restart("redis")
+        back_at = time.monotonic()
+        _check_in_flight(in_flight.join(), f)
+        seen = probe_until_recovered(stack, f, deadline_s=RECOVERY_BOUND_S)
+        for what, num in seen.items():
+            f.saw(f"after restart: {what}", num)
+        f.saw(f"recovered {time.monotonic() - back_at:.1f} s after Redis was back")
+        assert wait_until(lambda: backend.registered() == set(stack.config.worker_ports()), timeout_s=30)
+        # Usage of the two streams that finished while Redis was down is recorded once it is back
+        # (retried, idempotently), with the successful probe.
+        assert wait_until(lambda: usage_total(stack)["requests"] - usage_before["requests"] == 3, timeout_s=60), (
+            usage_before,
+            usage_total(stack),
+        )
+        assert_nothing_left(backend, f)

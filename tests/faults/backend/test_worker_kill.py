@@ -1,0 +1,206 @@
+"""Promise 1: a worker dies. SIGKILL (no drain, no goodbye) on real vLLM
+workers, at the worst moments: mid-stream, mid-prefill, after prefill but
+before the decode worker pulled the KV, and between requests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.faults.backend.client import (
+    chat_body,
+    gateway_counter,
+    num_content_events,
+    stream_chat,
+    usage_total,
+)
+from tests.faults.backend.conftest import KV_LEASE_S, PULL_TIMEOUT_S, REGISTRY_TTL_S, BackendStack
+from tests.faults.ledger import FaultLedger
+from tests.faults.probes import gauge, kv_stats, load, quiesce, wait_until, worker_names
+
+pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
+
+#: A terminal error must reach the client this soon after its decode worker died.
+ERROR_BOUND_S = 10.0
+
+
+def _running_on(backend: BackendStack, role: str) -> list[str]:
+    stack = backend.stack
+    return [
+        n for n in worker_names(stack, role) if stack.is_running(n) and gauge(stack, n, "vllm:num_requests_running")
+    ]
+
+
+def _assert_no_residue(backend: BackendStack, f: object) -> None:
+    from tests.faults.ledger import FaultRecord
+
+    assert isinstance(f, FaultRecord)
+    left = quiesce(backend.stack, timeout_s=KV_LEASE_S + 10)
+    f.leaked("running requests", sum(r.running + r.waiting for r in left.values()))
+    f.leaked("KV blocks in use (%)", round(sum(r.kv_usage_perc for r in left.values()) * 100, 3))
+    f.leaked("KV blocks held for decode", sum(r.held_blocks for r in left.values()))
+
+
+def test_decode_killed_mid_stream(backend: BackendStack, ledger: FaultLedger) -> None:
+    stack = backend.stack
+    body = chat_body(stack, max_tokens=120, ignore_eos=True)
+    reference = stream_chat(stack, body)
+    assert reference.done and reference.finish_reasons == ["length"], reference
+    usage_before = usage_total(stack)
+
+    with ledger.fault("decode worker SIGKILLed mid-stream") as f:
+        killed: list[str] = []
+        killed_at: list[float] = []
+
+        def kill_when_streaming(lines: list[str]) -> None:
+            if not killed and num_content_events(lines) >= 10:
+                victims = _running_on(backend, "decode")
+                assert len(victims) == 1, victims
+                stack.kill(victims[0])
+                killed.append(victims[0])
+                killed_at.append(time.monotonic())
+                f.tried()
+
+        result = stream_chat(stack, body, on_line=kill_when_streaming)
+        error_after_s = time.monotonic() - killed_at[0]
+        assert result.status == 200 and killed
+        assert len(result.errors) == 1, result.errors
+        error = result.errors[0]
+        f.saw(f"SSE error event ({error.get('code') or error.get('type')}) after {num_tokens(result)} tokens")
+        assert {"message", "type"} <= set(error), error
+        assert result.done, "the stream must still end with [DONE]"
+        assert result.finish_reasons == [], "no finish chunk after an error"
+        assert error_after_s < ERROR_BOUND_S, error_after_s
+        # Nothing duplicated or missing: what arrived is exactly the start of the greedy answer.
+        assert result.text and reference.text.startswith(result.text), (result.text, reference.text)
+        assert len(result.text) < len(reference.text)
+
+        # Usage is recorded for what was generated; the registration goes; new requests go elsewhere.
+        assert wait_until(
+            lambda: usage_total(stack)["aborted_requests"] == usage_before["aborted_requests"] + 1, timeout_s=10
+        )
+        usage_after = usage_total(stack)
+        assert usage_after["completion_tokens"] - usage_before["completion_tokens"] >= num_tokens(result)
+        assert wait_until(lambda: killed[0] not in backend.registered(), timeout_s=REGISTRY_TTL_S + 5)
+        survivor = next(n for n in worker_names(stack, "decode") if n != killed[0])
+        done_before = gauge(stack, survivor, "vllm:request_success_total")
+        for _ in range(3):
+            after = stream_chat(stack, chat_body(stack, max_tokens=8))
+            assert after.done and not after.errors, after
+            f.saw("next requests: 200, served by the other decode worker")
+        assert gauge(stack, survivor, "vllm:request_success_total") - done_before == 3
+        _assert_no_residue(backend, f)
+
+
+def num_tokens(result: object) -> int:
+    from tests.faults.probes import StreamResult
+
+    assert isinstance(result, StreamResult)
+    return sum(1 for e in result.events for c in e.get("choices", []) if (c.get("delta") or {}).get("content"))
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_worker_killed_between_requests(backend: BackendStack, ledger: FaultLedger, role: str) -> None:
+    """Its registration outlives it by up to the TTL; requests placed on it meanwhile must not fail."""
+    stack = backend.stack
+    # The router prefers the prefill worker that caches a prompt's prefix: kill the one that just
+    # served this prefix, and the next requests with it are placed on the dead worker.
+    prefix = "You are a careful assistant who answers in one short sentence. " * 12 if role == "prefill" else ""
+    with ledger.fault(f"{role} worker SIGKILLed between requests") as f:
+        names = worker_names(stack, role)
+        served_before = {n: gauge(stack, n, "vllm:request_success_total") for n in names}
+        warm = stream_chat(stack, chat_body(stack, prefix + "Say hello.", max_tokens=6))
+        assert warm.done and not warm.errors, warm
+        victim = max(names, key=lambda n: gauge(stack, n, "vllm:request_success_total") - served_before[n])
+        retries_before = gateway_counter(stack, "tandem_gateway_worker_retries_total", role=role)
+        stack.kill(victim)
+        f.tried()
+        started = time.monotonic()
+        num_requests = 0
+        # Until the registration expires, the router may still place requests on the dead worker.
+        while victim in backend.registered() or num_requests < 4:
+            result = stream_chat(stack, chat_body(stack, prefix + f"Say hello number {num_requests}.", max_tokens=6))
+            num_requests += 1
+            assert result.status == 200 and result.done and not result.errors, result
+            assert time.monotonic() - started < 60
+        retries = gateway_counter(stack, "tandem_gateway_worker_retries_total", role=role) - retries_before
+        f.saw(f"{num_requests} requests, all 200 ({int(retries)} placed again off the dead worker)")
+        assert retries >= 1, "no request was placed on the dead worker: the fault was not exercised"
+        _assert_no_residue(backend, f)
+
+
+def test_prefill_killed_mid_prefill(backend: BackendStack, ledger: FaultLedger) -> None:
+    """No token sent yet: the gateway retries once on the other prefill worker."""
+    stack = backend.stack
+    long_prompt = " ".join(f"Item {i} is a {('red', 'green', 'blue')[i % 3]} box." for i in range(380))
+    body = chat_body(stack, long_prompt + "\nWhich colour is item 7?", max_tokens=8)
+    with ledger.fault("prefill worker SIGKILLed mid-prefill") as f:
+        retries_before = gateway_counter(stack, "tandem_gateway_worker_retries_total", role="prefill")
+        killed: list[str] = []
+
+        def killer() -> None:
+            def prefilling() -> bool:
+                victims = _running_on(backend, "prefill")
+                if victims:
+                    stack.kill(victims[0])
+                    killed.append(victims[0])
+                return bool(victims)
+
+            wait_until(prefilling, timeout_s=30, interval_s=0.02)
+
+        thread = threading.Thread(target=killer)
+        thread.start()
+        result = stream_chat(stack, body)
+        thread.join()
+        assert killed, "the prefill finished before it could be killed"
+        f.tried()
+        assert result.status == 200 and result.done and not result.errors, result
+        assert result.finish_reasons in (["length"], ["stop"])
+        retries = gateway_counter(stack, "tandem_gateway_worker_retries_total", role="prefill") - retries_before
+        assert retries == 1
+        f.saw("200, complete answer (prefill retried once on the other worker)")
+        _assert_no_residue(backend, f)
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_prefill_gone_before_kv_pulled(backend: BackendStack, ledger: FaultLedger, fault: str) -> None:
+    """The first token was sent (it comes from the prefill worker), the decode worker's pull of the KV
+    stalls (failpoint), then the prefill worker dies or stays hung past the pull timeout. The decode
+    worker gives up within its lease, frees its blocks and recomputes the prompt itself: the client
+    gets the whole answer, the same one as without the fault."""
+    stack = backend.stack
+    body = chat_body(stack, "Name three fruits and say why you like them.", max_tokens=24, ignore_eos=True)
+    reference = stream_chat(stack, body)
+    assert reference.done and not reference.errors
+    decodes = worker_names(stack, "decode")
+    failed_before = sum(kv_stats(stack, n).loads_failed_total for n in decodes)
+    recomputed_before = sum(load(stack, n).prompt_tokens_computed_total for n in decodes)
+    name = f"prefill worker {'SIGKILLed' if fault == 'killed' else 'hung'} after prefill, before the KV pull"
+    with ledger.fault(name) as f:
+        backend.arm("kv_server.before_pull", f"sleep {PULL_TIMEOUT_S + 6 if fault == 'hung' else 30}")
+        started = time.monotonic()
+        killed: list[str] = []
+
+        def kill_holder(lines: list[str]) -> None:
+            if fault != "killed" or killed or num_content_events(lines) < 1:
+                return
+            holders = [n for n in worker_names(stack, "prefill") if kv_stats(stack, n).num_held_requests]
+            assert len(holders) == 1, holders
+            stack.kill(holders[0])
+            killed.append(holders[0])
+
+        result = stream_chat(stack, body, on_line=kill_holder)
+        elapsed_s = time.monotonic() - started
+        backend.disarm_all()
+        f.tried()
+        assert result.status == 200 and result.done and not result.errors, result
+        assert result.text == reference.text, "the recomputed answer differs"
+        assert elapsed_s < PULL_TIMEOUT_S + 15, elapsed_s
+        failed = sum(kv_stats(stack, n).loads_failed_total for n in decodes) - failed_before
+        recomputed = sum(load(stack, n).prompt_tokens_computed_total for n in decodes) - recomputed_before
+        assert failed == 1, failed
+        assert recomputed >= result.usage["prompt_tokens"] if result.usage else False  # type: ignore[operator]
+        f.saw(f"200, the same answer (decode gave up the pull after {elapsed_s:.1f} s and recomputed)")
+        _assert_no_residue(backend, f)

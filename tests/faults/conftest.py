@@ -1,0 +1,52 @@
+"""The fault suite (``make faults``; also part of ``make test``): real local
+stacks on loopback (Redis, Ray Serve router, vLLM workers, gateway) that the
+tests break on purpose. Each test module or package starts the stack it needs,
+so that two stacks never run at once on a small machine; every fault is
+recorded in the ledger (:mod:`tests.faults.ledger`)."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tandem.local.stack import LocalStack, StackConfig
+from tests.faults.ledger import FaultLedger, ledger_path
+
+_ledger: FaultLedger | None = None
+
+
+@pytest.fixture(scope="session")
+def ledger() -> FaultLedger:
+    """One ledger per session; the file is started afresh by the first test that uses it."""
+    global _ledger
+    if _ledger is None:
+        path = ledger_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+        _ledger = FaultLedger(path)
+    return _ledger
+
+
+@contextlib.contextmanager
+def running_stack(tmp_path_factory: pytest.TempPathFactory, label: str, **overrides: object) -> Iterator[LocalStack]:
+    """A local stack on free ports with a private registry prefix; its logs' tails are printed if it fails."""
+    log_dir = Path(tmp_path_factory.mktemp(f"{label}-logs"))
+    config = StackConfig.with_free_ports(
+        key_prefix=f"tandem-faults-{label}-{uuid.uuid4().hex[:6]}", log_dir=log_dir, **overrides
+    )
+    stack = LocalStack(config, progress=lambda msg: print(f"[{label} stack] {msg}", flush=True))
+    try:
+        stack.start()
+    except BaseException:
+        for name in ["router", *config.worker_ports(), "gateway"]:
+            print(f"--- {name} log tail ---\n{stack.tail(name)}")
+        stack.stop()
+        raise
+    try:
+        yield stack
+    finally:
+        stack.stop()

@@ -1,0 +1,147 @@
+"""What the fault tests look at after a fault: each worker's engine and KV
+counters, by the stack's component name (prefill, prefill-1, decode, decode-1),
+over mTLS when the stack runs it; and a small SSE reader."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import httpx
+
+from tandem.common.tls import channel_credentials
+from tandem.local.stack import LocalStack
+from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+def worker_names(stack: LocalStack, role: str | None = None) -> list[str]:
+    names = list(stack.config.worker_ports())
+    return [n for n in names if role is None or n.startswith(role)]
+
+
+def load(stack: LocalStack, name: str) -> worker_pb2.LoadReport:
+    with stack.worker_channel(name) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=20)
+
+
+def kv_stats(stack: LocalStack, name: str) -> kv_transfer_pb2.KVStats:
+    address = f"{stack.config.host}:{stack.config.worker_ports()[name].kv_port}"
+    tls = stack.config.tls
+    channel = (
+        grpc.secure_channel(address, channel_credentials(tls))
+        if tls is not None and tls.enabled
+        else grpc.insecure_channel(address)
+    )
+    with channel:
+        return kv_transfer_pb2_grpc.KVTransferStub(channel).GetStats(kv_transfer_pb2.KVStatsRequest(), timeout=20)
+
+
+def gauge(stack: LocalStack, name: str, metric: str) -> float:
+    """Sum of a Prometheus sample on a worker's /metrics (e.g. vllm:num_requests_running)."""
+    port = stack.config.worker_ports()[name].metrics_port
+    text = httpx.get(f"http://{stack.config.host}:{port}/metrics", timeout=5).text
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(metric + "{") or line.startswith(metric + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            seen = True
+    if not seen:
+        raise AssertionError(f"{metric} not exported by {name}")
+    return total
+
+
+@dataclass
+class EngineResidue:
+    """What a worker still holds: requests in its engine, KV blocks in use, blocks held for a decode."""
+
+    running: float
+    waiting: float
+    kv_usage_perc: float
+    held_blocks: int
+
+    @property
+    def total(self) -> float:
+        return self.running + self.waiting + self.kv_usage_perc + self.held_blocks
+
+
+def residue(stack: LocalStack, name: str) -> EngineResidue:
+    return EngineResidue(
+        running=gauge(stack, name, "vllm:num_requests_running"),
+        waiting=gauge(stack, name, "vllm:num_requests_waiting"),
+        kv_usage_perc=gauge(stack, name, "vllm:kv_cache_usage_perc"),
+        held_blocks=kv_stats(stack, name).num_held_blocks,
+    )
+
+
+def wait_until(probe: Callable[[], bool], *, timeout_s: float, interval_s: float = 0.25) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if probe():
+                return True
+        except Exception:
+            pass
+        time.sleep(interval_s)
+    return False
+
+
+def quiesce(stack: LocalStack, names: list[str] | None = None, *, timeout_s: float = 30.0) -> dict[str, EngineResidue]:
+    """Wait for every live worker to hold nothing; return what each still holds at the end."""
+    names = [n for n in (names or worker_names(stack)) if stack.is_running(n)]
+    last: dict[str, EngineResidue] = {}
+
+    def idle() -> bool:
+        for n in names:
+            last[n] = residue(stack, n)
+        return all(r.total == 0 for r in last.values())
+
+    wait_until(idle, timeout_s=timeout_s, interval_s=0.5)
+    return last
+
+
+@dataclass
+class StreamResult:
+    status: int
+    text: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    done: bool = False
+    body: str = ""
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return [c["finish_reason"] for e in self.events for c in e.get("choices", []) if c.get("finish_reason")]
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        for e in reversed(self.events):
+            if e.get("usage"):
+                return e["usage"]  # type: ignore[no-any-return]
+        return None
+
+
+def read_sse(lines: list[str]) -> StreamResult:
+    result = StreamResult(status=200)
+    data: list[str] = []
+    for line in [*lines, ""]:
+        if line.startswith("data:"):
+            data.append(line[5:].lstrip())
+            continue
+        if line or not data:
+            continue
+        payload, data = "\n".join(data), []
+        if payload == "[DONE]":
+            result.done = True
+            continue
+        event = json.loads(payload)
+        if "error" in event:
+            result.errors.append(event["error"])
+            continue
+        result.events.append(event)
+        for choice in event.get("choices", []):
+            result.text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+    return result
