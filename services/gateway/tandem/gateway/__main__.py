@@ -21,6 +21,7 @@ from tandem.common.logging import configure_logging
 from tandem.common.registry import WorkerRegistry
 from tandem.gateway.app import build_app
 from tandem.gateway.drain import Drain
+from tandem.gateway.http_server import guarded_protocol
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.prompt import HfPromptTokenizer
 from tandem.gateway.readiness import GrpcConnectProbe, RouterAndWorkersReadiness
@@ -86,7 +87,9 @@ async def serve(settings: GatewaySettings) -> None:
         log_config=None,  # keep our JSON root handler
         access_log=False,  # one line per request comes from the gateway itself
         timeout_graceful_shutdown=5,  # streams were drained before; this only closes idle connections
-        timeout_keep_alive=75,
+        timeout_keep_alive=settings.http.keep_alive_timeout_s,
+        http=guarded_protocol(settings.http),  # head/body deadlines, head size, connection cap
+        ws="none",  # no WebSocket routes; an upgrade would bypass the HTTP limits
     )
     server = _DrainingServer(config, drain, settings.stream.drain_grace_s, metrics)
     task = asyncio.create_task(server.serve())

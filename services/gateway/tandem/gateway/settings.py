@@ -62,6 +62,30 @@ class StreamSettings(BaseModel):
     drain_grace_s: float = Field(30.0, ge=0)
 
 
+class HttpSettings(BaseModel):
+    """Limits of the HTTP server itself, before a request reaches a handler (see
+    :mod:`tandem.gateway.http_server`). Past one of them the client gets the OpenAI error shape and the
+    connection is closed."""
+
+    #: A request head (request line and headers) must be complete this long after its first byte (or, on
+    #: a new connection, after the connection opened); else 408 (slow-loris).
+    header_timeout_s: float = Field(10.0, gt=0)
+    #: A request body must be complete this long after its head; else 408.
+    body_timeout_s: float = Field(60.0, gt=0)
+    #: Largest request head (request line and headers); larger: 431.
+    max_header_bytes: int = Field(32 * 1024, ge=1024)
+    #: Most header fields in one request; more: 431.
+    max_num_headers: int = Field(100, ge=8)
+    #: Open connections beyond this get 503 (``too_many_connections``) for each request.
+    max_connections: int = Field(1024, ge=1)
+    #: An idle keep-alive connection is closed after this long (longer than load balancers' idle timeouts).
+    keep_alive_timeout_s: int = Field(75, ge=1)
+    #: Kernel send buffer of each connection (``SO_SNDBUF``); unset: the kernel sizes it, up to
+    #: ``net.ipv4.tcp_wmem`` (MiBs on loopback). A client that stops reading is only noticed (and cut off
+    #: after ``stream.slow_reader_timeout_s``) once this and ``stream.max_buffered_bytes`` are full.
+    send_buffer_bytes: int | None = Field(None, ge=4096)
+
+
 class GatewaySettings(BaseSettings):
     """Everything the gateway process needs; one instance per process."""
 
@@ -102,6 +126,7 @@ class GatewaySettings(BaseSettings):
     auth: AuthSettings = Field(default_factory=AuthSettings)
     tenancy: TenancySettings = Field(default_factory=TenancySettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
     #: mTLS of the calls to the workers (``TANDEM_GATEWAY_TLS__ENABLED``, ``__CERT_FILE``, ``__KEY_FILE``,
     #: ``__CA_FILE``); off: plaintext, fenced by NetworkPolicies (see docs/security.md).
     tls: TLSSettings = Field(default_factory=TLSSettings)

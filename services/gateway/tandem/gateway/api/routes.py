@@ -16,20 +16,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, TandemError
 from tandem.common.ids import new_request_id
 from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError, api_error_from
 from tandem.gateway.api.generation import (
+    STATUS_CLIENT_GONE,
     GenerationResponse,
     Outcome,
     RequestTiming,
     ResponseOptions,
     StreamLimits,
 )
-from tandem.gateway.api.validation import ChatCompletionRequest, CompletionRequest, parse_body
+from tandem.gateway.api.validation import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestT,
+    check_content_type,
+    parse_body,
+)
 from tandem.gateway.assembly import PromptRules, assemble_chat
 from tandem.gateway.conversations import ConversationStore, check_conversation_id
 from tandem.gateway.drain import Drain
@@ -121,8 +128,18 @@ def _openai_errors(endpoint: str, handler: Handler) -> Handler:
                     "request refused", extra={"endpoint": endpoint, "status": error.status_code, "reason": reason}
                 )
             return error.response()
+        except ClientDisconnect:
+            # The client left while sending its body (or the server cut a body that came too slowly).
+            _services(request).metrics.requests_total.labels(endpoint=endpoint, status=str(STATUS_CLIENT_GONE)).inc()
+            logger.info("client left before its request was read", extra={"endpoint": endpoint})
+            return Response(status_code=STATUS_CLIENT_GONE)
 
     return wrapped
+
+
+async def _read_request(request: Request, limits: ModelLimits, model_cls: type[RequestT]) -> RequestT:
+    check_content_type(request.headers.get("content-type"))
+    return parse_body(await _read_body(request, limits.max_body_bytes), model_cls)
 
 
 async def _read_body(request: Request, max_body_bytes: int) -> bytes:
@@ -200,7 +217,7 @@ async def _chat_completions(request: Request) -> Response:
     principal = await _authenticate(request, services, clock)
     tenant = principal.tenant
     limits = services.limits
-    body = parse_body(await _read_body(request, limits.max_body_bytes), ChatCompletionRequest)
+    body = await _read_request(request, limits, ChatCompletionRequest)
     _check_model(body.model, limits, tenant)
     conversation_id = body.conversation_id
     history: list[dict[str, str]] = []
@@ -283,7 +300,7 @@ async def _completions(request: Request) -> Response:
     principal = await _authenticate(request, services, clock)
     tenant = principal.tenant
     limits = services.limits
-    body = parse_body(await _read_body(request, limits.max_body_bytes), CompletionRequest)
+    body = await _read_request(request, limits, CompletionRequest)
     _check_model(body.model, limits, tenant)
     prompt = body.prompt
     if isinstance(prompt, str):

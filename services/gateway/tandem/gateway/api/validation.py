@@ -3,26 +3,48 @@ body into one of them or an :class:`~tandem.common.errors.InvalidRequestError`.
 
 Called by :mod:`tandem.gateway.api.routes`; calls pydantic only. Field types
 are strict (``"max_tokens": "10"`` is an error, not 10) because silently
-coercing client input hides client bugs.
+coercing client input hides client bugs. Unknown fields are ignored, as OpenAI
+does. The body must be UTF-8 JSON as RFC 8259 defines it: no ``NaN`` or
+``Infinity``, no unpaired surrogate escapes, and at most
+:data:`MAX_JSON_DEPTH` levels of nesting. Numbers that the wire formats
+further down cannot carry (``seed`` beyond int64, ``top_k`` beyond int32) are
+refused here, before any quota is charged.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from tandem.common.errors import InvalidRequestError
 
+#: Deepest nesting of arrays and objects accepted; OpenAI requests need a handful of levels.
+MAX_JSON_DEPTH = 64
+#: Most messages in one chat request (OpenAI's limit).
+MAX_NUM_MESSAGES = 2048
+#: Most stop sequences in one request (OpenAI allows 4); every one is matched at every generated token.
+MAX_NUM_STOP = 16
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
+_CURLY_TO_SQUARE = bytes.maketrans(b"{}", b"[]")  # depth is all that counts
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
 StrictNumber = Annotated[float, Field(strict=True)]
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**32)]
+# fail_fast: a list stops at its first bad item. Otherwise pydantic reports every bad item, and a few MiB
+# of them hold the event loop for seconds (and every member of a union is tried).
+StrictStrList = Annotated[list[StrictStr], Field(fail_fast=True)]
+TokenIdList = Annotated[list[TokenId], Field(fail_fast=True)]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Lenient(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do: SDKs add new ones all the time.
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
 
 class TextPart(_Lenient):
@@ -32,7 +54,7 @@ class TextPart(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Role
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: StrictStr | None = None
 
     def text(self) -> str:
@@ -55,11 +77,11 @@ class _SamplingFields(_Lenient):
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: StrictNumber | None = Field(None, ge=0.0, le=2.0)
     top_p: StrictNumber | None = Field(None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(None, ge=-1)
+    top_k: StrictInt | None = Field(None, ge=-1, lt=2**31)  # int32 on the wire
     presence_penalty: StrictNumber | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: StrictNumber | None = Field(None, ge=-2.0, le=2.0)
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**63)  # int64 on the wire
+    stop: StrictStr | Annotated[StrictStrList, Field(max_length=MAX_NUM_STOP)] | None = None
     n: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -78,7 +100,7 @@ class _SamplingFields(_Lenient):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_NUM_MESSAGES, fail_fast=True)
     #: Newer OpenAI name for ``max_tokens``; either may be sent.
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
@@ -91,7 +113,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictStr] | list[TokenId] = Field(min_length=1)
+    prompt: StrictStr | StrictStrList | TokenIdList = Field(min_length=1)
     echo: StrictBool | None = None
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
@@ -104,20 +126,87 @@ class CompletionRequest(_SamplingFields):
 RequestT = TypeVar("RequestT", bound=_SamplingFields)
 
 
+def check_content_type(content_type: str | None) -> None:
+    """A body that names its media type must name JSON; one that names none is read as JSON."""
+    if content_type is None:
+        return
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    ):
+        raise InvalidRequestError(
+            f"Content-Type must be application/json, not {content_type[:100]!r}.", code="unsupported_content_type"
+        )
+
+
 def parse_body(body: bytes, model_cls: type[RequestT]) -> RequestT:
     """Parse and validate a JSON body; every failure is an InvalidRequestError."""
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"Request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequestError("Request body must be a JSON object.", code="invalid_body")
+    data = parse_json_object(body)
     try:
         request = model_cls.model_validate(data)
     except ValidationError as exc:
         raise _to_invalid_request(exc) from exc
     _check_supported(request)
     return request
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or an InvalidRequestError (``invalid_json`` or ``invalid_body``)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _invalid_json(f"Request body is not valid UTF-8 (byte {exc.start}: {exc.reason}).") from exc
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError as exc:  # the C decoder's own limit, ~1000 levels: cheap to hit, not worth more
+        raise _too_deep() from exc
+    except ValueError as exc:
+        raise _invalid_json(f"Request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequestError("Request body must be a JSON object.", code="invalid_body")
+    # Cheap guards first: a body with few brackets cannot be deep, one without surrogate escapes cannot
+    # hold an unpaired one (strict UTF-8 decoding already refused encoded surrogates).
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _nesting_exceeds(body, MAX_JSON_DEPTH):
+        raise _too_deep()
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(data):
+        raise _invalid_json("Request body is not valid JSON: a string holds an unpaired UTF-16 surrogate escape.")
+    return data
+
+
+def _invalid_json(message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, code="invalid_json")
+
+
+def _too_deep() -> InvalidRequestError:
+    return _invalid_json(f"Request body is nested deeper than {MAX_JSON_DEPTH} levels.")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value (RFC 8259)")
+
+
+def _nesting_exceeds(body: bytes, max_depth: int) -> bool:
+    """Whether the arrays and objects of the valid JSON ``body`` nest deeper than ``max_depth``.
+
+    On the bytes rather than the parsed value, so that the work is a few C-speed passes (strings out, then
+    everything but brackets, then one pass per level removing the innermost pairs), not a Python step per
+    node. UTF-8 never puts a quote or backslash byte inside a multi-byte character, so this is exact."""
+    brackets = _STRING.sub(b"", body).translate(_CURLY_TO_SQUARE, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        if not brackets:
+            return False
+        brackets = brackets.replace(b"[]", b"")
+    return bool(brackets)
+
+
+def _has_lone_surrogate(data: dict[str, Any]) -> bool:
+    # json joins an escaped pair into one code point, so a surrogate left in a string stands alone, and
+    # UTF-8 cannot encode it. Re-encoding is C all the way; walking the value would be a Python step per node.
+    try:
+        json.dumps(data, ensure_ascii=False, check_circular=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _to_invalid_request(exc: ValidationError) -> InvalidRequestError:
