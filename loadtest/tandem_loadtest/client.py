@@ -65,15 +65,22 @@ class StreamParser:
             self._fail(f"stream error: {err.get('message', err) if isinstance(err, dict) else err}")
             return
         choices = event.get("choices") or []
+        if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
+            self._fail(f"malformed event: {payload[:200]}")
+            return
         if choices:
             choice = choices[0]
             delta = choice.get("delta")
-            content = (delta or {}).get("content") if delta is not None else choice.get("text")
+            content = (
+                (delta if isinstance(delta, dict) else {}).get("content") if delta is not None else choice.get("text")
+            )
+            if not isinstance(content, str):
+                content = None
             if content:
                 self.record.content_times_s.append(now_s)
                 self.text_parts.append(content)
                 self.record.output_chars += len(content)
-            if choice.get("finish_reason"):
+            if isinstance(choice.get("finish_reason"), str) and choice["finish_reason"]:
                 self.record.finish_reason = choice["finish_reason"]
             self.record.last_choice_s = now_s
         usage = event.get("usage")
@@ -90,7 +97,9 @@ class StreamParser:
 
 
 def _int_or_none(value: Any) -> int | None:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value or abs(value) == float("inf"):
+        return None
+    return int(value)
 
 
 def build_body(spec: RequestSpec, model: str, *, ignore_eos: bool, temperature: float | None) -> dict[str, Any]:

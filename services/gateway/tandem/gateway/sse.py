@@ -20,9 +20,15 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 Kind = Literal["chat", "text"]
 
 
+#: Characters that JSON may carry raw but that many clients' line readers (Python's str.splitlines,
+#: httpx's aiter_lines, JavaScript before ES2019) take for line ends: sent as JSON escapes instead.
+_LINE_BREAKERS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
+
+
 def encode_event(payload: dict[str, Any]) -> bytes:
-    """One SSE ``data:`` event."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One SSE ``data:`` event, on one line whichever way a client splits lines."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKERS)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
