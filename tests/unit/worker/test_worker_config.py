@@ -14,11 +14,11 @@ from tandem.worker.settings import WorkerSettings
 
 def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_WORKER_ROLE", "prefill")
-    monkeypatch.setenv("TANDEM_WORKER_KV__LEASE_S", "12.5")
+    monkeypatch.setenv("TANDEM_WORKER_KV__LEASE_S", "42.5")
     monkeypatch.setenv("TANDEM_WORKER_ENGINE__MAX_MODEL_LEN", "2048")
     settings = parse_settings(["--role", "decode", "--port", "6000", "--kv-port", "6001", "--cpu-threads-bind", "1"])
     assert (settings.role, settings.port, settings.kv.port) == ("decode", 6000, 6001)
-    assert settings.kv.lease_s == 12.5  # environment kept where no flag was given
+    assert settings.kv.lease_s == 42.5  # environment kept where no flag was given
     assert settings.engine.max_model_len == 2048
     assert settings.engine.cpu_threads_bind == "1"
 
@@ -86,3 +86,14 @@ def test_kv_events_can_be_turned_off() -> None:
     settings = WorkerSettings.model_validate({"kv_events": {"enabled": False}})
     assert "kv_events_config" not in engine_args_kwargs(settings, engine_id="p-1")
     assert build_record(settings, "w-1", num_kv_blocks=1, block_size_tokens=16).kv_events_endpoint == ""
+
+
+def test_a_pull_timeout_at_or_past_the_lease_is_refused() -> None:
+    """The decode side must give up a pull before the blocks it waits for can be freed under it."""
+    import pydantic
+
+    from tandem.worker.settings import KVSettings
+
+    with pytest.raises(pydantic.ValidationError, match="pull_timeout_s"):
+        KVSettings(lease_s=10, pull_timeout_s=10)
+    assert KVSettings(lease_s=20, pull_timeout_s=8).pull_timeout_s == 8
