@@ -218,6 +218,8 @@ class FakeScheduler:
     released_event: asyncio.Event = field(default_factory=asyncio.Event)
     #: How long each Schedule takes (a router queueing the request).
     schedule_delay_s: float = 0.0
+    #: Errors raised by the first Schedule calls, one each, before the scripted behaviour.
+    fail_first: list[TandemError] = field(default_factory=list)
 
     async def schedule(
         self,
@@ -244,6 +246,8 @@ class FakeScheduler:
         )
         if self.schedule_delay_s:
             await asyncio.sleep(self.schedule_delay_s)
+        if self.fail_first:
+            raise self.fail_first.pop(0)
         if self.error is not None:
             raise self.error
         index = min(len(self.schedule_calls) - 1, len(self.placements) - 1)
@@ -305,6 +309,8 @@ def gateway_settings(**overrides: Any) -> GatewaySettings:
         "cleanup_timeout_s": 1.0,
         "prefill_timeout_s": 5.0,
         "request_timeout_s": 20.0,
+        # An unreachable router fails at once here; test_request_lifecycle.py tests the wait.
+        "router_unavailable_wait_s": 0.0,
         # These tests are about the request path; tenancy has its own tests (test_tenancy.py and others).
         "auth": {"mode": "disabled"},
         "tenancy": {"key_prefix": f"tandem-unit-{uuid.uuid4().hex[:8]}"},

@@ -154,6 +154,33 @@ async def test_client_gone_while_the_router_places_releases_the_placement(
     assert stack.prefill.prefill_requests == []  # nothing ran on the workers
 
 
+async def test_a_restarting_router_makes_requests_wait_not_fail(
+    start_worker: Any, fake_scheduler: Any, prompt_tokenizer: Any, make_placement: Any
+) -> None:
+    """The router is unreachable for a moment (a replica restarting): the request waits and is served."""
+    from tandem.gateway.app import build_app
+
+    from .conftest import FakeReadiness, gateway_settings
+
+    prefill, decode = await start_worker("p"), await start_worker("d")
+    fake_scheduler.placements.append(make_placement(prefill, decode))
+    fake_scheduler.fail_first = [BackendUnavailableError("router unavailable: UNAVAILABLE")] * 3
+    app = build_app(
+        gateway_settings(router_unavailable_wait_s=10.0),
+        scheduler=fake_scheduler,
+        tokenizer=prompt_tokenizer,
+        readiness=FakeReadiness(),
+    )
+    async with (
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client,
+        app.router.lifespan_context(app),
+    ):
+        response = await client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == 200, response.text
+    assert len(fake_scheduler.schedule_calls) == 4
+    assert len({c["request_id"] for c in fake_scheduler.schedule_calls}) == 1  # the same request, asked again
+
+
 async def test_prefill_unavailable_twice_is_503(stack: Any, wait: Any) -> None:
     stack.prefill.prefill_error = grpc.StatusCode.UNAVAILABLE
     response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))

@@ -93,6 +93,7 @@ def build_app(
         prefill_timeout_s=settings.prefill_timeout_s,
         request_timeout_s=settings.request_timeout_s,
         cleanup_timeout_s=settings.cleanup_timeout_s,
+        router_unavailable_wait_s=settings.router_unavailable_wait_s,
     )
     services = routes.GatewayServices(
         limits=routes.ModelLimits(

@@ -123,6 +123,11 @@ class GatewayMetrics:
             ["role"],
             registry=self.registry,
         )
+        self.router_unavailable_retries_total = Counter(
+            "tandem_gateway_router_unavailable_retries_total",
+            "Schedule calls asked again because the router was unreachable (restarting).",
+            registry=self.registry,
+        )
         self.slow_reader_disconnects_total = Counter(
             "tandem_gateway_slow_reader_disconnects_total",
             "Streams cut off because the client stopped reading (their generation was cancelled).",

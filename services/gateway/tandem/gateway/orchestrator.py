@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from tandem.common.errors import PermanentError, TandemError, WorkerUnavailableError
+from tandem.common.errors import BackendUnavailableError, PermanentError, TandemError, WorkerUnavailableError
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.scheduler import Scheduler
 from tandem.gateway.timings import StageClock
@@ -148,6 +148,7 @@ class Orchestrator:
         prefill_timeout_s: float,
         request_timeout_s: float,
         cleanup_timeout_s: float,
+        router_unavailable_wait_s: float = 0.0,
     ) -> None:
         self._scheduler = scheduler
         self._workers = workers
@@ -155,6 +156,7 @@ class Orchestrator:
         self._prefill_timeout_s = prefill_timeout_s
         self._request_timeout_s = request_timeout_s
         self._cleanup_timeout_s = cleanup_timeout_s
+        self._router_unavailable_wait_s = router_unavailable_wait_s
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
 
     async def generate(self, job: GenerationJob) -> AsyncGenerator[GenerationEvent, None]:
@@ -257,7 +259,24 @@ class Orchestrator:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _place(self, job: GenerationJob, exclude_worker_ids: list[str]) -> router_pb2.Placement:
-        """``Schedule`` on the router. If the request is cancelled meanwhile (the client left), the call
+        """``Schedule`` on the router, asked again while the router is unreachable (a replica or the
+        whole router restarting) for up to ``router_unavailable_wait_s``: the request waits (a stream
+        sends its ``: queued`` heartbeats) rather than failing at once, and fails with the router's
+        error when the wait is over. Schedule is idempotent per request id."""
+        deadline = time.monotonic() + self._router_unavailable_wait_s
+        delay_s = 0.25
+        while True:
+            try:
+                return await self._schedule_once(job, exclude_worker_ids)
+            except BackendUnavailableError:
+                if time.monotonic() + delay_s > deadline:
+                    raise
+                self._metrics.router_unavailable_retries_total.inc()
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 2.0)
+
+    async def _schedule_once(self, job: GenerationJob, exclude_worker_ids: list[str]) -> router_pb2.Placement:
+        """One ``Schedule``. If the request is cancelled meanwhile (the client left), the call
         is not cancelled with it: the router may already have reserved a pair, so the call runs to its
         end in the background and what it reserved is released, rather than held until its lease ends."""
         schedule = asyncio.ensure_future(

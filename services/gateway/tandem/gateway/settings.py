@@ -110,6 +110,9 @@ class GatewaySettings(BaseSettings):
     router_address: str = "127.0.0.1:9000"
     #: Deadline of one Schedule or Release call.
     router_timeout_s: float = Field(10.0, gt=0)
+    #: A request keeps asking an unreachable router (a replica or the whole router restarting) this long
+    #: before it fails with 503 (or a final SSE error event once its stream has started).
+    router_unavailable_wait_s: float = Field(20.0, ge=0)
     #: Deadline of one Prefill call (queueing + prefill + first token).
     prefill_timeout_s: float = Field(120.0, gt=0)
     #: Deadline of a whole request, prefill through the last decoded token.
