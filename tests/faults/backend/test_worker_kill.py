@@ -124,7 +124,7 @@ def test_worker_killed_between_requests(backend: BackendStack, ledger: FaultLedg
             result = stream_chat(stack, chat_body(stack, prefix + f"Say hello number {num_requests}.", max_tokens=6))
             num_requests += 1
             assert result.status == 200 and result.done and not result.errors, result
-            assert time.monotonic() - started < 60
+            assert time.monotonic() - started < 240, "the dead worker's registration never went away"
         retries = gateway_counter(stack, "tandem_gateway_worker_retries_total", role=role) - retries_before
         f.saw(f"{num_requests} requests, all 200 ({int(retries)} placed again off the dead worker)")
         assert retries >= 1, "no request was placed on the dead worker: the fault was not exercised"
@@ -186,7 +186,14 @@ def test_prefill_gone_before_kv_pulled(backend: BackendStack, ledger: FaultLedge
         def kill_holder(lines: list[str]) -> None:
             if fault != "killed" or killed or num_content_events(lines) < 1:
                 return
-            holders = [n for n in worker_names(stack, "prefill") if kv_stats(stack, n).num_held_requests]
+            holders: list[str] = []
+
+            def announced() -> bool:
+                # The engine announces a hold to its KV server with its next step: give it a moment.
+                holders[:] = [n for n in worker_names(stack, "prefill") if kv_stats(stack, n).num_held_requests]
+                return bool(holders)
+
+            assert wait_until(announced, timeout_s=10, interval_s=0.05), "no prefill worker holds the KV"
             assert len(holders) == 1, holders
             stack.kill(holders[0])
             killed.append(holders[0])
@@ -197,7 +204,7 @@ def test_prefill_gone_before_kv_pulled(backend: BackendStack, ledger: FaultLedge
         f.tried()
         assert result.status == 200 and result.done and not result.errors, result
         assert result.text == reference.text, "the recomputed answer differs"
-        assert elapsed_s < PULL_TIMEOUT_S + 15, elapsed_s
+        assert elapsed_s < PULL_TIMEOUT_S + 30, elapsed_s
         failed = sum(kv_stats(stack, n).loads_failed_total for n in decodes) - failed_before
         recomputed = sum(load(stack, n).prompt_tokens_computed_total for n in decodes) - recomputed_before
         assert failed == 1, failed
