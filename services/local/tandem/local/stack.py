@@ -365,7 +365,7 @@ class LocalStack:
             args += ["--appendonly", "no"]
         else:
             self.config.redis_data_dir.mkdir(parents=True, exist_ok=True)
-            args += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.config.redis_data_dir)]
+            args += ["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.config.redis_data_dir)]
         self._spawn("redis", args, self._base_env())
         self._redis_args = args
         self._wait("redis", lambda: bool(client.ping()), timeout_s=15)
