@@ -39,6 +39,9 @@ from tandem.v1 import common_pb2, router_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
+#: How long cleanup keeps retrying a router Release that failed or timed out (it runs in the background).
+_RELEASE_RETRY_S = 30.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -157,6 +160,8 @@ class Orchestrator:
         self._request_timeout_s = request_timeout_s
         self._cleanup_timeout_s = cleanup_timeout_s
         self._router_unavailable_wait_s = router_unavailable_wait_s
+        #: Set at shutdown: background Release retries give up (their leases free the budget).
+        self._closing = False
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
 
     async def generate(self, job: GenerationJob) -> AsyncGenerator[GenerationEvent, None]:
@@ -302,7 +307,7 @@ class Orchestrator:
             await schedule
         except Exception:  # it failed: nothing was reserved
             return
-        await self._release(request_id)
+        await self._release(request_id, retry_for_s=_RELEASE_RETRY_S)
 
     async def _replace_decode_worker(self, job: GenerationJob, progress: _Progress) -> None:
         """Ask the router for another decode worker, keeping the prefill worker that holds the KV."""
@@ -354,18 +359,30 @@ class Orchestrator:
         task.add_done_callback(self._cleanup_tasks.discard)
 
     async def _cleanup(self, request_id: str, placement: router_pb2.Placement, *, aborted: bool) -> None:
-        calls = [self._release(request_id)]
+        calls = [self._release(request_id, retry_for_s=_RELEASE_RETRY_S)]
         if aborted:
             addresses = {placement.prefill.address, placement.decode.address} - {""}
             calls += [self._abort(address, request_id) for address in sorted(addresses)]
         await asyncio.gather(*calls)
 
-    async def _release(self, request_id: str) -> None:
-        try:
-            await asyncio.wait_for(self._scheduler.release(request_id), self._cleanup_timeout_s)
-        except (TandemError, TimeoutError) as exc:
-            # The reservation is a lease in the router: it expires by itself.
-            logger.warning("router release failed: %s", exc, extra={"request_id": request_id})
+    async def _release(self, request_id: str, *, retry_for_s: float = 0.0) -> None:
+        """``Release`` on the router; idempotent, so a background caller retries it for ``retry_for_s``
+        (a busy or restarting router) rather than leaving the budget held until the lease ends."""
+        deadline = time.monotonic() + retry_for_s
+        delay_s = 0.25
+        while True:
+            try:
+                await asyncio.wait_for(self._scheduler.release(request_id), self._cleanup_timeout_s)
+                return
+            except (TandemError, TimeoutError) as exc:
+                if self._closing or time.monotonic() + delay_s > deadline:
+                    # The reservation is a lease in the router: it expires by itself.
+                    logger.warning(
+                        "router release failed: %s", exc or type(exc).__name__, extra={"request_id": request_id}
+                    )
+                    return
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 2.0)
 
     async def _abort(self, address: str, request_id: str) -> None:
         try:
@@ -384,5 +401,6 @@ class Orchestrator:
 
     async def drain(self) -> None:
         """Wait for cleanup started so far (at shutdown)."""
+        self._closing = True
         if self._cleanup_tasks:
             await asyncio.gather(*list(self._cleanup_tasks), return_exceptions=True)
