@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -119,12 +120,17 @@ def test_worker_killed_between_requests(backend: BackendStack, ledger: FaultLedg
         f.tried()
         started = time.monotonic()
         num_requests = 0
-        # Until the registration expires, the router may still place requests on the dead worker.
-        while victim in backend.registered() or num_requests < 4:
-            result = stream_chat(stack, chat_body(stack, prefix + f"Say hello number {num_requests}.", max_tokens=6))
-            num_requests += 1
-            assert result.status == 200 and result.done and not result.errors, result
-            assert time.monotonic() - started < 240, "the dead worker's registration never went away"
+        # Until the registration expires, the router may still place requests on the dead worker. Bursts of
+        # concurrent requests: a load-balancing router spreads them over both workers, the dead one too.
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            while victim in backend.registered() or num_requests < 4:
+                bodies = [
+                    chat_body(stack, prefix + f"Say hello number {num_requests + i}.", max_tokens=6) for i in range(4)
+                ]
+                for result in pool.map(lambda body: stream_chat(stack, body), bodies):
+                    assert result.status == 200 and result.done and not result.errors, result
+                num_requests += len(bodies)
+                assert time.monotonic() - started < 240, "the dead worker's registration never went away"
         retries = gateway_counter(stack, "tandem_gateway_worker_retries_total", role=role) - retries_before
         f.saw(f"{num_requests} requests, all 200 ({int(retries)} placed again off the dead worker)")
         assert retries >= 1, "no request was placed on the dead worker: the fault was not exercised"
