@@ -24,8 +24,6 @@ from tests.faults.probes import wait_until, worker_names
 KV_LEASE_S = 20.0
 PULL_TIMEOUT_S = 8.0
 REGISTRY_TTL_S = 5.0
-#: The router's reservation lease: the safety net that frees a reservation whose Release never came.
-ROUTER_LEASE_S = 60.0
 #: The longest reconnect backoff of Tandem's gRPC clients (gateway → workers, decode → prefill KV).
 RECONNECT_BACKOFF_S = 2.5
 
@@ -81,7 +79,6 @@ def backend_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackendS
             "TANDEM_FAILPOINTS_DIR": str(failpoints),
             "TANDEM_WORKER_KV__PULL_TIMEOUT_S": str(PULL_TIMEOUT_S),
             "TANDEM_WORKER_REGISTRY__TTL_S": str(REGISTRY_TTL_S),
-            "TANDEM_ROUTER_LEASE_S": str(ROUTER_LEASE_S),
         },
     ) as stack:
         yield BackendStack(stack, failpoints)
