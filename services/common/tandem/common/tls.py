@@ -66,6 +66,16 @@ def channel_credentials(tls: TLSSettings) -> grpc.ChannelCredentials:
     )
 
 
+#: Options of every client channel to a peer that may restart on the same address (a container restart
+#: keeps its pod's IP): it is dialled again within two seconds. gRPC's default backoff grows to two
+#: minutes, and a call made while a channel backs off fails at once with UNAVAILABLE.
+RECONNECT_BACKOFF_OPTIONS: list[tuple[str, object]] = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
 def _options(tls: TLSSettings, options: list[tuple[str, object]] | None) -> list[tuple[str, object]]:
     opts = list(options or [])
     if tls.enabled and tls.server_name_override:

@@ -21,7 +21,7 @@ from tandem.common.errors import (
     TandemError,
     WorkerUnavailableError,
 )
-from tandem.common.tls import TLSSettings, aio_channel
+from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, TLSSettings, aio_channel
 from tandem.v1 import worker_pb2_grpc
 
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -32,12 +32,8 @@ _CHANNEL_OPTIONS: list[tuple[str, object]] = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
-    # A worker restarted on the same address (a container restart keeps its pod's IP) is dialled again
-    # within a second or two: gRPC's default backoff grows to two minutes, and a call made while the
-    # channel backs off fails at once with UNAVAILABLE, as if the new worker were dead too.
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
+    # A restarted worker must not look dead to a channel still backing off from its predecessor.
+    *RECONNECT_BACKOFF_OPTIONS,
 ]
 
 

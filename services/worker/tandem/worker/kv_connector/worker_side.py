@@ -24,7 +24,7 @@ import torch
 
 from tandem.common import failpoints
 from tandem.common.errors import KVLayoutMismatchError
-from tandem.common.tls import TLSSettings, add_port
+from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, TLSSettings, add_port
 from tandem.common.tls import channel as tls_channel
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector.layout import KVLayout
@@ -39,12 +39,7 @@ _GRPC_OPTIONS = [
 ]
 #: Client channels to other engines' KV servers: a prefill worker restarted on the same address is
 #: dialled again within two seconds (gRPC's default backoff grows to two minutes).
-_CLIENT_OPTIONS = [
-    *_GRPC_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 250),
-    ("grpc.min_reconnect_backoff_ms", 250),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-]
+_CLIENT_OPTIONS = [*_GRPC_OPTIONS, *RECONNECT_BACKOFF_OPTIONS]
 #: How long PullBlocks waits for a hold the scheduler has not announced yet.
 _HOLD_ANNOUNCE_WAIT_S = 5.0
 _MAX_REQUEST_RECORDS = 4096
