@@ -60,3 +60,18 @@ def test_bytes_trailers_are_decoded() -> None:
 
 def test_unexpected_status_is_a_permanent_router_error() -> None:
     assert isinstance(error_from_status(grpc.StatusCode.INTERNAL, "boom", []), RouterInternalError)
+
+
+def test_replica_died_under_the_call_is_retryable() -> None:
+    """Serve's proxy maps RayActorError to INTERNAL: the router replica died, another takes the retry."""
+    message = (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: ServeReplica:tandem-router:Router"
+    )
+    err = error_from_status(grpc.StatusCode.INTERNAL, message, [])
+    assert isinstance(err, BackendUnavailableError)
+
+
+def test_internal_from_the_router_itself_stays_permanent() -> None:
+    """The same words in an INTERNAL the router's own code raised (with its trailer) are not a lost replica."""
+    err = error_from_status(grpc.StatusCode.INTERNAL, "The actor died unexpectedly", [(TRAILER_ERROR, "internal")])
+    assert isinstance(err, RouterInternalError)

@@ -88,6 +88,17 @@ _UNREACHABLE_CODES: Sequence[grpc.StatusCode] = (
 )
 
 
+# Serve's proxy answers INTERNAL, with the str() of Ray's RayActorError, when the
+# replica serving a call died or became unreachable mid-call (ray/serve/_private/
+# grpc_util.py): another replica can take the retry.
+_REPLICA_LOST_MARKERS: Sequence[str] = (
+    "The actor died unexpectedly",  # ActorDiedError
+    "The actor died because",  # ActorDiedError, with the cause
+    "The actor experienced an error before finishing",  # RayActorError
+    "The task may or may not have been executed",  # ActorUnavailableError
+)
+
+
 class RouterInternalError(PermanentError):
     """The router failed in a way retrying will not fix (a bug, or a contract mismatch)."""
 
@@ -107,7 +118,8 @@ def error_from_status(
     Without a ``tandem-error`` trailer the status came from gRPC or Serve's
     proxy rather than from the router's code: UNAVAILABLE and DEADLINE_EXCEEDED
     then mean the router is unreachable, RESOURCE_EXHAUSTED is Serve's
-    backpressure (the router is saturated).
+    backpressure (the router is saturated), and INTERNAL naming a dead actor
+    means the replica died under the call (retryable on another replica).
     """
     meta = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in (trailers or ())}
     kind = meta.get(TRAILER_ERROR)
@@ -124,5 +136,7 @@ def error_from_status(
     if kind == ERROR_WORKER_UNAVAILABLE:
         return WorkerUnavailableError(message, retry_after_s=retry_after_s)
     if kind == ERROR_BACKEND_UNAVAILABLE or code in _UNREACHABLE_CODES:
+        return BackendUnavailableError(f"router unavailable: {message}", retry_after_s=retry_after_s)
+    if kind is None and code == grpc.StatusCode.INTERNAL and any(m in message for m in _REPLICA_LOST_MARKERS):
         return BackendUnavailableError(f"router unavailable: {message}", retry_after_s=retry_after_s)
     return RouterInternalError(f"router failed: {code.name}: {message}")
