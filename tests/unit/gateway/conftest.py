@@ -8,6 +8,7 @@ sys.path tricks; tests reach them through fixtures."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -25,6 +26,7 @@ import uvicorn
 from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
 from tandem.common.errors import TandemError
+from tandem.common.tls import TLSSettings, add_port
 from tandem.gateway.app import build_app
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.prompt import HfPromptTokenizer
@@ -174,14 +176,20 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
 @pytest_asyncio.fixture
 async def start_worker() -> AsyncIterator[Callable[..., Any]]:
-    """``await start_worker("prefill-0", **script)`` → a FakeWorker listening on 127.0.0.1."""
+    """``await start_worker("prefill-0", **script)`` → a FakeWorker listening on 127.0.0.1.
+
+    ``tls=`` serves it over (m)TLS instead of plaintext; ``worker_cls=`` a FakeWorker subclass.
+    """
     servers: list[grpc.aio.Server] = []
 
-    async def start(worker_id: str, **script: Any) -> FakeWorker:
-        worker = FakeWorker(worker_id=worker_id, **script)
+    async def start(
+        worker_id: str, *, tls: TLSSettings | None = None, worker_cls: type[FakeWorker] = FakeWorker, **script: Any
+    ) -> FakeWorker:
+        worker = worker_cls(worker_id=worker_id, **script)
         server = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = add_port(server, "127.0.0.1:0", tls or TLSSettings())
+        assert port, "could not bind the fake worker's port"
         await server.start()
         servers.append(server)
         worker.address = f"127.0.0.1:{port}"
@@ -341,24 +349,33 @@ async def stack(
             yield Stack(app, fake_scheduler, prefill, decode, metrics, readiness, client)
 
 
-@pytest_asyncio.fixture
-async def live_url(stack: Stack) -> AsyncIterator[str]:
-    """The stack's app on a real uvicorn (real sockets, real disconnects)."""
+@contextlib.asynccontextmanager
+async def serving(app: Any, **config: Any) -> AsyncIterator[int]:
+    """``app`` on a real uvicorn on a free loopback port (yields the port); ``config`` goes to uvicorn.Config."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(stack.app, log_config=None, lifespan="off", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    options: dict[str, Any] = {"log_config": None, "lifespan": "off", "timeout_graceful_shutdown": 2, **config}
+    server = uvicorn.Server(uvicorn.Config(app, **options))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     for _ in range(500):
         if server.started or task.done():
             break
         await asyncio.sleep(0.01)
     assert server.started
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    await task
-    sock.close()
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@pytest_asyncio.fixture
+async def live_url(stack: Stack) -> AsyncIterator[str]:
+    """The stack's app on a real uvicorn (real sockets, real disconnects)."""
+    async with serving(stack.app) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 async def wait_for(event: asyncio.Event, timeout_s: float = 2.0) -> None:
@@ -468,32 +485,10 @@ async def edge(
     await redis_client.aclose()
 
 
-async def serve_app(app: Any) -> tuple[str, Callable[[], Any]]:
-    """``app`` on a real uvicorn on a free port: its URL and an async stop function."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="off", timeout_graceful_shutdown=2))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert server.started
-
-    async def stop() -> None:
-        server.should_exit = True
-        await task
-        sock.close()
-
-    return f"http://127.0.0.1:{port}", stop
-
-
 @pytest_asyncio.fixture
 async def edge_url(edge: Edge) -> AsyncIterator[str]:
-    url, stop = await serve_app(edge.app)
-    yield url
-    await stop()
+    async with serving(edge.app) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 # --- a fake router over gRPC, for gateway processes started as `python -m tandem.gateway` ------------------

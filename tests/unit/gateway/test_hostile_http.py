@@ -17,12 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from pydantic import ValidationError
 
 from tandem.gateway.api.validation import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
 from tandem.gateway.http_server import guarded_protocol
 from tandem.gateway.settings import HttpSettings
+
+from .conftest import serving
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -197,30 +198,10 @@ async def test_rejected_requests_charge_no_quota(edge: Any) -> None:
 
 @contextlib.asynccontextmanager
 async def guarded_server(app: Any, **limits: Any) -> AsyncIterator[tuple[str, int]]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(
-        app,
-        log_config=None,
-        lifespan="off",
-        timeout_graceful_shutdown=1,
-        http=guarded_protocol(HttpSettings(**limits)),
-        ws="none",
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
-    assert server.started
-    try:
+    """``app`` behind the gateway's guarded HTTP protocol, with ``limits`` as its HttpSettings."""
+    protocol = guarded_protocol(HttpSettings(**limits))
+    async with serving(app, timeout_graceful_shutdown=1, http=protocol, ws="none") as port:
         yield "127.0.0.1", port
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
 
 
 async def read_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> bytes:

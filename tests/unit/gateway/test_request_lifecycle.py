@@ -140,9 +140,7 @@ async def test_decode_unavailable_twice_is_a_final_error_event(stack: Any, free_
     assert len(stack.scheduler.schedule_calls) == 2
 
 
-async def test_client_gone_while_the_router_places_releases_the_placement(
-    stack: Any, live_url: str, wait: Any
-) -> None:
+async def test_client_gone_while_the_router_places_releases_the_placement(stack: Any, live_url: str, wait: Any) -> None:
     """The router reserves a pair for a request whose client has already left: the reservation is
     released as soon as the placement arrives, not held until its lease runs out."""
     stack.scheduler.schedule_delay_s = 0.5

@@ -9,7 +9,7 @@ any request arrives at the worker.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,16 +17,15 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-import pytest_asyncio
 from pydantic import ValidationError
 
 from tandem.common.errors import WorkerUnavailableError
-from tandem.common.tls import TLSSettings, add_port
+from tandem.common.tls import TLSSettings
 from tandem.gateway.app import build_app
 from tandem.gateway.prompt import HfPromptTokenizer
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.workers import WorkerChannels, map_worker_error
-from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.v1 import worker_pb2
 
 from ..certs import make_pki
 from .conftest import MODEL, FakeReadiness, FakeScheduler, FakeWorker, gateway_settings, placement
@@ -64,25 +63,16 @@ class IdentifyingWorker(FakeWorker):
         return await super().Prefill(request, context)
 
 
-@pytest_asyncio.fixture
-async def start_tls_worker() -> AsyncIterator[Callable[..., Any]]:
+@pytest.fixture
+def start_tls_worker(start_worker: Callable[..., Any]) -> Callable[..., Any]:
     """``await start_tls_worker("prefill-0", tls)`` → an IdentifyingWorker serving over (m)TLS on 127.0.0.1."""
-    servers: list[grpc.aio.Server] = []
 
     async def start(worker_id: str, tls: TLSSettings) -> IdentifyingWorker:
-        worker = IdentifyingWorker(worker_id=worker_id)
-        server = grpc.aio.server()
-        worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
-        port = add_port(server, "127.0.0.1:0", tls)
-        assert port
-        await server.start()
-        servers.append(server)
-        worker.address = f"127.0.0.1:{port}"
+        worker = await start_worker(worker_id, tls=tls, worker_cls=IdentifyingWorker)
+        assert isinstance(worker, IdentifyingWorker)
         return worker
 
-    yield start
-    for server in servers:
-        await server.stop(grace=None)
+    return start
 
 
 def _prefill(request_id: str) -> worker_pb2.PrefillRequest:
