@@ -47,7 +47,7 @@ from tandem.gateway.tenancy.store import TenantStore
 from tandem.local.stack import LocalStack
 from tests.faults.conftest import running_stack
 from tests.faults.ledger import FaultLedger, FaultRecord
-from tests.faults.probes import quiesce, wait_until
+from tests.probes import quiesce, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -42,7 +42,7 @@ from tandem.local.stack import LocalStack
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.faults.conftest import running_stack
 from tests.faults.ledger import FaultLedger
-from tests.faults.probes import wait_until, worker_names
+from tests.probes import wait_until, worker_names
 from tests.unit.certs import make_pki
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]

@@ -11,8 +11,7 @@ import openai
 import pytest
 
 from tandem.local.stack import LocalStack
-
-from .helpers import kv_stats, load, parse_sse, worker_gauge
+from tests.probes import gauge, kv_stats, load, read_sse
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +40,7 @@ def test_streamed_answer_is_paris_and_kv_came_over_grpc(stack: LocalStack) -> No
             assert resp.headers["cache-control"] == "no-cache"
             assert resp.headers["x-accel-buffering"] == "no"
             raw = "".join(resp.iter_text())
-    sse = parse_sse(raw)
+    sse = read_sse(raw.splitlines())
     assert sse.done, raw[-500:]
     first = sse.events[0]
     assert first["object"] == "chat.completion.chunk"
@@ -136,16 +135,16 @@ def test_disconnect_frees_requests_and_kv_on_both_workers(stack: LocalStack) -> 
             assert len(events) >= 6, events
             # Mid-stream: the decode engine is generating for us right now.
             assert load(stack, "decode").num_running_requests == 1, events
-            assert worker_gauge(stack, "decode", "vllm:num_requests_running") == 1
+            assert gauge(stack, "decode", "vllm:num_requests_running") == 1
         # Leaving the block closes the connection: a client disconnect.
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         busy = [
             load(stack, "decode").num_running_requests,
-            worker_gauge(stack, "decode", "vllm:num_requests_running"),
-            worker_gauge(stack, "prefill", "vllm:num_requests_running"),
-            worker_gauge(stack, "decode", "vllm:kv_cache_usage_perc"),
-            worker_gauge(stack, "prefill", "vllm:kv_cache_usage_perc"),
+            gauge(stack, "decode", "vllm:num_requests_running"),
+            gauge(stack, "prefill", "vllm:num_requests_running"),
+            gauge(stack, "decode", "vllm:kv_cache_usage_perc"),
+            gauge(stack, "prefill", "vllm:kv_cache_usage_perc"),
             kv_stats(stack, "prefill").num_held_blocks,
         ]
         if not any(busy):

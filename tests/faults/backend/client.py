@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from tandem.local.stack import LocalStack
-from tests.faults.probes import StreamResult, read_sse
+from tests.probes import StreamResult, read_sse
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a map."
 

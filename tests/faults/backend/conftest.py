@@ -18,7 +18,7 @@ import redis
 
 from tandem.local.stack import LocalStack, free_port
 from tests.faults.conftest import running_stack
-from tests.faults.probes import wait_until, worker_names
+from tests.probes import wait_until, worker_names
 
 #: Bounds the fault tests rely on (and the stack is started with).
 KV_LEASE_S = 20.0

@@ -23,7 +23,7 @@ from tests.faults.backend.client import chat_body, usage_total
 from tests.faults.backend.conftest import KV_LEASE_S, BackendStack
 from tests.faults.backend.test_restarts import router_budget_tokens
 from tests.faults.ledger import FaultLedger
-from tests.faults.probes import gauge, quiesce, wait_until, worker_names
+from tests.probes import gauge, quiesce, wait_until, worker_names
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(1800)]
 

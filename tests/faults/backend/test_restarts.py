@@ -17,7 +17,7 @@ from tandem.local.stack import LocalStack
 from tests.faults.backend.client import chat_body, stream_chat, usage_total
 from tests.faults.backend.conftest import KV_LEASE_S, BackendStack
 from tests.faults.ledger import FaultLedger, FaultRecord
-from tests.faults.probes import StreamResult, quiesce, wait_until
+from tests.probes import StreamResult, quiesce, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
 

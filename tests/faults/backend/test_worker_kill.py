@@ -19,7 +19,7 @@ from tests.faults.backend.client import (
 )
 from tests.faults.backend.conftest import KV_LEASE_S, PULL_TIMEOUT_S, REGISTRY_TTL_S, BackendStack
 from tests.faults.ledger import FaultLedger
-from tests.faults.probes import gauge, kv_stats, load, quiesce, wait_until, worker_names
+from tests.probes import gauge, kv_stats, load, quiesce, wait_until, worker_names
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -96,7 +96,7 @@ def test_decode_killed_mid_stream(backend: BackendStack, ledger: FaultLedger) ->
 
 
 def num_tokens(result: object) -> int:
-    from tests.faults.probes import StreamResult
+    from tests.probes import StreamResult
 
     assert isinstance(result, StreamResult)
     return sum(1 for e in result.events for c in e.get("choices", []) if (c.get("delta") or {}).get("content"))

@@ -64,9 +64,7 @@ def test_unexpected_status_is_a_permanent_router_error() -> None:
 
 def test_replica_died_under_the_call_is_retryable() -> None:
     """Serve's proxy maps RayActorError to INTERNAL: the router replica died, another takes the retry."""
-    message = (
-        "The actor died unexpectedly before finishing this task.\n\tclass_name: ServeReplica:tandem-router:Router"
-    )
+    message = "The actor died unexpectedly before finishing this task.\n\tclass_name: ServeReplica:tandem-router:Router"
     err = error_from_status(grpc.StatusCode.INTERNAL, message, [])
     assert isinstance(err, BackendUnavailableError)
 

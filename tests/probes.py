@@ -1,6 +1,6 @@
-"""What the fault tests look at after a fault: each worker's engine and KV
-counters, by the stack's component name (prefill, prefill-1, decode, decode-1),
-over mTLS when the stack runs it; and a small SSE reader."""
+"""What the real-stack tests (integration and faults) look at: each worker's
+engine and KV counters, by the stack's component name (prefill, prefill-1,
+decode, decode-1), over mTLS when the stack runs it; and a small SSE reader."""
 
 from __future__ import annotations
 
