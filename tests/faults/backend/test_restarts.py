@@ -3,6 +3,7 @@ requests wait or get 503 with Retry-After; the system recovers by itself."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import threading
@@ -26,6 +27,18 @@ pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(9
 RECOVERY_BOUND_S = 90.0
 #: The gateway's key → tenant cache (auth.cache_s default).
 AUTH_CACHE_S = 2.0
+#: Concurrent requests before the Redis kill and after its recovery.
+BURST = 6
+
+
+def burst(stack: LocalStack, num: int) -> list[StreamResult]:
+    """``num`` short streams at once (each takes a pooled Redis connection of its own in the gateway)."""
+    with concurrent.futures.ThreadPoolExecutor(num) as pool:
+        calls = [
+            pool.submit(stream_chat, stack, chat_body(stack, f"Count to {i}.", max_tokens=4), timeout_s=120)
+            for i in range(num)
+        ]
+        return [c.result() for c in calls]
 
 
 def router_replica_pids() -> list[int]:
@@ -206,6 +219,11 @@ def test_redis_restarted(backend: BackendStack, ledger: FaultLedger) -> None:
     """Redis dies (SIGKILL) for a few seconds and comes back from its append-only file."""
     stack = backend.stack
     with ledger.fault("Redis SIGKILLed, restarted 5 s later") as f:
+        # Concurrent requests leave as many connections in each Redis client's pool; the kill makes
+        # them all dead, and none may cost a request when it is next used.
+        usage_warm = usage_total(stack)["requests"]
+        assert [r.status for r in burst(stack, BURST)] == [200] * BURST
+        assert wait_until(lambda: usage_total(stack)["requests"] == usage_warm + BURST, timeout_s=30)
         usage_before = usage_total(stack)
         in_flight = InFlight(stack, 2)
         stack.kill("redis")
@@ -231,4 +249,8 @@ def test_redis_restarted(backend: BackendStack, ledger: FaultLedger) -> None:
             usage_before,
             usage_total(stack),
         )
+        after = burst(stack, BURST)
+        assert [r.status for r in after] == [200] * BURST, [(r.status, r.body[:200]) for r in after]
+        f.saw(f"after recovery: {BURST} concurrent requests, all 200 (no dead pooled Redis connection failed one)")
+        f.tried()
         assert_nothing_left(backend, f)

@@ -16,9 +16,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from tandem.common.errors import BackendUnavailableError
+from tandem.common.redis_retry import retry_on_broken_connection
 
 
 def connect(url: str, *, timeout_s: float) -> aioredis.Redis:
+    """A pooled client; a command that meets a connection a Redis restart left dead is sent once
+    more on a fresh one (:mod:`tandem.common.redis_retry`)."""
     return aioredis.Redis.from_url(
         url,
         decode_responses=True,
@@ -26,6 +29,7 @@ def connect(url: str, *, timeout_s: float) -> aioredis.Redis:
         socket_connect_timeout=timeout_s,
         health_check_interval=0,
         retry_on_timeout=False,
+        retry=retry_on_broken_connection(),
     )
 
 
@@ -37,4 +41,5 @@ def redis_errors(what: str) -> Iterator[None]:
     except ResponseError:
         raise  # a bug of ours (bad script, wrong type), not an outage
     except (RedisError, OSError) as exc:
-        raise BackendUnavailableError(f"redis unavailable during {what}: {type(exc).__name__}") from exc
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise BackendUnavailableError(f"redis unavailable during {what}: {detail}") from exc

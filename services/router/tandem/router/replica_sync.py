@@ -30,6 +30,8 @@ from collections.abc import Mapping
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tandem.common.redis_retry import retry_on_broken_connection
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,7 +46,7 @@ class ReplicaSync:
         lease_s: float = 600.0,
     ) -> None:
         self._redis: aioredis.Redis = aioredis.Redis.from_url(
-            redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
+            redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, retry=retry_on_broken_connection()
         )
         self._prefix = f"{key_prefix}:router"
         self.replica_id = replica_id
