@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 
+from tandem.common.backoff import backoff_delays
 from tandem.common.errors import BackendUnavailableError, PermanentError, TandemError, WorkerUnavailableError
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.scheduler import Scheduler
@@ -268,17 +269,16 @@ class Orchestrator:
         whole router restarting) for up to ``router_unavailable_wait_s``: the request waits (a stream
         sends its ``: queued`` heartbeats) rather than failing at once, and fails with the router's
         error when the wait is over. Schedule is idempotent per request id."""
-        deadline = time.monotonic() + self._router_unavailable_wait_s
-        delay_s = 0.25
+        delays = backoff_delays(within_s=self._router_unavailable_wait_s)
         while True:
             try:
                 return await self._schedule_once(job, exclude_worker_ids)
             except BackendUnavailableError:
-                if time.monotonic() + delay_s > deadline:
+                delay_s = next(delays, None)
+                if delay_s is None:
                     raise
                 self._metrics.router_unavailable_retries_total.inc()
                 await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 2.0)
 
     async def _schedule_once(self, job: GenerationJob, exclude_worker_ids: list[str]) -> router_pb2.Placement:
         """One ``Schedule``. If the request is cancelled meanwhile (the client left), the call
@@ -368,21 +368,20 @@ class Orchestrator:
     async def _release(self, request_id: str, *, retry_for_s: float = 0.0) -> None:
         """``Release`` on the router; idempotent, so a background caller retries it for ``retry_for_s``
         (a busy or restarting router) rather than leaving the budget held until the lease ends."""
-        deadline = time.monotonic() + retry_for_s
-        delay_s = 0.25
+        delays = backoff_delays(within_s=retry_for_s)
         while True:
             try:
                 await asyncio.wait_for(self._scheduler.release(request_id), self._cleanup_timeout_s)
                 return
             except (TandemError, TimeoutError) as exc:
-                if self._closing or time.monotonic() + delay_s > deadline:
+                delay_s = next(delays, None)
+                if self._closing or delay_s is None:
                     # The reservation is a lease in the router: it expires by itself.
                     logger.warning(
                         "router release failed: %s", exc or type(exc).__name__, extra={"request_id": request_id}
                     )
                     return
             await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, 2.0)
 
     async def _abort(self, address: str, request_id: str) -> None:
         try:

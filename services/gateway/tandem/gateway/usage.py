@@ -17,6 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from tandem.common.backoff import backoff_delays
 from tandem.common.errors import BackendUnavailableError
 from tandem.gateway.redis_client import redis_errors
 
@@ -91,19 +92,18 @@ class UsageStore:
         for name, value in values.items():
             if value:
                 args += [name, value]
-        deadline = time.monotonic() + self._retry_for_s
-        delay_s = 0.25
+        delays = backoff_delays(within_s=self._retry_for_s, max_s=5.0)
         while True:
             try:
                 with redis_errors("usage record"):
                     await self._redis.eval(_RECORD_ONCE, len(keys), *keys, *args)
                 return
             except BackendUnavailableError as exc:
-                if time.monotonic() + delay_s > deadline:
+                delay_s = next(delays, None)
+                if delay_s is None:
                     logger.warning("usage not recorded: %s", exc, extra={"tenant": record.tenant_id, **values})
                     return
                 await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 5.0)
 
     async def tenant_usage(self, tenant_id: str, *, day: str | None = None) -> dict[str, Any]:
         """``{"tenant": id, "period": "all"|day, "data": [{"model", counters…}], "total": {counters…}}``."""
