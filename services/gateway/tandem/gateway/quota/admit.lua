@@ -2,6 +2,7 @@
 -- concurrency set, checked and charged atomically. Called by RedisQuota.admit.
 --
 -- KEYS[1] input bucket (hash: tokens, ts_ms)   KEYS[2] output bucket   KEYS[3] streams (zset: id -> lease end ms)
+-- KEYS[4] this request's admission marker (set while it is admitted and not yet settled)
 -- ARGV[1] input capacity per minute (-1: unlimited)    ARGV[2] output capacity (-1: unlimited)
 -- ARGV[3] input cost   ARGV[4] output cost (the max_tokens reservation)
 -- ARGV[5] max concurrent streams (-1: unlimited)   ARGV[6] request id   ARGV[7] lease ms
@@ -32,6 +33,9 @@ local function reply(ok, reason, wait_ms)
   return {ok, reason, math.ceil(wait_ms), math.floor(in_left), math.floor(out_left), in_use}
 end
 
+-- The same request admitted again (a retry whose first reply was lost): admitted, charged once.
+if redis.call('EXISTS', KEYS[4]) == 1 then return reply(1, '', 0) end
+
 if in_cap >= 0 and in_cost > in_cap then return reply(0, 'input_too_large', 0) end
 if out_cap >= 0 and out_cost > out_cap then return reply(0, 'output_too_large', 0) end
 if max_streams >= 0 and in_use >= max_streams then
@@ -61,4 +65,5 @@ if max_streams >= 0 then
   redis.call('PEXPIRE', KEYS[3], lease_ms + 60000)
   in_use = in_use + 1
 end
+redis.call('SET', KEYS[4], '1', 'PX', lease_ms + 60000)
 return reply(1, '', 0)

@@ -10,7 +10,11 @@ the two keeps the reservation charged (it refills within a minute) and its
 concurrency slot expires with its lease.
 
 Redis keys (prefix ``<prefix>:gw:quota:<tenant>:``): ``in`` and ``out`` buckets
-(hash ``tokens``, ``ts``), ``streams`` (zset request id → lease end, ms).
+(hash ``tokens``, ``ts``), ``streams`` (zset request id → lease end, ms), and
+``admitted:<request id>``, a marker from admission to settlement that makes both
+scripts idempotent: the Redis client sends a command again when its connection
+broke (:mod:`tandem.common.redis_retry`), and a retried admission is charged once
+and a retried settlement refunds once.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ class RedisQuota:
         base = f"{self._p}:{tenant_id}"
         return f"{base}:in", f"{base}:out", f"{base}:streams"
 
+    def _marker(self, tenant_id: str, request_id: str) -> str:
+        return f"{self._p}:{tenant_id}:admitted:{request_id}"
+
     @staticmethod
     def unlimited(policy: TenantPolicy) -> bool:
         return (
@@ -108,7 +115,7 @@ class RedisQuota:
         ]
         try:
             with redis_errors("quota admission"):
-                reply = await self._admit(keys=list(self._keys(tenant_id)), args=args)
+                reply = await self._admit(keys=[*self._keys(tenant_id), self._marker(tenant_id, request_id)], args=args)
         except BackendUnavailableError:
             if self._fail_open:
                 logger.warning("quota unchecked: redis down and fail_mode=open", extra={"tenant": tenant_id})
@@ -139,7 +146,7 @@ class RedisQuota:
         try:
             with redis_errors("quota settle"):
                 await self._settle(
-                    keys=[out_key, streams_key],
+                    keys=[out_key, streams_key, self._marker(admission.tenant_id, admission.request_id)],
                     args=[_limit(admission.policy.output_tokens_per_minute), refund, admission.request_id],
                 )
         except BackendUnavailableError as exc:
