@@ -25,8 +25,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tandem.common import redis_retry
 from tandem.common.errors import BackendUnavailableError
-from tandem.common.redis_retry import retry_on_broken_connection
 
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
@@ -92,9 +92,7 @@ class WorkerRegistry:
     """Redis-backed registry of live workers. Safe to share across tasks."""
 
     def __init__(self, redis_url: str, *, key_prefix: str = "tandem", ttl_s: float = 5.0) -> None:
-        self._redis: aioredis.Redis = aioredis.Redis.from_url(
-            redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, retry=retry_on_broken_connection()
-        )
+        self._redis: aioredis.Redis = redis_retry.connect(redis_url, timeout_s=2.0)
         self._prefix = key_prefix
         self._ttl_s = ttl_s
 

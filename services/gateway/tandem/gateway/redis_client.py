@@ -15,22 +15,13 @@ from collections.abc import Iterator
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from tandem.common import redis_retry
 from tandem.common.errors import BackendUnavailableError
-from tandem.common.redis_retry import retry_on_broken_connection
 
 
 def connect(url: str, *, timeout_s: float) -> aioredis.Redis:
-    """A pooled client; a command that meets a connection a Redis restart left dead is sent once
-    more on a fresh one (:mod:`tandem.common.redis_retry`)."""
-    return aioredis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        health_check_interval=0,
-        retry_on_timeout=False,
-        retry=retry_on_broken_connection(),
-    )
+    """The gateway's pooled client (:func:`tandem.common.redis_retry.connect`), answering str."""
+    return redis_retry.connect(url, timeout_s=timeout_s, decode_responses=True)
 
 
 @contextlib.contextmanager

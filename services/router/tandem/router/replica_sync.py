@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from tandem.common.redis_retry import retry_on_broken_connection
+from tandem.common import redis_retry
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,7 @@ class ReplicaSync:
         interval_s: float = 0.25,
         lease_s: float = 600.0,
     ) -> None:
-        self._redis: aioredis.Redis = aioredis.Redis.from_url(
-            redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, retry=retry_on_broken_connection()
-        )
+        self._redis: aioredis.Redis = redis_retry.connect(redis_url, timeout_s=1.0)
         self._prefix = f"{key_prefix}:router"
         self.replica_id = replica_id
         self.interval_s = interval_s
