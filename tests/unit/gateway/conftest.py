@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -198,6 +200,23 @@ async def start_worker() -> AsyncIterator[Callable[..., Any]]:
     yield start
     for server in servers:
         await server.stop(grace=None)
+
+
+def start_redis(port: int, *args: str) -> subprocess.Popen[bytes]:
+    """A private redis-server on 127.0.0.1:``port`` (``args``: more of its options), once it accepts connections."""
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("redis-server did not start")
 
 
 def dead_address() -> str:

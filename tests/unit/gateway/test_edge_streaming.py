@@ -20,7 +20,7 @@ import pytest
 from tandem.gateway.app import build_app
 from tandem.gateway.metrics import GatewayMetrics
 
-from .conftest import DecodeStep, FakeReadiness, gateway_settings, placement
+from .conftest import DecodeStep, FakeReadiness, gateway_settings, placement, start_redis
 from .test_quota import start_gateway_process
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -118,33 +118,7 @@ async def test_slow_reader_is_cut_off_and_its_generation_cancelled(edge: Any, ed
 
 
 def _start_redis(port: int, data_dir: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--dir",
-            str(data_dir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("redis-server did not start")
+    return start_redis(port, "--appendonly", "yes", "--appendfsync", "always", "--dir", str(data_dir))
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")

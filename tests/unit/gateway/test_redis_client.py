@@ -13,22 +13,9 @@ import pytest
 from tandem.common.errors import BackendUnavailableError
 from tandem.gateway.redis_client import connect, redis_errors
 
+from .conftest import start_redis
+
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
-
-
-async def start_redis(port: int) -> asyncio.subprocess.Process:
-    server = await asyncio.create_subprocess_exec(
-        "redis-server", "--port", str(port), "--save", "", "--appendonly", "no", stdout=asyncio.subprocess.DEVNULL
-    )
-    for _ in range(100):
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return server
-        except OSError:
-            await asyncio.sleep(0.05)
-    server.kill()
-    raise AssertionError("redis-server did not start")
 
 
 async def lookups(client: object, n: int) -> list[str]:
@@ -46,18 +33,18 @@ async def lookups(client: object, n: int) -> list[str]:
 
 
 async def test_connections_left_dead_by_a_redis_restart_fail_no_request(unused_tcp_port: int) -> None:
-    server = await start_redis(unused_tcp_port)
+    server = start_redis(unused_tcp_port, "--appendonly", "no")
     client = connect(f"redis://127.0.0.1:{unused_tcp_port}/0", timeout_s=2.0)
     try:
         assert await lookups(client, 4) == ["ok"] * 4  # four connections now idle in the pool
         server.kill()  # SIGKILL: the pooled connections are dead without a goodbye
-        await server.wait()
-        server = await start_redis(unused_tcp_port)
+        server.wait()
+        server = start_redis(unused_tcp_port, "--appendonly", "no")
         assert await lookups(client, 1) == ["ok"]
         assert await lookups(client, 4) == ["ok"] * 4
     finally:
         server.kill()
-        await server.wait()
+        server.wait()
         await client.aclose()
 
 
