@@ -8,7 +8,7 @@ from tandem.v1 import common_pb2
 from tandem.worker.__main__ import parse_settings
 from tandem.worker.engine import CONNECTOR_CLASS, CONNECTOR_MODULE, engine_args_kwargs, resolve_dtype
 from tandem.worker.registration import build_record
-from tandem.worker.sampling import sampling_kwargs
+from tandem.worker.sampling import sampling_kwargs, structured_output_spec
 from tandem.worker.settings import WorkerSettings
 
 
@@ -52,10 +52,58 @@ def test_sampling_keeps_engine_defaults_for_unset_options() -> None:
     assert sampling_kwargs(options, max_tokens=1) == {
         "max_tokens": 1,
         "ignore_eos": True,
+        "min_tokens": 0,
+        "include_stop_str_in_output": False,
         "temperature": 0.0,
         "stop": ["\n\n"],
     }
     assert "top_p" not in sampling_kwargs(common_pb2.SamplingOptions(), max_tokens=4)
+
+
+def test_unset_options_take_the_model_defaults_and_set_ones_win() -> None:
+    defaults = {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.05}
+    unset = sampling_kwargs(common_pb2.SamplingOptions(), max_tokens=4, model_defaults=defaults)
+    assert (unset["temperature"], unset["top_p"], unset["repetition_penalty"]) == (0.2, 0.9, 1.05)
+    greedy = sampling_kwargs(common_pb2.SamplingOptions(temperature=0.0), max_tokens=4, model_defaults=defaults)
+    assert greedy["temperature"] == 0.0 and greedy["top_p"] == 0.9
+
+
+def test_every_option_maps_to_vllm_and_prefill_caps_min_tokens() -> None:
+    from vllm import SamplingParams
+
+    options = common_pb2.SamplingOptions(
+        max_tokens=20,
+        min_tokens=5,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        stop_token_ids=[7],
+        logit_bias={3: -2.5},
+        logprobs=2,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        seed=9,
+    )
+    prefill = SamplingParams(**sampling_kwargs(options, max_tokens=1))
+    assert prefill.max_tokens == 1 and prefill.min_tokens == 1  # masks end-of-sequence at the first token too
+    decode = SamplingParams(**sampling_kwargs(options, max_tokens=20))
+    assert decode.min_tokens == 5
+    assert decode.min_p == pytest.approx(0.1) and decode.repetition_penalty == pytest.approx(1.2)
+    assert decode.stop_token_ids == [7] and decode.logit_bias == {3: -2.5} and decode.logprobs == 2
+    assert decode.include_stop_str_in_output and not decode.skip_special_tokens
+    assert not decode.spaces_between_special_tokens and decode.seed == 9
+
+
+def test_structured_output_specs() -> None:
+    def spec(**kind: object) -> object:
+        return structured_output_spec(common_pb2.SamplingOptions(structured_output=common_pb2.StructuredOutput(**kind)))
+
+    assert spec(json_schema='{"type": "object"}') == {"json": {"type": "object"}}
+    assert spec(json_object=True) == {"json_object": True}
+    assert spec(regex="a+") == {"regex": "a+"}
+    assert spec(grammar='root ::= "a"') == {"grammar": 'root ::= "a"'}
+    assert spec(choice=common_pb2.ChoiceList(choices=["x", "y"])) == {"choice": ["x", "y"]}
+    assert structured_output_spec(common_pb2.SamplingOptions()) is None
 
 
 def test_registry_record_advertises_addresses_and_capacity() -> None:

@@ -11,6 +11,8 @@ from typing import Any
 from tandem.worker.settings import WorkerSettings
 
 CONNECTOR_MODULE = "tandem.worker.kv_connector.connector"
+#: tandem.worker.first_token.ReplayFirstToken by name: vLLM imports it in the model-runner process.
+FIRST_TOKEN_REPLAY = "tandem.worker.first_token:ReplayFirstToken"
 CONNECTOR_CLASS = "GrpcKVConnector"
 
 
@@ -77,6 +79,8 @@ def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str,
         "max_num_seqs": eng.max_num_seqs,
         "tensor_parallel_size": eng.tensor_parallel_size,
         "enable_prefix_caching": True,
+        # Decode replays the prefill's first token; see tandem.worker.first_token.
+        "logits_processors": [FIRST_TOKEN_REPLAY],
         # Our connector serves one full-attention group; HMA would need SupportsHMA.
         "disable_hybrid_kv_cache_manager": True,
         "kv_transfer_config": {

@@ -18,14 +18,23 @@ import grpc
 
 from tandem.common.tls import aio_channel
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.worker.continuation import ReplaySkipper, first_streamed_text
+from tandem.worker.first_token import replay_args
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.params import HANDLE, KVHandleParams, decode_params, prefill_params
-from tandem.worker.sampling import sampling_kwargs
+from tandem.worker.sampling import logprobs_messages, sampling_kwargs, structured_output_spec
 from tandem.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
 _Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+def _engine_refusals() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses (4xx in its own server): the client's fault."""
+    from vllm.exceptions import VLLMClientError
+
+    return (ValueError, VLLMClientError)
 
 
 @dataclass
@@ -54,6 +63,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._held: dict[str, KVHandleParams] = {}
         self._counters = _Counters()
         self.draining = False
+        #: The model's sampling defaults (generation_config.json), applied to options the client left unset.
+        self._model_defaults: dict[str, Any] = dict(engine.model_config.get_diff_sampling_param())
+        self._model_defaults.pop("max_tokens", None)  # the gateway decides max_tokens
 
     async def start(self) -> None:
         """Learn this engine's KV layout from its KV server (it is up once the engine is)."""
@@ -107,6 +119,24 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             prompt["cache_salt"] = cache_salt
         return prompt
 
+    async def _sampling_params(
+        self, context: _Ctx, options: common_pb2.SamplingOptions, *, max_tokens: int, **extra: Any
+    ) -> Any:
+        """vLLM ``SamplingParams`` for ``options``; parameters vLLM refuses abort the call (INVALID_ARGUMENT)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        try:
+            structured = structured_output_spec(options)
+            return SamplingParams(
+                **sampling_kwargs(options, max_tokens=max_tokens, model_defaults=self._model_defaults),
+                structured_outputs=StructuredOutputsParams(**structured) if structured else None,
+                **extra,
+            )
+        except _engine_refusals() as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling parameters: {exc}")
+            raise  # unreachable: abort raises
+
     def _prune_held(self) -> None:
         now = time.time()
         for req_id in [r for r, h in self._held.items() if h.lease_expires_unix_s < now]:
@@ -115,14 +145,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     # -- RPCs --------------------------------------------------------------------
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: _Ctx) -> worker_pb2.PrefillResponse:
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         prompt_ids = list(request.prompt_token_ids)
         await self._check(context, "prefill", len(prompt_ids))
         self._prune_held()
-        params = SamplingParams(
-            **sampling_kwargs(request.sampling, max_tokens=1),
+        params = await self._sampling_params(
+            context,
+            request.sampling,
+            max_tokens=1,
             output_kind=RequestOutputKind.FINAL_ONLY,
             extra_args={"kv_transfer_params": prefill_params()} if request.keep_kv else None,
         )
@@ -135,6 +166,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self._prompt(prompt_ids, request.cache_salt), params, request.request_id
             ):
                 final = out
+        except _engine_refusals() as exc:  # the engine refused the request's parameters (e.g. a bad grammar)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {exc}")
         finally:
             self._counters.num_running -= 1
             self._counters.num_prompt_tokens_in_flight -= len(prompt_ids)
@@ -144,16 +177,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         completion = final.outputs[0]
         num_cached = int(final.num_cached_tokens or 0)
         self._counters.prompt_tokens_computed += len(prompt_ids) - num_cached
+        first_token_id = int(completion.token_ids[0])
+        finished = completion.finish_reason == "stop" or not request.keep_kv
         response = worker_pb2.PrefillResponse(
             request_id=request.request_id,
-            first_token_id=int(completion.token_ids[0]),
-            first_text=completion.text,
+            first_token_id=first_token_id,
+            first_text=first_streamed_text(
+                completion.text, finished=finished, stop_buffer_chars=params.output_text_buffer_length
+            ),
             num_prompt_tokens=len(prompt_ids),
             num_cached_tokens=num_cached,
             engine_seconds=time.perf_counter() - started,
         )
+        if completion.logprobs:
+            (first_logprobs,) = logprobs_messages([first_token_id], completion.logprobs[:1], params.logprobs or 0)
+            response.first_logprobs.CopyFrom(first_logprobs)
         handle_dict = (final.kv_transfer_params or {}).get(HANDLE)
-        if completion.finish_reason == "stop" or not request.keep_kv:
+        if finished:
             response.finish_reason = completion.finish_reason or "length"
         elif handle_dict is not None:
             handle = KVHandleParams.from_dict(handle_dict)
@@ -175,12 +215,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: _Ctx) -> AsyncIterator[worker_pb2.DecodeChunk]:
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        prompt_ids = [*request.prompt_token_ids, request.first_token_id]
+        prompt_ids = list(request.prompt_token_ids)
         await self._check(context, "decode", len(prompt_ids))
-        extra_args = None
+        # The first token is replayed, not appended to the prompt: see tandem.worker.first_token.
+        extra_args: dict[str, Any] = replay_args(request.first_token_id)
         if request.HasField("kv_handle"):
             h = request.kv_handle
             assert self.layout is not None
@@ -196,15 +236,21 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 num_tokens=h.num_tokens,
                 lease_expires_unix_s=h.lease_expires_unix_s,
             )
-            extra_args = {"kv_transfer_params": decode_params(handle)}
+            extra_args["kv_transfer_params"] = decode_params(handle)
         max_tokens = request.sampling.max_tokens
-        if max_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be positive")
-        params = SamplingParams(
-            **sampling_kwargs(request.sampling, max_tokens=max_tokens),
+        if max_tokens < 2:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 2 (the first token is replayed)"
+            )
+        params = await self._sampling_params(
+            context,
+            request.sampling,
+            max_tokens=max_tokens,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args,
         )
+        skipper = ReplaySkipper(request.first_token_id, request.first_text)
+        num_top_logprobs = params.logprobs or 0
         num_output = 0
         started = time.perf_counter()
         first_token_s = 0.0
@@ -216,16 +262,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 self._prompt(prompt_ids, request.cache_salt), params, request.request_id
             ):
                 completion = out.outputs[0]
-                if not num_output and completion.token_ids:
+                token_ids, logprobs = skipper.tokens(completion.token_ids, completion.logprobs)
+                if not num_output and token_ids:
                     first_token_s = time.perf_counter() - started
-                num_output += len(completion.token_ids)
-                chunk = worker_pb2.DecodeChunk(text=completion.text, token_ids=list(completion.token_ids))
+                num_output += len(token_ids)
+                chunk = worker_pb2.DecodeChunk(
+                    text=skipper.text(completion.text),
+                    token_ids=token_ids,
+                    logprobs=logprobs_messages(token_ids, logprobs, num_top_logprobs),
+                )
+                if not (chunk.text or token_ids or out.finished):
+                    continue  # the replayed first token alone: prefill streamed it already
                 if out.finished:
                     chunk.finish_reason = completion.finish_reason or "stop"
                     stats = await self._decode_stats(request, out, len(prompt_ids), num_output)
                     stats.first_token_seconds = first_token_s
                     chunk.stats.CopyFrom(stats)
                 yield chunk
+        except _engine_refusals() as exc:  # the engine refused the request's parameters (e.g. a bad grammar)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {exc}")
         finally:
             self._counters.num_running -= 1
             self._counters.num_kv_tokens_in_flight -= num_kv_tokens

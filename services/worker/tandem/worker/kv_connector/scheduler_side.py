@@ -41,7 +41,9 @@ class SchedulerSide:
         if not params or not params.get(DO_REMOTE_PREFILL):
             return 0, False
         handle = KVHandleParams.from_dict(params[HANDLE])
-        count = min(handle.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        # The last prompt position is always computed here: its logits sample the first output token
+        # (which decode replays; see tandem.worker.first_token).
+        count = min(handle.num_tokens, request.num_prompt_tokens - 1) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -1,0 +1,83 @@
+"""The decode engine replays the prefill's first token as its own first output.
+
+Loaded by vLLM's engine (``logits_processors`` in :mod:`tandem.worker.engine`,
+by fully qualified name) inside the model-runner process; configured per
+request by :mod:`tandem.worker.decode` through ``SamplingParams.extra_args``.
+
+Why replay rather than append the first token to decode's prompt: a decode
+engine that sees the first token as *prompt* has a different request from the
+one a colocated engine runs. Its detokenizer starts after that token (a
+character split across the boundary comes out wrong, and vLLM's fast
+detokenizer can emit prompt text), stop strings cannot begin in it,
+``min_tokens``, penalties and structured-output grammars do not count it, and a
+seeded sampler is one draw behind. Replaying makes the decode request the very
+request a colocated engine runs: same prompt, same output tokens, so every
+sampling parameter, the text and the grammar state continue exactly. The price
+is one decode step at the boundary (the last prompt position is computed on
+the decode engine, as vLLM always does for a fully cached prompt).
+
+Contract: for a request whose ``extra_args`` carry :data:`REPLAY_TOKEN_ID`,
+while it has no output token yet, every logit except that token's is ``-inf``,
+so greedy and random sampling, under any temperature, top-p/top-k, min-p,
+penalty, bias or grammar mask, pick it. vLLM computes the returned log
+probabilities from the raw logits (``logprobs_mode`` ``raw_logprobs``, its
+default), so they are the model's own, not this mask's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+
+#: ``SamplingParams.extra_args`` key: the token id the first output must be.
+REPLAY_TOKEN_ID = "tandem_replay_first_token_id"
+
+
+def replay_args(token_id: int) -> dict[str, Any]:
+    """``extra_args`` entries that make the first output token ``token_id``."""
+    return {REPLAY_TOKEN_ID: int(token_id)}
+
+
+class ReplayFirstToken(LogitsProcessor):  # type: ignore[misc]  # vLLM ships no type information
+    """Forces the first output token of the requests that ask for it (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        #: batch index → (token id to force, the request's live output-token list)
+        self._forced: dict[int, tuple[int, Sequence[int]]] = {}
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        token_id = (sampling_params.extra_args or {}).get(REPLAY_TOKEN_ID)
+        if token_id is not None and (not isinstance(token_id, int) or token_id < 0):
+            raise ValueError(f"{REPLAY_TOKEN_ID} must be a token id, not {token_id!r}")
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it changes what greedy sampling picks
+
+    @staticmethod
+    def _new_state(
+        params: SamplingParams, _prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> tuple[int, Sequence[int]] | None:
+        token_id = (params.extra_args or {}).get(REPLAY_TOKEN_ID)
+        if token_id is None or output_ids:
+            return None
+        return int(token_id), output_ids
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self._forced, batch_update, self._new_state)
+        for index in [i for i, (_, output_ids) in self._forced.items() if output_ids]:
+            del self._forced[index]  # replayed: from now on the request samples freely
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for index, (token_id, _) in self._forced.items():
+            logits[index].fill_(float("-inf"))
+            logits[index, token_id] = 0.0
+        return logits
