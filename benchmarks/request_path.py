@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import httpx
 
+from tandem.local.plain_vllm import start_plain_vllm, stop_plain_vllm
 from tandem.local.stack import LocalStack, StackConfig, free_port
 
 
@@ -60,44 +58,6 @@ def stream_once(
             last = now
     assert ttft is not None, "no content"
     return ttft, gaps
-
-
-def start_plain_vllm(model_dir: Path, name: str, port: int, log: Path) -> tuple[subprocess.Popen[bytes], float]:
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "PYTHONUNBUFFERED": "1"}
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        name,
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--enforce-eager",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "4096",
-        "--kv-cache-memory-bytes",
-        str(1 << 30),
-        "--enable-prefix-caching",
-    ]
-    started = time.monotonic()
-    proc = subprocess.Popen(args, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = started + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"plain vLLM exited; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, time.monotonic() - started
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("plain vLLM did not start")
 
 
 def main() -> None:
@@ -183,8 +143,7 @@ def main() -> None:
         )
     finally:
         if vllm_proc is not None:
-            vllm_proc.terminate()
-            vllm_proc.wait(timeout=30)
+            stop_plain_vllm(vllm_proc)
         stack.stop()
 
 
