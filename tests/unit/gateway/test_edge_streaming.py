@@ -19,6 +19,7 @@ import pytest
 
 from tandem.gateway.app import build_app
 from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.sse import HEARTBEAT as HEARTBEAT_BYTES
 
 from .conftest import DecodeStep, FakeReadiness, gateway_settings, placement, start_redis
 from .test_quota import start_gateway_process
@@ -26,6 +27,7 @@ from .test_quota import start_gateway_process
 pytestmark = [pytest.mark.timeout(90)]
 
 MODEL = "SmolLM2-135M-Instruct"
+HEARTBEAT = HEARTBEAT_BYTES.decode()
 
 
 def chat(**extra: Any) -> dict[str, Any]:
@@ -58,11 +60,12 @@ async def test_heartbeats_while_queued_and_timings_only_when_asked(edge: Any) ->
     )
     assert response.status_code == 200
     body = response.text
-    assert body.startswith(": queued\n\n")  # the heartbeat interval is 0.3 s here, the queue 1 s
-    blocks = body.split("\n\n")
+    assert body.startswith(HEARTBEAT)  # the heartbeat interval is 0.3 s here, the queue 1 s
+    assert body.lstrip("\n").startswith("data: ")  # heartbeats are blank lines only
+    blocks = [b for b in body.split("\n\n") if b]
     (timings_block,) = [b for b in blocks if b.startswith("event: tandem.timings")]
     timings = json.loads(timings_block.split("data: ", 1)[1])
-    assert blocks.index(timings_block) == len(blocks) - 3  # just before [DONE]
+    assert blocks[-2:] == ["data: [DONE]", timings_block]  # after [DONE], where SDKs have stopped reading
     assert {"auth", "tokenize", "quota", "schedule", "prefill", "first_byte_write", "decode"} <= set(
         timings["stages_ms"]
     )
@@ -70,7 +73,7 @@ async def test_heartbeats_while_queued_and_timings_only_when_asked(edge: Any) ->
     assert timings["worker"]["num_cached_tokens"] == 2
 
     plain = await edge.client.post("/v1/chat/completions", json=chat(stream=True), headers=bearer(key))
-    assert "tandem" not in plain.text and ": queued" in plain.text
+    assert "tandem" not in plain.text and plain.text.startswith(HEARTBEAT)
     unary = await edge.client.post(
         "/v1/chat/completions", json=chat(), headers={**bearer(key), "X-Tandem-Timings": "1"}
     )
