@@ -23,11 +23,9 @@ from tandem_loadtest.records import RequestRecord
 
 from tandem.common.errors import InvalidRequestError
 from tandem.gateway.api.errors import api_error_from
-from tandem.gateway.api.generation import HEARTBEAT_COMMENT
-from tandem.gateway.api.routes import _sampling
 from tandem.gateway.api.validation import ChatCompletionRequest, CompletionRequest, check_content_type, parse_body
 from tandem.gateway.orchestrator import Usage
-from tandem.gateway.sse import DONE_EVENT, ChunkEncoder, ResponseMeta
+from tandem.gateway.sse import DONE_EVENT, HEARTBEAT, ChunkEncoder, ResponseMeta
 
 MODEL = "SmolLM2-135M-Instruct"
 FUZZ = settings(max_examples=300, deadline=None, database=None)
@@ -87,7 +85,28 @@ request_fields = st.fixed_dictionaries(
         "echo": json_values,
         "best_of": numbers,
         "suffix": json_values,
-        "logit_bias": json_values,  # unknown here: ignored
+        "logit_bias": json_values | st.dictionaries(st.text(max_size=6), numbers, max_size=3),
+        "top_logprobs": numbers,
+        "min_tokens": numbers,
+        "min_p": numbers,
+        "repetition_penalty": numbers,
+        "stop_token_ids": st.lists(numbers, max_size=3) | json_values,
+        "response_format": json_values
+        | st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+            optional={"json_schema": st.fixed_dictionaries({"name": st.text(max_size=3), "schema": json_values})},
+        ),
+        "structured_outputs": json_values
+        | st.fixed_dictionaries(
+            {},
+            optional={
+                "json": json_values | st.text(max_size=8),
+                "regex": st.text(max_size=5),
+                "choice": st.lists(st.text(max_size=3), max_size=3),
+            },
+        ),
+        "tool_choice": json_values,
+        "parallel_tool_calls": json_values,
     },
 )
 
@@ -126,7 +145,7 @@ def check_parse(body: bytes, model_cls: type[ChatCompletionRequest] | type[Compl
         return
     assert isinstance(request, model_cls)
     # What passed validation fits the wire to the workers and re-encodes as strict JSON and UTF-8.
-    _sampling(request).to_proto(max_tokens=1)
+    request.sampling_params().to_proto(max_tokens=1)
     json.dumps(request.model_dump(), allow_nan=False).encode("utf-8")
 
 
@@ -199,7 +218,7 @@ def encode_stream(
     meta: ResponseMeta, parts: list[str], finish_reason: str, num_heartbeats: int, error: str | None
 ) -> bytes:
     encoder = ChunkEncoder(meta)
-    out = HEARTBEAT_COMMENT * num_heartbeats + encoder.start()
+    out = HEARTBEAT * num_heartbeats + encoder.start()
     out += b"".join(encoder.delta(text) for text in parts)
     if error is not None:
         out += ChunkEncoder.error({"error": {"message": error, "type": "server_error", "param": None, "code": "x"}})

@@ -88,7 +88,7 @@ async def test_chat_stream_has_openai_shape(stack: Any, wait: Any) -> None:
     assert not prefill_request.sampling.HasField("top_p")
     assert list(decode_request.prompt_token_ids) == list(prefill_request.prompt_token_ids)
     assert decode_request.first_token_id == 101
-    assert decode_request.sampling.max_tokens == 9
+    assert decode_request.sampling.max_tokens == 10  # the first token counts: decode replays it
     assert list(decode_request.kv_handle.block_ids) == [7, 8]
     assert stack.scheduler.schedule_calls[0]["max_tokens"] == 10
     await wait(stack.scheduler.released_event)

@@ -33,6 +33,7 @@ import grpc
 from tandem.common.backoff import backoff_delays
 from tandem.common.errors import BackendUnavailableError, PermanentError, TandemError, WorkerUnavailableError
 from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.sampling import SamplingParams
 from tandem.gateway.scheduler import Scheduler
 from tandem.gateway.timings import StageClock
 from tandem.gateway.workers import WorkerChannels, map_worker_error
@@ -42,29 +43,6 @@ logger = logging.getLogger(__name__)
 
 #: How long cleanup keeps retrying a router Release that failed or timed out (it runs in the background).
 _RELEASE_RETRY_S = 30.0
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """The client's sampling options; ``None`` means engine default."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    #: vLLM's extension: generate ``max_tokens`` even past end-of-sequence (benchmarks).
-    ignore_eos: bool = False
-
-    def to_proto(self, max_tokens: int) -> common_pb2.SamplingOptions:
-        options = common_pb2.SamplingOptions(max_tokens=max_tokens, stop=list(self.stop), ignore_eos=self.ignore_eos)
-        for name in ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(options, name, value)
-        return options
 
 
 @dataclass(frozen=True)
@@ -97,11 +75,12 @@ class Usage:
 
 @dataclass(frozen=True)
 class TextDelta:
-    """Newly generated tokens and their text (may be empty); ``first`` marks the prefill's first token."""
+    """Newly generated tokens and their text (may be empty: a character not complete yet, or text a
+    stop string may still claim), with one log-probability entry per token when the client asked."""
 
     text: str
     num_tokens: int
-    first: bool = False
+    logprobs: tuple[common_pb2.TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -176,7 +155,8 @@ class Orchestrator:
         progress = _Progress()
         try:
             prefill = await self._schedule_and_prefill(job, progress, deadline)
-            yield TextDelta(prefill.first_text, 1, first=True)
+            first_logprobs = (prefill.first_logprobs,) if prefill.HasField("first_logprobs") else ()
+            yield TextDelta(prefill.first_text, 1, first_logprobs)
             if prefill.finish_reason or job.max_tokens <= 1:
                 progress.completed = True
                 usage = Usage(len(job.prompt_token_ids), 1, prefill.num_cached_tokens)
@@ -198,7 +178,7 @@ class Orchestrator:
                         num_decoded_tokens += len(chunk.token_ids)
                         if chunk.text or chunk.token_ids:
                             # Empty text (a token that completes no character yet) still counts as a token.
-                            yield TextDelta(chunk.text, len(chunk.token_ids))
+                            yield TextDelta(chunk.text, len(chunk.token_ids), tuple(chunk.logprobs))
                         if chunk.finish_reason:
                             finish_reason = chunk.finish_reason
                     break
@@ -341,7 +321,8 @@ class Orchestrator:
             request_id=job.request_id,
             prompt_token_ids=job.prompt_token_ids,
             first_token_id=prefill.first_token_id,
-            sampling=job.sampling.to_proto(job.max_tokens - 1),
+            first_text=prefill.first_text,
+            sampling=job.sampling.to_proto(job.max_tokens),
             kv_handle=prefill.kv_handle,
             cache_salt=job.cache_salt,
         )

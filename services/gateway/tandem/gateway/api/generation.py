@@ -7,7 +7,8 @@ its events with :mod:`tandem.gateway.sse`. It is an ASGI response of its own
 * the status line waits for the first token, so that "no capacity" or a dead
   prefill worker is an HTTP 503 the client can retry, not an error event —
   except that a stream still queued after ``heartbeat_interval_s`` commits to
-  200 and sends SSE comments (``: queued``) so that proxies keep it open;
+  200 and sends heartbeats (blank lines, :data:`~tandem.gateway.sse.HEARTBEAT`)
+  so that proxies keep it open;
 * it listens for the client's ``http.disconnect`` while generating, so that a
   client that goes away cancels the gRPC calls at once (not at the next write)
   and the orchestrator's cleanup (Abort, Release) runs;
@@ -41,13 +42,12 @@ from tandem.gateway.drain import Drain
 from tandem.gateway.errors import ShuttingDownError
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.orchestrator import Finished, GenerationEvent, GenerationJob, Orchestrator, TextDelta
-from tandem.gateway.sse import DONE_EVENT, SSE_HEADERS, ChunkEncoder, ResponseMeta, full_response
-from tandem.gateway.timings import TIMINGS_EVENT
+from tandem.gateway.sse import DONE_EVENT, HEARTBEAT, SSE_HEADERS, ChunkEncoder, ResponseMeta, full_response, stream_end
+from tandem.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
 STATUS_CLIENT_GONE = 499
-HEARTBEAT_COMMENT = b": queued\n\n"
 
 
 @dataclass(frozen=True)
@@ -220,6 +220,10 @@ class GenerationResponse(Response):
         self._ttft_s: float | None = None
         self._num_completion_tokens = 0
         self._texts: list[str] = []
+        #: One entry per generated token when the client asked for log-probabilities.
+        self._logprobs: list[common_pb2.TokenLogprobs] = []
+        #: How many of them went out: tokens whose text is not complete yet wait for the next text.
+        self._num_logprobs_sent = 0
         self._finished: Finished | None = None
         self._cut_off = False
 
@@ -330,7 +334,7 @@ class GenerationResponse(Response):
                 while first is None:  # still queued: commit to 200 and keep the connection warm
                     if writer_task is None:
                         await start_stream()
-                    await writer.write(HEARTBEAT_COMMENT)
+                    await writer.write(HEARTBEAT)
                     first = await source.next(timeout_s=limits.heartbeat_interval_s)
             except TandemError as exc:
                 if writer_task is None:
@@ -348,7 +352,7 @@ class GenerationResponse(Response):
             if writer_task is None:
                 await start_stream()
             assert writer_task is not None
-            await writer.write(encoder.start() + (encoder.delta(first.text) if first.text else b""))
+            await writer.write(encoder.start() + (self._delta(encoder, first.text) if first.text else b""))
             self._job.clock.mark("first_byte")
             self._metrics.generated_tokens_total.inc()
             return await self._stream_rest(writer, writer_task, encoder, source)
@@ -376,17 +380,20 @@ class GenerationResponse(Response):
                     self._num_completion_tokens += event.num_tokens
                     num_unsent_tokens += event.num_tokens
                     self._texts.append(event.text)
+                    self._logprobs.extend(event.logprobs)
                     if not event.text:
                         continue
                     now_s = time.monotonic()
                     self._metrics.observe_tokens(now_s - last_token_s, num_unsent_tokens)
                     self._metrics.generated_tokens_total.inc(num_unsent_tokens)
                     last_token_s, num_unsent_tokens = now_s, 0
-                    await writer.write(encoder.delta(event.text))
+                    await writer.write(self._delta(encoder, event.text))
                 elif isinstance(event, Finished):
                     self._finished = event
                     self._metrics.generated_tokens_total.inc(num_unsent_tokens)
-                    await writer.write(encoder.finish(event.finish_reason) + encoder.usage(event.usage))
+                    # Tokens that added no text (a stop token) still have log-probabilities to report.
+                    unsent = self._delta(encoder, "") if self._num_logprobs_sent < len(self._logprobs) else b""
+                    await writer.write(unsent + encoder.finish(event.finish_reason) + encoder.usage(event.usage))
         except TandemError as exc:
             logger.warning("stream failed: %s", exc, extra={"request_id": self._job.request_id})
             return await self._end_with_error(writer, writer_task, api_error_from(exc), exc)
@@ -396,9 +403,7 @@ class GenerationResponse(Response):
             logger.exception("stream failed", extra={"request_id": self._job.request_id})
             return await self._end_with_error(writer, writer_task, internal_error(), None)
         self._job.clock.mark("done")
-        if self._options.timings:
-            await writer.write(_named_event(TIMINGS_EVENT, self._job.clock.breakdown()))
-        await writer.write(DONE_EVENT)
+        await writer.write(stream_end(self._job.clock.breakdown() if self._options.timings else None))
         await writer.close()
         await writer_task
         if writer.error is not None:
@@ -427,6 +432,7 @@ class GenerationResponse(Response):
                     break
                 if isinstance(event, TextDelta):
                     self._texts.append(event.text)
+                    self._logprobs.extend(event.logprobs)
                     self._num_completion_tokens += event.num_tokens
                 elif isinstance(event, Finished):
                     self._finished = event
@@ -441,7 +447,9 @@ class GenerationResponse(Response):
         self._metrics.generated_tokens_total.inc(finished.usage.completion_tokens)
         self._job.clock.mark("first_byte")
         self._job.clock.mark("done")
-        payload = full_response(self._meta, "".join(self._texts), finished.finish_reason, finished.usage)
+        payload = full_response(
+            self._meta, "".join(self._texts), finished.finish_reason, finished.usage, self._logprobs
+        )
         payload.update(self._options.extra_fields)
         if self._options.timings:
             payload["tandem_timings"] = self._job.clock.breakdown()
@@ -455,13 +463,15 @@ class GenerationResponse(Response):
         self._ttft_s = time.monotonic() - self._timing.received_s
         self._num_completion_tokens = 1
         self._metrics.time_to_first_token_s.observe(self._ttft_s)
+        self._logprobs.extend(first.logprobs)
         if self._stream:
             self._texts.append(first.text)
 
-
-def _named_event(name: str, payload: dict[str, Any]) -> bytes:
-    data = json.dumps(payload, separators=(",", ":")).encode()
-    return b"event: " + name.encode() + b"\ndata: " + data + b"\n\n"
+    def _delta(self, encoder: ChunkEncoder, text: str) -> bytes:
+        """A content chunk with the log-probabilities of every token not reported yet."""
+        unsent = self._logprobs[self._num_logprobs_sent :]
+        self._num_logprobs_sent = len(self._logprobs)
+        return encoder.delta(text, unsent)
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:

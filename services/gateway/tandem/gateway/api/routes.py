@@ -47,7 +47,7 @@ from tandem.gateway.errors import (
     ShuttingDownError,
 )
 from tandem.gateway.metrics import GatewayMetrics
-from tandem.gateway.orchestrator import GenerationJob, Orchestrator, SamplingParams
+from tandem.gateway.orchestrator import GenerationJob, Orchestrator
 from tandem.gateway.prompt import PromptTokenizer, text_prompt_ids
 from tandem.gateway.quota.base import Admission, Quota
 from tandem.gateway.readiness import ReadinessCheck
@@ -188,19 +188,6 @@ def _resolve_max_tokens(requested: int | None, num_prompt_tokens: int, context_t
             code="context_length_exceeded",
         )
     return requested if requested is not None else min(default, remaining)
-
-
-def _sampling(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    return SamplingParams(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        seed=body.seed,
-        stop=tuple(body.stop_strings()),
-        ignore_eos=body.ignore_eos,
-    )
 
 
 async def _authenticate(request: Request, services: GatewayServices, clock: StageClock) -> Principal:
@@ -359,7 +346,7 @@ def _generation_response(
         model=services.limits.served_model_name,
         prompt_token_ids=prompt_ids,
         max_tokens=max_tokens,
-        sampling=_sampling(body),
+        sampling=body.sampling_params(),
         tenant=tenant.id,
         cache_salt=tenant.cache_salt,
         priority=tenant.priority_class,
@@ -371,6 +358,7 @@ def _generation_response(
         model=body.model,
         kind="chat" if kind == "chat" else "text",
         include_usage=body.include_usage,
+        logprobs=job.sampling.logprobs is not None,
     )
     logger.info(
         "request admitted",

@@ -15,11 +15,23 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tandem.common.errors import InvalidRequestError
+from tandem.gateway.api.parameters import Endpoint, check_parameters
+from tandem.gateway.sampling import SamplingParams, StructuredOutput
 
 #: Deepest nesting of arrays and objects accepted; OpenAI requests need a handful of levels.
 MAX_JSON_DEPTH = 64
@@ -27,6 +39,11 @@ MAX_JSON_DEPTH = 64
 MAX_NUM_MESSAGES = 2048
 #: Most stop sequences in one request (OpenAI allows 4); every one is matched at every generated token.
 MAX_NUM_STOP = 16
+#: Most entries in logit_bias and stop_token_ids.
+MAX_NUM_BIASED_TOKENS = 1024
+#: Most alternatives per token in chat's top_logprobs (OpenAI's limit) and completions' logprobs.
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"')
@@ -70,6 +87,62 @@ class StreamOptions(_Lenient):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is json_schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` extension: exactly one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    json_object: Literal[True] | None = None
+    regex: StrictStr | None = Field(None, min_length=1)
+    choice: Annotated[list[StrictStr], Field(min_length=1, max_length=1024, fail_fast=True)] | None = None
+    grammar: StrictStr | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError("set exactly one of json, json_object, regex, choice, grammar")
+        if isinstance(self.json_, str):
+            try:
+                schema = json.loads(self.json_)
+            except ValueError as exc:
+                raise ValueError(f"json is not a JSON schema: {exc}") from exc
+            if not isinstance(schema, dict):
+                raise ValueError("json must be a JSON schema object")
+        return self
+
+    def to_structured_output(self) -> StructuredOutput:
+        if self.json_ is not None:
+            schema = json.loads(self.json_) if isinstance(self.json_, str) else self.json_
+            return StructuredOutput("json_schema", schema)
+        if self.json_object:
+            return StructuredOutput("json_object", True)
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex)
+        if self.choice is not None:
+            return StructuredOutput("choice", tuple(self.choice))
+        return StructuredOutput("grammar", self.grammar)
+
+
 class _SamplingFields(_Lenient):
     """Fields shared by chat and text completions."""
 
@@ -85,14 +158,74 @@ class _SamplingFields(_Lenient):
     n: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
+    logit_bias: dict[StrictStr, StrictNumber] | None = Field(None, max_length=MAX_NUM_BIASED_TOKENS)
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions (see tandem.gateway.api.parameters).
+    min_p: StrictNumber | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: StrictNumber | None = Field(None, gt=0.0, le=2.0)
+    min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_NUM_BIASED_TOKENS, fail_fast=True)] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    structured_outputs: StructuredOutputs | None = None
     #: vLLM extension used by benchmarks (``vllm bench serve --ignore-eos``).
     ignore_eos: StrictBool = False
+
+    ENDPOINT: ClassVar[Endpoint]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not (token.isascii() and token.isdigit() and int(token) < 2**32):
+                raise ValueError(f"keys must be token ids, not {token[:40]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias of token {token} must be in [-100, 100], not {bias}")
+        return value
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def num_top_logprobs(self) -> int | None:
+        """None: no log-probabilities; n: the n most likely alternatives too."""
+        raise NotImplementedError
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.structured_outputs is not None:
+            return self.structured_outputs.to_structured_output()
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutput("json_object", True)
+        assert fmt.json_schema is not None
+        return StructuredOutput("json_schema", fmt.json_schema.schema_)
+
+    def sampling_params(self) -> SamplingParams:
+        """What both workers sample with."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop=tuple(self.stop_strings()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in (self.logit_bias or {}).items())),
+            logprobs=self.num_top_logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_output=self.structured_output(),
+            ignore_eos=self.ignore_eos,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -100,27 +233,40 @@ class _SamplingFields(_Lenient):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    ENDPOINT: ClassVar[Endpoint] = "chat"
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_NUM_MESSAGES, fail_fast=True)
     #: Newer OpenAI name for ``max_tokens``; either may be sent.
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
-    tools: list[Any] | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     #: Tandem extension: the server keeps this conversation's turns; send only the new message.
     conversation_id: StrictStr | None = Field(None, min_length=1, max_length=128)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_SamplingFields):
+    ENDPOINT: ClassVar[Endpoint] = "completions"
+
     prompt: StrictStr | StrictStrList | TokenIdList = Field(min_length=1)
-    echo: StrictBool | None = None
-    logprobs: StrictInt | None = None
-    best_of: StrictInt | None = None
-    suffix: StrictStr | None = None
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def num_top_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 RequestT = TypeVar("RequestT", bound=_SamplingFields)
@@ -142,6 +288,7 @@ def check_content_type(content_type: str | None) -> None:
 def parse_body(body: bytes, model_cls: type[RequestT]) -> RequestT:
     """Parse and validate a JSON body; every failure is an InvalidRequestError."""
     data = parse_json_object(body)
+    check_parameters(data, model_cls.ENDPOINT)
     try:
         request = model_cls.model_validate(data)
     except ValidationError as exc:
@@ -241,22 +388,15 @@ def _check_supported(request: _SamplingFields) -> None:
             param="stream_options",
             code="invalid_value",
         )
-    if isinstance(request, ChatCompletionRequest):
-        if request.logprobs:
-            raise InvalidRequestError("logprobs are not supported.", param="logprobs", code="unsupported_value")
-        if request.tools:
-            raise InvalidRequestError("tools are not supported.", param="tools", code="unsupported_value")
-    elif isinstance(request, CompletionRequest):
+    if request.response_format is not None and request.structured_outputs is not None:
+        raise InvalidRequestError(
+            "Send either response_format or structured_outputs, not both.",
+            param="structured_outputs",
+            code="invalid_value",
+        )
+    if isinstance(request, CompletionRequest):
         prompt = request.prompt
         if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str):
             raise InvalidRequestError(
                 "Only one prompt per request is supported.", param="prompt", code="unsupported_value"
             )
-        if request.echo:
-            raise InvalidRequestError("echo is not supported.", param="echo", code="unsupported_value")
-        if request.logprobs is not None:
-            raise InvalidRequestError("logprobs are not supported.", param="logprobs", code="unsupported_value")
-        if request.best_of is not None and request.best_of != 1:
-            raise InvalidRequestError("Only best_of=1 is supported.", param="best_of", code="unsupported_value")
-        if request.suffix:
-            raise InvalidRequestError("suffix is not supported.", param="suffix", code="unsupported_value")
