@@ -1,6 +1,9 @@
 """The browser playground served at ``/``: one static HTML page with its script
 inline (``static/playground.html``), read once from the package. It calls the
-gateway's own ``/v1/chat/completions`` with the key the user pastes."""
+gateway's own ``/v1/chat/completions`` with the key the user pastes, and sends
+``temperature`` and ``max_tokens`` only when their controls are filled in, so
+that an empty control means the server's default (for temperature, the model's
+``generation_config.json``, applied by the worker)."""
 
 from __future__ import annotations
 
