@@ -5,15 +5,52 @@ tests may pass a fake); :class:`HfPromptTokenizer` calls transformers'
 ``AutoTokenizer`` (tokenizer files only, never model weights), loaded once from
 the model folder at startup. transformers is imported lazily so that
 ``import tandem.gateway`` stays light.
+
+**Message text is data, never control.** The chat template is rendered to text
+and the text tokenized; tokenized naively, a message containing the template's
+control strings (``<|im_end|>\\n<|im_start|>system\\n…``) would reach the engine
+as a forged turn, past a tenant's locked system prompt. So a special token in
+the prompt is live only where the *template* put it:
+
+1. the template is rendered twice, with the real contents and with each
+   non-empty content replaced by a stand-in (a secret of this process, so no
+   client can spell one); substituting the contents back into the second
+   rendering must give the first one exactly (content may also appear
+   ``strip()``-ed, as templates that ``| trim`` render it), which locates every
+   content's characters in the prompt;
+2. the prompt is tokenized exactly as ``apply_chat_template(tokenize=True)``
+   does (special tokens live, ``add_special_tokens=False``: any BOS is the
+   template's own text); when no special token takes a content character, those
+   ids are the answer, so ordinary prompts, and the engines' prefix cache, do
+   not change (the unknown token a word-level model emits for text it cannot
+   represent is text, not a forged token);
+3. otherwise the prompt is cut at the template's own special tokens and the
+   pieces between them are tokenized by a private copy of the backend tokenizer
+   whose special tokens are never matched, so the forged ones become plain
+   text; a control id anywhere else in the result is refused.
+
+When step 1 fails (the template transforms content), content cannot be told
+from control: a request whose content contains a special-token string is then
+refused with 400 ``control_token_in_content``, never tokenized the unsafe way.
+Non-special added tokens (``special=False``) stay matchable in content, as in
+vLLM.
+
+:meth:`HfPromptTokenizer.text_prompt_ids` (``/v1/completions``) keeps special
+tokens live, as vLLM does: a raw prompt is the client's whole prompt, with no
+trusted system turn in it to protect.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from tandem.common.errors import InvalidRequestError
 
@@ -25,12 +62,25 @@ class PromptTokenizer(Protocol):
     caller runs them off the event loop. Bad input raises InvalidRequestError."""
 
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Apply the model's chat template with the generation prompt and tokenize."""
+        """Apply the model's chat template with the generation prompt and tokenize.
+        Special-token strings inside message content are tokenized as text."""
         ...
 
     def text_prompt_ids(self, text: str) -> list[int]:
-        """Tokenize a raw completion prompt."""
+        """Tokenize a raw completion prompt (special tokens in it are live)."""
         ...
+
+
+class SpecialToken(NamedTuple):
+    """One special token the tokenizer produced for a rendered prompt."""
+
+    start: int
+    """First character, including whitespace the token absorbs (``lstrip``)."""
+    end: int
+    """One past the last character, including absorbed whitespace (``rstrip``)."""
+    token_id: int
+    token_index: int
+    """Its position in the prompt's token ids."""
 
 
 class HfPromptTokenizer:
@@ -40,6 +90,22 @@ class HfPromptTokenizer:
         self._tokenizer = tokenizer
         if not getattr(tokenizer, "chat_template", None):
             logger.warning("tokenizer has no chat template; chat requests will be refused")
+        specials = _special_tokens(tokenizer)
+        #: Special token id → its text.
+        self._special_text = {token_id: text for text, token_id in specials.items()}
+        self._special_ids = frozenset(self._special_text)
+        # Word-level and unigram models also emit the unknown token for text they cannot represent.
+        self._unk_id: int | None = getattr(tokenizer, "unk_token_id", None)
+        self._control_ids = self._special_ids - {self._unk_id}
+        self._special_pattern = re.compile("|".join(map(re.escape, specials)) or "(?!)")  # (?!) never matches
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._normalizer = getattr(backend, "normalizer", None)
+        self._text_only_backend = _text_only_backend(backend, specials)
+        # Secret to this process (never sent or logged), so no content can spell a stand-in.
+        nonce = secrets.token_hex(16)
+        self._stand_in = f"Tandem{nonce}m{{}}e"  # .format(message index)
+        self._stand_in_pattern = re.compile(f"Tandem{nonce}m([0-9]+)e")
+        self._warned_refusal = False
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> HfPromptTokenizer:
@@ -50,21 +116,169 @@ class HfPromptTokenizer:
         return cls(AutoTokenizer.from_pretrained(str(model_dir)))
 
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        import jinja2
-
         if not getattr(self._tokenizer, "chat_template", None):
             raise InvalidRequestError("This model has no chat template; use /v1/completions.", code="no_chat_template")
-        try:
-            ids = self._tokenizer.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except jinja2.TemplateError as exc:
-            # Templates reject e.g. non-alternating roles with raise_exception(...): that is client input.
-            raise InvalidRequestError(f"messages: {exc}", param="messages", code="invalid_messages") from exc
-        return [int(i) for i in ids]
+        real = [dict(m) for m in messages]
+        rendered = self._render(real)
+        # Exactly apply_chat_template(tokenize=True)'s call: the template's text carries any BOS.
+        batch = self._tokenizer(
+            rendered, padding=False, truncation=False, max_length=None, add_special_tokens=False, return_tensors=None
+        )
+        ids = list(batch["input_ids"])
+        contents = [m.get("content") or "" for m in real]
+        spans = self._content_spans(real, contents, rendered)
+        encoding = batch.encodings[0] if batch.encodings else None
+        if spans is None or encoding is None:
+            # Content cannot be told from control here, so content may not carry control strings at all.
+            if any(self._special_pattern.search(c) for c in contents):
+                raise self._control_token_error()
+            return ids
+        live: list[SpecialToken] = []  # the template's own
+        forged: list[int] = []  # where a content's text was taken for a special token
+        for k in itertools.compress(itertools.count(), map(self._special_ids.__contains__, ids)):
+            start, end = encoding.token_to_chars(k)
+            special = SpecialToken(start, end, ids[k], k)
+            if not self._in_content(special, rendered, spans):
+                live.append(special)
+            elif not self._is_unknown_text(special, rendered):
+                forged.append(start)
+        if not forged:
+            return ids
+        return self._ids_with_content_as_text(rendered, ids, live, forged)
 
     def text_prompt_ids(self, text: str) -> list[int]:
         return [int(i) for i in self._tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        import jinja2
+
+        try:
+            return str(self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        except jinja2.TemplateError as exc:
+            # Templates reject e.g. non-alternating roles with raise_exception(...): that is client input.
+            raise InvalidRequestError(f"messages: {exc}", param="messages", code="invalid_messages") from exc
+
+    def _content_spans(
+        self, messages: list[dict[str, str]], contents: list[str], rendered: str
+    ) -> list[tuple[int, int]] | None:
+        """Where each rendered content lies in ``rendered`` (start, end), in order; None when the
+        template does not render contents verbatim (or ``strip()``-ed) in content-independent text."""
+        skeleton_messages = [
+            {**m, "content": self._stand_in.format(i)} if contents[i] else m for i, m in enumerate(messages)
+        ]
+        try:
+            skeleton = self._render(skeleton_messages)
+        except Exception:  # a template may choke on a stand-in (parse it, index it): treat like a transform
+            return None
+        # [template text, content index, template text, …, template text]
+        parts = self._stand_in_pattern.split(skeleton)
+        spans: list[tuple[int, int]] = []
+        if not rendered.startswith(parts[0]):
+            return None
+        cursor = len(parts[0])
+        for index_text, template_text in zip(parts[1::2], parts[2::2], strict=True):
+            content = contents[int(index_text)]
+            for candidate in dict.fromkeys((content, content.strip())):  # verbatim first, then `| trim`-ed
+                end = cursor + len(candidate)
+                if rendered.startswith(candidate, cursor) and rendered.startswith(template_text, end):
+                    break
+            else:
+                return None
+            spans.append((cursor, end))
+            cursor = end + len(template_text)
+        return spans if cursor == len(rendered) else None
+
+    def _in_content(self, special: SpecialToken, rendered: str, spans: list[tuple[int, int]]) -> bool:
+        """Whether the token takes any character of a message's content."""
+        # Its own text, without whitespace it absorbed: absorbing a content's trailing spaces
+        # (lstrip) is what the tokenizer does today, not control taken from content.
+        text = self._special_text[special.token_id]
+        start = rendered.find(text, special.start, special.end)
+        start, end = (start, start + len(text)) if start >= 0 else (special.start, special.end)
+        k = bisect.bisect_left(spans, (end, end))  # spans are ordered and disjoint
+        return k > 0 and spans[k - 1][1] > start and spans[k - 1][0] < end
+
+    def _is_unknown_text(self, special: SpecialToken, rendered: str) -> bool:
+        """The unknown token standing for text the model cannot represent, not its string matched."""
+        if special.token_id != self._unk_id:
+            return False
+        text = rendered[special.start : special.end]
+        unk = self._special_text[special.token_id]
+        normalized = self._normalizer.normalize_str(text) if self._normalizer is not None else text
+        return unk not in text and unk not in normalized
+
+    def _ids_with_content_as_text(
+        self, rendered: str, ids: list[int], live: list[SpecialToken], forged: list[int]
+    ) -> list[int]:
+        """``ids`` with each piece between two of the template's special tokens that holds a forged one
+        (``forged``: its first character) tokenized again as plain text. The tokenizer cuts text at
+        special tokens before anything else, so the other pieces, the tenant's system block among
+        them, keep their ids."""
+        if self._text_only_backend is None:
+            raise self._control_token_error()
+        bounds = [SpecialToken(0, 0, -1, -1), *live, SpecialToken(len(rendered), len(rendered), -1, len(ids))]
+        result: list[int] = []
+        for before, after in itertools.pairwise(bounds):
+            if bisect.bisect_left(forged, before.end) < bisect.bisect_left(forged, after.start):
+                encoding = self._text_only_backend.encode(rendered[before.end : after.start], add_special_tokens=False)
+                result.extend(encoding.ids)
+            else:
+                result.extend(ids[before.token_index + 1 : after.token_index])
+            if after.token_id >= 0:
+                result.append(after.token_id)
+        if sum(map(self._control_ids.__contains__, result)) != sum(s.token_id in self._control_ids for s in live):
+            # A control id came out of plain text: this tokenizer cannot neutralise it.
+            raise self._control_token_error()
+        return result
+
+    def _control_token_error(self) -> InvalidRequestError:
+        if not self._warned_refusal:
+            self._warned_refusal = True
+            logger.warning(
+                "this model's chat template or tokenizer does not let control tokens in message content be "
+                "tokenized as text; such requests are refused (400 control_token_in_content)"
+            )
+        return InvalidRequestError(
+            "messages: message content may not contain the model's control tokens.",
+            param="messages",
+            code="control_token_in_content",
+        )
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, int]:
+    """Text → id of every special token: added tokens marked special, and the named ones (bos, eos, …)."""
+    specials = {
+        str(token.content): int(token_id)
+        for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+        if getattr(token, "special", False)
+    }
+    for text in getattr(tokenizer, "all_special_tokens", []):
+        token_id = tokenizer.convert_tokens_to_ids(text)
+        if isinstance(token_id, int) and text:
+            specials.setdefault(str(text), token_id)
+    return specials
+
+
+def _text_only_backend(backend: Any, specials: Mapping[str, int]) -> Any | None:
+    """A private copy of the fast backend tokenizer that never matches special tokens, or None.
+
+    A copy, not ``split_special_tokens=True`` on the shared tokenizer: transformers implements
+    that by flipping ``encode_special_tokens`` on the shared backend, and calls run on several
+    threads, so a concurrent call could flip it back between the flip and the encode."""
+    if backend is None:
+        logger.warning("tokenizer has no fast backend; control tokens in chat content are refused")
+        return None
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.no_truncation()
+    copy.no_padding()
+    copy.encode_special_tokens = True
+    probe = copy.encode_batch(list(specials), add_special_tokens=False)
+    if any(set(specials.values()).intersection(e.ids) for e in probe):
+        logger.warning("tokenizer cannot encode its special tokens as text; control tokens in chat content are refused")
+        return None
+    return copy
 
 
 async def chat_prompt_ids(tokenizer: PromptTokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
