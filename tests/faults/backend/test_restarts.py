@@ -128,7 +128,7 @@ def refusal(result: StreamResult) -> str | None:
         assert not result.text and len(result.errors) == 1, result
         code = result.errors[0].get("code")
         assert code in ("backend_unavailable", "no_capacity"), result.errors
-        return f"waited (': queued' heartbeats), then an SSE error event {code}"
+        return f"waited (heartbeats), then an SSE error event {code}"
     return None
 
 

@@ -24,6 +24,7 @@ from tandem.gateway import playground
 from tandem.gateway.api import openapi, routes
 from tandem.gateway.api.errors import ApiError, internal_error
 from tandem.gateway.api.generation import StreamLimits
+from tandem.gateway.api.services import GatewayServices, ModelLimits
 from tandem.gateway.conversations import ConversationStore
 from tandem.gateway.drain import Drain
 from tandem.gateway.metrics import GatewayMetrics
@@ -95,8 +96,8 @@ def build_app(
         cleanup_timeout_s=settings.cleanup_timeout_s,
         router_unavailable_wait_s=settings.router_unavailable_wait_s,
     )
-    services = routes.GatewayServices(
-        limits=routes.ModelLimits(
+    services = GatewayServices(
+        limits=ModelLimits(
             served_model_name=settings.served_model_name,
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.default_max_tokens,

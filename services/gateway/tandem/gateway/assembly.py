@@ -94,15 +94,38 @@ async def assemble_chat(
                     low = middle + 1
             num_dropped = low
     ids = await ids_without(num_dropped)
-    remaining = context_tokens - len(ids)
-    if (requested_max_tokens is not None and requested_max_tokens > remaining) or remaining < 1:
-        asked = requested_max_tokens or 1
-        raise InvalidRequestError(
-            f"This model's maximum context length is {context_tokens} tokens. However, you requested "
-            f"{len(ids) + asked} tokens ({len(ids)} in the messages, {asked} in the completion) after dropping "
-            f"{num_dropped} earlier messages. Please reduce the length of the messages or completion.",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    max_tokens = requested_max_tokens if requested_max_tokens is not None else min(default_max_tokens, remaining)
+    max_tokens = fit_max_tokens(
+        len(ids),
+        requested_max_tokens,
+        default_max_tokens=default_max_tokens,
+        context_tokens=context_tokens,
+        param="messages",
+        num_dropped_messages=num_dropped,
+    )
     return AssembledPrompt(ids, max_tokens, [*head, *turns[num_dropped:]], num_dropped)
+
+
+def fit_max_tokens(
+    num_prompt_tokens: int,
+    requested_max_tokens: int | None,
+    *,
+    default_max_tokens: int,
+    context_tokens: int,
+    param: str,
+    num_dropped_messages: int = 0,
+) -> int:
+    """The completion's ``max_tokens`` once the prompt is in the context window: the client's when it fits,
+    else the default capped by what is left. 400 ``context_length_exceeded`` when it cannot fit. The one
+    context check of both endpoints (``param`` is ``messages`` for chat, ``prompt`` for completions)."""
+    remaining = context_tokens - num_prompt_tokens
+    if remaining >= 1 and (requested_max_tokens is None or requested_max_tokens <= remaining):
+        return requested_max_tokens if requested_max_tokens is not None else min(default_max_tokens, remaining)
+    asked = requested_max_tokens or 1
+    dropped = f" after dropping {num_dropped_messages} earlier messages" if param == "messages" else ""
+    raise InvalidRequestError(
+        f"This model's maximum context length is {context_tokens} tokens. However, you requested "
+        f"{num_prompt_tokens + asked} tokens ({num_prompt_tokens} in the {param}, {asked} in the completion)"
+        f"{dropped}. Please reduce the length of the {param} or completion.",
+        param=param,
+        code="context_length_exceeded",
+    )

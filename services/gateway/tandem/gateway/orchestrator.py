@@ -165,7 +165,6 @@ class Orchestrator:
             assert progress.placement is not None
             num_decoded_tokens = 0
             finish_reason = ""
-            started_s = time.monotonic()
             for attempt in range(2):
                 call = self._start_decode(job, progress.placement, prefill, deadline)
                 progress.decode_call = call
@@ -190,7 +189,6 @@ class Orchestrator:
                         await self._replace_decode_worker(job, progress)
                         continue
                     raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
-            self._metrics.observe_stage("decode", time.monotonic() - started_s)
             if not finish_reason:
                 raise WorkerUnavailableError("decode stream ended without a finish reason")
             progress.completed = True
@@ -207,12 +205,9 @@ class Orchestrator:
     ) -> worker_pb2.PrefillResponse:
         excluded: list[str] = []
         for attempt in range(2):
-            started_s = time.monotonic()
             placement = await self._place(job, excluded)
             progress.placement = placement
             job.clock.remark("scheduled")
-            self._metrics.observe_stage("schedule", time.monotonic() - started_s)
-            started_s = time.monotonic()
             request = worker_pb2.PrefillRequest(
                 request_id=job.request_id,
                 prompt_token_ids=job.prompt_token_ids,
@@ -236,7 +231,6 @@ class Orchestrator:
                     excluded.append(placement.prefill.worker_id)
                     continue
                 raise map_worker_error(exc, role="prefill", address=placement.prefill.address) from exc
-            self._metrics.observe_stage("prefill", time.monotonic() - started_s)
             job.clock.mark("prefill_done")
             job.clock.worker["prefill_engine_s"] = response.engine_seconds
             job.clock.worker["num_cached_tokens"] = response.num_cached_tokens
@@ -247,7 +241,7 @@ class Orchestrator:
     async def _place(self, job: GenerationJob, exclude_worker_ids: list[str]) -> router_pb2.Placement:
         """``Schedule`` on the router, asked again while the router is unreachable (a replica or the
         whole router restarting) for up to ``router_unavailable_wait_s``: the request waits (a stream
-        sends its ``: queued`` heartbeats) rather than failing at once, and fails with the router's
+        sends its heartbeats) rather than failing at once, and fails with the router's
         error when the wait is over. Schedule is idempotent per request id."""
         delays = backoff_delays(within_s=self._router_unavailable_wait_s)
         while True:

@@ -52,7 +52,7 @@ class StreamSettings(BaseModel):
     """SSE behaviour on real networks."""
 
     #: A streamed request still waiting for its first token after this long commits to 200 and sends an
-    #: SSE comment (``: queued``) every this many seconds, so proxies and clients keep the connection.
+    #: A heartbeat (blank lines, sse.HEARTBEAT) every this many seconds, so proxies and clients keep the connection.
     heartbeat_interval_s: float = Field(5.0, gt=0)
     #: Bytes of encoded events one stream may hold while the client is not reading.
     max_buffered_bytes: int = Field(256 * 1024, ge=1024)

@@ -1,8 +1,10 @@
-"""The HTTP response of a generation request, streamed or not.
+"""The HTTP response of a generation request: what streamed and non-streamed
+answers share. :mod:`tandem.gateway.api.streaming` writes Server-Sent Events,
+:mod:`tandem.gateway.api.complete` one JSON body; both build on
+:class:`GenerationResponse` here.
 
-Returned by the route handlers; calls :meth:`Orchestrator.generate` and writes
-its events with :mod:`tandem.gateway.sse`. It is an ASGI response of its own
-(rather than Starlette's ``StreamingResponse``) because:
+Returned by the route handlers; calls :meth:`Orchestrator.generate`. It is an
+ASGI response of its own (rather than Starlette's ``StreamingResponse``) because:
 
 * the status line waits for the first token, so that "no capacity" or a dead
   prefill worker is an HTTP 503 the client can retry, not an error event —
@@ -12,14 +14,12 @@ its events with :mod:`tandem.gateway.sse`. It is an ASGI response of its own
 * it listens for the client's ``http.disconnect`` while generating, so that a
   client that goes away cancels the gRPC calls at once (not at the next write)
   and the orchestrator's cleanup (Abort, Release) runs;
-* writes go through a bounded buffer (:class:`_StreamWriter`): a client that
-  stops reading holds at most ``max_buffered_bytes`` here, and one that stays
-  stuck for ``slow_reader_timeout_s`` is cut off and its generation cancelled;
-* on drain expiry (SIGTERM past the grace period) the stream ends with an error
-  event;
+* on drain expiry (SIGTERM past the grace period) the answer ends with an error;
 * when it ends, however it ends, the completion hook runs once with what was
   actually generated (quota reconciliation, usage, conversation), in a task of
-  its own so a cancelled request still settles.
+  its own so a cancelled request still settles, and every stage of the request's
+  :class:`~tandem.gateway.timings.StageClock` feeds ``tandem_gateway_stage_seconds``
+  (the one place stage metrics come from).
 """
 
 from __future__ import annotations
@@ -36,19 +36,19 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from tandem.common.errors import TandemError
-from tandem.gateway.api.errors import ApiError, api_error_from, internal_error
+from tandem.gateway.api.errors import ApiError
 from tandem.gateway.drain import Drain
 from tandem.gateway.errors import ShuttingDownError
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.orchestrator import Finished, GenerationEvent, GenerationJob, Orchestrator, TextDelta
-from tandem.gateway.sse import DONE_EVENT, HEARTBEAT, SSE_HEADERS, ChunkEncoder, ResponseMeta, full_response, stream_end
+from tandem.gateway.sse import ResponseMeta
 from tandem.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
 STATUS_CLIENT_GONE = 499
-
+#: Worker figures (StageClock.worker) that are stages of their own in the histogram.
+_WORKER_STAGES = (("prefill_engine_s", "prefill_engine"), ("kv_transfer_s", "kv_transfer"))
 
 @dataclass(frozen=True)
 class RequestTiming:
@@ -86,80 +86,11 @@ class ResponseOptions:
     on_finish: Callable[[Outcome], Coroutine[Any, Any, None]] | None = None
 
 
-class SlowReaderError(Exception):
-    """The client did not take our bytes for ``slow_reader_timeout_s``."""
+class ClientGoneError(Exception):
+    """The client left while its answer was being written."""
 
 
-class _ClientGoneError(Exception):
-    pass
-
-
-class _StreamWriter:
-    """A bounded buffer between the generation and the socket, drained by a task of its own.
-
-    ``write`` appends and returns at once while fewer than ``max_buffered_bytes`` wait; beyond that it waits
-    (so the gRPC stream is read no faster than the client reads). Under backpressure, events queued meanwhile
-    go out together in one write.
-    """
-
-    def __init__(self, send: Send, *, max_buffered_bytes: int, timeout_s: float) -> None:
-        self._send = send
-        self._max = max_buffered_bytes
-        self._timeout_s = timeout_s
-        self._pending = bytearray()
-        self._changed = asyncio.Condition()
-        self._closing = False
-        self.error: BaseException | None = None
-        self.num_bytes_sent = 0
-        self.max_pending_bytes = 0
-
-    async def write(self, data: bytes) -> None:
-        async with self._changed:
-            if self.error is not None:
-                raise self.error
-            self._pending += data
-            self.max_pending_bytes = max(self.max_pending_bytes, len(self._pending))
-            self._changed.notify_all()
-            await self._changed.wait_for(lambda: self.error is not None or len(self._pending) <= self._max)
-            if self.error is not None:
-                raise self.error
-
-    async def close(self) -> None:
-        """No more data: the writer sends what is left with ``more_body=False`` and stops."""
-        async with self._changed:
-            self._closing = True
-            self._changed.notify_all()
-
-    async def run(self) -> None:
-        while True:
-            async with self._changed:
-                await self._changed.wait_for(lambda: bool(self._pending) or self._closing)
-                chunk, last = bytes(self._pending), self._closing
-                self._pending.clear()
-                self._changed.notify_all()
-            try:
-                await asyncio.wait_for(
-                    self._send({"type": "http.response.body", "body": chunk, "more_body": not last}),
-                    self._timeout_s,
-                )
-                self.num_bytes_sent += len(chunk)
-            except TimeoutError as exc:
-                await self._fail(SlowReaderError(f"client took no data for {self._timeout_s} s"), exc)
-                return
-            except OSError as exc:  # uvicorn's ClientDisconnected
-                await self._fail(_ClientGoneError(), exc)
-                return
-            if last:
-                return
-
-    async def _fail(self, error: Exception, cause: BaseException) -> None:
-        error.__cause__ = cause
-        async with self._changed:
-            self.error = error
-            self._changed.notify_all()
-
-
-class _EventSource:
+class EventSource:
     """``anext`` with a timeout that does not cancel the pending step, and a stop signal (drain expiry)."""
 
     def __init__(self, events: AsyncGenerator[GenerationEvent, None], stop: asyncio.Event) -> None:
@@ -194,13 +125,17 @@ class _EventSource:
 
 
 class GenerationResponse(Response):
+    """One generation's answer; subclasses write it (:meth:`_respond`)."""
+
+    #: Whether this kind of response streams (for logs).
+    STREAM = False
+
     def __init__(
         self,
         *,
         orchestrator: Orchestrator,
         job: GenerationJob,
         meta: ResponseMeta,
-        stream: bool,
         metrics: GatewayMetrics,
         timing: RequestTiming,
         drain: Drain | None = None,
@@ -211,7 +146,6 @@ class GenerationResponse(Response):
         self._orchestrator = orchestrator
         self._job = job
         self._meta = meta
-        self._stream = stream
         self._metrics = metrics
         self._timing = timing
         self._drain = drain if drain is not None else Drain()
@@ -249,7 +183,7 @@ class GenerationResponse(Response):
                 if pump.done():
                     try:
                         status = pump.result()
-                    except (OSError, _ClientGoneError):  # the client left while we wrote
+                    except (OSError, ClientGoneError):  # the client left while we wrote
                         status = STATUS_CLIENT_GONE
                 else:
                     status = STATUS_CLIENT_GONE
@@ -271,10 +205,9 @@ class GenerationResponse(Response):
         if status == 200:
             self._metrics.e2e_request_latency_s.observe(e2e_s)
         stages = clock.stages_s()
-        for stage in ("auth", "quota", "first_byte_write"):
-            if stage in stages:
-                self._metrics.observe_stage(stage, stages[stage])
-        for name, stage in (("prefill_engine_s", "prefill_engine"), ("kv_transfer_s", "kv_transfer")):
+        for stage, seconds in stages.items():
+            self._metrics.observe_stage(stage, seconds)
+        for name, stage in _WORKER_STAGES:
             if name in clock.worker:
                 self._metrics.observe_stage(stage, clock.worker[name])
         if self._options.on_finish is not None:
@@ -287,7 +220,7 @@ class GenerationResponse(Response):
                 "tenant": self._job.tenant,
                 "endpoint": self._timing.endpoint,
                 "status": status,
-                "stream": self._stream,
+                "stream": self.STREAM,
                 "num_prompt_tokens": len(self._job.prompt_token_ids),
                 "num_completion_tokens": self._num_completion_tokens,
                 "ttft_s": None if self._ttft_s is None else round(self._ttft_s, 6),
@@ -299,180 +232,28 @@ class GenerationResponse(Response):
 
     async def _pump(self, send: Send) -> int:
         """Run the generation and write the response; returns the HTTP status (for metrics)."""
-        source = _EventSource(self._orchestrator.generate(self._job), self._drain.expired)
+        source = EventSource(self._orchestrator.generate(self._job), self._drain.expired)
         try:
-            if self._stream:
-                return await self._stream_all(send, source)
-            return await self._collect_all(send, source)
+            return await self._respond(send, source)
         finally:
             await source.aclose()
 
-    async def _first_event(self, source: _EventSource) -> TextDelta:
+    async def _respond(self, send: Send, source: EventSource) -> int:
+        """Write the answer from ``source``; returns the HTTP status."""
+        raise NotImplementedError
+
+    async def _first_event(self, source: EventSource) -> TextDelta:
         event = await source.next()
         assert isinstance(event, TextDelta)
         self._observe_first_token(event)
         return event
-
-    async def _stream_all(self, send: Send, source: _EventSource) -> int:
-        limits = self._limits
-        writer = _StreamWriter(
-            send, max_buffered_bytes=limits.max_buffered_bytes, timeout_s=limits.slow_reader_timeout_s
-        )
-        writer_task: asyncio.Task[None] | None = None
-        encoder = ChunkEncoder(self._meta)
-        headers = {**SSE_HEADERS, **self._options.headers, "X-Request-Id": self._job.request_id}
-
-        async def start_stream() -> None:
-            nonlocal writer_task
-            await send({"type": "http.response.start", "status": 200, "headers": _raw_headers(headers, sse=True)})
-            writer_task = asyncio.create_task(writer.run())
-
-        try:
-            first: GenerationEvent | None = None
-            try:
-                first = await source.next(timeout_s=limits.heartbeat_interval_s)
-                while first is None:  # still queued: commit to 200 and keep the connection warm
-                    if writer_task is None:
-                        await start_stream()
-                    await writer.write(HEARTBEAT)
-                    first = await source.next(timeout_s=limits.heartbeat_interval_s)
-            except TandemError as exc:
-                if writer_task is None:
-                    return await _send_error(send, api_error_from(exc))
-                return await self._end_with_error(writer, writer_task, api_error_from(exc), exc)
-            except (SlowReaderError, _ClientGoneError):
-                raise
-            except Exception:
-                logger.exception("generation failed", extra={"request_id": self._job.request_id})
-                if writer_task is None:
-                    return await _send_error(send, internal_error())
-                return await self._end_with_error(writer, writer_task, internal_error(), None)
-            assert isinstance(first, TextDelta)
-            self._observe_first_token(first)
-            if writer_task is None:
-                await start_stream()
-            assert writer_task is not None
-            await writer.write(encoder.start() + (self._delta(encoder, first.text) if first.text else b""))
-            self._job.clock.mark("first_byte")
-            self._metrics.generated_tokens_total.inc()
-            return await self._stream_rest(writer, writer_task, encoder, source)
-        except SlowReaderError as exc:
-            self._cut_off = True
-            self._metrics.slow_reader_disconnects_total.inc()
-            logger.warning("slow reader cut off: %s", exc, extra={"request_id": self._job.request_id})
-            return STATUS_CLIENT_GONE
-        finally:
-            if writer_task is not None and not writer_task.done():
-                writer_task.cancel()
-
-    async def _stream_rest(
-        self, writer: _StreamWriter, writer_task: asyncio.Task[None], encoder: ChunkEncoder, source: _EventSource
-    ) -> int:
-        last_token_s = time.monotonic()
-        num_unsent_tokens = 0  # tokens whose text was empty so far; they reach the client with the next text
-        try:
-            while True:
-                try:
-                    event = await source.next()
-                except StopAsyncIteration:
-                    break
-                if isinstance(event, TextDelta):
-                    self._num_completion_tokens += event.num_tokens
-                    num_unsent_tokens += event.num_tokens
-                    self._texts.append(event.text)
-                    self._logprobs.extend(event.logprobs)
-                    if not event.text:
-                        continue
-                    now_s = time.monotonic()
-                    self._metrics.observe_tokens(now_s - last_token_s, num_unsent_tokens)
-                    self._metrics.generated_tokens_total.inc(num_unsent_tokens)
-                    last_token_s, num_unsent_tokens = now_s, 0
-                    await writer.write(self._delta(encoder, event.text))
-                elif isinstance(event, Finished):
-                    self._finished = event
-                    self._metrics.generated_tokens_total.inc(num_unsent_tokens)
-                    # Tokens that added no text (a stop token) still have log-probabilities to report.
-                    unsent = self._delta(encoder, "") if self._num_logprobs_sent < len(self._logprobs) else b""
-                    await writer.write(unsent + encoder.finish(event.finish_reason) + encoder.usage(event.usage))
-        except TandemError as exc:
-            logger.warning("stream failed: %s", exc, extra={"request_id": self._job.request_id})
-            return await self._end_with_error(writer, writer_task, api_error_from(exc), exc)
-        except (SlowReaderError, _ClientGoneError):
-            raise
-        except Exception:
-            logger.exception("stream failed", extra={"request_id": self._job.request_id})
-            return await self._end_with_error(writer, writer_task, internal_error(), None)
-        self._job.clock.mark("done")
-        await writer.write(stream_end(self._job.clock.breakdown() if self._options.timings else None))
-        await writer.close()
-        await writer_task
-        if writer.error is not None:
-            raise writer.error
-        return 200
-
-    async def _end_with_error(
-        self, writer: _StreamWriter, writer_task: asyncio.Task[None], error: ApiError, exc: BaseException | None
-    ) -> int:
-        """After the stream started, an error is the stream's last event."""
-        await writer.write(ChunkEncoder.error(error.body()) + DONE_EVENT)
-        await writer.close()
-        await writer_task
-        if writer.error is not None:
-            raise writer.error
-        return error.status_code
-
-    async def _collect_all(self, send: Send, source: _EventSource) -> int:
-        try:
-            first = await self._first_event(source)
-            self._texts.append(first.text)
-            while True:
-                try:
-                    event = await source.next()
-                except StopAsyncIteration:
-                    break
-                if isinstance(event, TextDelta):
-                    self._texts.append(event.text)
-                    self._logprobs.extend(event.logprobs)
-                    self._num_completion_tokens += event.num_tokens
-                elif isinstance(event, Finished):
-                    self._finished = event
-        except TandemError as exc:
-            return await _send_error(send, api_error_from(exc))
-        except Exception:
-            logger.exception("generation failed", extra={"request_id": self._job.request_id})
-            return await _send_error(send, internal_error())
-        finished = self._finished
-        if finished is None:
-            return await _send_error(send, internal_error())
-        self._metrics.generated_tokens_total.inc(finished.usage.completion_tokens)
-        self._job.clock.mark("first_byte")
-        self._job.clock.mark("done")
-        payload = full_response(
-            self._meta, "".join(self._texts), finished.finish_reason, finished.usage, self._logprobs
-        )
-        payload.update(self._options.extra_fields)
-        if self._options.timings:
-            payload["tandem_timings"] = self._job.clock.breakdown()
-        body = json.dumps(payload, ensure_ascii=False).encode()
-        headers = {"Content-Type": "application/json", **self._options.headers, "X-Request-Id": self._job.request_id}
-        await send({"type": "http.response.start", "status": 200, "headers": _raw_headers(headers, length=len(body))})
-        await _send_body(send, body, more_body=False)
-        return 200
 
     def _observe_first_token(self, first: TextDelta) -> None:
         self._ttft_s = time.monotonic() - self._timing.received_s
         self._num_completion_tokens = 1
         self._metrics.time_to_first_token_s.observe(self._ttft_s)
         self._logprobs.extend(first.logprobs)
-        if self._stream:
-            self._texts.append(first.text)
-
-    def _delta(self, encoder: ChunkEncoder, text: str) -> bytes:
-        """A content chunk with the log-probabilities of every token not reported yet."""
-        unsent = self._logprobs[self._num_logprobs_sent :]
-        self._num_logprobs_sent = len(self._logprobs)
-        return encoder.delta(text, unsent)
-
+        self._texts.append(first.text)
 
 async def _wait_for_disconnect(receive: Receive) -> None:
     while True:
@@ -481,26 +262,26 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def _send_body(send: Send, body: bytes, *, more_body: bool = True) -> None:
+async def send_body(send: Send, body: bytes, *, more_body: bool = True) -> None:
     if body or not more_body:
         await send({"type": "http.response.body", "body": body, "more_body": more_body})
 
 
-async def _send_error(send: Send, error: ApiError) -> int:
+async def send_error(send: Send, error: ApiError) -> int:
     body = json.dumps(error.body()).encode()
     headers = {"Content-Type": "application/json", **error.headers}
     await send(
         {
             "type": "http.response.start",
             "status": error.status_code,
-            "headers": _raw_headers(headers, length=len(body)),
+            "headers": raw_headers(headers, length=len(body)),
         }
     )
-    await _send_body(send, body, more_body=False)
+    await send_body(send, body, more_body=False)
     return error.status_code
 
 
-def _raw_headers(headers: dict[str, str], *, sse: bool = False, length: int | None = None) -> list[tuple[bytes, bytes]]:
+def raw_headers(headers: dict[str, str], *, sse: bool = False, length: int | None = None) -> list[tuple[bytes, bytes]]:
     raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
     if sse:
         raw.append((b"content-type", b"text/event-stream; charset=utf-8"))

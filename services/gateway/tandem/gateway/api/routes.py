@@ -1,18 +1,20 @@
 """HTTP route handlers: OpenAI endpoints, usage, model list, health, readiness, metrics.
 
-Called by Starlette (routes are assembled in :mod:`tandem.gateway.app`); calls,
-in request order: the drain check, authentication, validation, the model and
-tenant checks, prompt assembly (conversation history, trimming), the quota,
-then the orchestrator. Every error that comes before generation leaves here as
-an OpenAI-shaped 4xx/5xx; the API key itself is never logged.
+Called by Starlette (routes are assembled in :mod:`tandem.gateway.app`). Both
+generation endpoints run one pipeline: :func:`~tandem.gateway.api.prepare.prepare`
+(drain check, authentication, validation, model and tenant checks, prompt and
+context fit) yields a frozen prepared request, the quota admits it, and a
+streamed (:mod:`~tandem.gateway.api.streaming`) or complete
+(:mod:`~tandem.gateway.api.complete`) response runs it through the orchestrator.
+Every error that comes before generation leaves here as an OpenAI-shaped
+4xx/5xx; the API key itself is never logged.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -20,74 +22,35 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, TandemError
-from tandem.common.ids import new_request_id
-from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError, api_error_from
+from tandem.gateway.api.complete import CompleteResponse
+from tandem.gateway.api.errors import api_error_from
 from tandem.gateway.api.generation import (
     STATUS_CLIENT_GONE,
     GenerationResponse,
     Outcome,
     RequestTiming,
     ResponseOptions,
-    StreamLimits,
 )
-from tandem.gateway.api.validation import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RequestT,
-    check_content_type,
-    parse_body,
-)
-from tandem.gateway.assembly import PromptRules, assemble_chat
-from tandem.gateway.conversations import ConversationStore, check_conversation_id
-from tandem.gateway.drain import Drain
+from tandem.gateway.api.prepare import Endpoint, PreparedRequest, check_model, prepare
+from tandem.gateway.api.services import GatewayServices
+from tandem.gateway.api.streaming import StreamedResponse
 from tandem.gateway.errors import (
     AuthenticationError,
     PermissionDeniedError,
     RateLimitedError,
     ShuttingDownError,
 )
-from tandem.gateway.metrics import GatewayMetrics
-from tandem.gateway.orchestrator import GenerationJob, Orchestrator
-from tandem.gateway.prompt import PromptTokenizer, text_prompt_ids
-from tandem.gateway.quota.base import Admission, Quota
-from tandem.gateway.readiness import ReadinessCheck
+from tandem.gateway.orchestrator import GenerationJob
+from tandem.gateway.quota.base import Admission
 from tandem.gateway.sse import ResponseMeta
-from tandem.gateway.tenancy.auth import Authenticator, Principal, check_admin
-from tandem.gateway.tenancy.models import Tenant
-from tandem.gateway.timings import TIMINGS_HEADER, StageClock, wants_timings
-from tandem.gateway.usage import UsageRecord, UsageStore
+from tandem.gateway.tenancy.auth import check_admin
+from tandem.gateway.timings import TIMINGS_HEADER, wants_timings
+from tandem.gateway.usage import UsageRecord
 
 logger = logging.getLogger(__name__)
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    served_model_name: str
-    max_model_len: int
-    default_max_tokens: int
-    max_body_bytes: int
-
-
-@dataclass(frozen=True)
-class GatewayServices:
-    """What the handlers use; built once by :func:`tandem.gateway.app.build_app`."""
-
-    limits: ModelLimits
-    tokenizer: PromptTokenizer
-    orchestrator: Orchestrator
-    readiness: ReadinessCheck
-    metrics: GatewayMetrics
-    started_unix_s: int
-    authenticator: Authenticator
-    quota: Quota
-    usage: UsageStore
-    conversations: ConversationStore
-    drain: Drain
-    stream_limits: StreamLimits
-    admin_key: str | None = None
 
 
 def _services(request: Request) -> GatewayServices:
@@ -137,130 +100,36 @@ def _openai_errors(endpoint: str, handler: Handler) -> Handler:
     return wrapped
 
 
-async def _read_request(request: Request, limits: ModelLimits, model_cls: type[RequestT]) -> RequestT:
-    check_content_type(request.headers.get("content-type"))
-    return parse_body(await _read_body(request, limits.max_body_bytes), model_cls)
+def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
+    """The one pipeline of both generation endpoints: prepare, admit, generate."""
 
-
-async def _read_body(request: Request, max_body_bytes: int) -> bytes:
-    too_large = RequestTooLargeError(f"Request body is larger than {max_body_bytes} bytes.")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-        raise too_large
-    chunks: list[bytes] = []
-    num_bytes = 0
-    async for chunk in request.stream():
-        num_bytes += len(chunk)
-        if num_bytes > max_body_bytes:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _check_model(model: str, limits: ModelLimits, tenant: Tenant | None = None) -> None:
-    if model != limits.served_model_name:
-        raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model", code="model_not_found")
-    if tenant is not None and not tenant.may_use(model):
-        raise PermissionDeniedError(
-            f"This API key may not use the model `{model}`.", code="model_not_allowed", param="model"
+    async def handle(request: Request) -> Response:
+        services = _services(request)
+        prepared = await prepare(request, services, endpoint)
+        tenant = prepared.tenant
+        admission = await services.quota.admit(
+            tenant.id, tenant, prepared.request_id, len(prepared.prompt_token_ids), prepared.max_tokens
         )
+        prepared.clock.mark("admitted")
+        if prepared.num_dropped_messages:
+            logger.info(
+                "context trimmed",
+                extra={"request_id": prepared.request_id, "num_dropped_messages": prepared.num_dropped_messages},
+            )
 
+        async def on_finish(outcome: Outcome) -> None:
+            await _settle(services, admission, prepared.body.model, outcome)
+            conversation = prepared.conversation
+            if conversation is not None and outcome.finished is not None:
+                answer = {"role": "assistant", "content": outcome.text}
+                try:
+                    await services.conversations.append(tenant.id, conversation.id, [*conversation.new_turns, answer])
+                except BackendUnavailableError as exc:
+                    logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})
 
-def _context_tokens(limits: ModelLimits, tenant: Tenant) -> int:
-    if tenant.max_context_tokens is None:
-        return limits.max_model_len
-    return min(limits.max_model_len, tenant.max_context_tokens)
+        return _generation_response(services, request, prepared, path, admission, on_finish)
 
-
-def _resolve_max_tokens(requested: int | None, num_prompt_tokens: int, context_tokens: int, default: int) -> int:
-    remaining = context_tokens - num_prompt_tokens
-    if num_prompt_tokens == 0:
-        raise InvalidRequestError("The prompt is empty.", param="prompt", code="invalid_value")
-    if remaining < 1 or (requested is not None and requested > remaining):
-        asked = (
-            f"{num_prompt_tokens + (requested or 1)} tokens ({num_prompt_tokens} in the prompt, "
-            f"{requested or 1} in the completion)"
-        )
-        raise InvalidRequestError(
-            f"This model's maximum context length is {context_tokens} tokens. However, you requested "
-            f"{asked}. Please reduce the length of the prompt or completion.",
-            param="prompt",
-            code="context_length_exceeded",
-        )
-    return requested if requested is not None else min(default, remaining)
-
-
-async def _authenticate(request: Request, services: GatewayServices, clock: StageClock) -> Principal:
-    if services.drain.draining:
-        raise ShuttingDownError("This gateway replica is shutting down; retry.")
-    principal = await services.authenticator.authenticate(request.headers.get("authorization"))
-    clock.mark("authenticated")
-    return principal
-
-
-async def _chat_completions(request: Request) -> Response:
-    clock = StageClock()
-    services = _services(request)
-    principal = await _authenticate(request, services, clock)
-    tenant = principal.tenant
-    limits = services.limits
-    body = await _read_request(request, limits, ChatCompletionRequest)
-    _check_model(body.model, limits, tenant)
-    conversation_id = body.conversation_id
-    history: list[dict[str, str]] = []
-    if conversation_id is not None:
-        check_conversation_id(conversation_id)
-        history = await services.conversations.history(tenant.id, conversation_id)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-    assembled = await assemble_chat(
-        services.tokenizer,
-        rules=PromptRules(tenant.system_prompt, tenant.allow_client_system_prompt),
-        history=history,
-        client_messages=messages,
-        requested_max_tokens=body.requested_max_tokens(),
-        default_max_tokens=limits.default_max_tokens,
-        context_tokens=_context_tokens(limits, tenant),
-    )
-    clock.mark("prompt_built")
-    services.metrics.observe_stage("tokenize", clock.marks["prompt_built"] - clock.marks["received"])
-    request_id = f"chatcmpl-{new_request_id()}"
-    admission = await services.quota.admit(
-        tenant.id, tenant, request_id, len(assembled.prompt_ids), assembled.max_tokens
-    )
-    clock.mark("admitted")
-    new_turns = [m for m in messages if m["role"] != "system"]
-
-    async def on_finish(outcome: Outcome) -> None:
-        await _settle(services, admission, body.model, outcome)
-        if conversation_id is not None and outcome.finished is not None:
-            answer = {"role": "assistant", "content": outcome.text}
-            try:
-                await services.conversations.append(tenant.id, conversation_id, [*new_turns, answer])
-            except BackendUnavailableError as exc:
-                logger.warning("conversation not saved: %s", exc, extra={"request_id": request_id})
-
-    extra = {"conversation_id": conversation_id} if conversation_id is not None else {}
-    if assembled.num_dropped_messages:
-        logger.info(
-            "context trimmed",
-            extra={"request_id": request_id, "num_dropped_messages": assembled.num_dropped_messages},
-        )
-    return _generation_response(
-        services,
-        request,
-        body,
-        principal,
-        request_id,
-        assembled.prompt_ids,
-        assembled.max_tokens,
-        "chat",
-        CHAT_ENDPOINT,
-        clock,
-        admission,
-        on_finish,
-        extra,
-    )
-
+    return _openai_errors(path, handle)
 
 async def _settle(services: GatewayServices, admission: Admission, model: str, outcome: Outcome) -> None:
     """Reconcile the quota with what was generated and record usage — also for aborted requests."""
@@ -281,115 +150,65 @@ async def _settle(services: GatewayServices, admission: Admission, model: str, o
     )
 
 
-async def _completions(request: Request) -> Response:
-    clock = StageClock()
-    services = _services(request)
-    principal = await _authenticate(request, services, clock)
-    tenant = principal.tenant
-    limits = services.limits
-    body = await _read_request(request, limits, CompletionRequest)
-    _check_model(body.model, limits, tenant)
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        prompt_ids = await text_prompt_ids(services.tokenizer, prompt)
-    elif prompt and isinstance(prompt[0], str):
-        prompt_ids = await text_prompt_ids(services.tokenizer, str(prompt[0]))
-    else:
-        prompt_ids = [int(i) for i in prompt]
-    clock.mark("prompt_built")
-    services.metrics.observe_stage("tokenize", clock.marks["prompt_built"] - clock.marks["received"])
-    max_tokens = _resolve_max_tokens(
-        body.requested_max_tokens(), len(prompt_ids), _context_tokens(limits, tenant), limits.default_max_tokens
-    )
-    request_id = f"cmpl-{new_request_id()}"
-    admission = await services.quota.admit(tenant.id, tenant, request_id, len(prompt_ids), max_tokens)
-    clock.mark("admitted")
-
-    async def on_finish(outcome: Outcome) -> None:
-        await _settle(services, admission, body.model, outcome)
-
-    return _generation_response(
-        services,
-        request,
-        body,
-        principal,
-        request_id,
-        prompt_ids,
-        max_tokens,
-        "text",
-        COMPLETIONS_ENDPOINT,
-        clock,
-        admission,
-        on_finish,
-        {},
-    )
-
-
 def _generation_response(
     services: GatewayServices,
     request: Request,
-    body: ChatCompletionRequest | CompletionRequest,
-    principal: Principal,
-    request_id: str,
-    prompt_ids: list[int],
-    max_tokens: int,
-    kind: str,
-    endpoint: str,
-    clock: StageClock,
+    prepared: PreparedRequest,
+    path: str,
     admission: Admission,
     on_finish: Callable[[Outcome], Coroutine[Any, Any, None]],
-    extra_fields: Mapping[str, object],
 ) -> GenerationResponse:
-    tenant = principal.tenant
+    tenant = prepared.tenant
+    body = prepared.body
     job = GenerationJob(
-        request_id=request_id,
+        request_id=prepared.request_id,
         model=services.limits.served_model_name,
-        prompt_token_ids=prompt_ids,
-        max_tokens=max_tokens,
-        sampling=body.sampling_params(),
+        prompt_token_ids=prepared.prompt_token_ids,
+        max_tokens=prepared.max_tokens,
+        sampling=prepared.sampling,
         tenant=tenant.id,
         cache_salt=tenant.cache_salt,
         priority=tenant.priority_class,
-        clock=clock,
+        clock=prepared.clock,
     )
     meta = ResponseMeta(
-        id=request_id,
+        id=prepared.request_id,
         created=int(time.time()),
         model=body.model,
-        kind="chat" if kind == "chat" else "text",
+        kind="chat" if prepared.endpoint == "chat" else "text",
         include_usage=body.include_usage,
-        logprobs=job.sampling.logprobs is not None,
+        logprobs=prepared.sampling.logprobs is not None,
     )
     logger.info(
         "request admitted",
         extra={
-            "request_id": request_id,
+            "request_id": prepared.request_id,
             "tenant": tenant.id,
-            "key_id": principal.key_id,
-            "num_prompt_tokens": len(prompt_ids),
-            "max_tokens": max_tokens,
+            "key_id": prepared.principal.key_id,
+            "num_prompt_tokens": len(prepared.prompt_token_ids),
+            "max_tokens": prepared.max_tokens,
         },
     )
-    return GenerationResponse(
+    conversation = prepared.conversation
+    response_cls = StreamedResponse if body.stream else CompleteResponse
+    return response_cls(
         orchestrator=services.orchestrator,
         job=job,
         meta=meta,
-        stream=body.stream,
         metrics=services.metrics,
-        timing=RequestTiming(endpoint=endpoint, received_s=clock.marks["received"]),
+        timing=RequestTiming(endpoint=path, received_s=prepared.clock.marks["received"]),
         drain=services.drain,
         limits=services.stream_limits,
         options=ResponseOptions(
             headers=admission.headers,
             timings=wants_timings(request.headers.get(TIMINGS_HEADER)),
-            extra_fields=dict(extra_fields),
+            extra_fields={"conversation_id": conversation.id} if conversation is not None else {},
             on_finish=on_finish,
         ),
     )
 
-
-chat_completions = _openai_errors(CHAT_ENDPOINT, _chat_completions)
-completions = _openai_errors(COMPLETIONS_ENDPOINT, _completions)
+chat_completions = _generation_handler("chat", CHAT_ENDPOINT)
+completions = _generation_handler("completions", COMPLETIONS_ENDPOINT)
 
 
 async def _usage(request: Request) -> Response:
@@ -442,7 +261,7 @@ async def _list_models(request: Request) -> Response:
 async def _get_model(request: Request) -> Response:
     services = _services(request)
     principal = await services.authenticator.authenticate(request.headers.get("authorization"))
-    _check_model(request.path_params["model"], services.limits, principal.tenant)
+    check_model(request.path_params["model"], services.limits, principal.tenant)
     return JSONResponse(_model_card(services))
 
 

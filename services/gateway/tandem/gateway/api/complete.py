@@ -1,0 +1,61 @@
+"""A non-streamed answer: one JSON body once generation has finished.
+
+Returned by the route handlers for ``stream: false`` (see
+:mod:`tandem.gateway.api.generation` for what all answers share). An error at
+any point is an OpenAI error body with its HTTP status: nothing was sent yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.types import Send
+
+from tandem.common.errors import TandemError
+from tandem.gateway.api.errors import api_error_from, internal_error
+from tandem.gateway.api.generation import EventSource, GenerationResponse, raw_headers, send_body, send_error
+from tandem.gateway.orchestrator import Finished, TextDelta
+from tandem.gateway.sse import full_response
+
+logger = logging.getLogger(__name__)
+
+
+class CompleteResponse(GenerationResponse):
+    async def _respond(self, send: Send, source: EventSource) -> int:
+        try:
+            await self._first_event(source)
+            while True:
+                try:
+                    event = await source.next()
+                except StopAsyncIteration:
+                    break
+                if isinstance(event, TextDelta):
+                    self._texts.append(event.text)
+                    self._logprobs.extend(event.logprobs)
+                    self._num_completion_tokens += event.num_tokens
+                elif isinstance(event, Finished):
+                    self._finished = event
+        except TandemError as exc:
+            return await send_error(send, api_error_from(exc))
+        except Exception:
+            logger.exception("generation failed", extra={"request_id": self._job.request_id})
+            return await send_error(send, internal_error())
+        finished = self._finished
+        if finished is None:
+            return await send_error(send, internal_error())
+        self._metrics.generated_tokens_total.inc(finished.usage.completion_tokens)
+        self._job.clock.mark("first_byte")
+        self._job.clock.mark("done")
+        payload = full_response(
+            self._meta, "".join(self._texts), finished.finish_reason, finished.usage, self._logprobs
+        )
+        payload.update(self._options.extra_fields)
+        if self._options.timings:
+            payload["tandem_timings"] = self._job.clock.breakdown()
+        body = json.dumps(payload, ensure_ascii=False).encode()
+        headers = {"Content-Type": "application/json", **self._options.headers, "X-Request-Id": self._job.request_id}
+        await send({"type": "http.response.start", "status": 200, "headers": raw_headers(headers, length=len(body))})
+        await send_body(send, body, more_body=False)
+        return 200
+

@@ -1,0 +1,168 @@
+"""From an HTTP request to a :class:`PreparedRequest`: everything a generation
+needs, checked, tokenized and fitted into the context window, before any quota
+is charged or any worker is asked.
+
+Called by the generation handler of :mod:`tandem.gateway.api.routes` for both
+endpoints; calls, in order: the drain check, authentication, the body reader
+and validation (:mod:`validation`), the model and tenant checks, then the
+prompt: for chat, the conversation's history and :func:`assemble_chat`
+(tenant system prompt, trimming to the context); for completions, the
+tokenizer. The context is fitted in one place (:func:`fit_max_tokens`). Every
+failure is a TandemError that the handler turns into an OpenAI error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from starlette.requests import Request
+
+from tandem.common.errors import InvalidRequestError
+from tandem.common.ids import new_request_id
+from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError
+from tandem.gateway.api.services import GatewayServices, ModelLimits
+from tandem.gateway.api.validation import ChatCompletionRequest, CompletionRequest, check_content_type, parse_body
+from tandem.gateway.assembly import Message, PromptRules, assemble_chat, fit_max_tokens
+from tandem.gateway.conversations import check_conversation_id
+from tandem.gateway.errors import PermissionDeniedError, ShuttingDownError
+from tandem.gateway.prompt import text_prompt_ids
+from tandem.gateway.sampling import SamplingParams
+from tandem.gateway.tenancy.auth import Principal
+from tandem.gateway.tenancy.models import Tenant
+from tandem.gateway.timings import StageClock
+
+Endpoint = Literal["chat", "completions"]
+_ID_PREFIX = {"chat": "chatcmpl", "completions": "cmpl"}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A chat request's server-kept conversation: the turns to append once the answer is complete."""
+
+    id: str
+    new_turns: tuple[Message, ...]
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request ready for admission and generation; nothing in it changes afterwards (the stage clock is
+    the request's own and goes on marking)."""
+
+    endpoint: Endpoint
+    request_id: str
+    body: ChatCompletionRequest | CompletionRequest
+    principal: Principal
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    clock: StageClock
+    conversation: Conversation | None = None
+    num_dropped_messages: int = 0
+
+    @property
+    def tenant(self) -> Tenant:
+        return self.principal.tenant
+
+
+async def prepare(request: Request, services: GatewayServices, endpoint: Endpoint) -> PreparedRequest:
+    clock = StageClock()
+    if services.drain.draining:
+        raise ShuttingDownError("This gateway replica is shutting down; retry.")
+    principal = await services.authenticator.authenticate(request.headers.get("authorization"))
+    clock.mark("authenticated")
+    tenant = principal.tenant
+    limits = services.limits
+    check_content_type(request.headers.get("content-type"))
+    raw = await _read_body(request, limits.max_body_bytes)
+    body: ChatCompletionRequest | CompletionRequest = (
+        parse_body(raw, ChatCompletionRequest) if endpoint == "chat" else parse_body(raw, CompletionRequest)
+    )
+    check_model(body.model, limits, tenant)
+    context_tokens = _context_tokens(limits, tenant)
+    conversation = None
+    num_dropped = 0
+    if isinstance(body, ChatCompletionRequest):
+        history: list[Message] = []
+        if body.conversation_id is not None:
+            check_conversation_id(body.conversation_id)
+            history = await services.conversations.history(tenant.id, body.conversation_id)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        assembled = await assemble_chat(
+            services.tokenizer,
+            rules=PromptRules(tenant.system_prompt, tenant.allow_client_system_prompt),
+            history=history,
+            client_messages=messages,
+            requested_max_tokens=body.requested_max_tokens(),
+            default_max_tokens=limits.default_max_tokens,
+            context_tokens=context_tokens,
+        )
+        prompt_ids, max_tokens, num_dropped = assembled.prompt_ids, assembled.max_tokens, assembled.num_dropped_messages
+        if body.conversation_id is not None:
+            new_turns = tuple(m for m in messages if m["role"] != "system")
+            conversation = Conversation(body.conversation_id, new_turns)
+    else:
+        prompt_ids = await _completion_prompt_ids(services, body)
+        max_tokens = fit_max_tokens(
+            len(prompt_ids),
+            body.requested_max_tokens(),
+            default_max_tokens=limits.default_max_tokens,
+            context_tokens=context_tokens,
+            param="prompt",
+        )
+    clock.mark("prompt_built")
+    return PreparedRequest(
+        endpoint=endpoint,
+        request_id=f"{_ID_PREFIX[endpoint]}-{new_request_id()}",
+        body=body,
+        principal=principal,
+        prompt_token_ids=tuple(prompt_ids),
+        max_tokens=max_tokens,
+        sampling=body.sampling_params(),
+        clock=clock,
+        conversation=conversation,
+        num_dropped_messages=num_dropped,
+    )
+
+
+async def _completion_prompt_ids(services: GatewayServices, body: CompletionRequest) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        ids = await text_prompt_ids(services.tokenizer, prompt)
+    elif prompt and isinstance(prompt[0], str):
+        ids = await text_prompt_ids(services.tokenizer, str(prompt[0]))
+    else:
+        ids = [int(i) for i in prompt]
+    if not ids:
+        raise InvalidRequestError("The prompt is empty.", param="prompt", code="invalid_value")
+    return ids
+
+
+async def _read_body(request: Request, max_body_bytes: int) -> bytes:
+    too_large = RequestTooLargeError(f"Request body is larger than {max_body_bytes} bytes.")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise too_large
+    chunks: list[bytes] = []
+    num_bytes = 0
+    async for chunk in request.stream():
+        num_bytes += len(chunk)
+        if num_bytes > max_body_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_model(model: str, limits: ModelLimits, tenant: Tenant | None = None) -> None:
+    if model != limits.served_model_name:
+        raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    if tenant is not None and not tenant.may_use(model):
+        raise PermissionDeniedError(
+            f"This API key may not use the model `{model}`.", code="model_not_allowed", param="model"
+        )
+
+
+def _context_tokens(limits: ModelLimits, tenant: Tenant) -> int:
+    if tenant.max_context_tokens is None:
+        return limits.max_model_len
+    return min(limits.max_model_len, tenant.max_context_tokens)

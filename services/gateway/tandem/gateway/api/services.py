@@ -1,0 +1,44 @@
+"""What the route handlers use, built once by :func:`tandem.gateway.app.build_app` and
+kept in ``app.state.services``; holds no logic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.gateway.api.generation import StreamLimits
+from tandem.gateway.conversations import ConversationStore
+from tandem.gateway.drain import Drain
+from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.orchestrator import Orchestrator
+from tandem.gateway.prompt import PromptTokenizer
+from tandem.gateway.quota.base import Quota
+from tandem.gateway.readiness import ReadinessCheck
+from tandem.gateway.tenancy.auth import Authenticator
+from tandem.gateway.usage import UsageStore
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    served_model_name: str
+    max_model_len: int
+    default_max_tokens: int
+    max_body_bytes: int
+
+
+@dataclass(frozen=True)
+class GatewayServices:
+    """What the handlers use; built once by :func:`tandem.gateway.app.build_app`."""
+
+    limits: ModelLimits
+    tokenizer: PromptTokenizer
+    orchestrator: Orchestrator
+    readiness: ReadinessCheck
+    metrics: GatewayMetrics
+    started_unix_s: int
+    authenticator: Authenticator
+    quota: Quota
+    usage: UsageStore
+    conversations: ConversationStore
+    drain: Drain
+    stream_limits: StreamLimits
+    admin_key: str | None = None
