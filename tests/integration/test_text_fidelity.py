@@ -122,6 +122,25 @@ CHAT_CASES = [
         chat("What is the capital of France?", temperature=0, max_tokens=8, logit_bias={"30": 8.0}), id="logit-bias"
     ),
     pytest.param(chat("Hi", temperature=0, max_tokens=6, logit_bias={"2": -100}, ignore_eos=True), id="ignore-eos"),
+    pytest.param(
+        chat("Say hi.", temperature=0, max_tokens=12, ignore_eos=True, skip_special_tokens=False),
+        id="special-tokens-kept",
+    ),
+    pytest.param(
+        chat(
+            "Say hi.",
+            temperature=0,
+            max_tokens=12,
+            ignore_eos=True,
+            skip_special_tokens=False,
+            spaces_between_special_tokens=False,
+        ),
+        id="special-tokens-no-spaces",
+    ),
+    pytest.param(
+        {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 5, "temperature": 0, "n": 1},
+        id="max-completion-tokens",
+    ),
 ]
 
 
@@ -185,8 +204,10 @@ def test_json_schema_output_parses_validates_and_equals_colocated(stack: LocalSt
         {"response_format": {"type": "json_object"}},
         {"structured_outputs": {"choice": ["Paris", "London", "Berlin"]}},
         {"structured_outputs": {"regex": "[A-Z][a-z]+ is [a-z ]+\\."}},
+        {"structured_outputs": {"grammar": 'root ::= "The answer is " ("Paris" | "London") "."'}},
+        {"structured_outputs": {"json": {"type": "object", "properties": {"ok": {"type": "boolean"}}}}},
     ],
-    ids=["json-object", "choice", "regex"],
+    ids=["json-object", "choice", "regex", "grammar", "structured-json"],
 )
 def test_other_structured_outputs_equal_colocated(stack: LocalStack, plain_vllm: str, fields: dict[str, Any]) -> None:
     request = {
