@@ -24,23 +24,12 @@ from typing import Any
 import pytest
 
 from tandem.local.stack import LocalStack
+from tests.browser import CHROMIUM, CHROMIUM_ARGS
 
 # The stack fixture may start here (real vLLM engines on a busy 2-core box).
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 QUESTION = "What is the capital of France?"
-# The launch of tests/unit/gateway/test_playground.py.
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 @pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="needs chromium (make browser)")

@@ -13,21 +13,12 @@ from typing import Any
 
 import pytest
 
+from tests.browser import CHROMIUM, CHROMIUM_ARGS
+
 from .conftest import DecodeStep
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 #: What the page's "Max tokens" control holds when it loads.
 PAGE_MAX_TOKENS = 256
 needs_chromium = pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="needs chromium (make browser)")

@@ -25,15 +25,9 @@ class CompleteResponse(GenerationResponse):
     async def _respond(self, send: Send, source: EventSource) -> int:
         try:
             await self._first_event(source)
-            while True:
-                try:
-                    event = await source.next()
-                except StopAsyncIteration:
-                    break
+            async for event in source.remaining():
                 if isinstance(event, TextDelta):
-                    self._texts.append(event.text)
-                    self._logprobs.extend(event.logprobs)
-                    self._num_completion_tokens += event.num_tokens
+                    self._record(event)
                 elif isinstance(event, Finished):
                     self._finished = event
         except TandemError as exc:

@@ -116,6 +116,16 @@ class EventSource:
             raise ShuttingDownError("The server is shutting down; retry on another replica.")
         return None
 
+    async def remaining(self) -> AsyncGenerator[GenerationEvent, None]:
+        """The events left, until the generation ends (errors as :meth:`next`)."""
+        while True:
+            try:
+                event = await self.next()
+            except StopAsyncIteration:
+                return
+            assert event is not None  # no timeout given
+            yield event
+
     async def aclose(self) -> None:
         if self._step is not None:
             self._step.cancel()
@@ -247,6 +257,12 @@ class GenerationResponse(Response):
         assert isinstance(event, TextDelta)
         self._observe_first_token(event)
         return event
+
+    def _record(self, delta: TextDelta) -> None:
+        """Keep what a delta after the first one generated (for the answer, usage and the completion hook)."""
+        self._num_completion_tokens += delta.num_tokens
+        self._texts.append(delta.text)
+        self._logprobs.extend(delta.logprobs)
 
     def _observe_first_token(self, first: TextDelta) -> None:
         self._ttft_s = time.monotonic() - self._timing.received_s

@@ -170,16 +170,10 @@ class StreamedResponse(GenerationResponse):
         last_token_s = time.monotonic()
         num_unsent_tokens = 0  # tokens whose text was empty so far; they reach the client with the next text
         try:
-            while True:
-                try:
-                    event = await source.next()
-                except StopAsyncIteration:
-                    break
+            async for event in source.remaining():
                 if isinstance(event, TextDelta):
-                    self._num_completion_tokens += event.num_tokens
+                    self._record(event)
                     num_unsent_tokens += event.num_tokens
-                    self._texts.append(event.text)
-                    self._logprobs.extend(event.logprobs)
                     if not event.text:
                         continue
                     now_s = time.monotonic()
