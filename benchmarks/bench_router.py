@@ -202,7 +202,8 @@ async def run_policy(
                 request_id=request_id,
                 prompt_token_ids=prompt,
                 first_token_id=prefill.first_token_id,
-                sampling=common_pb2.SamplingOptions(max_tokens=max_tokens - 1, temperature=0.0, ignore_eos=True),
+                # max_tokens counts the first token, which the decode engine replays.
+                sampling=common_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
                 cache_salt=salt,
                 kv_handle=prefill.kv_handle,
             )
@@ -235,13 +236,14 @@ async def measure_decode(view: CachedWorkerView, max_tokens: int, num_requests: 
             rid = f"bench-decode-{i}-{uuid.uuid4().hex[:6]}"
             first = await worker_pb2_grpc.WorkerStub(pch).Prefill(
                 worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, keep_kv=True,
-                                          sampling=common_pb2.SamplingOptions(max_tokens=32, ignore_eos=True)),
+                                          sampling=common_pb2.SamplingOptions(max_tokens=32, temperature=0.0,
+                                                                              ignore_eos=True)),
                 timeout=300,
             )
             times = []
             request = worker_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=prompt, first_token_id=first.first_token_id,
-                sampling=common_pb2.SamplingOptions(max_tokens=31, temperature=0.0, ignore_eos=True),
+                sampling=common_pb2.SamplingOptions(max_tokens=32, temperature=0.0, ignore_eos=True),
                 kv_handle=first.kv_handle,
             )
             async for _chunk in worker_pb2_grpc.WorkerStub(dch).Decode(request, timeout=300):
