@@ -62,7 +62,8 @@ def test_streamed_answer_is_paris_and_kv_came_over_grpc(stack: LocalStack) -> No
     # The decode engine computed less than one KV block of the prompt itself ...
     assert 0 < computed < block_size, (computed, block_size)
     # ... and received the rest over gRPC from the prefill engine.
-    assert loaded + computed == num_prompt + 1  # the prompt plus prefill's first token
+    # The decode engine's prompt is the prompt alone: it replays prefill's first token as its first output.
+    assert loaded + computed == num_prompt
     assert received > 0 and received == sent
     # Nothing stays held once the decode side released the blocks.
     assert kv_stats(stack, "prefill").num_held_blocks == 0
