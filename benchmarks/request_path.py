@@ -111,7 +111,7 @@ def main() -> None:
         after = kv.GetStats(kv_transfer_pb2.KVStatsRequest())
         kv_bytes = after.bytes_received_total - before.bytes_received_total
         kv_s = after.transfer_seconds_total - before.transfer_seconds_total
-        kv_tokens = after.tokens_loaded_total - before.tokens_loaded_total
+        kv_tokens = after.kv_tokens_loaded_total - before.kv_tokens_loaded_total
 
         print(
             "\nrequest path, measured side by side in one run "

@@ -126,7 +126,7 @@ def router_expected(reply: dict[str, Any]) -> int:
 
 def kv_received(reply: dict[str, Any]) -> int:
     """Prompt tokens the decode worker pulled from the prefill worker (the rest it had cached itself)."""
-    return int(reply["tandem_timings"]["worker"].get("num_kv_tokens_received", 0))
+    return int(reply["tandem_timings"]["worker"].get("num_kv_tokens_loaded", 0))
 
 
 def usage_of(stack: LocalStack, key: str, **params: str) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def test_streamed_answer_is_paris_and_kv_came_over_grpc(stack: LocalStack) -> No
     assert num_prompt > 10 and usage["completion_tokens"] >= 2
 
     prefill_after, decode_after = load(stack, "prefill"), load(stack, "decode")
-    loaded = decode_after.external_tokens_loaded_total - decode_before.external_tokens_loaded_total
+    loaded = decode_after.kv_tokens_loaded_total - decode_before.kv_tokens_loaded_total
     computed = decode_after.prompt_tokens_computed_total - decode_before.prompt_tokens_computed_total
     received = decode_after.kv_bytes_received_total - decode_before.kv_bytes_received_total
     sent = prefill_after.kv_bytes_sent_total - prefill_before.kv_bytes_sent_total

@@ -75,17 +75,16 @@ async def _one(client: httpx.AsyncClient, stack: LocalStack, rng: random.Random,
             if resp.status_code != 200:
                 await resp.aread()
                 return _refused(kind, resp)
-            tokens, done, error = 0, False, False
+            tokens, done, error = 0, False, ""
             async for line in resp.aiter_lines():
                 if line == "data: [DONE]":
                     done = True
-                elif '"error"' in line:
-                    error = True
-                elif '"usage"' in line and '"completion_tokens"' in line:
-                    usage = json.loads(line[5:]).get("usage")
-                    if usage:
-                        tokens = usage["completion_tokens"]
-            assert done and not error, "a complete stream must end with its usage and [DONE]"
+                elif line.startswith("data: {") and "error" in (event := json.loads(line[6:])):
+                    error = json.dumps(event["error"])
+                elif line.startswith("data: {") and event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+            if error or not done:
+                return Outcome(kind, f"BROKEN: stream ended {'with ' + error if error else 'without [DONE]'}")
             return Outcome(kind, "200", tokens)
     if kind == "disconnect mid-stream":
         async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers, timeout=300) as resp:
@@ -169,6 +168,8 @@ def test_churn_leaves_nothing_behind(backend: BackendStack, ledger: FaultLedger)
         assert len(outcomes) == NUM_REQUESTS
         for (kind, what), num in sorted(Counter((o.kind, o.what) for o in outcomes).items()):
             f.saw(f"{kind}: {what}", num)
+        broken = [f"{o.kind}: {o.what}" for o in outcomes if o.what.startswith("BROKEN")]
+        assert not broken, f"{len(broken)} complete stream(s) did not end with usage and [DONE]: {broken[:5]}"
         print(f"churn: {NUM_REQUESTS} requests in {elapsed_s:.0f} s")
 
         left = quiesce(stack, timeout_s=KV_LEASE_S + 15)

@@ -22,8 +22,7 @@ from tandem.worker.kv_connector.params import (
 )
 from tandem.worker.kv_connector.scheduler_side import SchedulerSide
 from tandem.worker.kv_connector.worker_side import WorkerSide
-
-from ..common_ports import free_port
+from tests.kit.net import free_port
 
 BLOCK = 4
 NUM_BLOCKS = 16
@@ -183,7 +182,7 @@ def test_blocks_move_between_engines_and_are_released() -> None:
         _, recving, failed = decode.get_transfer_results(set())
         assert recving == {"req-1-abcdefgh"} and failed == set()
         record = decode.stats("req-1").request
-        assert record.num_tokens_loaded == 7 and record.num_bytes == 2 * LAYERS * 2 * BLOCK * 8 * 4
+        assert record.num_kv_tokens_loaded == 7 and record.num_bytes == 2 * LAYERS * 2 * BLOCK * 8 * 4
         # The decode side released the blocks; vLLM hears of it once the request is finished.
         wait_until(lambda: prefill.stats("").num_held_requests == 0)
         assert prefill.get_transfer_results(set())[0] == set()

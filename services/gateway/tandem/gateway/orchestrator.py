@@ -1,7 +1,7 @@
 """One request's path through the disaggregated back end.
 
 Called by the route handlers (through :meth:`Orchestrator.generate`); calls the
-router through a :class:`~tandem.gateway.scheduler.Scheduler` and the workers
+router through a :class:`~tandem.gateway.router.Router` and the workers
 through :class:`~tandem.gateway.workers.WorkerChannels`:
 
 1. ``Schedule`` → a (prefill, decode) placement;
@@ -33,8 +33,8 @@ import grpc
 from tandem.common.backoff import backoff_delays
 from tandem.common.errors import BackendUnavailableError, PermanentError, TandemError, WorkerUnavailableError
 from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.router import Router
 from tandem.gateway.sampling import SamplingParams
-from tandem.gateway.scheduler import Scheduler
 from tandem.gateway.timings import StageClock
 from tandem.gateway.workers import WorkerChannels, map_worker_error
 from tandem.v1 import common_pb2, router_pb2, worker_pb2
@@ -115,8 +115,8 @@ def _record_decode_stats(clock: StageClock, stats: worker_pb2.DecodeStats) -> No
         clock.worker["kv_transfer_bytes"] = stats.kv_transfer_bytes
     if stats.first_token_seconds:
         clock.worker["decode_first_token_s"] = stats.first_token_seconds
-    if stats.num_external_tokens:
-        clock.worker["num_kv_tokens_received"] = stats.num_external_tokens
+    if stats.num_kv_tokens_loaded:
+        clock.worker["num_kv_tokens_loaded"] = stats.num_kv_tokens_loaded
 
 
 class Orchestrator:
@@ -124,7 +124,7 @@ class Orchestrator:
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        router: Router,
         workers: WorkerChannels,
         *,
         metrics: GatewayMetrics,
@@ -133,7 +133,7 @@ class Orchestrator:
         cleanup_timeout_s: float,
         router_unavailable_wait_s: float = 0.0,
     ) -> None:
-        self._scheduler = scheduler
+        self._router = router
         self._workers = workers
         self._metrics = metrics
         self._prefill_timeout_s = prefill_timeout_s
@@ -259,7 +259,7 @@ class Orchestrator:
         is not cancelled with it: the router may already have reserved a pair, so the call runs to its
         end in the background and what it reserved is released, rather than held until its lease ends."""
         schedule = asyncio.ensure_future(
-            self._scheduler.schedule(
+            self._router.schedule(
                 request_id=job.request_id,
                 model=job.model,
                 prompt_token_ids=job.prompt_token_ids,
@@ -346,7 +346,7 @@ class Orchestrator:
         delays = backoff_delays(within_s=retry_for_s)
         while True:
             try:
-                await asyncio.wait_for(self._scheduler.release(request_id), self._cleanup_timeout_s)
+                await asyncio.wait_for(self._router.release(request_id), self._cleanup_timeout_s)
                 return
             except (TandemError, TimeoutError) as exc:
                 delay_s = next(delays, None)

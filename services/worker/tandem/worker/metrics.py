@@ -19,6 +19,22 @@ if TYPE_CHECKING:
     from tandem.worker.service import WorkerService
 
 
+class ServiceCollector(Collector):
+    """The request-handling side's own counters, read at scrape time."""
+
+    def __init__(self, service: WorkerService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[Metric]:
+        c = CounterMetricFamily(
+            "tandem_worker_decode_stats_unavailable",
+            "Finished decodes reported without their KV load figures (the KV server did not answer in time)",
+            labels=["role"],
+        )
+        c.add_metric([self._service.role], float(self._service.num_decode_stats_unavailable))
+        yield c
+
+
 class KVCollector(Collector):
     """Reads the KV server's counters at scrape time (no state of its own)."""
 
@@ -35,7 +51,7 @@ class KVCollector(Collector):
         for name, doc, value in (
             ("tandem_kv_transfer_bytes_sent", "KV bytes served to decode engines", s.bytes_sent_total),
             ("tandem_kv_transfer_bytes_received", "KV bytes pulled from prefill engines", s.bytes_received_total),
-            ("tandem_kv_transfer_tokens_loaded", "Prompt tokens whose KV was loaded over gRPC", s.tokens_loaded_total),
+            ("tandem_kv_tokens_loaded", "Prompt tokens whose KV was loaded over gRPC", s.kv_tokens_loaded_total),
             ("tandem_kv_transfer_seconds", "Time spent pulling KV", s.transfer_seconds_total),
             ("tandem_kv_transfer_failures", "KV loads that failed", s.loads_failed_total),
             ("tandem_kv_leases_expired", "Held KV freed by lease expiry", s.leases_expired_total),
@@ -51,4 +67,5 @@ class KVCollector(Collector):
 def start_metrics_server(host: str, port: int, service: WorkerService, tls: TLSSettings) -> None:
     """Serve /metrics on its own thread."""
     REGISTRY.register(KVCollector(service.kv_address, service.role, tls))
+    REGISTRY.register(ServiceCollector(service))
     start_http_server(port, addr=host)

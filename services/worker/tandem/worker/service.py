@@ -1,7 +1,9 @@
 """The gRPC ``tandem.v1.Worker`` service around one ``AsyncLLM``.
 
-Called by the gateway (Prefill, Decode, Abort) and by the router or the
-operator (GetLoad, Health). Calls the engine, and this engine's own KV server
+Called by the gateway (Prefill, Decode, Abort). GetLoad and Health answer
+people and tools (``grpcurl``); no Tandem component calls them: the router
+reads load from the registry heartbeat, Kubernetes probes the gRPC port.
+Calls the engine, and this engine's own KV server
 (``tandem.v1.KVTransfer`` in the model-runner process) for layout, counters
 and releasing held blocks."""
 
@@ -27,6 +29,9 @@ from tandem.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
+#: How long a finished decode waits for its KV load figures before it reports without them.
+_STATS_TIMEOUT_S = 2.0
+
 _Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -43,7 +48,8 @@ class _Counters:
     num_prompt_tokens_in_flight: int = 0
     num_kv_tokens_in_flight: int = 0
     prompt_tokens_computed: int = 0
-    external_tokens_loaded: int = 0
+    #: Decodes whose KV load figures could not be read from the KV server in time.
+    decode_stats_unavailable: int = 0
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -89,9 +95,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Prompt plus max_tokens of the decodes running now."""
         return self._counters.num_kv_tokens_in_flight
 
-    async def kv_stats(self, request_id: str = "") -> kv_transfer_pb2.KVStats:
+    @property
+    def num_decode_stats_unavailable(self) -> int:
+        """Finished decodes reported without their KV load figures (the KV server did not answer in time)."""
+        return self._counters.decode_stats_unavailable
+
+    async def kv_stats(self, request_id: str = "", *, timeout_s: float = 5.0) -> kv_transfer_pb2.KVStats:
         stats: kv_transfer_pb2.KVStats = await self._kv.GetStats(
-            kv_transfer_pb2.KVStatsRequest(request_id=request_id), timeout=5
+            kv_transfer_pb2.KVStatsRequest(request_id=request_id), timeout=timeout_s
         )
         return stats
 
@@ -288,20 +299,30 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def _decode_stats(
         self, request: worker_pb2.DecodeRequest, out: Any, num_prompt: int, num_output: int
     ) -> worker_pb2.DecodeStats:
-        num_external, kv_seconds, kv_bytes = 0, 0.0, 0
+        num_kv_loaded, kv_seconds, kv_bytes = 0, 0.0, 0
         if request.HasField("kv_handle"):
-            stats = await self.kv_stats(request.request_id)
+            try:
+                stats = await self.kv_stats(request.request_id, timeout_s=_STATS_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                # The figures are for timings and counters only: a starved KV server (its
+                # thread waits on the engine's process) must not fail an answer that is complete.
+                self._counters.decode_stats_unavailable += 1
+                logger.warning(
+                    "decode %s: KV load figures unavailable (%s); reported without them",
+                    request.request_id,
+                    exc.code().name,
+                )
+                stats = kv_transfer_pb2.KVStats()
             if stats.request_found:
                 kv_seconds, kv_bytes = stats.request.seconds, stats.request.num_bytes
                 if not stats.request.failed:
-                    num_external = stats.request.num_tokens_loaded
+                    num_kv_loaded = stats.request.num_kv_tokens_loaded
         num_cached_total = int(out.num_cached_tokens or 0)
-        num_local_cached = max(0, num_cached_total - num_external)
-        num_computed = num_prompt - num_local_cached - num_external
+        num_local_cached = max(0, num_cached_total - num_kv_loaded)
+        num_computed = num_prompt - num_local_cached - num_kv_loaded
         self._counters.prompt_tokens_computed += num_computed
-        self._counters.external_tokens_loaded += num_external
         return worker_pb2.DecodeStats(
-            num_external_tokens=num_external,
+            num_kv_tokens_loaded=num_kv_loaded,
             num_computed_prompt_tokens=num_computed,
             num_local_cached_tokens=num_local_cached,
             num_output_tokens=num_output,
@@ -328,7 +349,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_held_kv_requests=stats.num_held_requests,
             kv_bytes_sent_total=stats.bytes_sent_total,
             kv_bytes_received_total=stats.bytes_received_total,
-            external_tokens_loaded_total=stats.tokens_loaded_total,
+            kv_tokens_loaded_total=stats.kv_tokens_loaded_total,
             prompt_tokens_computed_total=self._counters.prompt_tokens_computed,
         )
 

@@ -62,7 +62,7 @@ class _Counters:
     bytes_received: int = 0
     blocks_sent: int = 0
     blocks_received: int = 0
-    tokens_loaded: int = 0
+    kv_tokens_loaded: int = 0
     transfer_seconds: float = 0.0
     loads_failed: int = 0
     leases_expired: int = 0
@@ -254,7 +254,7 @@ class WorkerSide:
                 bytes_received_total=c.bytes_received,
                 blocks_sent_total=c.blocks_sent,
                 blocks_received_total=c.blocks_received,
-                tokens_loaded_total=c.tokens_loaded,
+                kv_tokens_loaded_total=c.kv_tokens_loaded,
                 transfer_seconds_total=c.transfer_seconds,
                 loads_failed_total=c.loads_failed,
                 leases_expired_total=c.leases_expired,
@@ -284,7 +284,7 @@ class WorkerSide:
         assert self.layout is not None
         started = time.perf_counter()
         num_bytes = 0
-        record = kv_transfer_pb2.KVRequestStats(num_tokens_loaded=spec.num_tokens)
+        record = kv_transfer_pb2.KVRequestStats(num_kv_tokens_loaded=spec.num_tokens)
         try:
             stub = self._stub(spec.handle)
             expected = len(spec.remote_block_ids) * self.layout.num_layers
@@ -329,7 +329,7 @@ class WorkerSide:
                 c.transfer_seconds += seconds
                 if not record.failed:
                     c.blocks_received += len(spec.local_block_ids)
-                    c.tokens_loaded += spec.num_tokens
+                    c.kv_tokens_loaded += spec.num_tokens
                 c.requests[external_request_id(spec.request_id)] = record
                 while len(c.requests) > _MAX_REQUEST_RECORDS:
                     c.requests.popitem(last=False)
