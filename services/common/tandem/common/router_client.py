@@ -29,8 +29,6 @@ from tandem.common.router_wire import (
 )
 from tandem.v1 import router_pb2, router_pb2_grpc
 
-Placement = router_pb2.Placement
-
 
 class RouterClient:
     """One channel to the router's gRPC address (host:port), shared by all requests."""

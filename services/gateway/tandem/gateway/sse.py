@@ -2,9 +2,13 @@
 ``stream: true`` and whole objects otherwise. Every byte of an event stream
 comes from here.
 
-Called by :mod:`tandem.gateway.api.routes` and :mod:`tandem.gateway.api.generation`;
-calls nothing. The chunk shapes follow OpenAI exactly (field order included) so
-that SDKs and UIs written against OpenAI parse them unchanged.
+Used by the response writers (:mod:`tandem.gateway.api.streaming`,
+:mod:`tandem.gateway.api.complete`, their base :mod:`tandem.gateway.api.generation`),
+the error responses (:mod:`tandem.gateway.api.errors`, :mod:`tandem.gateway.api.routes`)
+and :mod:`tandem.gateway.logprobs`. Pure: no I/O; what it imports of the
+gateway is what it encodes (usage, log-probabilities, the timings event). The chunk
+shapes follow OpenAI exactly (field order included) so that SDKs and UIs
+written against OpenAI parse them unchanged.
 
 The framing is chosen for the parsers clients run, not only for the WHATWG rules:
 

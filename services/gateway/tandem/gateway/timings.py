@@ -1,7 +1,9 @@
-"""Per-request stage timings: one clock per request, marked by the route handler
-(received, authenticated, prompt built, admitted), the orchestrator (scheduled, prefill done)
-and the response writer (first byte, done), plus what the workers report
-(prefill engine time, KV transfer time and bytes).
+"""Per-request stage timings: one clock per request, marked where each stage ends:
+received (the clock's creation), authenticated and prompt built
+(:func:`tandem.gateway.api.prepare.prepare`), admitted (the route, once the quota
+let the request in), scheduled and prefill done (the orchestrator), first byte and
+done (the response writers in :mod:`tandem.gateway.api`), plus what the workers
+report (prefill engine time, KV transfer time and bytes).
 
 Every mark also feeds ``tandem_gateway_stage_seconds{stage=…}`` when the request
 ends; a client that sends ``X-Tandem-Timings: 1`` gets :meth:`StageClock.breakdown`
@@ -48,10 +50,6 @@ class StageClock:
 
     def remark(self, name: str) -> None:
         self.marks[name] = self.clock()
-
-    def since_received_s(self, name: str) -> float | None:
-        at = self.marks.get(name)
-        return None if at is None else at - self.marks["received"]
 
     def stages_s(self) -> dict[str, float]:
         """Duration of each stage that completed."""

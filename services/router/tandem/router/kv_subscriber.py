@@ -89,10 +89,6 @@ class KVEventSubscriber:
         """Workers whose publisher this subscriber follows."""
         return len(self._tasks)
 
-    def last_seq(self, worker_id: str) -> int:
-        """Sequence number of the last batch applied from ``worker_id`` (-1: none)."""
-        return self._last_seq.get(worker_id, -1)
-
     async def aclose(self) -> None:
         for _, task in self._tasks.values():
             task.cancel()

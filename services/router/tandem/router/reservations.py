@@ -81,11 +81,6 @@ class ReservationTable:
         """Budget tokens held on ``worker_id`` by live reservations."""
         return self._num_tokens.get(worker_id, 0)
 
-    def num_young_tokens_in_flight(self, worker_id: str) -> int:
-        """The part of :meth:`num_tokens_in_flight` reserved less than ``young_s`` ago."""
-        self._age()
-        return self._num_young_tokens.get(worker_id, 0)
-
     def token_snapshot(self) -> tuple[Mapping[str, int], Mapping[str, int]]:
         """(tokens, young tokens) per worker, read-only views valid until the next change
         (one decision reads them many times)."""
@@ -108,9 +103,6 @@ class ReservationTable:
 
     def num_in_flight_for_tenant(self, tenant: str) -> int:
         return self._num_by_tenant.get(tenant, 0)
-
-    def get(self, request_id: str) -> Reservation | None:
-        return self._by_request_id.get(request_id)
 
     def _age(self) -> None:
         horizon_s = self._clock() - self._young_s

@@ -20,11 +20,3 @@ def hash_key(key: str) -> str:
     # A fast hash is right for 256-bit random secrets (no dictionary to guard against), and the lookup by
     # hash compares no secret bytes, so it leaks nothing through timing.
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-def key_id_of(key: str) -> str | None:
-    """The key id inside a well-formed key (for logs), else None."""
-    if not key.startswith(KEY_PREFIX):
-        return None
-    parts = key[len(KEY_PREFIX) :].split("_", 1)
-    return parts[0] if len(parts) == 2 and parts[0] else None
