@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import redis
 from tandem.common.errors import InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord, WorkerRegistry
 from tandem.common.router_client import RouterClient
+from tests.kit.net import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 STARTUP_TIMEOUT_S = 180.0
@@ -42,13 +42,6 @@ WORKER_TTL_S = 2.0
 HEARTBEAT_INTERVAL_S = 0.4
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(300)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def redis_is_up() -> bool:

@@ -1,5 +1,5 @@
-"""Small factories for the router's unit tests: worker records, a fake clock,
-a fake registry and a load view."""
+"""Worker records and what the router reads them through: a fake registry and
+fixed views (router unit tests)."""
 
 from __future__ import annotations
 
@@ -32,17 +32,6 @@ def make_pool(num_prefill: int, num_decode: int, *, model: str = "m") -> list[Wo
     ]
 
 
-class FakeClock:
-    def __init__(self, now_s: float = 1000.0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: float) -> None:
-        self.now_s += seconds
-
-
 class FakeRegistry:
     """Stands in for WorkerRegistry.list_workers; counts calls, can be made to fail."""
 
@@ -66,3 +55,20 @@ class StaticLoad:
 
     def num_in_flight(self, worker_id: str) -> int:
         return self.counts.get(worker_id, 0)
+
+
+#: One small prefill and one large decode worker (block size 16).
+TWO_WORKERS = [
+    WorkerRecord("p0", "prefill", "m", "p0:1", block_size_tokens=16, num_kv_blocks=100),
+    WorkerRecord("d0", "decode", "m", "d0:1", block_size_tokens=16, num_kv_blocks=10_000),
+]
+
+
+class StaticView:
+    """A WorkerView over a fixed list (``TWO_WORKERS`` unless given)."""
+
+    def __init__(self, workers: list[WorkerRecord] | None = None) -> None:
+        self.list = TWO_WORKERS if workers is None else workers
+
+    async def workers(self) -> list[WorkerRecord]:
+        return self.list

@@ -3,14 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.common.backoff import backoff_delays
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 100.0
-
-    def __call__(self) -> float:
-        return self.now_s
+from tests.kit.clock import FakeClock
 
 
 def test_delays_double_up_to_the_cap_and_fit_the_budget() -> None:

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from tandem.common.errors import BackendUnavailableError, RetryableError
 from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerLoad, WorkerRecord, WorkerRegistry
-from tests.unit.common_ports import free_port
+from tests.kit.net import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 SHORT_TTL_S = 0.3

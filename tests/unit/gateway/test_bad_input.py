@@ -148,7 +148,7 @@ async def test_chat_bad_input(stack: Any, body: Any, status: int, param: str | N
     assert error["param"] == param
     assert error["code"] == code
     assert error["message"]
-    assert stack.scheduler.schedule_calls == []
+    assert stack.router.schedule_calls == []
     sample = stack.metrics.registry.get_sample_value(
         "tandem_gateway_requests_total", {"endpoint": "/v1/chat/completions", "status": str(status)}
     )
@@ -180,7 +180,7 @@ async def test_completions_bad_input(stack: Any, body: Any, param: str, code: st
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
-    assert stack.scheduler.schedule_calls == []
+    assert stack.router.schedule_calls == []
 
 
 async def test_wrong_method_is_405(stack: Any) -> None:

@@ -20,8 +20,10 @@ import pytest
 from tandem.gateway.app import build_app
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.sse import HEARTBEAT as HEARTBEAT_BYTES
+from tests.kit.gateway import DecodeStep, FakeReadiness, placement
+from tests.kit.redis import start_redis
 
-from .conftest import DecodeStep, FakeReadiness, gateway_settings, placement, start_redis
+from .conftest import gateway_settings
 from .test_quota import start_gateway_process
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -38,7 +40,7 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-class SlowScheduler:
+class SlowRouter:
     """Wraps a scheduler and delays Schedule, like a router admission queue under load."""
 
     def __init__(self, inner: Any, delay_s: float) -> None:
@@ -54,7 +56,7 @@ class SlowScheduler:
 
 async def test_heartbeats_while_queued_and_timings_only_when_asked(edge: Any) -> None:
     key = await edge.tenant("acme")
-    edge.app.state.services.orchestrator._scheduler = SlowScheduler(edge.scheduler, 1.0)
+    edge.app.state.services.orchestrator._router = SlowRouter(edge.router, 1.0)
     response = await edge.client.post(
         "/v1/chat/completions", json=chat(stream=True), headers={**bearer(key), "X-Tandem-Timings": "1"}
     )
@@ -78,7 +80,7 @@ async def test_heartbeats_while_queued_and_timings_only_when_asked(edge: Any) ->
         "/v1/chat/completions", json=chat(), headers={**bearer(key), "X-Tandem-Timings": "1"}
     )
     assert "prefill" in unary.json()["tandem_timings"]["stages_ms"]
-    edge.app.state.services.orchestrator._scheduler = edge.scheduler
+    edge.app.state.services.orchestrator._router = edge.router
     assert (
         "tandem_timings"
         not in (await edge.client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).json()
@@ -126,7 +128,7 @@ def _start_redis(port: int, data_dir: Path) -> subprocess.Popen[bytes]:
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 async def test_redis_down_is_503_and_the_gateway_recovers_by_itself(
-    start_worker: Any, fake_scheduler: Any, prompt_tokenizer: Any, tmp_path: Path
+    start_worker: Any, fake_router: Any, prompt_tokenizer: Any, tmp_path: Path
 ) -> None:
     from tandem.gateway.redis_client import connect
     from tandem.gateway.tenancy.models import Tenant
@@ -138,13 +140,13 @@ async def test_redis_down_is_503_and_the_gateway_recovers_by_itself(
     redis_proc = _start_redis(port, tmp_path)
     url = f"redis://127.0.0.1:{port}/0"
     prefill, decode = await start_worker("prefill-0"), await start_worker("decode-0")
-    fake_scheduler.placements.append(placement(prefill, decode))
+    fake_router.placements.append(placement(prefill, decode))
     settings = gateway_settings(
         redis={"url": url}, auth={"mode": "api_key", "cache_s": 0}, tenancy={"redis_timeout_s": 0.3}
     )
     app = build_app(
         settings,
-        scheduler=fake_scheduler,
+        router=fake_router,
         tokenizer=prompt_tokenizer,
         readiness=FakeReadiness(),
         metrics=GatewayMetrics(),
@@ -164,7 +166,7 @@ async def test_redis_down_is_503_and_the_gateway_recovers_by_itself(
             assert down.status_code == 503
             assert down.json()["error"]["code"] == "backend_unavailable"
             assert int(down.headers["retry-after"]) >= 1
-            assert len(fake_scheduler.schedule_calls) == 1  # fail closed: nothing ran
+            assert len(fake_router.schedule_calls) == 1  # fail closed: nothing ran
             redis_proc = _start_redis(port, tmp_path)
             deadline = time.monotonic() + 10
             status = 0
@@ -235,7 +237,7 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(
     finally:
         if proc.poll() is None:
             proc.kill()
-        from .conftest import delete_prefix
+        from tests.kit.redis import delete_prefix
 
         await delete_prefix(registry._redis, prefix) if hasattr(registry, "_redis") else None
         await registry.aclose()

@@ -22,8 +22,7 @@ from pydantic import ValidationError
 from tandem.gateway.api.validation import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
 from tandem.gateway.http_server import guarded_protocol
 from tandem.gateway.settings import HttpSettings
-
-from .conftest import serving
+from tests.kit.net import serving
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -93,7 +92,7 @@ async def test_hostile_body_is_a_400(stack: Any, body: Any, code: str, param: st
     else:
         response = await stack.client.post(CHAT, json=body)
     assert_openai_error(response, 400, code, param)
-    assert stack.scheduler.schedule_calls == []
+    assert stack.router.schedule_calls == []
 
 
 async def test_nesting_up_to_the_limit_and_unknown_fields_are_accepted(stack: Any) -> None:
@@ -130,7 +129,7 @@ async def test_content_type(stack: Any, content_type: str | None, status: int) -
         assert response.status_code == 200, response.text
         return
     assert_openai_error(response, 400, "unsupported_content_type")
-    assert stack.scheduler.schedule_calls == []
+    assert stack.router.schedule_calls == []
 
 
 def test_a_long_bad_list_stops_at_its_first_bad_item() -> None:
@@ -190,7 +189,7 @@ async def test_rejected_requests_charge_no_quota(edge: Any) -> None:
     assert ok.status_code == 200
     # The first admitted request sees full buckets: nothing was reserved for the refused ones.
     assert int(ok.headers["x-ratelimit-remaining-output-tokens"]) == 1000 - 4
-    assert edge.scheduler.schedule_calls and len(edge.scheduler.schedule_calls) == 1
+    assert edge.router.schedule_calls and len(edge.router.schedule_calls) == 1
 
 
 # --- connections (a real uvicorn with the gateway's protocol) -----------------------------------
@@ -313,7 +312,7 @@ async def test_slow_body_gets_408_and_the_handler_sees_a_disconnect(
                 await asyncio.sleep(0.01)
         assert sample == 1.0
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
-        assert stack.scheduler.schedule_calls == []
+        assert stack.router.schedule_calls == []
         writer.close()
         # A body sent at once is served as usual.
         async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=5) as client:
@@ -384,21 +383,22 @@ async def test_connections_beyond_the_cap_get_503(stack: Any) -> None:
 
 
 async def test_a_capped_send_buffer_lets_the_stream_notice_a_client_that_never_reads(
-    start_worker: Any, fake_scheduler: Any, prompt_tokenizer: Any, wait: Any
+    start_worker: Any, fake_router: Any, prompt_tokenizer: Any, wait: Any
 ) -> None:
     from tandem.gateway.app import build_app
     from tandem.gateway.metrics import GatewayMetrics
+    from tests.kit.gateway import DecodeStep, FakeReadiness, placement
 
-    from .conftest import DecodeStep, FakeReadiness, gateway_settings, placement
+    from .conftest import gateway_settings
 
     prefill = await start_worker("prefill-0")
     # ~1.3 MB of events in all: what a loopback connection's self-tuned kernel buffers would swallow whole.
     decode = await start_worker("decode-0", decode_steps=[DecodeStep("x" * 2048, [5]) for _ in range(600)])
-    fake_scheduler.placements.append(placement(prefill, decode))
+    fake_router.placements.append(placement(prefill, decode))
     metrics = GatewayMetrics()
     settings = gateway_settings(stream={"max_buffered_bytes": 4096, "slow_reader_timeout_s": 0.5})
     app = build_app(
-        settings, scheduler=fake_scheduler, tokenizer=prompt_tokenizer, readiness=FakeReadiness(), metrics=metrics
+        settings, router=fake_router, tokenizer=prompt_tokenizer, readiness=FakeReadiness(), metrics=metrics
     )
     body = json.dumps(chat(stream=True, max_tokens=40)).encode()
     async with app.router.lifespan_context(app), guarded_server(app, send_buffer_bytes=4096) as (host, port):

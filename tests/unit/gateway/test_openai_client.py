@@ -59,7 +59,7 @@ async def test_openai_errors_map_to_sdk_exceptions(stack: Any, live_url: str) ->
         with pytest.raises(openai.BadRequestError) as bad:
             await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10_000)
         assert bad.value.code == "context_length_exceeded"
-        stack.scheduler.error = NoCapacityError("busy")
+        stack.router.error = NoCapacityError("busy")
         with pytest.raises(openai.InternalServerError) as unavailable:
             await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
         assert unavailable.value.status_code == 503

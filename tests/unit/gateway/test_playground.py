@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from tests.browser import CHROMIUM, CHROMIUM_ARGS
-
-from .conftest import DecodeStep
+from tests.kit.gateway import DecodeStep
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -95,7 +94,7 @@ async def test_playground_streams_and_stop_aborts_the_generation(edge: Any, edge
     # Untouched controls: the page's max tokens, and no temperature, so the model's default applies.
     [body] = sent_bodies
     assert body["stream"] is True and body["max_tokens"] == PAGE_MAX_TOKENS and "temperature" not in body
-    assert edge.scheduler.schedule_calls[-1]["max_tokens"] == PAGE_MAX_TOKENS
+    assert edge.router.schedule_calls[-1]["max_tokens"] == PAGE_MAX_TOKENS
     assert not edge.prefill.prefill_requests[-1].sampling.HasField("temperature")
 
 
@@ -114,14 +113,14 @@ async def test_sampling_controls_reach_the_request_and_empty_ones_are_left_out(e
         assert sent_bodies[-1]["temperature"] == 0.7 and sent_bodies[-1]["max_tokens"] == 32
         assert edge.prefill.prefill_requests[-1].sampling.temperature == pytest.approx(0.7)
         assert edge.decode.decode_requests[-1].sampling.temperature == pytest.approx(0.7)
-        assert edge.scheduler.schedule_calls[-1]["max_tokens"] == 32
+        assert edge.router.schedule_calls[-1]["max_tokens"] == 32
 
         await temperature.fill("")
         await max_tokens.fill("")
         await ask(page, "how are you")
         assert "temperature" not in sent_bodies[-1] and "max_tokens" not in sent_bodies[-1]
         assert not edge.prefill.prefill_requests[-1].sampling.HasField("temperature")
-        assert edge.scheduler.schedule_calls[-1]["max_tokens"] == 16  # the gateway's default_max_tokens
+        assert edge.router.schedule_calls[-1]["max_tokens"] == 16  # the gateway's default_max_tokens
 
         await temperature.fill("2.5")  # out of range: the page says so and sends nothing
         await page.get_by_label("Message").fill("one two")

@@ -16,7 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import DecodeStep, dead_address, delete_prefix, placement
+from tests.kit.gateway import DecodeStep, placement
+from tests.kit.net import free_port
+from tests.kit.redis import delete_prefix
 
 pytestmark = [pytest.mark.timeout(90)]
 
@@ -47,7 +49,7 @@ async def test_over_quota_stream_gets_429_with_headers_before_any_sse_byte(edge:
     assert error["code"] == "rate_limit_exceeded" and error["type"] == "tokens"
     too_big = await edge.client.post("/v1/chat/completions", json=chat(max_tokens=7), headers=bearer(key))
     assert too_big.status_code == 429 and "Request too large" in too_big.json()["error"]["message"]
-    assert len(edge.scheduler.schedule_calls) == 1
+    assert len(edge.router.schedule_calls) == 1
 
 
 async def test_concurrency_cap(edge: Any, edge_url: str) -> None:
@@ -90,18 +92,10 @@ async def test_disconnect_reconciles_quota_and_records_usage(edge: Any, edge_url
 # --- two gateway processes, one Redis -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def start_gateway_process(
     tokenizer_dir: Path, router_address: str, key_prefix: str, log_path: Path, **env: str
 ) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     child_env.update(
         {
@@ -204,4 +198,3 @@ async def test_two_gateway_processes_never_overspend(
     finally:
         await delete_prefix(redis_client, prefix)
         await redis_client.aclose()
-    _ = dead_address

@@ -11,8 +11,7 @@ import pytest_asyncio
 from tandem.gateway.quota.redis_quota import RedisQuota
 from tandem.gateway.redis_client import connect
 from tandem.gateway.tenancy.models import TenantPolicy
-
-from .conftest import delete_prefix
+from tests.kit.redis import delete_prefix
 
 POLICY = TenantPolicy(input_tokens_per_minute=1000, output_tokens_per_minute=500, max_concurrent_streams=4)
 

@@ -12,6 +12,7 @@ import pytest_asyncio
 
 from tandem.common.registry import WorkerRecord, WorkerRegistry
 from tandem.gateway.readiness import GrpcConnectProbe, RouterAndWorkersReadiness
+from tests.kit.clock import FakeClock
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -24,14 +25,6 @@ class FlagProbe:
     async def reachable(self) -> bool:
         self.num_calls += 1
         return self.up
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 100.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 @pytest_asyncio.fixture

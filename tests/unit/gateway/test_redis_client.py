@@ -12,8 +12,7 @@ import pytest
 
 from tandem.common.errors import BackendUnavailableError
 from tandem.gateway.redis_client import connect, redis_errors
-
-from .conftest import start_redis
+from tests.kit.redis import start_redis
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
@@ -61,6 +60,6 @@ async def test_a_redis_that_is_down_is_a_quick_backend_unavailable(unused_tcp_po
 
 @pytest.fixture
 def unused_tcp_port() -> int:
-    from tests.unit.common_ports import free_port
+    from tests.kit.net import free_port
 
     return free_port()

@@ -47,11 +47,11 @@ async def test_client_disconnect_cancels_decode_and_cleans_up(stack: Any, live_u
     assert time.monotonic() - closed_at_s < 1.5
     await wait(stack.decode.aborted_event)
     await wait(stack.prefill.aborted_event)
-    await wait(stack.scheduler.released_event)
+    await wait(stack.router.released_event)
     request_id = stack.decode.decode_requests[0].request_id
     assert stack.decode.aborted == [request_id]
     assert stack.prefill.aborted == [request_id]
-    assert stack.scheduler.released == [request_id]
+    assert stack.router.released == [request_id]
     for _ in range(100):
         if stack.metrics.registry.get_sample_value("tandem_gateway_in_flight_requests") == 0:
             break
@@ -79,31 +79,31 @@ async def test_client_disconnect_during_non_stream_request_cleans_up(stack: Any,
             await task
     await wait(stack.decode.decode_cancelled, 2.0)
     await wait(stack.prefill.aborted_event)
-    await wait(stack.scheduler.released_event)
+    await wait(stack.router.released_event)
 
 
 async def test_prefill_unavailable_is_retried_once_elsewhere(
     stack: Any, start_worker: Any, make_placement: Any, free_dead_address: str, wait: Any
 ) -> None:
     dead = router_pb2.WorkerRef(worker_id="prefill-dead", role="prefill", address=free_dead_address)
-    stack.scheduler.placements[:] = [
+    stack.router.placements[:] = [
         make_placement(dead, stack.decode),
         make_placement(stack.prefill, stack.decode),
     ]
     response = await stack.client.post("/v1/chat/completions", json=chat_body())
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == "Hello world!"
-    first, second = stack.scheduler.schedule_calls
+    first, second = stack.router.schedule_calls
     assert first["exclude_worker_ids"] == []
     assert second["exclude_worker_ids"] == ["prefill-dead"]
     assert first["request_id"] == second["request_id"]
-    await wait(stack.scheduler.released_event)
+    await wait(stack.router.released_event)
     for _ in range(100):
-        if len(stack.scheduler.released) == 2:
+        if len(stack.router.released) == 2:
             break
         await asyncio.sleep(0.01)
     # Once for the abandoned placement, once at the end.
-    assert stack.scheduler.released == [first["request_id"]] * 2
+    assert stack.router.released == [first["request_id"]] * 2
 
 
 async def test_decode_unavailable_before_its_first_token_is_placed_once_more(
@@ -113,7 +113,7 @@ async def test_decode_unavailable_before_its_first_token_is_placed_once_more(
     still holds the KV, so the decode goes to another decode worker and the client sees nothing."""
     dead = router_pb2.WorkerRef(worker_id="decode-dead", role="decode", address=free_dead_address)
     unused_prefill = router_pb2.WorkerRef(worker_id="prefill-other", role="prefill", address=free_dead_address)
-    stack.scheduler.placements[:] = [
+    stack.router.placements[:] = [
         router_pb2.Placement(prefill=stack.prefill.ref("prefill"), decode=dead, lease_s=30.0),
         router_pb2.Placement(prefill=unused_prefill, decode=stack.decode.ref("decode"), lease_s=30.0),
     ]
@@ -122,50 +122,51 @@ async def test_decode_unavailable_before_its_first_token_is_placed_once_more(
     body = response.content.decode()
     assert '"error"' not in body and body.endswith("data: [DONE]\n\n")
     assert "Hello" in body
-    _, second = stack.scheduler.schedule_calls
+    _, second = stack.router.schedule_calls
     assert second["exclude_worker_ids"] == ["decode-dead"]
     assert len(stack.prefill.prefill_requests) == 1  # the KV stays where it was computed
     (decode_request,) = stack.decode.decode_requests
     assert decode_request.kv_handle.remote_request_id  # the handle the first prefill returned
-    await wait(stack.scheduler.released_event)
+    await wait(stack.router.released_event)
     assert stack.prefill.aborted == []  # completed: nothing to abort
 
 
 async def test_decode_unavailable_twice_is_a_final_error_event(stack: Any, free_dead_address: str) -> None:
     dead = router_pb2.WorkerRef(worker_id="decode-dead", role="decode", address=free_dead_address)
-    stack.scheduler.placements[:] = [router_pb2.Placement(prefill=stack.prefill.ref("prefill"), decode=dead)]
+    stack.router.placements[:] = [router_pb2.Placement(prefill=stack.prefill.ref("prefill"), decode=dead)]
     response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
     assert response.status_code == 200  # the first token was already sent
     assert '"worker_unavailable"' in response.text and response.text.endswith("data: [DONE]\n\n")
-    assert len(stack.scheduler.schedule_calls) == 2
+    assert len(stack.router.schedule_calls) == 2
 
 
 async def test_client_gone_while_the_router_places_releases_the_placement(stack: Any, live_url: str, wait: Any) -> None:
     """The router reserves a pair for a request whose client has already left: the reservation is
     released as soon as the placement arrives, not held until its lease runs out."""
-    stack.scheduler.schedule_delay_s = 0.5
+    stack.router.schedule_delay_s = 0.5
     async with httpx.AsyncClient(base_url=live_url) as client:
         with pytest.raises(httpx.ReadTimeout):
             await client.post("/v1/chat/completions", json=chat_body(stream=True), timeout=0.1)
-    await wait(stack.scheduler.released_event, 3.0)
-    assert stack.scheduler.released == [stack.scheduler.schedule_calls[0]["request_id"]]
+    await wait(stack.router.released_event, 3.0)
+    assert stack.router.released == [stack.router.schedule_calls[0]["request_id"]]
     assert stack.prefill.prefill_requests == []  # nothing ran on the workers
 
 
 async def test_a_restarting_router_makes_requests_wait_not_fail(
-    start_worker: Any, fake_scheduler: Any, prompt_tokenizer: Any, make_placement: Any
+    start_worker: Any, fake_router: Any, prompt_tokenizer: Any, make_placement: Any
 ) -> None:
     """The router is unreachable for a moment (a replica restarting): the request waits and is served."""
     from tandem.gateway.app import build_app
+    from tests.kit.gateway import FakeReadiness
 
-    from .conftest import FakeReadiness, gateway_settings
+    from .conftest import gateway_settings
 
     prefill, decode = await start_worker("p"), await start_worker("d")
-    fake_scheduler.placements.append(make_placement(prefill, decode))
-    fake_scheduler.fail_first = [BackendUnavailableError("router unavailable: UNAVAILABLE")] * 3
+    fake_router.placements.append(make_placement(prefill, decode))
+    fake_router.fail_first = [BackendUnavailableError("router unavailable: UNAVAILABLE")] * 3
     app = build_app(
         gateway_settings(router_unavailable_wait_s=10.0),
-        scheduler=fake_scheduler,
+        router=fake_router,
         tokenizer=prompt_tokenizer,
         readiness=FakeReadiness(),
     )
@@ -175,8 +176,8 @@ async def test_a_restarting_router_makes_requests_wait_not_fail(
     ):
         response = await client.post("/v1/chat/completions", json=chat_body())
     assert response.status_code == 200, response.text
-    assert len(fake_scheduler.schedule_calls) == 4
-    assert len({c["request_id"] for c in fake_scheduler.schedule_calls}) == 1  # the same request, asked again
+    assert len(fake_router.schedule_calls) == 4
+    assert len({c["request_id"] for c in fake_router.schedule_calls}) == 1  # the same request, asked again
 
 
 async def test_prefill_unavailable_twice_is_503(stack: Any, wait: Any) -> None:
@@ -185,9 +186,9 @@ async def test_prefill_unavailable_twice_is_503(stack: Any, wait: Any) -> None:
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "worker_unavailable"
-    assert len(stack.scheduler.schedule_calls) == 2
+    assert len(stack.router.schedule_calls) == 2
     assert len(stack.prefill.prefill_requests) == 2
-    await wait(stack.scheduler.released_event)
+    await wait(stack.router.released_event)
 
 
 async def test_prefill_invalid_argument_is_400_not_retried(stack: Any) -> None:
@@ -195,7 +196,7 @@ async def test_prefill_invalid_argument_is_400_not_retried(stack: Any) -> None:
     response = await stack.client.post("/v1/chat/completions", json=chat_body())
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
-    assert len(stack.scheduler.schedule_calls) == 1
+    assert len(stack.router.schedule_calls) == 1
 
 
 @pytest.mark.parametrize(
@@ -208,7 +209,7 @@ async def test_prefill_invalid_argument_is_400_not_retried(stack: Any) -> None:
 async def test_router_refusal_is_503_with_retry_after(
     stack: Any, error: Exception, code: str, retry_after: str
 ) -> None:
-    stack.scheduler.error = error
+    stack.router.error = error
     for stream in (False, True):
         response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=stream))
         assert response.status_code == 503
@@ -217,7 +218,7 @@ async def test_router_refusal_is_503_with_retry_after(
         assert response.json()["error"]["code"] == code
         assert response.json()["error"]["type"] == "server_error"
     assert stack.prefill.prefill_requests == []
-    assert stack.scheduler.released == []  # nothing was placed
+    assert stack.router.released == []  # nothing was placed
 
 
 async def test_decode_failure_after_stream_started_is_a_final_error_event(stack: Any, wait: Any) -> None:
@@ -235,7 +236,7 @@ async def test_decode_failure_after_stream_started_is_a_final_error_event(stack:
     assert contents == ["", "Hello", " world"]
     await wait(stack.decode.aborted_event)
     await wait(stack.prefill.aborted_event)
-    await wait(stack.scheduler.released_event)
+    await wait(stack.router.released_event)
 
 
 async def test_decode_failure_non_stream_is_an_error_status(stack: Any, wait: Any) -> None:

@@ -45,8 +45,10 @@ from tandem_loadtest.records import RequestRecord
 
 from tandem.gateway.app import build_app
 from tandem.gateway.metrics import GatewayMetrics
+from tests.kit.gateway import DecodeStep, FakeReadiness, placement
+from tests.kit.net import serving
 
-from .conftest import DecodeStep, FakeReadiness, gateway_settings, placement, serving
+from .conftest import gateway_settings
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -164,16 +166,16 @@ async def record_stream(app: Any, body: dict[str, Any], headers: dict[str, str])
 
 @pytest.fixture(params=["plain", "with timings"])
 async def recorded(
-    request: pytest.FixtureRequest, start_worker: Any, fake_scheduler: Any, prompt_tokenizer: Any
+    request: pytest.FixtureRequest, start_worker: Any, fake_router: Any, prompt_tokenizer: Any
 ) -> Recorded:
     """The stream as vLLM bench asks for it (usage, no timings), and with the stage timings too."""
     prefill = await start_worker("prefill-0", first_text="")
     decode = await start_worker("decode-0", decode_steps=DECODE_STEPS, decode_step_delay_s=0.02)
-    fake_scheduler.placements.append(placement(prefill, decode))
-    fake_scheduler.schedule_delay_s = QUEUE_DELAY_S
+    fake_router.placements.append(placement(prefill, decode))
+    fake_router.schedule_delay_s = QUEUE_DELAY_S
     app = build_app(
         gateway_settings(stream={"heartbeat_interval_s": HEARTBEAT_INTERVAL_S}),
-        scheduler=fake_scheduler,
+        router=fake_router,
         tokenizer=prompt_tokenizer,
         readiness=FakeReadiness(),
         metrics=GatewayMetrics(),

@@ -90,9 +90,9 @@ async def test_chat_stream_has_openai_shape(stack: Any, wait: Any) -> None:
     assert decode_request.first_token_id == 101
     assert decode_request.sampling.max_tokens == 10  # the first token counts: decode replays it
     assert list(decode_request.kv_handle.block_ids) == [7, 8]
-    assert stack.scheduler.schedule_calls[0]["max_tokens"] == 10
-    await wait(stack.scheduler.released_event)
-    assert stack.scheduler.released == [request_id]
+    assert stack.router.schedule_calls[0]["max_tokens"] == 10
+    await wait(stack.router.released_event)
+    assert stack.router.released == [request_id]
     assert stack.prefill.aborted == [] and stack.decode.aborted == []
 
 
@@ -132,11 +132,11 @@ async def test_chat_non_stream(stack: Any) -> None:
 async def test_default_max_tokens_is_capped_by_remaining_context(stack: Any) -> None:
     # max_model_len 64, default_max_tokens 16: a short prompt gets 16.
     await stack.client.post("/v1/chat/completions", json=chat_body())
-    assert stack.scheduler.schedule_calls[-1]["max_tokens"] == 16
+    assert stack.router.schedule_calls[-1]["max_tokens"] == 16
     # A 55-token prompt leaves 9.
     prompt = " ".join(["one"] * 55)
     await stack.client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
-    assert stack.scheduler.schedule_calls[-1]["max_tokens"] == 9
+    assert stack.router.schedule_calls[-1]["max_tokens"] == 9
 
 
 async def test_completions_stream(stack: Any) -> None:
@@ -182,7 +182,7 @@ async def test_prefill_that_finishes_skips_decode(stack: Any, wait: Any) -> None
     assert [e["choices"][0]["delta"] for e in events[1:3]] == [{"content": "Hello"}, {}]
     assert events[2]["choices"][0]["finish_reason"] == "stop"
     assert stack.decode.decode_requests == []
-    await wait(stack.scheduler.released_event)
+    await wait(stack.router.released_event)
     assert stack.prefill.aborted == []
 
 

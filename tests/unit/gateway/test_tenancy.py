@@ -30,14 +30,14 @@ async def test_missing_unknown_and_revoked_keys_get_401_and_reach_no_backend(edg
     unknown = await edge.client.post("/v1/chat/completions", json=chat(), headers=bearer("tdm_nope_nope"))
     assert unknown.status_code == 401
     assert unknown.json()["error"]["code"] == "invalid_api_key"
-    assert edge.scheduler.schedule_calls == []
+    assert edge.router.schedule_calls == []
 
     assert (await edge.client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).status_code == 200
     (record,) = await edge.store.list_keys("acme")
     await edge.store.revoke_key(record.key_id)
     revoked = await edge.client.post("/v1/chat/completions", json=chat(), headers=bearer(key))
     assert revoked.status_code == 401
-    assert len(edge.scheduler.schedule_calls) == 1
+    assert len(edge.router.schedule_calls) == 1
 
 
 async def test_model_not_allowed_is_403_and_unknown_model_404(edge: Any) -> None:
@@ -60,7 +60,7 @@ async def test_tenants_are_isolated(edge: Any) -> None:
         )
         assert response.status_code == 200
     # Prefix cache: each tenant its own salt, to the router and both workers; priority class to the router.
-    call_a, call_b = edge.scheduler.schedule_calls
+    call_a, call_b = edge.router.schedule_calls
     assert call_a["tenant"] == "tenant-a" and call_b["tenant"] == "tenant-b"
     assert call_a["cache_salt"] and call_b["cache_salt"] and call_a["cache_salt"] != call_b["cache_salt"]
     assert (call_a["priority"], call_b["priority"]) == ("interactive", "batch")

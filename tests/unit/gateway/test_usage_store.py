@@ -69,6 +69,6 @@ async def test_a_record_waits_out_a_redis_outage(unused_tcp_port: int) -> None:
 
 @pytest.fixture
 def unused_tcp_port() -> int:
-    from tests.unit.common_ports import free_port
+    from tests.kit.net import free_port
 
     return free_port()

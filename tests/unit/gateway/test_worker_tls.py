@@ -26,9 +26,10 @@ from tandem.gateway.prompt import HfPromptTokenizer
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.workers import WorkerChannels, map_worker_error
 from tandem.v1 import worker_pb2
+from tests.kit.gateway import MODEL, FakeReadiness, FakeRouter, FakeWorker, placement
 
 from ..certs import make_pki
-from .conftest import MODEL, FakeReadiness, FakeScheduler, FakeWorker, gateway_settings, placement
+from .conftest import gateway_settings
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -119,10 +120,10 @@ async def test_the_app_dials_the_workers_with_its_tls_settings(
 ) -> None:
     prefill = await start_tls_worker("prefill-0", pki.trusted)
     decode = await start_tls_worker("decode-0", pki.trusted)
-    scheduler = FakeScheduler(placements=[placement(prefill, decode)])
+    scheduler = FakeRouter(placements=[placement(prefill, decode)])
     tls = pki.trusted if gateway_tls == "trusted" else TLSSettings()
     app = build_app(
-        gateway_settings(tls=tls), scheduler=scheduler, tokenizer=prompt_tokenizer, readiness=FakeReadiness()
+        gateway_settings(tls=tls), router=scheduler, tokenizer=prompt_tokenizer, readiness=FakeReadiness()
     )
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:

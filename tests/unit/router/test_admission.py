@@ -7,23 +7,13 @@ import asyncio
 import pytest
 
 from tandem.common.errors import NoCapacityError
-from tandem.common.registry import WorkerRecord
 from tandem.router.admission import AdmissionQueue, QueueFullError
 from tandem.router.budget import BudgetConfig
 from tandem.router.metrics import NullRouterMetrics
 from tandem.router.policy import ScheduleInput, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import QueueConfig, Scheduler
-
-WORKERS = [
-    WorkerRecord("p0", "prefill", "m", "p0:1", block_size_tokens=16, num_kv_blocks=100),
-    WorkerRecord("d0", "decode", "m", "d0:1", block_size_tokens=16, num_kv_blocks=10_000),
-]
-
-
-class StaticView:
-    async def workers(self) -> list[WorkerRecord]:
-        return WORKERS
+from tests.kit.workers import StaticView
 
 
 class QueueMetrics(NullRouterMetrics):
@@ -127,7 +117,7 @@ async def test_fair_share_between_tenants_within_a_class() -> None:
     # A holds one request in flight when the first slot frees, B none: B first
     assert order[0] == "a0" or order[0] == "b0"
     assert order.index("b0") <= 1
-    assert order == sorted(order, key=lambda r: (r != order[0], r))  or "b0" in order[:2]
+    assert order == sorted(order, key=lambda r: (r != order[0], r)) or "b0" in order[:2]
 
 
 def test_queue_orders_by_class_then_fewest_in_flight_then_age() -> None:

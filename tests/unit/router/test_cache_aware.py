@@ -14,7 +14,8 @@ from tandem.router.kv_index import KVIndex
 from tandem.router.policy import CacheAwarePolicy, CacheAwareWeights, ScheduleInput, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import Scheduler
-from tests.unit.router.router_factories import FakeClock
+from tests.kit.clock import FakeClock
+from tests.kit.workers import StaticView
 
 BLOCK = 16
 DOC = list(range(1000, 1000 + 4 * BLOCK))  # 4 full blocks
@@ -30,14 +31,6 @@ def worker(worker_id: str, role: str, *, num_kv_blocks: int = 100, **load: int) 
         num_kv_blocks=num_kv_blocks,
         load=WorkerLoad(**load),  # type: ignore[arg-type]
     )
-
-
-class StaticView:
-    def __init__(self, workers: list[WorkerRecord]) -> None:
-        self.list = workers
-
-    async def workers(self) -> list[WorkerRecord]:
-        return self.list
 
 
 def make_scheduler(

@@ -11,7 +11,7 @@ from tandem.router.policy import (
     ScheduleInput,
     create_policy,
 )
-from tests.unit.router.router_factories import StaticLoad, make_pool, make_worker
+from tests.kit.workers import StaticLoad, make_pool, make_worker
 
 
 def request(**kwargs: object) -> ScheduleInput:

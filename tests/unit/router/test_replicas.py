@@ -12,25 +12,15 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from tandem.common.errors import NoCapacityError
-from tandem.common.registry import WorkerRecord
 from tandem.router.budget import BudgetConfig
 from tandem.router.policy import ScheduleInput, create_policy
 from tandem.router.replica_sync import ReplicaSync
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import QueueConfig, Scheduler
+from tests.kit.workers import StaticView
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 INTERVAL_S = 0.05
-
-WORKERS = [
-    WorkerRecord("p0", "prefill", "m", "p0:1", block_size_tokens=16, num_kv_blocks=100),
-    WorkerRecord("d0", "decode", "m", "d0:1", block_size_tokens=16, num_kv_blocks=10_000),
-]
-
-
-class StaticView:
-    async def workers(self) -> list[WorkerRecord]:
-        return WORKERS
 
 
 def req(request_id: str, tokens: int = 60) -> ScheduleInput:

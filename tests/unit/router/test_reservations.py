@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.router.reservations import ReservationTable
-from tests.unit.router.router_factories import FakeClock
+from tests.kit.clock import FakeClock
 
 
 def test_reserve_counts_each_worker_and_release_frees_them() -> None:

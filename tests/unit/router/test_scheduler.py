@@ -11,7 +11,8 @@ from tandem.router.policy import ScheduleInput, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import Scheduler
 from tandem.router.worker_view import CachedWorkerView
-from tests.unit.router.router_factories import FakeClock, FakeRegistry, make_pool, make_worker
+from tests.kit.clock import FakeClock
+from tests.kit.workers import FakeRegistry, make_pool, make_worker
 
 pytestmark = pytest.mark.asyncio
 

@@ -6,7 +6,8 @@ import pytest
 
 from tandem.common.errors import BackendUnavailableError
 from tandem.router.worker_view import CachedWorkerView
-from tests.unit.router.router_factories import FakeClock, FakeRegistry, make_pool
+from tests.kit.clock import FakeClock
+from tests.kit.workers import FakeRegistry, make_pool
 
 pytestmark = pytest.mark.asyncio
 

@@ -14,9 +14,9 @@ from tandem.common.tls import TLSSettings, channel
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
 from tandem.worker.kv_connector.worker_side import WorkerSide
+from tests.kit.net import free_port
 
 from ..certs import make_pki
-from ..common_ports import free_port
 from .test_kv_connector import BLOCK, LAYERS, NUM_BLOCKS, SHAPE, make_handle, wait_until
 
 

@@ -25,7 +25,7 @@ from tandem.gateway.http_server import guarded_protocol
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.prompt import HfPromptTokenizer
 from tandem.gateway.readiness import GrpcConnectProbe, RouterAndWorkersReadiness
-from tandem.gateway.scheduler import connect_scheduler
+from tandem.gateway.router import connect_router
 from tandem.gateway.settings import GatewaySettings
 
 logger = logging.getLogger("tandem.gateway")
@@ -65,7 +65,7 @@ class _DrainingServer(uvicorn.Server):
 
 async def serve(settings: GatewaySettings) -> None:
     tokenizer = HfPromptTokenizer.from_dir(settings.model_dir)
-    scheduler = connect_scheduler(settings.router_address, timeout_s=settings.router_timeout_s)
+    router = connect_router(settings.router_address, timeout_s=settings.router_timeout_s)
     registry = WorkerRegistry(
         settings.redis.url, key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
     )
@@ -78,7 +78,7 @@ async def serve(settings: GatewaySettings) -> None:
     drain = Drain()
     metrics = GatewayMetrics()
     app = build_app(
-        settings, scheduler=scheduler, tokenizer=tokenizer, readiness=readiness, drain=drain, metrics=metrics
+        settings, router=router, tokenizer=tokenizer, readiness=readiness, drain=drain, metrics=metrics
     )
     config = uvicorn.Config(
         app,
@@ -110,7 +110,7 @@ async def serve(settings: GatewaySettings) -> None:
             )
         await task
     finally:
-        await scheduler.aclose()
+        await router.aclose()
         await registry.aclose()
         logger.info("gateway stopped")
 

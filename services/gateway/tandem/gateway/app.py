@@ -2,7 +2,7 @@
 
 Called by :mod:`tandem.gateway.__main__` (real parts) and by tests (fakes);
 calls nothing at import time. Every dependency can be passed in, so a test can
-swap the router (a fake :class:`~tandem.gateway.scheduler.Scheduler`), the
+swap the router (a fake :class:`~tandem.gateway.router.Router`), the
 workers (fake gRPC servers) or Redis (a private redis-server) without patching.
 """
 
@@ -33,7 +33,7 @@ from tandem.gateway.prompt import PromptTokenizer
 from tandem.gateway.quota.redis_quota import RedisQuota
 from tandem.gateway.readiness import ReadinessCheck
 from tandem.gateway.redis_client import connect
-from tandem.gateway.scheduler import Scheduler
+from tandem.gateway.router import Router
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.tenancy.auth import Authenticator
 from tandem.gateway.tenancy.store import TenantStore
@@ -63,7 +63,7 @@ async def _unhandled(request: Request, exc: Exception) -> Response:
 def build_app(
     settings: GatewaySettings,
     *,
-    scheduler: Scheduler,
+    router: Router,
     tokenizer: PromptTokenizer,
     readiness: ReadinessCheck,
     metrics: GatewayMetrics | None = None,
@@ -88,7 +88,7 @@ def build_app(
     if settings.auth.mode == "disabled":
         logger.warning("authentication is disabled: every request is the anonymous tenant")
     orchestrator = Orchestrator(
-        scheduler,
+        router,
         workers,
         metrics=metrics,
         prefill_timeout_s=settings.prefill_timeout_s,

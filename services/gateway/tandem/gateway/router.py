@@ -1,23 +1,20 @@
 """The gateway's seam to the router.
 
-The orchestrator calls a :class:`Scheduler`; :func:`connect_scheduler` builds
-the real one at startup by wrapping ``tandem.common.router_client.RouterClient`` (the
-router team's client: it adds the Ray Serve proxy metadata and maps gRPC
-statuses to tandem errors). Tests pass fakes.
+The orchestrator calls a :class:`Router`; :func:`connect_router` builds the
+real one at startup: ``tandem.common.router_client.RouterClient`` (grpc only,
+no Ray; it adds the Ray Serve proxy metadata and maps gRPC statuses to Tandem
+errors). Tests pass fakes (``tests.kit.gateway.FakeRouter``).
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 from tandem.v1 import router_pb2
 
-logger = logging.getLogger(__name__)
 
-
-class Scheduler(Protocol):
+class Router(Protocol):
     """Places requests on a (prefill, decode) worker pair.
 
     ``schedule`` reserves budget on both workers and may wait in the router's
@@ -32,63 +29,24 @@ class Scheduler(Protocol):
         self,
         request_id: str,
         model: str,
-        prompt_token_ids: Sequence[int],
+        *,
         max_tokens: int,
         tenant: str,
+        prompt_token_ids: Iterable[int],
         cache_salt: str,
-        exclude_worker_ids: Sequence[str],
-        priority: str = "",
+        exclude_worker_ids: Iterable[str],
+        priority: int | str,
     ) -> router_pb2.Placement: ...
 
-    async def release(self, request_id: str) -> None: ...
+    async def release(self, request_id: str) -> object: ...
 
 
-class ClosableScheduler(Scheduler, Protocol):
+class ClosableRouter(Router, Protocol):
     async def aclose(self) -> None: ...
 
 
-class RouterClientScheduler:
-    """Adapter over ``tandem.common.router_client.RouterClient`` ."""
-
-    def __init__(self, client: Any) -> None:
-        self._client = client
-
-    async def schedule(
-        self,
-        request_id: str,
-        model: str,
-        prompt_token_ids: Sequence[int],
-        max_tokens: int,
-        tenant: str,
-        cache_salt: str,
-        exclude_worker_ids: Sequence[str],
-        priority: str = "",
-    ) -> router_pb2.Placement:
-        placement: router_pb2.Placement = await self._client.schedule(
-            request_id=request_id,
-            model=model,
-            prompt_token_ids=list(prompt_token_ids),
-            max_tokens=max_tokens,
-            tenant=tenant,
-            cache_salt=cache_salt,
-            exclude_worker_ids=list(exclude_worker_ids),
-            priority=priority,
-        )
-        return placement
-
-    async def release(self, request_id: str) -> None:
-        await self._client.release(request_id)
-
-    async def aclose(self) -> None:
-        close = getattr(self._client, "aclose", None) or getattr(self._client, "close", None)
-        if close is not None:
-            result = close()
-            if hasattr(result, "__await__"):
-                await result
-
-
-def connect_scheduler(address: str, *, timeout_s: float) -> ClosableScheduler:
-    """The production scheduler: the router's gRPC client (tandem.common; grpc only, no Ray)."""
+def connect_router(address: str, *, timeout_s: float) -> ClosableRouter:
+    """The production router client."""
     from tandem.common.router_client import RouterClient
 
-    return RouterClientScheduler(RouterClient(address, timeout_s=timeout_s))
+    return RouterClient(address, timeout_s=timeout_s)

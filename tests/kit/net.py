@@ -1,0 +1,46 @@
+"""Sockets for tests: free ports, addresses where nothing listens, an ASGI app on a real uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def dead_address() -> str:
+    """An address where nothing listens (connecting gives UNAVAILABLE at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Any, **config: Any) -> AsyncIterator[int]:
+    """``app`` on a real uvicorn on a free loopback port (yields the port); ``config`` goes to uvicorn.Config."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    options: dict[str, Any] = {"log_config": None, "lifespan": "off", "timeout_graceful_shutdown": 2, **config}
+    server = uvicorn.Server(uvicorn.Config(app, **options))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    for _ in range(500):
+        if server.started or task.done():
+            break
+        await asyncio.sleep(0.01)
+    assert server.started
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
