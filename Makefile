@@ -45,10 +45,15 @@ REDIS_PORT ?= 6379
 PYTEST_ARGS ?= tests
 
 MYPY_PACKAGES := $(foreach d,$(SERVICE_DIRS),$(if $(wildcard $(d)/tandem/$(notdir $(d))),-p tandem.$(notdir $(d))))
-LINT_DIRS := services tests scripts $(TOOL_DIRS)
+# The operator and the load test are packages of their own; benchmarks, the load test's runner
+# and the tests' shared kit are checked as files.
+MYPY_TOOL_PACKAGES := $(if $(wildcard operators/pyproject.toml),-p tandem_operator) \
+	$(if $(wildcard loadtest/pyproject.toml),-p tandem_loadtest)
+MYPY_FILES := $(wildcard benchmarks/*.py loadtest/*.py tests/kit/*.py)
+LINT_DIRS := services tests scripts benchmarks $(TOOL_DIRS)
 empty :=
 space := $(empty) $(empty)
-MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS))
+MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS) $(TOOL_DIRS))
 
 .PHONY: help setup protos model lint test faults run clean distclean redis bench-path
 
@@ -102,12 +107,16 @@ $(MODEL_TOOLS_STAMP): | $(INSTALL_STAMP)
 model: $(INSTALL_STAMP) $(MODEL_TOOLS_STAMP)  ## prepare the default model (SmolLM2-135M-Instruct) in the cache folder
 	$(PY) scripts/prepare_model.py
 
-lint: $(INSTALL_STAMP)  ## ruff over the code + mypy --strict over services/ (generated tandem.v1 excluded)
+lint: $(INSTALL_STAMP) k8s-setup  ## ruff, mypy --strict (services, operator, load test, benchmarks, tests/kit), import layers
 	@status=0; \
 	echo "[lint] ruff check $(LINT_DIRS)"; \
 	$(VENV)/bin/ruff check $(LINT_DIRS) || status=1; \
-	echo "[lint] mypy --strict $(MYPY_PACKAGES)"; \
-	MYPYPATH=$(MYPY_PATH) $(VENV)/bin/mypy --strict $(MYPY_PACKAGES) || status=1; \
+	echo "[lint] mypy --strict $(MYPY_PACKAGES) $(MYPY_TOOL_PACKAGES)"; \
+	MYPYPATH=$(MYPY_PATH) $(VENV)/bin/mypy --strict $(MYPY_PACKAGES) $(MYPY_TOOL_PACKAGES) || status=1; \
+	echo "[lint] mypy --strict $(MYPY_FILES)"; \
+	MYPYPATH=$(MYPY_PATH) $(VENV)/bin/mypy --strict $(MYPY_FILES) || status=1; \
+	echo "[lint] import layers (lint-imports; contracts in pyproject.toml)"; \
+	$(VENV)/bin/lint-imports --no-cache || status=1; \
 	exit $$status
 
 redis:  ## make sure a Redis answers on 127.0.0.1:$(REDIS_PORT)

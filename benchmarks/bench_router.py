@@ -59,7 +59,7 @@ from tandem.local.simulated_worker import (
 from tandem.local.stack import LocalStack, StackConfig
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
-from tandem.router.policy import ScheduleInput, create_policy
+from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import Scheduler
 from tandem.router.worker_view import CachedWorkerView
@@ -169,7 +169,7 @@ async def run_policy(
         salt = f"{policy}-{tenant}"  # per policy: each run starts cold
         started = time.perf_counter()
         placement = await scheduler.schedule(
-            ScheduleInput(
+            ScheduleRequest(
                 request_id=request_id,
                 model=placement_model(workers),
                 num_prompt_tokens=len(prompt),
@@ -384,7 +384,7 @@ async def bench_scale(args: argparse.Namespace) -> float:
         for i in range(args.sim_decisions):
             doc = rnd.randrange(num_docs)
             prompt = tuple(docs[doc] + [rnd.randrange(49152) for _ in range(200)])
-            request = ScheduleInput(
+            request = ScheduleRequest(
                 request_id=f"sim-{i}", model="simulated-model", num_prompt_tokens=len(prompt), max_tokens=128,
                 tenant=f"t{doc % 50}", prompt_token_ids=prompt, cache_salt=f"t{doc % 50}",
             )

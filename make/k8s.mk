@@ -32,7 +32,7 @@ k8s-setup: $(K8S_STAMP)  ## install the operator and the Kubernetes test tools i
 
 $(K8S_STAMP): $(K8S_REQUIREMENTS) operators/pyproject.toml | $(PY)
 	@echo "[k8s-setup] installing the operator and $(K8S_REQUIREMENTS)"
-	$(PY) -m pip install --quiet -r $(K8S_REQUIREMENTS)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -r $(K8S_REQUIREMENTS)
 	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet --no-build-isolation -e operators
 	@mkdir -p $(dir $@) && rm -f $(VENV)/.tandem-stamps/k8s-* && touch $@
 

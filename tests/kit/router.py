@@ -67,7 +67,7 @@ class FakeRouterServicer(router_pb2_grpc.RouterServicer):
 async def serving_router(servicer: FakeRouterServicer) -> AsyncIterator[str]:
     """Serves ``servicer`` on a free loopback port; yields its address."""
     server = grpc.aio.server()
-    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

@@ -10,7 +10,7 @@ from tandem.common.errors import NoCapacityError
 from tandem.router.admission import AdmissionQueue, QueueFullError
 from tandem.router.budget import BudgetConfig
 from tandem.router.metrics import NullRouterMetrics
-from tandem.router.policy import ScheduleInput, create_policy
+from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import QueueConfig, Scheduler
 from tests.kit.workers import StaticView
@@ -41,8 +41,8 @@ def make(timeout_s: float = 2.0, **queue: object) -> tuple[Scheduler, QueueMetri
     return scheduler, metrics
 
 
-def req(request_id: str, tenant: str = "t", *, tokens: int = 60, priority: str = "") -> ScheduleInput:
-    return ScheduleInput(
+def req(request_id: str, tenant: str = "t", *, tokens: int = 60, priority: str = "") -> ScheduleRequest:
+    return ScheduleRequest(
         request_id=request_id, model="m", num_prompt_tokens=tokens, max_tokens=4, tenant=tenant, priority=priority
     )
 

@@ -11,7 +11,7 @@ from tandem.common.errors import NoCapacityError
 from tandem.common.registry import WorkerLoad, WorkerRecord
 from tandem.router.budget import BudgetConfig, BudgetView
 from tandem.router.kv_index import KVIndex
-from tandem.router.policy import CacheAwarePolicy, CacheAwareWeights, ScheduleInput, create_policy
+from tandem.router.policy import CacheAwarePolicy, CacheAwareWeights, ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import Scheduler
 from tests.kit.clock import FakeClock
@@ -48,8 +48,8 @@ def make_scheduler(
     return scheduler, index, clock
 
 
-def request(request_id: str, prompt: list[int], *, salt: str = "", max_tokens: int = 8) -> ScheduleInput:
-    return ScheduleInput(
+def request(request_id: str, prompt: list[int], *, salt: str = "", max_tokens: int = 8) -> ScheduleRequest:
+    return ScheduleRequest(
         request_id=request_id,
         model="m",
         num_prompt_tokens=len(prompt),

@@ -8,14 +8,14 @@ from tandem.router.policy import (
     POLICIES,
     LeastLoadedPolicy,
     RoundRobinPolicy,
-    ScheduleInput,
+    ScheduleRequest,
     create_policy,
 )
 from tests.kit.workers import StaticLoad, make_pool, make_worker
 
 
-def request(**kwargs: object) -> ScheduleInput:
-    return ScheduleInput(request_id="r", model="m", **kwargs)  # type: ignore[arg-type]
+def request(**kwargs: object) -> ScheduleRequest:
+    return ScheduleRequest(request_id="r", model="m", **kwargs)  # type: ignore[arg-type]
 
 
 def test_filter_keeps_role_and_model_and_drops_excluded() -> None:

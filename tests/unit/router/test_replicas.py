@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from tandem.common.errors import NoCapacityError
 from tandem.router.budget import BudgetConfig
-from tandem.router.policy import ScheduleInput, create_policy
+from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.replica_sync import ReplicaSync
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import QueueConfig, Scheduler
@@ -23,8 +23,8 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 INTERVAL_S = 0.05
 
 
-def req(request_id: str, tokens: int = 60) -> ScheduleInput:
-    return ScheduleInput(request_id=request_id, model="m", num_prompt_tokens=tokens, max_tokens=4)
+def req(request_id: str, tokens: int = 60) -> ScheduleRequest:
+    return ScheduleRequest(request_id=request_id, model="m", num_prompt_tokens=tokens, max_tokens=4)
 
 
 @pytest_asyncio.fixture

@@ -7,7 +7,7 @@ import pytest
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord
 from tandem.router.metrics import NullRouterMetrics
-from tandem.router.policy import ScheduleInput, create_policy
+from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import Scheduler
 from tandem.router.worker_view import CachedWorkerView
@@ -41,7 +41,7 @@ class Harness:
         )
 
     async def schedule(self, request_id: str, model: str = "m", **kwargs: object):  # type: ignore[no-untyped-def]
-        return await self.scheduler.schedule(ScheduleInput(request_id=request_id, model=model, **kwargs))  # type: ignore[arg-type]
+        return await self.scheduler.schedule(ScheduleRequest(request_id=request_id, model=model, **kwargs))  # type: ignore[arg-type]
 
 
 async def test_placement_has_one_worker_of_each_role_and_a_lease() -> None:

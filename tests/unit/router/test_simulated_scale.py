@@ -21,7 +21,7 @@ from tandem.common.registry import WorkerRegistry
 from tandem.local.simulated_worker import SimulatedCluster, SimulatedLatencyModel, SimulatedWorkerConfig
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
-from tandem.router.policy import ScheduleInput, create_policy
+from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import Scheduler
 from tandem.router.worker_view import CachedWorkerView
@@ -69,7 +69,7 @@ async def test_64_simulated_workers_prefill_each_document_once_and_spread_tenant
             tenant = rnd.randrange(NUM_TENANTS)
             prompt = docs[tenant] + [rnd.randrange(49152) for _ in range(40)]
             placement = await scheduler.schedule(
-                ScheduleInput(
+                ScheduleRequest(
                     request_id=f"r{i}", model="simulated-model", num_prompt_tokens=len(prompt), max_tokens=16,
                     tenant=f"t{tenant}", prompt_token_ids=tuple(prompt), cache_salt=f"t{tenant}",
                 )

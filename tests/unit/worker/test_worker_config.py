@@ -42,8 +42,23 @@ def test_connector_module_path_imports_the_connector_class() -> None:
     assert getattr(module, CONNECTOR_CLASS).__name__ == CONNECTOR_CLASS
 
 
-def test_auto_dtype_is_float32_on_cpu_and_explicit_dtype_is_kept() -> None:
-    assert resolve_dtype("auto") == "float32"  # this machine runs vLLM's CPU backend
+class _Platform:
+    def __init__(self, cpu: bool) -> None:
+        self.cpu = cpu
+
+    def is_cpu(self) -> bool:
+        return self.cpu
+
+
+@pytest.mark.parametrize(("cpu", "expected"), [(True, "float32"), (False, "auto")])
+def test_auto_dtype_is_float32_on_cpu_only_and_explicit_dtype_is_kept(
+    monkeypatch: pytest.MonkeyPatch, cpu: bool, expected: str
+) -> None:
+    import vllm.platforms
+
+    # The platform is set here, not read off the host: the test means the same on a GPU machine.
+    monkeypatch.setattr(vllm.platforms, "current_platform", _Platform(cpu), raising=False)
+    assert resolve_dtype("auto") == expected
     assert resolve_dtype("bfloat16") == "bfloat16"
 
 

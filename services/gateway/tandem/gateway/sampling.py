@@ -12,24 +12,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tandem.common.sampling_options import OPTIONAL_SCALAR_FIELDS
 from tandem.v1 import common_pb2
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
-
-_OPTIONAL_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-)
-
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -87,7 +73,7 @@ class SamplingParams:
             logit_bias=dict(self.logit_bias),
             ignore_eos=self.ignore_eos,
         )
-        for name in _OPTIONAL_FIELDS:
+        for name in OPTIONAL_SCALAR_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 setattr(options, name, value)

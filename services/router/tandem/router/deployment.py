@@ -34,7 +34,7 @@ from tandem.router.budget import BudgetConfig
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
 from tandem.router.metrics import RayRouterMetrics
-from tandem.router.policy import ScheduleInput, create_policy
+from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.replica_sync import ReplicaSync
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import PlacementDecision, QueueConfig, Scheduler
@@ -130,7 +130,7 @@ class RouterDeployment:
         self._ensure_ticker()
         priority = _metadata_value(grpc_context, METADATA_PRIORITY)
         try:
-            decision = await self._scheduler.schedule(schedule_input_from_proto(request, priority=priority))
+            decision = await self._scheduler.schedule(schedule_request_from_proto(request, priority=priority))
         except TandemError as exc:
             _set_error(grpc_context, exc, request.request_id)
             return router_pb2.Placement(request_id=request.request_id)
@@ -167,8 +167,8 @@ def _metadata_value(grpc_context: RayServegRPCContext, key: str) -> str:
     return ""
 
 
-def schedule_input_from_proto(request: router_pb2.ScheduleRequest, *, priority: str = "") -> ScheduleInput:
-    return ScheduleInput(
+def schedule_request_from_proto(request: router_pb2.ScheduleRequest, *, priority: str = "") -> ScheduleRequest:
+    return ScheduleRequest(
         request_id=request.request_id,
         model=request.model,
         num_prompt_tokens=request.num_prompt_tokens,

@@ -30,8 +30,9 @@ from tandem.router.budget import BudgetView
 
 
 @dataclass(frozen=True)
-class ScheduleInput:
-    """One Schedule request, as the policies see it (decoded from the wire by the deployment)."""
+class ScheduleRequest:
+    """A ``tandem.v1.ScheduleRequest`` decoded from the wire by the deployment:
+    what the scheduler and the policies see."""
 
     request_id: str
     model: str
@@ -82,7 +83,7 @@ class RoutingPolicy(ABC):
         self._num_picks_by_role: dict[str, int] = {}
 
     def choose(
-        self, request: ScheduleInput, role: str, workers: Sequence[WorkerRecord], load: LoadView
+        self, request: ScheduleRequest, role: str, workers: Sequence[WorkerRecord], load: LoadView
     ) -> ScoredWorker | None:
         """The worker of ``role`` for ``request``, or None when no worker passes the filter."""
         candidates = self.filter(request, role, workers, load)
@@ -91,7 +92,7 @@ class RoutingPolicy(ABC):
         return self.pick(role, [ScoredWorker(w, self.score(request, w, load)) for w in candidates])
 
     def filter(
-        self, request: ScheduleInput, role: str, workers: Sequence[WorkerRecord], load: LoadView
+        self, request: ScheduleRequest, role: str, workers: Sequence[WorkerRecord], load: LoadView
     ) -> list[WorkerRecord]:
         """Workers that may take ``request`` at all: right role, right model, not
         excluded, and (with a :class:`BudgetView`) token budget left."""
@@ -106,7 +107,7 @@ class RoutingPolicy(ABC):
         return candidates
 
     @abstractmethod
-    def score(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> float:
+    def score(self, request: ScheduleRequest, worker: WorkerRecord, load: LoadView) -> float:
         """How good ``worker`` is for ``request``, in [0, 1] (1 is best)."""
 
     def pick(self, role: str, scored: Sequence[ScoredWorker]) -> ScoredWorker:
@@ -137,7 +138,7 @@ class LeastLoadedPolicy(RoutingPolicy):
     #: Weight of the reported-load tiebreak; below 1 so it never outweighs one whole request.
     _TIEBREAK_WEIGHT = 0.5
 
-    def score(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> float:
+    def score(self, request: ScheduleRequest, worker: WorkerRecord, load: LoadView) -> float:
         num_reported = reported_load(worker)
         num_effective = max(load.num_in_flight(worker.worker_id), num_reported)
         tiebreak = self._TIEBREAK_WEIGHT * num_reported / (1 + num_reported)
@@ -149,7 +150,7 @@ class RoundRobinPolicy(RoutingPolicy):
 
     name = "round_robin"
 
-    def score(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> float:
+    def score(self, request: ScheduleRequest, worker: WorkerRecord, load: LoadView) -> float:
         return 1.0
 
 
@@ -180,13 +181,13 @@ class CacheAwarePolicy(RoutingPolicy):
         super().__init__()
         self.weights = weights or CacheAwareWeights()
 
-    def scorers(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> dict[str, float]:
+    def scorers(self, request: ScheduleRequest, worker: WorkerRecord, load: LoadView) -> dict[str, float]:
         """Each scorer's value in [0, 1] (for tests and the placement reason)."""
         locality, token_load, kv_headroom = self._scorers(request, worker, load)
         return {"prefix_locality": locality, "token_load": token_load, "kv_headroom": kv_headroom}
 
     @staticmethod
-    def _scorers(request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> tuple[float, float, float]:
+    def _scorers(request: ScheduleRequest, worker: WorkerRecord, load: LoadView) -> tuple[float, float, float]:
         if not isinstance(load, BudgetView):
             return 0.0, 1.0, 1.0
         num_tokens = request.num_tokens
@@ -199,7 +200,7 @@ class CacheAwarePolicy(RoutingPolicy):
     #: whose token scores are equal (e.g. requests without prompt tokens), never more.
     _TIEBREAK = 0.01
 
-    def score(self, request: ScheduleInput, worker: WorkerRecord, load: LoadView) -> float:
+    def score(self, request: ScheduleRequest, worker: WorkerRecord, load: LoadView) -> float:
         w = self.weights
         locality, token_load, kv_headroom = self._scorers(request, worker, load)
         w_locality = 0.0 if worker.role == ROLE_DECODE else w.prefix_locality

@@ -36,7 +36,7 @@ from tandem.router.budget import BudgetConfig, BudgetView
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
 from tandem.router.metrics import NullRouterMetrics, RouterMetrics
-from tandem.router.policy import RoutingPolicy, ScheduleInput, ScoredWorker
+from tandem.router.policy import RoutingPolicy, ScheduleRequest, ScoredWorker
 from tandem.router.replica_sync import ReplicaSync
 from tandem.router.reservations import Reservation, ReservationTable
 
@@ -78,7 +78,7 @@ class QueueConfig:
 class _Pending:
     """A request being placed, with its block hashes per engine configuration (computed once)."""
 
-    request: ScheduleInput
+    request: ScheduleRequest
     hashes: dict[tuple[int, str], list[int]] = field(default_factory=dict)
 
 
@@ -139,7 +139,7 @@ class Scheduler:
 
     # -- Schedule ----------------------------------------------------------------
 
-    async def schedule(self, request: ScheduleInput) -> PlacementDecision:
+    async def schedule(self, request: ScheduleRequest) -> PlacementDecision:
         """Choose and reserve a (prefill, decode) pair for ``request``.
 
         Raises InvalidRequestError (bad input, or ``code="model_not_found"``
@@ -156,7 +156,7 @@ class Scheduler:
         finally:
             self._metrics.observe_schedule(time.perf_counter() - started_s, outcome=outcome)
 
-    async def _schedule(self, request: ScheduleInput) -> PlacementDecision:
+    async def _schedule(self, request: ScheduleRequest) -> PlacementDecision:
         if not request.request_id:
             raise InvalidRequestError("request_id is required", param="request_id", code="invalid_request")
         if not request.model:
@@ -193,7 +193,7 @@ class Scheduler:
                         self._index.remove_worker(worker_id)
         return workers
 
-    def place_now(self, request: ScheduleInput, workers: Sequence[WorkerRecord]) -> PlacementDecision:
+    def place_now(self, request: ScheduleRequest, workers: Sequence[WorkerRecord]) -> PlacementDecision:
         """One placement decision without queueing or I/O (benchmarks, tests); NoCapacityError when no budget."""
         try:
             return self._place(_Pending(request), workers)
@@ -263,14 +263,14 @@ class Scheduler:
                     cached[worker_id] = min(num_blocks * key[0], num_tokens - 1)
         return cached
 
-    def _num_candidates(self, request: ScheduleInput, workers: Sequence[WorkerRecord], role: str) -> int:
+    def _num_candidates(self, request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> int:
         return sum(
             1
             for w in workers
             if w.role == role and w.model == request.model and w.worker_id not in request.exclude_worker_ids
         )
 
-    def _check_servable(self, request: ScheduleInput, workers: Sequence[WorkerRecord]) -> None:
+    def _check_servable(self, request: ScheduleRequest, workers: Sequence[WorkerRecord]) -> None:
         for role in (ROLE_PREFILL, ROLE_DECODE):
             if not self._num_candidates(request, workers, role):
                 raise self._no_worker_error(request, workers, role)
@@ -401,7 +401,7 @@ class Scheduler:
         )
 
     @staticmethod
-    def _no_worker_error(request: ScheduleInput, workers: Sequence[WorkerRecord], role: str) -> TandemError:
+    def _no_worker_error(request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> TandemError:
         served_models = sorted({w.model for w in workers})
         if served_models and request.model not in served_models:
             return InvalidRequestError(

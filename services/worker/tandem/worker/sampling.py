@@ -13,21 +13,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tandem.common.sampling_options import OPTIONAL_SCALAR_FIELDS
 from tandem.v1 import common_pb2
-
-#: Options that fall back to the model's generation defaults (its
-#: ``generation_config.json``, read by vLLM's ``ModelConfig.get_diff_sampling_param``)
-#: when the client sets none, as vLLM's own OpenAI server does.
-MODEL_DEFAULTED = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
-_OPTIONAL_PASSTHROUGH = (*MODEL_DEFAULTED, "seed", "skip_special_tokens", "spaces_between_special_tokens")
 
 
 def sampling_kwargs(
@@ -37,7 +24,7 @@ def sampling_kwargs(
     model_defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``SamplingParams`` (except ``structured_outputs``: see
-    :func:`structured_output_kwargs`). Unset options take the model's default, then vLLM's."""
+    :func:`structured_output_spec`). Unset options take the model's default, then vLLM's."""
     defaults = model_defaults or {}
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -45,7 +32,10 @@ def sampling_kwargs(
         "min_tokens": min(options.min_tokens, max_tokens),
         "include_stop_str_in_output": options.include_stop_str_in_output,
     }
-    for name in _OPTIONAL_PASSTHROUGH:
+    # An option the client left unset takes the model's generation default (its
+    # generation_config.json, read by vLLM's ModelConfig.get_diff_sampling_param) if
+    # it has one, else vLLM's: as vLLM's own OpenAI server does.
+    for name in OPTIONAL_SCALAR_FIELDS:
         if options.HasField(name):
             kwargs[name] = getattr(options, name)
         elif name in defaults:
@@ -56,8 +46,6 @@ def sampling_kwargs(
         kwargs["stop_token_ids"] = [int(t) for t in options.stop_token_ids]
     if options.logit_bias:
         kwargs["logit_bias"] = {int(t): float(b) for t, b in options.logit_bias.items()}
-    if options.HasField("logprobs"):
-        kwargs["logprobs"] = int(options.logprobs)
     return kwargs
 
 
