@@ -44,3 +44,23 @@ async def serving(app: Any, **config: Any) -> AsyncIterator[int]:
         server.should_exit = True
         await task
         sock.close()
+
+
+def http_scope(path: str, headers: dict[str, str] | None = None, *, method: str = "POST") -> dict[str, Any]:
+    """The ASGI scope a server builds for one HTTP/1.1 request to ``path`` (JSON body), for tests
+    that drive an app by hand (``await app(scope, receive, send)``) to control each message."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"gateway"), (b"content-type", b"application/json")]
+        + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 80),
+    }

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from tandem.gateway.api.validation import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
 from tandem.gateway.http_server import guarded_protocol
 from tandem.gateway.settings import HttpSettings
-from tests.kit.net import serving
+from tests.kit.net import http_scope, serving
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -155,20 +155,7 @@ async def test_client_gone_while_sending_its_body_is_no_server_error(
     async def send(message: dict[str, Any]) -> None:
         messages.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": CHAT,
-        "raw_path": CHAT.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 2),
-    }
+    scope = http_scope(CHAT)
     with caplog.at_level(logging.INFO):
         await stack.app(scope, receive, send)
     assert messages[0]["status"] == 499

@@ -75,45 +75,33 @@ async def test_conversation_continues_with_only_the_new_message(edge: Any, promp
 
 
 async def test_context_trimming_drops_oldest_turns_then_refuses(prompt_tokenizer: Any) -> None:
+    from tandem.common.errors import InvalidRequestError
+
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": "one two three four"} for i in range(9)]
     turns[-1] = {"role": "user", "content": "five"}
     rules = PromptRules(system_prompt="hello")
-    full = await assemble_chat(
-        prompt_tokenizer,
-        rules=rules,
-        history=[],
-        client_messages=turns,
-        requested_max_tokens=4,
-        default_max_tokens=4,
-        context_tokens=1000,
-    )
-    assert full.num_dropped_messages == 0
-    budget = len(full.prompt_ids) - 10 + 4  # too small by ten tokens: two turns (8 tokens each) must go
-    trimmed = await assemble_chat(
-        prompt_tokenizer,
-        rules=rules,
-        history=[],
-        client_messages=turns,
-        requested_max_tokens=4,
-        default_max_tokens=4,
-        context_tokens=budget,
-    )
-    assert trimmed.num_dropped_messages == 2
-    assert len(trimmed.prompt_ids) + 4 <= budget
-    assert trimmed.messages[0] == {"role": "system", "content": "hello"}  # the system block is never dropped
-    assert trimmed.messages[-1] == {"role": "user", "content": "five"}
-    from tandem.common.errors import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError) as refused:
-        await assemble_chat(
+    async def assemble(context_tokens: int) -> Any:
+        return await assemble_chat(
             prompt_tokenizer,
             rules=rules,
             history=[],
             client_messages=turns,
             requested_max_tokens=4,
             default_max_tokens=4,
-            context_tokens=12,
+            context_tokens=context_tokens,
         )
+
+    full = await assemble(1000)
+    assert full.num_dropped_messages == 0
+    budget = len(full.prompt_ids) - 10 + 4  # too small by ten tokens: two turns (8 tokens each) must go
+    trimmed = await assemble(budget)
+    assert trimmed.num_dropped_messages == 2
+    assert len(trimmed.prompt_ids) + 4 <= budget
+    assert trimmed.messages[0] == {"role": "system", "content": "hello"}  # the system block is never dropped
+    assert trimmed.messages[-1] == {"role": "user", "content": "five"}
+    with pytest.raises(InvalidRequestError) as refused:
+        await assemble(12)
     assert refused.value.code == "context_length_exceeded"
 
 

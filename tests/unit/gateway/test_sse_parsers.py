@@ -46,7 +46,7 @@ from tandem_loadtest.records import RequestRecord
 from tandem.gateway.app import build_app
 from tandem.gateway.metrics import GatewayMetrics
 from tests.kit.gateway import DecodeStep, FakeReadiness, placement
-from tests.kit.net import serving
+from tests.kit.net import http_scope, serving
 
 from .conftest import gateway_settings
 
@@ -123,21 +123,7 @@ class Recorded:
 async def record_stream(app: Any, body: dict[str, Any], headers: dict[str, str]) -> Recorded:
     """Run ``app`` on one request as an ASGI server would, keeping each body message apart."""
     raw = json.dumps(body).encode()
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"gateway"), (b"content-type", b"application/json")]
-        + [(k.lower().encode(), v.encode()) for k, v in headers.items()],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = http_scope("/v1/chat/completions", headers)
     request_sent, response_done = False, asyncio.Event()
     status: list[int] = []
     writes: list[bytes] = []

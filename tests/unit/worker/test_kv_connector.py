@@ -75,17 +75,23 @@ def make_side(
     shape: tuple[int, ...] = SHAPE,
     dtype: torch.dtype = torch.float32,
     fill: float | None = None,
+    **options: Any,
 ) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    """A KV server over ``LAYERS`` caches of ``shape`` (random, or all ``fill``); ``options`` go to WorkerSide
+    (``tls=``, ``max_chunk_bytes=``: two blocks of one layer per chunk unless given)."""
     side = WorkerSide(
-        model=model,
-        num_blocks=NUM_BLOCKS,
-        block_size_tokens=BLOCK,
-        tp_size=1,
-        tp_rank=0,
-        kv_host="127.0.0.1",
-        kv_port=port,
-        max_chunk_bytes=2 * 2 * BLOCK * 8 * 4,
-        pull_timeout_s=5,
+        **{
+            "model": model,
+            "num_blocks": NUM_BLOCKS,
+            "block_size_tokens": BLOCK,
+            "tp_size": 1,
+            "tp_rank": 0,
+            "kv_host": "127.0.0.1",
+            "kv_port": port,
+            "max_chunk_bytes": 2 * 2 * BLOCK * 8 * 4,
+            "pull_timeout_s": 5,
+            **options,
+        }
     )
     caches = {
         f"model.layers.{i}.self_attn.attn": (

@@ -13,37 +13,16 @@ import torch
 from tandem.common.tls import TLSSettings, channel
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
-from tandem.worker.kv_connector.worker_side import WorkerSide
 from tests.kit.net import free_port
 
 from ..certs import make_pki
-from .test_kv_connector import BLOCK, LAYERS, NUM_BLOCKS, SHAPE, make_handle, wait_until
-
-
-def _side(port: int, tls: TLSSettings, fill: float | None = None) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
-    side = WorkerSide(
-        model="m",
-        num_blocks=NUM_BLOCKS,
-        block_size_tokens=BLOCK,
-        tp_size=1,
-        tp_rank=0,
-        kv_host="127.0.0.1",
-        kv_port=port,
-        max_chunk_bytes=1 << 20,
-        pull_timeout_s=5,
-        tls=tls,
-    )
-    caches = {
-        f"layers.{i}.attn": torch.randn(SHAPE) if fill is None else torch.full(SHAPE, fill) for i in range(LAYERS)
-    }
-    side.register_kv_caches(caches)
-    return side, caches
+from .test_kv_connector import make_handle, make_side, wait_until
 
 
 def test_blocks_move_over_mutual_tls_and_strangers_are_refused(tmp_path: Path) -> None:
     trusted, stranger = make_pki(tmp_path)
-    prefill, p_caches = _side(free_port(), trusted)
-    decode, d_caches = _side(free_port(), trusted, fill=0.0)
+    prefill, p_caches = make_side(free_port(), tls=trusted, max_chunk_bytes=1 << 20)
+    decode, d_caches = make_side(free_port(), fill=0.0, tls=trusted, max_chunk_bytes=1 << 20)
     try:
         handle = make_handle((3,), num_tokens=4, kv_address=prefill._bind)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))

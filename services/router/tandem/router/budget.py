@@ -2,7 +2,9 @@
 
 :class:`tandem.router.scheduler.Scheduler` builds a :class:`BudgetView` for
 every decision; the policies (:mod:`tandem.router.policy`) filter on
-:meth:`BudgetView.fits` and score on :meth:`BudgetView.load_fraction`.
+:meth:`BudgetView.fits` and score on :meth:`BudgetView.busy_fraction` and
+:meth:`BudgetView.kv_fullness` (the cache-aware policy) or the number of
+requests in flight (least-loaded).
 
 * Prefill capacity is a number of *uncached prompt tokens in flight*
   (``prefill_tokens_in_flight``): what the engine must compute, not what it
