@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -25,14 +23,8 @@ import pytest_asyncio
 from tandem.common.errors import RetryableError
 from tandem.common.router_client import RouterClient
 from tandem.local.simulated_worker import SimulatedCluster, SimulatedLatencyModel, SimulatedWorkerConfig
-from tests.integration.test_router_ray import (
-    REDIS_URL,
-    _delete_keys,
-    _stop,
-    _wait_for_ready_line,
-    free_port,
-    redis_is_up,
-)
+from tests.integration.test_router_ray import REDIS_URL, redis_is_up
+from tests.kit.router import RouterProcess, router_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(400)]
 
@@ -40,39 +32,21 @@ MODEL = "simulated-model"
 REPLICA_TITLE = "ServeReplica:tandem-router:Router"
 
 
-class Router:
-    def __init__(self, proc: subprocess.Popen[bytes], address: str, key_prefix: str, log_path: Path) -> None:
-        self.proc, self.address, self.key_prefix, self.log_path = proc, address, key_prefix, log_path
-
-
 @pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     if not redis_is_up():
         pytest.skip(f"Redis not reachable at {REDIS_URL}")
-    grpc_port, http_port = free_port(), free_port()
-    key_prefix = f"tandem-test-failover-{uuid.uuid4().hex[:8]}"
-    log_path = tmp_path_factory.mktemp("router-failover") / "router.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("TANDEM_ROUTER_")}
-    env.update(
-        TANDEM_ROUTER_GRPC_PORT=str(grpc_port),
-        TANDEM_ROUTER_HTTP_PORT=str(http_port),
-        TANDEM_ROUTER_REDIS__URL=REDIS_URL,
-        TANDEM_ROUTER_REGISTRY__KEY_PREFIX=key_prefix,
-        TANDEM_ROUTER_NUM_REPLICAS="2",
-        TANDEM_ROUTER_RAY_NUM_CPUS="2",
-    )
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.router"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_for_ready_line(proc, log_path)
-        yield Router(proc, f"127.0.0.1:{grpc_port}", key_prefix, log_path)
-    finally:
-        _stop(proc, log_path)
-        _delete_keys(key_prefix)
+    with router_process(
+        tmp_path_factory.mktemp("router-failover"),
+        REDIS_URL,
+        key_prefix=f"tandem-test-failover-{uuid.uuid4().hex[:8]}",
+        NUM_REPLICAS="2",
+    ) as process:
+        yield process
 
 
 @pytest_asyncio.fixture
-async def cluster(router: Router) -> AsyncIterator[SimulatedCluster]:
+async def cluster(router: RouterProcess) -> AsyncIterator[SimulatedCluster]:
     configs = [
         SimulatedWorkerConfig(
             worker_id=f"simulated-{role}-{i}",
@@ -140,7 +114,7 @@ async def schedule_with_retries(client: RouterClient, request_id: str, errors: C
     raise AssertionError(f"{request_id} never placed; errors {errors}")
 
 
-async def test_killing_one_replica_loses_no_retryable_request(router: Router, cluster: SimulatedCluster) -> None:
+async def test_killing_one_replica_loses_no_retryable_request(router: RouterProcess, cluster: SimulatedCluster) -> None:
     pids = replica_pids(router.proc.pid)
     assert len(pids) == 2, f"expected two replica processes, found {pids}"
     errors: Counter[str] = Counter()

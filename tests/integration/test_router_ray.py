@@ -10,18 +10,11 @@ reservations left by one test do not steer another.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -31,11 +24,9 @@ import redis
 from tandem.common.errors import InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord, WorkerRegistry
 from tandem.common.router_client import RouterClient
-from tests.kit.net import free_port
+from tests.kit.router import RouterProcess, router_process
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-STARTUP_TIMEOUT_S = 180.0
-STOP_TIMEOUT_S = 30.0
 #: The router reads the registry at most this often (TANDEM_ROUTER_REGISTRY_REFRESH_INTERVAL_S default).
 REFRESH_INTERVAL_S = 0.5
 WORKER_TTL_S = 2.0
@@ -51,73 +42,18 @@ def redis_is_up() -> bool:
         return False
 
 
-@dataclass
-class RouterProcess:
-    address: str
-    key_prefix: str
-    metrics_port: int
-    startup_s: float
-    ready_line: dict[str, object]
-
-
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     if not redis_is_up():
         pytest.skip(f"Redis not reachable at {REDIS_URL}")
-    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    key_prefix = f"tandem-test-router-{uuid.uuid4().hex[:8]}"
-    log_path = tmp_path_factory.mktemp("router") / "router.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("TANDEM_ROUTER_")}
-    env.update(
-        TANDEM_ROUTER_GRPC_PORT=str(grpc_port),
-        TANDEM_ROUTER_HTTP_PORT=str(http_port),
-        TANDEM_ROUTER_METRICS_PORT=str(metrics_port),
-        TANDEM_ROUTER_REDIS__URL=REDIS_URL,
-        TANDEM_ROUTER_REGISTRY__KEY_PREFIX=key_prefix,
-        TANDEM_ROUTER_REGISTRY__TTL_S=str(WORKER_TTL_S),
-        TANDEM_ROUTER_REGISTRY_REFRESH_INTERVAL_S=str(REFRESH_INTERVAL_S),
-        TANDEM_ROUTER_RAY_NUM_CPUS="2",
-    )
-    started_s = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.router"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        ready = _wait_for_ready_line(proc, log_path)
-        yield RouterProcess(f"127.0.0.1:{grpc_port}", key_prefix, metrics_port, time.monotonic() - started_s, ready)
-    finally:
-        _stop(proc, log_path)
-        _delete_keys(key_prefix)
-
-
-def _wait_for_ready_line(proc: subprocess.Popen[bytes], log_path: Path) -> dict[str, object]:
-    deadline_s = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline_s:
-        for line in log_path.read_text(errors="replace").splitlines():
-            if line.startswith("{") and '"router ready"' in line:
-                ready: dict[str, object] = json.loads(line)
-                return ready
-        if proc.poll() is not None:
-            pytest.fail(f"router exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.25)
-    pytest.fail(f"router not ready after {STARTUP_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-4000:]}")
-
-
-def _stop(proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-            pytest.fail(f"router ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-4000:]}")
-
-
-def _delete_keys(key_prefix: str) -> None:
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(f"{key_prefix}:*"))
-    if keys:
-        client.delete(*keys)
+    with router_process(
+        tmp_path_factory.mktemp("router"),
+        REDIS_URL,
+        key_prefix=f"tandem-test-router-{uuid.uuid4().hex[:8]}",
+        REGISTRY__TTL_S=str(WORKER_TTL_S),
+        REGISTRY_REFRESH_INTERVAL_S=str(REFRESH_INTERVAL_S),
+    ) as process:
+        yield process
 
 
 class FakeWorkers:

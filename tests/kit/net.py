@@ -64,3 +64,24 @@ def http_scope(path: str, headers: dict[str, str] | None = None, *, method: str 
         "client": ("127.0.0.1", 40000),
         "server": ("127.0.0.1", 80),
     }
+
+
+async def start_stream_then_stop_reading(
+    host: str, port: int, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> socket.socket:
+    """POSTs ``body`` over a socket with a 4 KiB receive buffer, waits for the ``200 OK``, and
+    returns the socket for the caller to close: a client that stopped reading its stream."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, port))
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+    await loop.sock_sendall(
+        sock,
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{extra}".encode()
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body,
+    )
+    assert b"200 OK" in await asyncio.wait_for(loop.sock_recv(sock, 1024), 10)
+    return sock

@@ -1,18 +1,30 @@
-"""A ``tandem.v1.Router`` gRPC servicer and the server around it: stands in for
-the router deployment in tests of its clients (``RouterClient``, the gateway)."""
+"""The router for tests: a ``tandem.v1.Router`` gRPC servicer and the server
+around it, standing in for the deployment in tests of its clients
+(``RouterClient``, the gateway); and the real router as a process
+(:func:`router_process`) for the integration tests."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
+import redis
 
 from tandem.common.errors import TandemError
 from tandem.common.router_wire import status_for_error
 from tandem.v1 import router_pb2, router_pb2_grpc
+from tests.kit.net import free_port
 
 #: What the servicer hands out unless told otherwise.
 DEFAULT_PLACEMENT = router_pb2.Placement(
@@ -74,3 +86,80 @@ async def serving_router(servicer: FakeRouterServicer) -> AsyncIterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop(grace=None)
+
+
+#: A router process (Ray, Serve, two replicas at most) is ready within this on a busy 2-core machine.
+ROUTER_STARTUP_TIMEOUT_S = 180.0
+ROUTER_STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class RouterProcess:
+    """``python -m tandem.router`` started by :func:`router_process`."""
+
+    proc: subprocess.Popen[bytes]
+    address: str
+    key_prefix: str
+    metrics_port: int
+    log_path: Path
+    startup_s: float
+    #: The router's own JSON "router ready" log line.
+    ready_line: dict[str, object]
+
+
+@contextmanager
+def router_process(log_dir: Path, redis_url: str, *, key_prefix: str, **settings: str) -> Iterator[RouterProcess]:
+    """The real router (Ray Serve) on free ports, its registry under ``key_prefix``; ``settings`` are
+    more of its environment variables without the ``TANDEM_ROUTER_`` prefix (``NUM_REPLICAS="2"``).
+    Stopped with SIGTERM (a router that ignores it fails the test) and its Redis keys deleted."""
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("TANDEM_ROUTER_")}
+    env.update(
+        TANDEM_ROUTER_GRPC_PORT=str(grpc_port),
+        TANDEM_ROUTER_HTTP_PORT=str(http_port),
+        TANDEM_ROUTER_METRICS_PORT=str(metrics_port),
+        TANDEM_ROUTER_REDIS__URL=redis_url,
+        TANDEM_ROUTER_REGISTRY__KEY_PREFIX=key_prefix,
+        TANDEM_ROUTER_RAY_NUM_CPUS="2",
+    )
+    env.update({f"TANDEM_ROUTER_{name}": value for name, value in settings.items()})
+    log_path = log_dir / "router.log"
+    started_s = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.router"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        ready = _wait_for_ready_line(proc, log_path)
+        yield RouterProcess(
+            proc, f"127.0.0.1:{grpc_port}", key_prefix, metrics_port, log_path, time.monotonic() - started_s, ready
+        )
+    finally:
+        _stop(proc, log_path)
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(f"{key_prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def _wait_for_ready_line(proc: subprocess.Popen[bytes], log_path: Path) -> dict[str, object]:
+    deadline_s = time.monotonic() + ROUTER_STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline_s:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{") and '"router ready"' in line:
+                ready: dict[str, object] = json.loads(line)
+                return ready
+        if proc.poll() is not None:
+            pytest.fail(f"router exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.25)
+    pytest.fail(f"router not ready after {ROUTER_STARTUP_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-4000:]}")
+
+
+def _stop(proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=ROUTER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            pytest.fail(f"router ignored SIGTERM for {ROUTER_STOP_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-4000:]}")

@@ -21,6 +21,7 @@ from tandem.gateway.app import build_app
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.sse import HEARTBEAT as HEARTBEAT_BYTES
 from tests.kit.gateway import DecodeStep, FakeReadiness, placement
+from tests.kit.net import start_stream_then_stop_reading
 from tests.kit.redis import start_redis
 
 from .conftest import gateway_settings
@@ -98,19 +99,10 @@ async def test_slow_reader_is_cut_off_and_its_generation_cancelled(edge: Any, ed
     key = await edge.tenant("acme")
     edge.decode.decode_steps = [DecodeStep("x" * 65536, [5]) for _ in range(500)]  # ~32 MB if all were sent
     host, port = edge_url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    loop = asyncio.get_running_loop()
-    await loop.sock_connect(sock, (host, int(port)))
     body = json.dumps(chat(stream=True, max_tokens=40)).encode()
-    await loop.sock_sendall(
-        sock,
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-        + body,
+    sock = await start_stream_then_stop_reading(
+        host, int(port), "/v1/chat/completions", body, {"Authorization": f"Bearer {key}"}
     )
-    assert b"200 OK" in await asyncio.wait_for(loop.sock_recv(sock, 1024), 10)
     # ... and never read again.
     # The generation is cancelled: the decode call is dropped and both workers get Abort (KV freed).
     await wait(edge.decode.aborted_event, 20)

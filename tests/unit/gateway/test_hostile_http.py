@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,7 +21,7 @@ from pydantic import ValidationError
 from tandem.gateway.api.validation import MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest
 from tandem.gateway.http_server import guarded_protocol
 from tandem.gateway.settings import HttpSettings
-from tests.kit.net import http_scope, serving
+from tests.kit.net import http_scope, serving, start_stream_then_stop_reading
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -389,18 +388,7 @@ async def test_a_capped_send_buffer_lets_the_stream_notice_a_client_that_never_r
     )
     body = json.dumps(chat(stream=True, max_tokens=40)).encode()
     async with app.router.lifespan_context(app), guarded_server(app, send_buffer_bytes=4096) as (host, port):
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        loop = asyncio.get_running_loop()
-        await loop.sock_connect(sock, (host, port))
-        await loop.sock_sendall(
-            sock,
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body,
-        )
-        assert b"200 OK" in await asyncio.wait_for(loop.sock_recv(sock, 1024), 10)
+        sock = await start_stream_then_stop_reading(host, port, "/v1/chat/completions", body)
         # ... and never read again: cut off, and the generation cancelled, long before 600 steps.
         await wait(decode.aborted_event, 10)
         assert metrics.registry.get_sample_value("tandem_gateway_slow_reader_disconnects_total") == 1
