@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from tandem.common.errors import BackendUnavailableError, RetryableError
 from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerLoad, WorkerRecord, WorkerRegistry
 from tests.kit.net import free_port
+from tests.kit.redis import delete_prefix
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 SHORT_TTL_S = 0.3
@@ -57,9 +58,7 @@ async def redis_client() -> AsyncIterator[aioredis.Redis]:
 async def key_prefix(redis_client: aioredis.Redis) -> AsyncIterator[str]:
     prefix = f"tandem-test-registry-{uuid.uuid4().hex[:12]}"
     yield prefix
-    keys = [key async for key in redis_client.scan_iter(match=f"{prefix}:*")]
-    if keys:
-        await redis_client.delete(*keys)
+    await delete_prefix(redis_client, prefix)
 
 
 @pytest.fixture

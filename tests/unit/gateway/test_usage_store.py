@@ -10,6 +10,7 @@ import pytest
 
 from tandem.gateway.redis_client import connect
 from tandem.gateway.usage import UsageRecord, UsageStore
+from tests.kit.redis import delete_prefix
 
 
 def _record(request_id: str = "") -> UsageRecord:
@@ -35,8 +36,7 @@ async def test_a_retried_record_counts_once() -> None:
         }
         assert await store.tenants() == ["acme"]
     finally:
-        async for key in client.scan_iter(match=f"{prefix}:*"):
-            await client.delete(key)
+        await delete_prefix(client, prefix)
         await client.aclose()
 
 

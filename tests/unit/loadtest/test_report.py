@@ -17,7 +17,7 @@ from tandem_loadtest.replicas import from_operator_log, from_prometheus
 from tandem_loadtest.report import build_report, load_report, markdown_summary, records_of, write_report
 from tandem_loadtest.runner import RunResult
 
-from .fake_server import FakeServer
+from tests.kit.openai_server import FakeOpenAIServer
 
 
 def _ok(i: int, send_s: float, ttft_s: float, n: int, label: str, tenant: str) -> RequestRecord:
@@ -106,7 +106,7 @@ def test_replicas_from_prometheus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cli_run_compare_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                   capsys: pytest.CaptureFixture[str]) -> None:
-    server = FakeServer()
+    server = FakeOpenAIServer()
     real_client = httpx.AsyncClient
 
     def client_with_fake(*args: object, **kwargs: object) -> httpx.AsyncClient:

@@ -13,7 +13,7 @@ from tandem_loadtest.runner import RunConfig, run_load
 from tandem_loadtest.tenants import TenantConfig
 from tandem_loadtest.workloads import WorkloadOptions
 
-from .fake_server import FakeServer
+from tests.kit.openai_server import FakeOpenAIServer
 
 SMALL = WorkloadOptions(input_tokens=LengthDist.parse("16"), output_tokens=LengthDist.parse("5"))
 
@@ -32,7 +32,7 @@ def config(**overrides: object) -> RunConfig:
 
 
 async def test_count_bound_and_fixed_concurrency() -> None:
-    server = FakeServer()
+    server = FakeOpenAIServer()
     result = await run_load(config(arrival=FixedConcurrency(3), num_requests=9), transport=server.transport())
     assert len(result.records) == 9 and len(server.requests) == 9
     assert server.max_in_flight == 3
@@ -46,7 +46,7 @@ async def test_count_bound_and_fixed_concurrency() -> None:
 
 
 async def test_duration_bound_stops_issuing() -> None:
-    server = FakeServer()
+    server = FakeOpenAIServer()
     started = time.perf_counter()
     result = await run_load(config(arrival=ConstantArrivals(20.0), num_requests=None, duration_s=0.5,
                                    ignore_eos=True), transport=server.transport())
@@ -59,7 +59,7 @@ async def test_duration_bound_stops_issuing() -> None:
 
 
 async def test_bursts_and_max_concurrency_cap() -> None:
-    server = FakeServer(ttft_s=0.05)
+    server = FakeOpenAIServer(ttft_s=0.05)
     result = await run_load(config(arrival=BurstArrivals(6, 10.0), num_requests=6, max_concurrency=2),
                             transport=server.transport())
     assert len(result.records) == 6 and server.max_in_flight == 2
@@ -69,14 +69,14 @@ async def test_bursts_and_max_concurrency_cap() -> None:
 
 
 async def test_poisson_open_loop_runs() -> None:
-    server = FakeServer()
+    server = FakeOpenAIServer()
     result = await run_load(config(arrival=PoissonArrivals(50.0), num_requests=10, seed=3),
                             transport=server.transport())
     assert [r.status for r in result.records] == ["ok"] * 10
 
 
 async def test_429_errors_and_cancellations_are_counted_apart() -> None:
-    server = FakeServer(ttft_s=0.01, gap_s=0.05)
+    server = FakeOpenAIServer(ttft_s=0.01, gap_s=0.05)
     tenants = [
         TenantConfig("ok", "sk-ok", {"synthetic": 1.0}),
         TenantConfig("limited", "sk-429", {"synthetic": 1.0}),
@@ -103,7 +103,7 @@ async def test_429_errors_and_cancellations_are_counted_apart() -> None:
 
 
 async def test_chat_sessions_send_growing_history() -> None:
-    server = FakeServer()
+    server = FakeOpenAIServer()
     opts = WorkloadOptions(output_tokens=LengthDist.parse("3"), chat_turns=LengthDist.parse("4"),
                            chat_max_sessions=1)
     await run_load(config(tenants=[TenantConfig("a", "k", {"chat": 1.0})], workload=opts,

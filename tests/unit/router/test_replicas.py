@@ -17,6 +17,7 @@ from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.replica_sync import ReplicaSync
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import QueueConfig, Scheduler
+from tests.kit.redis import delete_prefix
 from tests.kit.workers import StaticView
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -32,9 +33,7 @@ async def prefix() -> AsyncIterator[str]:
     key_prefix = f"tandem-test-replicas-{uuid.uuid4().hex[:8]}"
     yield key_prefix
     client = aioredis.Redis.from_url(REDIS_URL)
-    keys = [k async for k in client.scan_iter(match=f"{key_prefix}:*")]
-    if keys:
-        await client.delete(*keys)
+    await delete_prefix(client, key_prefix)
     await client.aclose()
 
 

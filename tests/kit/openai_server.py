@@ -17,7 +17,7 @@ import httpx
 
 
 @dataclass
-class FakeServer:
+class FakeOpenAIServer:
     ttft_s: float = 0.02
     gap_s: float = 0.005
     requests: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
