@@ -55,7 +55,7 @@ empty :=
 space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS) $(TOOL_DIRS))
 
-.PHONY: help setup protos model lint test faults run clean distclean redis bench-path
+.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -145,6 +145,10 @@ run: setup  ## start the local stack; prints the gateway URL and a curl line whe
 
 bench-path: setup redis  ## disaggregated path vs plain vLLM side by side: TTFT, ITL, KV transfer GB/s, start-up
 	$(PY) benchmarks/request_path.py
+
+BENCH_KV_ARGS ?= --engines
+bench-kv: setup redis  ## KV pull vs loopback TCP vs a bare gRPC stream, where the pull's time goes, second-token gap
+	$(PY) benchmarks/kv_transfer.py $(BENCH_KV_ARGS)
 
 clean:  ## remove generated stubs, stamps, caches and build outputs (keeps .venv and the model cache)
 	rm -rf $(STAMP_DIR) reports build dist .pytest_cache .mypy_cache .ruff_cache

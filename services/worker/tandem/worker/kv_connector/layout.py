@@ -1,7 +1,8 @@
 """What one KV block of one layer looks like in memory.
 
 Two engines can exchange blocks only when model, dtype, block size, number of
-layers, block shape and tensor-parallel size are all equal; anything else is
+layers, block shape, tensor-parallel size and the block dimension's place in
+the cache tensor are all equal; anything else is
 refused with :class:`tandem.common.errors.KVLayoutMismatchError` before a
 single byte moves."""
 
@@ -23,6 +24,9 @@ class KVLayout:
     #: Shape of ``kv_layer[block_id]`` (one block of one layer).
     block_shape: tuple[int, ...]
     tp_size: int = 1
+    #: Which dimension of a layer's cache tensor indexes blocks (the wire keeps the cache's
+    #: dimension order, see :mod:`wire`, so both sides must agree on it).
+    block_dim: int = 0
 
     @property
     def block_numel(self) -> int:
@@ -39,6 +43,7 @@ class KVLayout:
             "num_layers": self.num_layers,
             "block_shape": list(self.block_shape),
             "tp_size": self.tp_size,
+            "block_dim": self.block_dim,
         }
 
     @classmethod
@@ -50,6 +55,7 @@ class KVLayout:
             num_layers=int(data["num_layers"]),
             block_shape=tuple(int(d) for d in data["block_shape"]),
             tp_size=int(data.get("tp_size", 1)),
+            block_dim=int(data.get("block_dim", 0)),
         )
 
     def to_proto(self) -> common_pb2.KVLayout:
@@ -60,6 +66,7 @@ class KVLayout:
             num_layers=self.num_layers,
             block_shape=list(self.block_shape),
             tp_size=self.tp_size,
+            block_dim=self.block_dim,
         )
 
     @classmethod
@@ -71,13 +78,14 @@ class KVLayout:
             num_layers=msg.num_layers,
             block_shape=tuple(msg.block_shape),
             tp_size=msg.tp_size or 1,
+            block_dim=msg.block_dim,
         )
 
     def check_compatible(self, other: KVLayout) -> None:
         """Raise :class:`KVLayoutMismatchError` naming every field that differs."""
         diffs = [
             f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
-            for name in ("model", "dtype", "block_size_tokens", "num_layers", "block_shape", "tp_size")
+            for name in ("model", "dtype", "block_size_tokens", "num_layers", "block_shape", "tp_size", "block_dim")
             if getattr(self, name) != getattr(other, name)
         ]
         if diffs:

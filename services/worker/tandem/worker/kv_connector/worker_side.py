@@ -27,6 +27,7 @@ from tandem.common.errors import KVLayoutMismatchError
 from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, TLSSettings, add_port
 from tandem.common.tls import channel as tls_channel
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from tandem.worker.kv_connector import wire
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
 from tandem.worker.kv_connector.params import KVHandleParams, external_request_id
@@ -40,7 +41,7 @@ _GRPC_OPTIONS = [
 #: Client channels to other engines' KV servers: a prefill worker restarted on the same address is
 #: dialled again within two seconds (gRPC's default backoff grows to two minutes).
 _CLIENT_OPTIONS = [*_GRPC_OPTIONS, *RECONNECT_BACKOFF_OPTIONS]
-#: How long PullBlocks waits for a hold the scheduler has not announced yet.
+#: How long PullBlockBytes waits for a hold the scheduler has not announced yet.
 _HOLD_ANNOUNCE_WAIT_S = 5.0
 _MAX_REQUEST_RECORDS = 4096
 
@@ -140,13 +141,16 @@ class WorkerSide:
             num_layers=len(layers),
             block_shape=block_shape,
             tp_size=self._tp_size,
+            block_dim=self._block_dim,
         )
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tandem-kv-serve"),
             # so_reuseport off: a port someone else holds must fail the bind, not share its traffic.
             options=[*_GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
         )
-        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(_KVTransferServicer(self), server)
+        servicer = _KVTransferServicer(self)
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
+        server.add_generic_rpc_handlers((servicer.pull_handler(),))
         if add_port(server, self._bind, self._tls) == 0:
             raise RuntimeError(f"KV transfer server cannot bind {self._bind}")
         server.start()
@@ -224,22 +228,13 @@ class WorkerSide:
                 self._done_sending.add(req_id)
             return hold is not None
 
-    def read_chunks(self, block_ids: list[int], max_chunk_bytes: int) -> Iterator[kv_transfer_pb2.KVChunk]:
-        """All requested blocks, layer by layer, in chunks under ``max_chunk_bytes``."""
+    def read_chunks(self, block_ids: list[int], max_chunk_bytes: int) -> Iterator[bytes]:
+        """All requested blocks as :mod:`wire` chunks, in wire order."""
         assert self.layout is not None
         block_bytes = self.layout.block_numel * self._layers[0][1].element_size()
-        per_chunk = max(1, max_chunk_bytes // block_bytes)
-        for layer_index, (_, tensor) in enumerate(self._layers):
-            for first in range(0, len(block_ids), per_chunk):
-                ids = block_ids[first : first + per_chunk]
-                index = torch.tensor(ids, dtype=torch.long)
-                data = tensor.index_select(self._block_dim, index).movedim(self._block_dim, 0).contiguous()
-                yield kv_transfer_pb2.KVChunk(
-                    layer_index=layer_index,
-                    first_block_index=first,
-                    num_blocks=len(ids),
-                    data=data.view(torch.uint8).numpy().tobytes(),
-                )
+        for chunk in wire.chunk_plan(len(self._layers), len(block_ids), block_bytes, max_chunk_bytes):
+            ids = block_ids[chunk.first : chunk.first + chunk.num_blocks]
+            yield wire.read_blocks(self._layers[chunk.layer_index][1], self._block_dim, ids)
 
     def count_sent(self, num_bytes: int, num_blocks: int) -> None:
         with self._lock:
@@ -271,14 +266,17 @@ class WorkerSide:
 
     # -- decode side: pulling ----------------------------------------------------
 
-    def _stub(self, handle: KVHandleParams) -> kv_transfer_pb2_grpc.KVTransferStub:
+    def _channel(self, handle: KVHandleParams) -> grpc.Channel:
         host, _, port = handle.kv_address.rpartition(":")
         address = f"{host}:{int(port) + self._tp_rank}"
         channel = self._channels.get(address)
         if channel is None:
             channel = tls_channel(address, self._tls, options=list(_CLIENT_OPTIONS))
             self._channels[address] = channel
-        return kv_transfer_pb2_grpc.KVTransferStub(channel)
+        return channel
+
+    def _stub(self, handle: KVHandleParams) -> kv_transfer_pb2_grpc.KVTransferStub:
+        return kv_transfer_pb2_grpc.KVTransferStub(self._channel(handle))
 
     def _load(self, spec: LoadSpec) -> None:
         assert self.layout is not None
@@ -286,10 +284,13 @@ class WorkerSide:
         num_bytes = 0
         record = kv_transfer_pb2.KVRequestStats(num_kv_tokens_loaded=spec.num_tokens)
         try:
-            stub = self._stub(spec.handle)
-            expected = len(spec.remote_block_ids) * self.layout.num_layers
-            received = 0
-            stream = stub.PullBlocks(
+            pull: grpc.UnaryStreamMultiCallable[kv_transfer_pb2.PullBlocksRequest, bytes]
+            pull = self._channel(spec.handle).unary_stream(
+                wire.PULL_METHOD,
+                request_serializer=kv_transfer_pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=None,  # raw bytes
+            )
+            stream = pull(
                 kv_transfer_pb2.PullBlocksRequest(
                     remote_request_id=spec.handle.remote_request_id,
                     block_ids=list(spec.remote_block_ids),
@@ -298,17 +299,18 @@ class WorkerSide:
                 ),
                 timeout=self._pull_timeout_s,
             )
-            dtype = self._layers[0][1].dtype
-            for chunk in stream:
-                _, tensor = self._layers[chunk.layer_index]
-                ids = spec.local_block_ids[chunk.first_block_index : chunk.first_block_index + chunk.num_blocks]
-                data = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(dtype)
-                data = data.view(chunk.num_blocks, *self.layout.block_shape).movedim(0, self._block_dim)
-                tensor.index_copy_(self._block_dim, torch.tensor(ids, dtype=torch.long), data)
-                num_bytes += len(chunk.data)
-                received += chunk.num_blocks
-            if received != expected:
-                raise RuntimeError(f"received {received} of {expected} layer-blocks")
+            block_bytes = self.layout.block_numel * self._layers[0][1].element_size()
+            plan = wire.chunk_plan(len(self._layers), len(spec.local_block_ids), block_bytes, self._max_chunk_bytes)
+            received = 0
+            for chunk, data in zip(plan, stream, strict=False):
+                ids = list(spec.local_block_ids[chunk.first : chunk.first + chunk.num_blocks])
+                wire.write_blocks(self._layers[chunk.layer_index][1], self._block_dim, ids, data)
+                num_bytes += len(data)
+                received += 1
+            if received != len(plan):
+                raise RuntimeError(f"received {received} of {len(plan)} chunks")
+            if next(iter(stream), None) is not None:
+                raise RuntimeError(f"the KV server sent more than the {len(plan)} chunks planned")
         except Exception as exc:
             message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             logger.error("KV load of %s from %s failed: %s", spec.request_id, spec.handle.kv_address, message)
@@ -356,7 +358,21 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         assert self._side.layout is not None
         return self._side.layout.to_proto()
 
-    def PullBlocks(self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext):  # type: ignore[no-untyped-def]
+    def pull_handler(self) -> grpc.GenericRpcHandler:
+        """``PullBlockBytes``: raw bytes out (see :mod:`wire`), so no response serializer."""
+        _, service, method = wire.PULL_METHOD.split("/")
+        return grpc.method_handlers_generic_handler(
+            service,
+            {
+                method: grpc.unary_stream_rpc_method_handler(
+                    self.pull_block_bytes, request_deserializer=kv_transfer_pb2.PullBlocksRequest.FromString
+                )
+            },
+        )
+
+    def pull_block_bytes(
+        self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
         side = self._side
         assert side.layout is not None
         try:
@@ -380,7 +396,7 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         max_chunk = request.max_chunk_bytes or 4 * 1024 * 1024
         total = 0
         for chunk in side.read_chunks(wanted, max_chunk):
-            total += len(chunk.data)
+            total += len(chunk)
             yield chunk
         side.count_sent(total, len(wanted))
 
