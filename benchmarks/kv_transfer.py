@@ -37,7 +37,7 @@ import socket
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -76,8 +76,7 @@ def _caches(dtype_name: str, seed: int | None) -> dict[str, Any]:
         return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=dtype) for i in range(NUM_LAYERS)}
     generator = torch.Generator().manual_seed(seed)
     return {
-        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=generator).to(dtype)
-        for i in range(NUM_LAYERS)
+        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=generator).to(dtype) for i in range(NUM_LAYERS)
     }
 
 
@@ -113,15 +112,21 @@ def _prefill_server(conn: Connection, port: int, dtype_name: str, max_chunk_byte
     side.shutdown()
 
 
-def _tcp_server(conn: Connection, num_bytes: int, repeats: int) -> None:
-    payload = bytes(num_bytes)
+def _tcp_server(conn: Connection, largest_bytes: int) -> None:
+    """Sends the byte count each connection asks for (8 bytes, little-endian), from one buffer."""
+    from tandem.worker.kv_connector import heap
+
+    heap.keep_message_buffers(4 << 20)  # as the pull's processes: the same allocator for all three
+    payload = memoryview(bytes(largest_bytes))
     with socket.create_server(("127.0.0.1", 0)) as server:
         conn.send(server.getsockname()[1])
-        for _ in range(repeats):
+        while True:
             peer, _ = server.accept()
             with peer:
-                peer.recv(1)
-                peer.sendall(payload)
+                wanted = int.from_bytes(peer.recv(8), "little")
+                if wanted == 0:
+                    return
+                peer.sendall(payload[:wanted])
 
 
 def _grpc_server(conn: Connection, chunk_bytes: int) -> None:
@@ -129,6 +134,9 @@ def _grpc_server(conn: Connection, chunk_bytes: int) -> None:
 
     import grpc
 
+    from tandem.worker.kv_connector import heap
+
+    heap.keep_message_buffers(chunk_bytes)  # as the pull's processes: the same allocator for all three
     chunk = bytes(chunk_bytes)
 
     def stream(request: bytes, context: Any) -> Iterator[bytes]:
@@ -160,110 +168,153 @@ def _start(target: Any, *args: Any) -> tuple[Any, Connection]:
     return proc, ours
 
 
-def measure_loopback_gbps(num_bytes: int, repeats: int) -> float:
-    proc, conn = _start(_tcp_server, num_bytes, repeats)
-    port = conn.recv()
-    buf = bytearray(num_bytes)
-    view = memoryview(buf)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(b"g")
-            got = 0
-            while got < num_bytes:
-                n = sock.recv_into(view[got:])
-                if n == 0:
-                    raise RuntimeError("loopback server closed early")
-                got += n
-        times.append(time.perf_counter() - started)
-    proc.join(timeout=10)
-    return num_bytes / statistics.median(times) / 1e9
-
-
-def measure_grpc_ceiling_gbps(num_bytes: int, chunk_bytes: int, repeats: int) -> float:
-    import grpc
-
-    proc, conn = _start(_grpc_server, chunk_bytes)
-    port = conn.recv()
-    options = [("grpc.max_receive_message_length", 64 << 20)]
-    buf = bytearray(num_bytes)
-    times = []
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-        call = channel.unary_stream(GRPC_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        list(call((1).to_bytes(8, "little")))  # connect and warm up
-        for _ in range(repeats):
-            started = time.perf_counter()
-            offset = 0
-            for message in call(num_bytes.to_bytes(8, "little")):
-                buf[offset : offset + len(message)] = message
-                offset += len(message)
-            times.append(time.perf_counter() - started)
-            assert offset == num_bytes
-    conn.send("stop")
-    proc.join(timeout=10)
-    return num_bytes / statistics.median(times) / 1e9
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def measure_pulls(dtype_name: str, max_chunk_bytes: int, repeats: int) -> dict[int, float]:
-    """Seconds per pull (median, from the decode side's own transfer record) by prompt size.
-    After every pull the decode cache's blocks must equal the prefill cache's, byte for byte."""
+@dataclass
+class Transport:
+    """Seconds per transfer of one prompt's KV bytes, one list per way of moving them."""
+
+    pull: list[float] = field(default_factory=list)
+    loopback: list[float] = field(default_factory=list)
+    grpc: list[float] = field(default_factory=list)
+
+    def gbps(self, num_bytes: int, way: str) -> float:
+        times: list[float] = getattr(self, way)
+        return num_bytes / statistics.median(times) / 1e9
+
+
+class _Loopback:
+    def __init__(self, largest_bytes: int) -> None:
+        self._proc, conn = _start(_tcp_server, largest_bytes)
+        self._port = conn.recv()
+        self._buf = memoryview(bytearray(largest_bytes))
+
+    def seconds(self, num_bytes: int) -> float:
+        started = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", self._port)) as sock:
+            sock.sendall(num_bytes.to_bytes(8, "little"))
+            got = 0
+            while got < num_bytes:
+                n = sock.recv_into(self._buf[got:num_bytes])
+                if n == 0:
+                    raise RuntimeError("loopback server closed early")
+                got += n
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        with socket.create_connection(("127.0.0.1", self._port)) as sock:
+            sock.sendall((0).to_bytes(8, "little"))
+        self._proc.join(timeout=10)
+
+
+class _GrpcCeiling:
+    def __init__(self, largest_bytes: int, chunk_bytes: int) -> None:
+        import grpc
+
+        self._proc, self._conn = _start(_grpc_server, chunk_bytes)
+        port = self._conn.recv()
+        self._channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
+        self._call = self._channel.unary_stream(
+            GRPC_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        self._buf = bytearray(largest_bytes)
+        list(self._call((1).to_bytes(8, "little")))  # connect and warm up
+
+    def seconds(self, num_bytes: int) -> float:
+        started = time.perf_counter()
+        offset = 0
+        for message in self._call(num_bytes.to_bytes(8, "little")):
+            self._buf[offset : offset + len(message)] = message
+            offset += len(message)
+        elapsed = time.perf_counter() - started
+        assert offset == num_bytes
+        return elapsed
+
+    def close(self) -> None:
+        self._channel.close()
+        self._conn.send("stop")
+        self._proc.join(timeout=10)
+
+
+def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> dict[int, Transport]:
+    """For each prompt size, ``repeats`` rounds of (pull, loopback TCP, gRPC ceiling) of its KV
+    bytes, the three ways interleaved so that the machine's noise falls on all of them alike.
+    A pull's time is the decode side's own record of its load (call, stream, copies into the
+    cache; not the Release sent after it).
+    The first pull of each size lands in a zeroed cache and must then equal the prefill cache's
+    blocks byte for byte; it is not timed."""
     import torch
 
     from tandem.worker.kv_connector.metadata import LoadSpec
     from tandem.worker.kv_connector.params import KVHandleParams
 
+    element_size = torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+    largest = Size(max(SIZES_TOKENS)).num_bytes(element_size)
     port = _free_port()
     request_ids = [f"bench-{n}-{i}" for n in SIZES_TOKENS for i in range(repeats + 1)]
     proc, conn = _start(_prefill_server, port, dtype_name, max_chunk_bytes, request_ids)
+    loopback, ceiling = _Loopback(largest), _GrpcCeiling(largest, max_chunk_bytes)
     assert conn.recv() == "ready"
     expected = _caches(dtype_name, SEED)
     decode = _side(_free_port(), max_chunk_bytes)
     caches = _caches(dtype_name, None)
     decode.register_kv_caches(caches)
-    seconds: dict[int, float] = {}
+    results: dict[int, Transport] = {}
     try:
         for num_tokens in SIZES_TOKENS:
             size = Size(num_tokens)
+            num_bytes = size.num_bytes(element_size)
             remote = tuple(range(size.num_blocks))
             # Land the blocks elsewhere than they came from, in reverse order: the ids really map.
             local = tuple(NUM_CACHE_BLOCKS - 1 - b for b in remote)
-            times = []
-            for i in range(repeats + 1):  # the first pull connects and warms up; not counted
+            transport = results[num_tokens] = Transport()
+            for i in range(repeats + 1):
                 rid = f"bench-{num_tokens}-{i}"
-                for tensor in caches.values():
-                    tensor.zero_()
                 handle = KVHandleParams("prefill", f"127.0.0.1:{port}", rid, remote, num_tokens, time.time() + 600)
                 decode._load(LoadSpec(f"{rid}-0123abcd", handle, remote, local, num_tokens))
                 record = decode.stats(rid).request
                 if record.failed:
                     raise RuntimeError(f"pull of {num_tokens} tokens failed: {record.error}")
-                if i:
-                    times.append(record.seconds)
-                index_remote, index_local = torch.tensor(remote), torch.tensor(local)
-                for name, tensor in caches.items():
-                    want = expected[name].index_select(1, index_remote)
-                    if not torch.equal(tensor.index_select(1, index_local).view(torch.uint8), want.view(torch.uint8)):
-                        raise AssertionError(f"pulled KV differs from the prefill side's in {name}")
-            seconds[num_tokens] = statistics.median(times)
+                if i == 0:
+                    _check_pulled(expected, caches, remote, local)
+                    continue
+                transport.pull.append(record.seconds)
+                transport.loopback.append(loopback.seconds(num_bytes))
+                transport.grpc.append(ceiling.seconds(num_bytes))
     finally:
         conn.send("stop")
         proc.join(timeout=10)
+        loopback.close()
+        ceiling.close()
         decode.shutdown()
-    return seconds
+    return results
+
+
+def _check_pulled(
+    expected: dict[str, Any], caches: dict[str, Any], remote: tuple[int, ...], local: tuple[int, ...]
+) -> None:
+    import torch
+
+    index_remote, index_local = torch.tensor(remote), torch.tensor(local)
+    for name, tensor in caches.items():
+        want = expected[name].index_select(1, index_remote)
+        if not torch.equal(tensor.index_select(1, index_local).view(torch.uint8), want.view(torch.uint8)):
+            raise AssertionError(f"pulled KV differs from the prefill side's in {name}")
+        tensor.view(torch.uint8).numpy().fill(0)  # the next size's check must not pass on this size's bytes
 
 
 def breakdown_s(dtype_name: str, num_tokens: int, max_chunk_bytes: int) -> dict[str, float]:
     """The pull's two copies for one prompt, each timed alone in this process (no network): the
-    prefill side reading blocks out of its cache into wire bytes, the decode side copying wire
-    bytes into its cache. They run in two processes at once, so the pull takes at least the
-    slower of the two plus what gRPC adds (the ceiling above)."""
+    prefill side writing blocks out of its cache as wire messages (each dropped once made, as
+    gRPC does once it has sent it), the decode side copying wire messages into its cache. They
+    run in two processes at once, so the pull takes at least the slower of the two plus what
+    gRPC adds (the ceiling)."""
     from tandem.worker.kv_connector import wire
 
     side = _side(_free_port(), max_chunk_bytes)
@@ -271,19 +322,13 @@ def breakdown_s(dtype_name: str, num_tokens: int, max_chunk_bytes: int) -> dict[
     side.register_kv_caches(caches)
     try:
         blocks = list(range(Size(num_tokens).num_blocks))
-        started = time.perf_counter()
         chunks = list(side.read_chunks(blocks, max_chunk_bytes))
-        read_s = time.perf_counter() - started
-        layers = list(caches.values())
-        element_size = layers[0].element_size()
-        numel = 1
-        for d in BLOCK_SHAPE:
-            numel *= d
-        plan = wire.chunk_plan(len(layers), len(blocks), numel * element_size, max_chunk_bytes)
         started = time.perf_counter()
-        for chunk, data in zip(plan, chunks, strict=True):
-            ids = blocks[chunk.first : chunk.first + chunk.num_blocks]
-            wire.write_blocks(layers[chunk.layer_index], side._block_dim, ids, data)
+        for _ in side.read_chunks(blocks, max_chunk_bytes):
+            pass
+        read_s = time.perf_counter() - started
+        started = time.perf_counter()
+        wire.write_chunks(list(caches.values()), side._block_dim, blocks, max_chunk_bytes, chunks)
         write_s = time.perf_counter() - started
     finally:
         side.shutdown()
@@ -347,25 +392,30 @@ def main() -> None:
     import torch
 
     element_size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    pulls_s = measure_pulls(args.dtype, args.max_chunk_bytes, args.repeats)
+    results = measure_transport(args.dtype, args.max_chunk_bytes, args.repeats)
     largest = max(SIZES_TOKENS)
-    num_bytes = Size(largest).num_bytes(element_size)
-    loopback = measure_loopback_gbps(num_bytes, args.repeats)
-    ceiling = measure_grpc_ceiling_gbps(num_bytes, args.max_chunk_bytes, args.repeats)
     steps = breakdown_s(args.dtype, largest, args.max_chunk_bytes)
 
-    print(f"\nKV pull, {args.dtype}, chunks of {args.max_chunk_bytes / 2**20:.0f} MiB, median of {args.repeats}")
-    print(f"{'prompt':>12} {'bytes':>10} {'seconds':>9} {'GB/s':>7}")
-    for num_tokens, s in pulls_s.items():
+    print(f"\nKV pull, {args.dtype}, chunks of {args.max_chunk_bytes / 2**20:g} MiB, median of {args.repeats}")
+    print("  loopback: one TCP stream between two processes; gRPC: a bare two-process raw-bytes stream")
+    header = ("prompt", "bytes", "pull ms", "GB/s", "loopback", "gRPC", "÷loopback", "÷gRPC")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (12, 9, 8, 6, 9, 6, 10, 6), strict=True)))
+    ratios: dict[int, tuple[float, float]] = {}
+    for num_tokens, transport in results.items():
         n = Size(num_tokens).num_bytes(element_size)
-        print(f"{num_tokens:>6} tokens {n / 1e6:>8.1f}MB {s:>9.4f} {n / s / 1e9:>7.2f}")
-    pull_gbps = num_bytes / pulls_s[largest] / 1e9
-    print(f"loopback TCP, one stream, {num_bytes / 1e6:.0f} MB: {loopback:.2f} GB/s")
-    print(f"gRPC ceiling (raw bytes stream, same chunks): {ceiling:.2f} GB/s")
-    print(f"\nwhere the {largest}-token pull's {pulls_s[largest] * 1e3:.0f} ms go (each copy timed alone):")
+        pull, tcp, grpc_ = (transport.gbps(n, way) for way in ("pull", "loopback", "grpc"))
+        ratios[num_tokens] = (pull / tcp, pull / grpc_)
+        print(
+            f"{num_tokens:>6} tokens {n / 1e6:>7.1f}MB {statistics.median(transport.pull) * 1e3:>8.1f} {pull:>6.2f}"
+            f" {tcp:>9.2f} {grpc_:>6.2f} {pull / tcp:>10.2f} {pull / grpc_:>6.2f}"
+        )
+    num_bytes = Size(largest).num_bytes(element_size)
+    pull_s = statistics.median(results[largest].pull)
+    print(f"\nwhere the {largest}-token pull's {pull_s * 1e3:.0f} ms go (each copy timed alone):")
     for name, seconds in steps.items():
         print(f"  {name:44} {seconds * 1e3:8.1f} ms ({num_bytes / seconds / 1e9:5.2f} GB/s)")
-    print(f"  {'gRPC moving the same bytes (ceiling above)':44} {num_bytes / ceiling / 1e6:8.1f} ms")
+    grpc_s = statistics.median(results[largest].grpc)
+    print(f"  {'gRPC moving the same bytes (ceiling)':44} {grpc_s * 1e3:8.1f} ms")
     print("  (the two copies run in two processes while gRPC streams: the pull is a pipeline of the three)")
 
     gap_ratio = "n/a"
@@ -377,9 +427,12 @@ def main() -> None:
             f"plain vLLM ITL p50: {itl_p50 * 1e3:.0f} ms"
         )
         gap_ratio = f"{gap_p50 / itl_p50:.2f}"
+    largest_result = results[largest]
     print(
-        f"bench-kv: pull_gbps={pull_gbps:.2f} loopback_gbps={loopback:.2f} ratio={pull_gbps / loopback:.2f} "
-        f"grpc_ceiling_gbps={ceiling:.2f} second_token_gap_ratio={gap_ratio}"
+        f"bench-kv: pull_gbps={largest_result.gbps(num_bytes, 'pull'):.2f}"
+        f" loopback_gbps={largest_result.gbps(num_bytes, 'loopback'):.2f}"
+        f" ratio={ratios[largest][0]:.2f} grpc_ceiling_gbps={largest_result.gbps(num_bytes, 'grpc'):.2f}"
+        f" min_ratio_vs_grpc={min(r[1] for r in ratios.values()):.2f} second_token_gap_ratio={gap_ratio}"
     )
 
 

@@ -22,11 +22,14 @@ BLOCK = 4
 #: Cache layouts of vLLM's attention backends, by the place of the block dimension:
 #: CPU (2, blocks, kv heads, tokens, head), FlashAttention (2, blocks, tokens, kv heads, head),
 #: FlashInfer (blocks, 2, tokens, kv heads, head), MLA (blocks, tokens, latent).
+#: The wire copies through the widest integer view a head's bytes divide into: int64 for these four.
 LAYOUTS = {
     "cpu": ((2, NUM_BLOCKS, 3, BLOCK, 8), 1),
     "flash_attn": ((2, NUM_BLOCKS, BLOCK, 3, 8), 1),
     "flashinfer": ((NUM_BLOCKS, 2, BLOCK, 3, 8), 0),
     "mla": ((NUM_BLOCKS, BLOCK, 24), 0),
+    # A head of 5 elements: the wire copies as int32 (fp32), int16 (bf16, fp16) or bytes (fp8).
+    "odd_head": ((2, NUM_BLOCKS, 3, BLOCK, 5), 1),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
 
@@ -97,13 +100,36 @@ def test_pulled_blocks_are_byte_identical(layout: str, dtype: torch.dtype) -> No
 
 def test_chunk_plan_covers_every_block_of_every_layer_once() -> None:
     plan = wire.chunk_plan(num_layers=3, num_blocks=7, block_bytes=100, max_chunk_bytes=250)
-    assert [(c.layer_index, c.first, c.num_blocks) for c in plan[:4]] == [(0, 0, 2), (0, 2, 2), (0, 4, 2), (0, 6, 1)]
-    assert len(plan) == 12
+    pieces = [[(p.layer_index, p.first, p.num_blocks) for p in c.pieces] for c in plan]
+    assert pieces[:5] == [[(0, 0, 2)], [(0, 2, 2)], [(0, 4, 2)], [(0, 6, 1), (1, 0, 1)], [(1, 1, 2)]]
+    assert sum(c.num_blocks for c in plan) == 21 and len(plan) == 11
+    covered = [(p.layer_index, p.first + i) for c in plan for p in c.pieces for i in range(p.num_blocks)]
+    assert covered == [(layer, b) for layer in range(3) for b in range(7)]
     assert wire.chunk_plan(1, 3, block_bytes=1000, max_chunk_bytes=10)[0].num_blocks == 1  # at least one block
+
+
+def test_a_short_pull_spans_layers_in_one_chunk() -> None:
+    (chunk,) = wire.chunk_plan(num_layers=30, num_blocks=1, block_bytes=100, max_chunk_bytes=4000)
+    assert [p.layer_index for p in chunk.pieces] == list(range(30))
 
 
 def test_a_chunk_of_the_wrong_size_is_refused() -> None:
     cache = torch.zeros((2, NUM_BLOCKS, 4), dtype=torch.float32)
     with pytest.raises(ValueError, match="must be 64 bytes"):
-        wire.write_blocks(cache, 1, [3, 4], bytes(60))
+        wire.write_chunks([cache], 1, [3, 4], max_chunk_bytes=64, chunks=[bytes(60)])
     assert torch.count_nonzero(cache) == 0
+
+
+def test_runs_cut_block_ids_into_consecutive_stretches() -> None:
+    assert [(r.offset, r.block, r.length) for r in wire.runs([1, 2, 3, 7, 5, 6])] == [(0, 1, 3), (3, 7, 1), (4, 5, 2)]
+    assert [(r.offset, r.block, r.length) for r in wire.runs([11, 10])] == [(0, 11, 1), (1, 10, 1)]
+    assert wire.runs([]) == []
+
+
+def test_a_pull_with_chunks_missing_or_extra_is_refused() -> None:
+    cache = torch.zeros((2, NUM_BLOCKS, 4), dtype=torch.float32)
+    chunk = bytes(2 * 4 * 4)
+    with pytest.raises(ValueError, match="received 1 of 2 chunks"):
+        wire.write_chunks([cache], 1, [0, 1], max_chunk_bytes=32, chunks=[chunk])
+    with pytest.raises(ValueError, match="more than the 2 chunks"):
+        wire.write_chunks([cache], 1, [0, 1], max_chunk_bytes=32, chunks=[chunk, chunk, chunk])

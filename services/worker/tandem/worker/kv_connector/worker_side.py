@@ -27,7 +27,7 @@ from tandem.common.errors import KVLayoutMismatchError
 from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, TLSSettings, add_port
 from tandem.common.tls import channel as tls_channel
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
-from tandem.worker.kv_connector import wire
+from tandem.worker.kv_connector import heap, wire
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
 from tandem.worker.kv_connector.params import KVHandleParams, external_request_id
@@ -96,6 +96,7 @@ class WorkerSide:
         self._max_chunk_bytes = max_chunk_bytes
         self._pull_timeout_s = pull_timeout_s
         self._tls = tls or TLSSettings()
+        heap.keep_message_buffers(max_chunk_bytes)
 
         self._lock = threading.Lock()
         self._hold_announced = threading.Condition(self._lock)
@@ -230,11 +231,7 @@ class WorkerSide:
 
     def read_chunks(self, block_ids: list[int], max_chunk_bytes: int) -> Iterator[bytes]:
         """All requested blocks as :mod:`wire` chunks, in wire order."""
-        assert self.layout is not None
-        block_bytes = self.layout.block_numel * self._layers[0][1].element_size()
-        for chunk in wire.chunk_plan(len(self._layers), len(block_ids), block_bytes, max_chunk_bytes):
-            ids = block_ids[chunk.first : chunk.first + chunk.num_blocks]
-            yield wire.read_blocks(self._layers[chunk.layer_index][1], self._block_dim, ids)
+        return wire.read_chunks([cache for _, cache in self._layers], self._block_dim, block_ids, max_chunk_bytes)
 
     def count_sent(self, num_bytes: int, num_blocks: int) -> None:
         with self._lock:
@@ -299,18 +296,13 @@ class WorkerSide:
                 ),
                 timeout=self._pull_timeout_s,
             )
-            block_bytes = self.layout.block_numel * self._layers[0][1].element_size()
-            plan = wire.chunk_plan(len(self._layers), len(spec.local_block_ids), block_bytes, self._max_chunk_bytes)
-            received = 0
-            for chunk, data in zip(plan, stream, strict=False):
-                ids = list(spec.local_block_ids[chunk.first : chunk.first + chunk.num_blocks])
-                wire.write_blocks(self._layers[chunk.layer_index][1], self._block_dim, ids, data)
-                num_bytes += len(data)
-                received += 1
-            if received != len(plan):
-                raise RuntimeError(f"received {received} of {len(plan)} chunks")
-            if next(iter(stream), None) is not None:
-                raise RuntimeError(f"the KV server sent more than the {len(plan)} chunks planned")
+            num_bytes = wire.write_chunks(
+                [cache for _, cache in self._layers],
+                self._block_dim,
+                spec.local_block_ids,
+                self._max_chunk_bytes,
+                stream,
+            )
         except Exception as exc:
             message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             logger.error("KV load of %s from %s failed: %s", spec.request_id, spec.handle.kv_address, message)
