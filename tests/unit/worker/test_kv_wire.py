@@ -5,12 +5,13 @@ chunking; and the wire refuses a chunk of the wrong size instead of landing it."
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 import torch
 
-from tandem.worker.kv_connector import wire
+from tandem.worker.kv_connector import heap, wire
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
 from tandem.worker.kv_connector.worker_side import WorkerSide
 from tests.kit.net import free_port
@@ -133,3 +134,11 @@ def test_a_pull_with_chunks_missing_or_extra_is_refused() -> None:
         wire.write_chunks([cache], 1, [0, 1], max_chunk_bytes=32, chunks=[chunk])
     with pytest.raises(ValueError, match="more than the 2 chunks"):
         wire.write_chunks([cache], 1, [0, 1], max_chunk_bytes=32, chunks=[chunk, chunk, chunk])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
+def test_message_buffers_stay_in_the_heap_up_to_glibcs_cap() -> None:
+    mmap_threshold, trim_threshold = heap.keep_message_buffers(4 << 20) or (0, 0)
+    assert mmap_threshold >= 8 << 20 and trim_threshold == 4 * mmap_threshold
+    assert heap.keep_message_buffers(1) == (mmap_threshold, trim_threshold)  # the largest asked for wins
+    assert heap.keep_message_buffers(1 << 30) == (32 << 20, 128 << 20)  # glibc's largest threshold
