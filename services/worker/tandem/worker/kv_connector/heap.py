@@ -4,11 +4,12 @@ Every chunk of a pull is a new ``bytes`` object of up to ``max_chunk_bytes`` on
 both sides (gRPC owns a message until it is sent, so buffers cannot be reused
 by hand). glibc serves an allocation above its mmap threshold (128 KiB until the
 first such block is freed) with a fresh ``mmap``: every page of every message is
-then faulted in and zeroed by the kernel and unmapped again, which halved the
-pull's throughput on a machine where the engine had just allocated its caches
-(``make bench-kv``: a 1-block pull 13 ms against 6 ms, a 4k-token pull 0.7-1.4
-against 1.6-1.7 GB/s). Raising the threshold above the chunk size, and the trim
-threshold with it, lets freed messages be reused by the next ones.
+then faulted in and zeroed by the kernel and unmapped again. Measured on the
+2-core CPU machine with ``benchmarks/kv_transfer.py`` (the engine's caches
+allocated, so glibc's threshold had not moved): a 1-block pull took 13 ms
+against 6 ms with this setting, a 4k-token pull ran at 1.3-1.4 GB/s against
+1.6-1.8. Raising the threshold above the chunk size, and the trim threshold
+with it, lets freed messages be reused by the next ones.
 
 The setting is process-wide, so it is bounded: blocks of up to 32 MiB (glibc's
 largest threshold) come from the heap, and at most ``trim`` bytes stay unused at
