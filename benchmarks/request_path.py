@@ -2,22 +2,45 @@
 through the gateway vs the same model served by plain vLLM
 (``vllm.entrypoints.openai.api_server``), measured side by side in one run.
 
-Both servers run at once; requests alternate between them one at a time, so
-machine noise hits both alike. Prints TTFT and inter-token latency p50/p90
-for each and their ratios, the KV transfer throughput of ~2,000-token prompts
-(from the decode engine's own transfer records) and engine start-up times.
-Real engines, real model; nothing simulated."""
+1. One request at a time: requests alternate between Tandem and one plain
+   vLLM server, so machine noise hits both alike. TTFT and inter-token latency
+   p50/p90 for each and their ratios, the KV transfer throughput of
+   ~2,000-token prompts (from the decode engine's own transfer records) and
+   engine start-up times.
+2. Under a mixed load, against the baseline a platform team would pick instead
+   on the same cores: **two colocated plain-vLLM replicas behind round-robin**,
+   one core each, beside Tandem's one prefill and one decode worker (one core
+   each). Short chats with a share of ~2,000-token prompts arrive open-loop
+   (Poisson, the same seeded sequence for both); phases alternate between the
+   two systems (Tandem, colocated, Tandem, colocated) so that drifting noise
+   falls on both. Decode ITL p50/p99, TTFT p50/p90 and goodput (requests whose
+   TTFT and every inter-token gap meet the SLO stated below) for each, short
+   chats apart, and their ratios. The load comes from ``tandem_loadtest``.
+
+Ends with ``bench-path: ttft_p50_ratio=… itl_p99_ratio_vs_colocated=…
+goodput_ratio_vs_colocated=…`` (the first from part 1, the others from
+part 2: Tandem ÷ colocated). Real engines, real model; nothing simulated."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import json
 import statistics
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
+from tandem_loadtest.arrivals import PoissonArrivals
+from tandem_loadtest.distributions import LengthDist
+from tandem_loadtest.metrics import summarize
+from tandem_loadtest.records import RequestRecord
+from tandem_loadtest.runner import RunConfig, run_load
+from tandem_loadtest.tenants import TenantConfig
+from tandem_loadtest.workloads import WorkloadOptions
 
 from tandem.local.plain_vllm import start_plain_vllm, stop_plain_vllm
 from tandem.local.stack import LocalStack, StackConfig, free_port
@@ -60,11 +83,122 @@ def stream_once(
     return ttft, gaps
 
 
+#: Goodput's SLO, stated before any run: an interactive answer starts within 3 s and never stalls
+#: for more than 1 s between two tokens (on this CPU a decode step of the default model takes
+#: 30-60 ms, a ~2,000-token prefill several seconds).
+SLO_MS = {"ttft": 3000.0, "itl": 1000.0}
+
+
+class RoundRobin(httpx.AsyncBaseTransport):
+    """Sends each request to the next of ``ports`` on the request's host, in turn."""
+
+    def __init__(self, ports: list[int]) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._inner = httpx.AsyncHTTPTransport(limits=limits)
+        self._ports = itertools.cycle(ports)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        request.url = request.url.copy_with(port=next(self._ports))
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def mixed_phase(
+    base_url: str, model: str, api_key: str, *, rate_rps: float, duration_s: float, seed: int, ports: list[int] | None
+) -> tuple[list[RequestRecord], float]:
+    """One open-loop phase of short chats (32-token prompts, 64 tokens out) and ~2,000-token prompts
+    (16 out, one request in five); ``ports``: round-robin over these replicas."""
+    config = RunConfig(
+        base_url=base_url,
+        model=model,
+        arrival=PoissonArrivals(rate_rps),
+        tenants=[TenantConfig("bench", api_key, {"mixed": 1.0})],
+        workload=WorkloadOptions(
+            input_tokens=LengthDist("fixed", 32),
+            output_tokens=LengthDist("fixed", 64),
+            long_fraction=0.2,
+            long_input_tokens=LengthDist("fixed", 2000),
+            long_output_tokens=LengthDist("fixed", 16),
+        ),
+        num_requests=None,
+        duration_s=duration_s,
+        request_timeout_s=300,
+        ignore_eos=True,
+        temperature=0.0,
+        seed=seed,
+    )
+    transport = RoundRobin(ports) if ports else None
+    result = asyncio.run(run_load(config, transport=transport))
+    return result.records, result.duration_s
+
+
+def _ms(summary: dict[str, Any], metric: str, pct_name: str) -> float:
+    value = summary[metric][pct_name]
+    return float(value) if value is not None else float("nan")
+
+
+def compare_under_load(
+    stack: LocalStack, replica_ports: list[int], *, rate_rps: float, phase_s: float, rounds: int
+) -> dict[str, float]:
+    """Part 2: Tandem and the colocated replicas under the same mixed load, phases alternating."""
+    config = stack.config
+    api_key = stack.auth_headers["Authorization"].removeprefix("Bearer ")
+    records: dict[str, list[RequestRecord]] = {"tandem": [], "colocated": []}
+    seconds: dict[str, float] = {"tandem": 0.0, "colocated": 0.0}
+    replicas_url = f"http://127.0.0.1:{replica_ports[0]}"
+    for round_index in range(rounds):
+        for name in ("tandem", "colocated"):
+            print(f"[bench] mixed load, round {round_index + 1}/{rounds}: {name} for {phase_s:.0f} s", flush=True)
+            got, took_s = mixed_phase(
+                config.gateway_url if name == "tandem" else replicas_url,
+                config.served_model_name,
+                api_key,
+                rate_rps=rate_rps,
+                duration_s=phase_s,
+                seed=round_index,
+                ports=None if name == "tandem" else replica_ports,
+            )
+            records[name].extend(got)
+            seconds[name] += took_s
+    print(
+        f"\nmixed load: Poisson {rate_rps:g} req/s for {rounds} x {phase_s:.0f} s per system; one request in five "
+        "~2,000 tokens in / 16 out, the rest 32 in / 64 out; greedy, ignore_eos"
+    )
+    print("  tandem: 1 prefill + 1 decode worker; colocated: 2 plain vLLM replicas, round-robin; one core each")
+    print(f"  goodput SLO: TTFT <= {SLO_MS['ttft']:.0f} ms and every inter-token gap <= {SLO_MS['itl']:.0f} ms")
+    header = ("", "ok/sent", "TTFT p50", "TTFT p90", "ITL p50", "ITL p99", "good", "short TTFT p50", "short ITL p99")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (10, 8, 9, 9, 8, 8, 6, 15, 14), strict=True)))
+    summaries: dict[str, dict[str, Any]] = {}
+    for name, recs in records.items():
+        whole = summaries[name] = summarize(recs, seconds[name], SLO_MS)
+        short = summarize([r for r in recs if r.label.endswith("/short")], seconds[name], SLO_MS)
+        print(
+            f"{name:>10} {whole['num_ok']:>3}/{whole['num_requests']:<4} {_ms(whole, 'ttft_ms', 'p50'):>8.0f}ms"
+            f" {_ms(whole, 'ttft_ms', 'p90'):>7.0f}ms {_ms(whole, 'itl_ms', 'p50'):>6.0f}ms"
+            f" {_ms(whole, 'itl_ms', 'p99'):>6.0f}ms {whole['goodput']['good_fraction'] or 0:>6.0%}"
+            f" {_ms(short, 'ttft_ms', 'p50'):>13.0f}ms {_ms(short, 'itl_ms', 'p99'):>12.0f}ms"
+        )
+    t, c = summaries["tandem"], summaries["colocated"]
+    ratios = {
+        "ttft_p50": _ms(t, "ttft_ms", "p50") / _ms(c, "ttft_ms", "p50"),
+        "itl_p50": _ms(t, "itl_ms", "p50") / _ms(c, "itl_ms", "p50"),
+        "itl_p99": _ms(t, "itl_ms", "p99") / _ms(c, "itl_ms", "p99"),
+        "goodput": t["goodput"]["request_goodput_rps"] / max(1e-9, c["goodput"]["request_goodput_rps"]),
+    }
+    print("ratio tandem/colocated: " + "  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-requests", type=int, default=12, help="per server")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-long", type=int, default=3, help="~2,000-token prompts for KV throughput")
+    parser.add_argument("--mixed-rate", type=float, default=0.3, help="mixed load: requests per second")
+    parser.add_argument("--mixed-phase-s", type=float, default=90.0, help="mixed load: seconds per phase")
+    parser.add_argument("--mixed-rounds", type=int, default=2, help="mixed load: phases per system")
     args = parser.parse_args()
 
     run_dir = Path(".run/bench-path")
@@ -72,6 +206,7 @@ def main() -> None:
     config = StackConfig.with_free_ports(key_prefix=f"tandem-bench-{uuid.uuid4().hex[:6]}", log_dir=run_dir)
     stack = LocalStack(config, progress=lambda m: print(f"[bench] {m}", flush=True))
     vllm_proc = None
+    replicas: list[Any] = []
     try:
         stack.start()
         vllm_port = free_port()
@@ -137,13 +272,32 @@ def main() -> None:
             f"router {stack.ready_after_s.get('router', 0):.1f} s, plain vLLM {vllm_start_s:.1f} s "
             "(alone, while the stack idled)"
         )
+        stop_plain_vllm(vllm_proc)
+        vllm_proc = None
+
+        print("[bench] starting two colocated plain vLLM replicas (cores 0 and 1)", flush=True)
+        replica_ports = [free_port(), free_port()]
+        for core, port in enumerate(replica_ports):
+            proc, _ = start_plain_vllm(
+                config.model_dir,
+                config.served_model_name,
+                port,
+                run_dir / f"replica-{core}.log",
+                cpu_threads_bind=str(core),
+            )
+            replicas.append(proc)
+        loaded = compare_under_load(
+            stack, replica_ports, rate_rps=args.mixed_rate, phase_s=args.mixed_phase_s, rounds=args.mixed_rounds
+        )
         print(
-            f"bench-path: ttft_p50_ratio={r_ttft:.2f} itl_p50_ratio={r_itl:.2f} "
+            f"bench-path: ttft_p50_ratio={r_ttft:.2f} itl_p99_ratio_vs_colocated={loaded['itl_p99']:.2f} "
+            f"goodput_ratio_vs_colocated={loaded['goodput']:.2f} itl_p50_ratio={r_itl:.2f} "
             f"kv_gbps={kv_bytes / kv_s / 1e9 if kv_s else 0:.2f}"
         )
     finally:
-        if vllm_proc is not None:
-            stop_plain_vllm(vllm_proc)
+        for proc in [vllm_proc, *replicas]:
+            if proc is not None:
+                stop_plain_vllm(proc)
         stack.stop()
 
 
