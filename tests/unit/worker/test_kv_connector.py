@@ -21,7 +21,7 @@ from tandem.worker.kv_connector.params import (
     prefill_params,
 )
 from tandem.worker.kv_connector.scheduler_side import SchedulerSide
-from tandem.worker.kv_connector.worker_side import WorkerSide
+from tandem.worker.kv_connector.worker_side import IDLE_STEP_WAIT_S, WorkerSide
 from tests.kit.net import free_port
 
 BLOCK = 4
@@ -231,3 +231,33 @@ def test_lease_expiry_frees_blocks_nobody_pulled() -> None:
         assert prefill.stats("").leases_expired_total == 1
     finally:
         prefill.shutdown()
+
+
+def test_an_idle_step_waits_for_a_load_in_flight_and_a_busy_step_does_not() -> None:
+    prefill, _ = make_side(free_port())
+    decode, _ = make_side(free_port(), fill=0.0)
+    try:
+        handle = make_handle((2, 5), num_tokens=7, kv_address=prefill._bind)
+        # The prefill side announces its hold late: the load stays in flight meanwhile.
+        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (2, 5), (0, 3), 7)]))
+        started = time.perf_counter()
+        decode.start_load_kv(GrpcKVMetadata(idle_step=False))
+        assert decode.get_transfer_results(set())[1] == set()
+        busy_s = time.perf_counter() - started
+        started = time.perf_counter()
+        decode.start_load_kv(GrpcKVMetadata(idle_step=True))
+        assert decode.get_transfer_results(set())[1] == set()
+        idle_s = time.perf_counter() - started
+        assert busy_s < IDLE_STEP_WAIT_S <= idle_s < 10 * IDLE_STEP_WAIT_S
+        # Once the load can finish, an idle step returns as soon as it has (not after its wait).
+        prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        deadline = time.monotonic() + 5
+        recving: set[str] = set()
+        while not recving and time.monotonic() < deadline:
+            decode.start_load_kv(GrpcKVMetadata(idle_step=True))
+            recving = decode.get_transfer_results(set())[1]
+        assert recving == {"req-1-abcdefgh"}
+        assert decode._num_loads_in_flight == 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

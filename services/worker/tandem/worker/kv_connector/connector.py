@@ -89,7 +89,9 @@ class GrpcKVConnector(KVConnectorBase_V1):
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched().build_connector_meta()
+        meta = self._sched().build_connector_meta()
+        meta.idle_step = scheduler_output.total_num_scheduled_tokens == 0
+        return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)

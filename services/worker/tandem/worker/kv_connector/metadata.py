@@ -29,3 +29,5 @@ class GrpcKVMetadata(KVConnectorMetadata):
     releases: list[KVHandleParams] = field(default_factory=list)
     #: Prefill side: request id → (block ids, lease expiry in Unix seconds).
     holds: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    #: No tokens are scheduled this step: the engine only polls the connector (it is waiting for loads).
+    idle_step: bool = False

@@ -43,6 +43,12 @@ _GRPC_OPTIONS = [
 _CLIENT_OPTIONS = [*_GRPC_OPTIONS, *RECONNECT_BACKOFF_OPTIONS]
 #: How long PullBlockBytes waits for a hold the scheduler has not announced yet.
 _HOLD_ANNOUNCE_WAIT_S = 5.0
+#: How long an idle engine step (nothing scheduled, loads in flight) waits for a load to finish.
+#: vLLM steps an engine that has only requests waiting for KV in a tight Python loop; in the
+#: process that also runs the pull, that loop kept the GIL from the pull's threads (a 118 MB
+#: pull took 125-930 ms on the live stack, 65 ms without the loop). Waiting on a condition
+#: gives the GIL to the pull; a request that arrives meanwhile is scheduled at most this late.
+IDLE_STEP_WAIT_S = 0.01
 _MAX_REQUEST_RECORDS = 4096
 
 
@@ -100,6 +106,9 @@ class WorkerSide:
 
         self._lock = threading.Lock()
         self._hold_announced = threading.Condition(self._lock)
+        self._load_finished = threading.Condition(self._lock)
+        self._num_loads_in_flight = 0
+        self._idle_step = False
         self._holds: dict[str, _Hold] = {}
         self._done_sending: set[str] = set()
         self._seen_finished: set[str] = set()
@@ -181,6 +190,8 @@ class WorkerSide:
                 self._holds[req_id] = _Hold(block_ids, expiry)
             if meta.holds:
                 self._hold_announced.notify_all()
+            self._num_loads_in_flight += len(meta.loads)
+            self._idle_step = meta.idle_step
         for spec in meta.loads:
             self._pool.submit(self._load, spec)
         for handle in meta.releases:
@@ -190,6 +201,8 @@ class WorkerSide:
         """(done sending, done receiving, failed receiving) since the last call."""
         now = time.time()
         with self._lock:
+            if self._idle_step and self._num_loads_in_flight and not (self._done_recving or self._failed_recving):
+                self._load_finished.wait(IDLE_STEP_WAIT_S)
             self._seen_finished |= finished_req_ids
             for req_id, hold in list(self._holds.items()):
                 if hold.expiry_unix_s <= now:
@@ -328,6 +341,8 @@ class WorkerSide:
                 while len(c.requests) > _MAX_REQUEST_RECORDS:
                     c.requests.popitem(last=False)
                 self._done_recving.add(spec.request_id)
+                self._num_loads_in_flight -= 1
+                self._load_finished.notify_all()
         self._release_remote(spec.handle)
 
     def _release_remote(self, handle: KVHandleParams) -> None:
