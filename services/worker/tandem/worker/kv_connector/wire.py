@@ -77,14 +77,17 @@ def blocks_per_chunk(block_bytes: int, max_chunk_bytes: int) -> int:
 def chunk_plan(num_layers: int, num_blocks: int, block_bytes: int, max_chunk_bytes: int) -> list[Chunk]:
     """The chunks of a pull of ``num_blocks`` blocks of every layer, in wire order."""
     per_chunk = blocks_per_chunk(block_bytes, max_chunk_bytes)
-    units = [(layer, index) for layer in range(num_layers) for index in range(num_blocks)]
+    num_units = num_layers * num_blocks  # (layer, block) pairs, layer-major
     chunks = []
-    for start in range(0, len(units), per_chunk):
-        pieces = [
-            Piece(layer, group[0][1], len(group))
-            for layer, stretch in itertools.groupby(units[start : start + per_chunk], key=lambda u: u[0])
-            for group in [list(stretch)]
-        ]
+    for start in range(0, num_units, per_chunk):
+        end = min(num_units, start + per_chunk)
+        pieces = []
+        unit = start
+        while unit < end:
+            layer, first = divmod(unit, num_blocks)
+            length = min(end - unit, num_blocks - first)
+            pieces.append(Piece(layer, first, length))
+            unit += length
         chunks.append(Chunk(tuple(pieces)))
     return chunks
 
