@@ -179,6 +179,8 @@ async def run_policy(
                 cache_salt=salt,
             )
         )
+        # This benchmark's scheduler keeps the default min_uncached_tokens_to_disaggregate=0: always a pair.
+        assert placement.prefill is not None
         sampling = common_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         prefill = await stub(placement.prefill.address).Prefill(
             worker_pb2.PrefillRequest(

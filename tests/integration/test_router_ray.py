@@ -24,6 +24,7 @@ import redis
 from tandem.common.errors import InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord, WorkerRegistry
 from tandem.common.router_client import RouterClient
+from tandem.router.settings import DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE
 from tests.kit.router import RouterProcess, router_process
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -116,20 +117,34 @@ async def workers(router: RouterProcess, request: pytest.FixtureRequest) -> Asyn
     await fake.close()
 
 
+#: Prompt tokens above the router's default disaggregation threshold: placed on a (prefill, decode) pair.
+LONG_PROMPT_TOKENS = DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE + 1
+
+
 def model_of(workers: FakeWorkers) -> str:
     return next(iter(workers.records.values())).model
 
 
 async def test_schedule_returns_one_worker_of_each_role(client: RouterClient, workers: FakeWorkers) -> None:
     model = model_of(workers)
-    placement = await client.schedule("req-roles", model, num_prompt_tokens=12, max_tokens=8)
+    placement = await client.schedule("req-roles", model, num_prompt_tokens=LONG_PROMPT_TOKENS, max_tokens=8)
     assert placement.request_id == "req-roles"
+    assert not placement.local_prefill
     assert placement.prefill.role == "prefill" and placement.decode.role == "decode"
     assert placement.prefill.worker_id in workers.records and placement.decode.worker_id in workers.records
     assert placement.prefill.address == workers.records[placement.prefill.worker_id].address
     assert placement.lease_s == 600
     assert placement.reason.startswith("cache_aware ")  # the default policy
     assert await client.release("req-roles") is True
+
+
+async def test_a_short_prompt_is_placed_on_a_decode_worker_alone(client: RouterClient, workers: FakeWorkers) -> None:
+    model = model_of(workers)
+    placement = await client.schedule("req-short", model, num_prompt_tokens=12, max_tokens=8)
+    assert placement.local_prefill and not placement.HasField("prefill")
+    assert placement.decode.worker_id in workers.records
+    assert "local_prefill" in placement.reason
+    assert await client.release("req-short") is True
 
 
 async def test_concurrent_unreleased_requests_spread_and_release_frees(
@@ -220,6 +235,8 @@ async def test_metrics_reach_rays_prometheus_endpoint(
 ) -> None:
     model = model_of(workers)
     placement = await client.schedule("req-metrics", model)
+    short = await client.schedule("req-metrics-short", model, num_prompt_tokens=12, max_tokens=8)
+    await client.release(short.request_id)
     # Ray exports every ~10 s and prefixes custom metrics with "ray_".
     deadline_s = time.monotonic() + 45
     text = ""
@@ -231,6 +248,14 @@ async def test_metrics_reach_rays_prometheus_endpoint(
             await asyncio.sleep(1)
     await client.release("req-metrics")
     assert "ray_tandem_router_schedule_seconds_count" in text
+    paths = {
+        path: line
+        for line in text.splitlines()
+        if line.startswith("ray_tandem_router_placements_total{")
+        for path in ("disaggregated", "local_prefill")
+        if f'path="{path}"' in line
+    }
+    assert set(paths) == {"disaggregated", "local_prefill"}, paths
     gauge = [
         line
         for line in text.splitlines()

@@ -91,6 +91,7 @@ class RouterDeployment:
                 poll_interval_s=q.poll_interval_s,
                 max_depth=q.max_depth,
             ),
+            min_uncached_tokens_to_disaggregate=cfg.disaggregation.min_uncached_tokens,
         )
         self._ticker: asyncio.Task[None] | None = None
         self._syncer: asyncio.Task[None] | None = None
@@ -186,14 +187,18 @@ def _worker_ref(worker: WorkerRecord) -> router_pb2.WorkerRef:
 
 
 def placement_to_proto(decision: PlacementDecision) -> router_pb2.Placement:
-    return router_pb2.Placement(
+    placement = router_pb2.Placement(
         request_id=decision.request_id,
-        prefill=_worker_ref(decision.prefill),
         decode=_worker_ref(decision.decode),
         lease_s=decision.lease_s,
         num_cached_tokens=decision.num_cached_tokens,
         reason=decision.reason,
+        local_prefill=decision.local_prefill,
+        num_decode_cached_tokens=decision.num_decode_cached_tokens,
     )
+    if decision.prefill is not None:
+        placement.prefill.CopyFrom(_worker_ref(decision.prefill))
+    return placement
 
 
 def build_app(config: RouterConfig, *, num_replicas: int = 1) -> Application:

@@ -14,6 +14,9 @@ from typing import Protocol
 SCHEDULE_SECONDS_BOUNDARIES = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
 #: Upper bounds of the admission-queue wait histogram, in seconds.
 QUEUE_WAIT_SECONDS_BOUNDARIES = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+#: ``path`` tag values of ``tandem_router_placements_total``.
+PATH_DISAGGREGATED = "disaggregated"
+PATH_LOCAL_PREFILL = "local_prefill"
 
 
 class RouterMetrics(Protocol):
@@ -37,6 +40,10 @@ class RouterMetrics(Protocol):
         """A request left the admission queue: ``admitted``, ``timeout`` or ``error``."""
         ...
 
+    def count_placement(self, *, local_prefill: bool) -> None:
+        """A request was placed: on a decode worker alone (``local_prefill``) or on a (prefill, decode) pair."""
+        ...
+
 
 class NullRouterMetrics:
     def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
@@ -52,6 +59,9 @@ class NullRouterMetrics:
         pass
 
     def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
+        pass
+
+    def count_placement(self, *, local_prefill: bool) -> None:
         pass
 
 
@@ -89,6 +99,12 @@ class RayRouterMetrics:
             boundaries=QUEUE_WAIT_SECONDS_BOUNDARIES,
             tag_keys=("outcome",),
         )
+        self._placements = serve_metrics.Counter(
+            "tandem_router_placements",  # exported as ray_tandem_router_placements_total
+            description="Requests placed, by path: disaggregated (a prefill worker, then a decode worker) or "
+            "local_prefill (the decode worker alone, when little of the prompt is uncached there).",
+            tag_keys=("path",),
+        )
 
     def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
         self._schedule_seconds.observe(duration_s, tags={"outcome": outcome})
@@ -104,3 +120,6 @@ class RayRouterMetrics:
 
     def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
         self._queue_wait.observe(duration_s, tags={"outcome": outcome})
+
+    def count_placement(self, *, local_prefill: bool) -> None:
+        self._placements.inc(tags={"path": PATH_LOCAL_PREFILL if local_prefill else PATH_DISAGGREGATED})

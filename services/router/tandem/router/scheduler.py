@@ -9,9 +9,14 @@ and :meth:`Scheduler.release_anywhere` for each RPC, and :meth:`Scheduler.tick`
 2. hashes the prompt's blocks per engine configuration
    (:class:`tandem.common.block_hash.BlockHasher`) and looks up each worker's
    cached prefix in the :class:`tandem.router.kv_index.KVIndex`;
-3. asks the policy (:mod:`tandem.router.policy`) for one prefill and one
-   decode worker within budget (:mod:`tandem.router.budget`), and records the
-   pair with its budget tokens as a lease (:mod:`tandem.router.reservations`);
+3. asks the policy (:mod:`tandem.router.policy`) for a decode worker within
+   budget (:mod:`tandem.router.budget`); when fewer than
+   ``min_uncached_tokens_to_disaggregate`` prompt tokens are missing from that
+   worker's prefix cache, the decode worker prefills the prompt itself (a
+   *local prefill*: no handoff, and the short request does not queue behind
+   long prefills); otherwise the policy also picks a prefill worker. The
+   chosen workers and their budget tokens are recorded as a lease
+   (:mod:`tandem.router.reservations`);
 4. when no worker of some role has budget, waits in the admission queue
    (:mod:`tandem.router.admission`) until budget frees up or the queue
    timeout passes (then NoCapacityError with a Retry-After).
@@ -53,11 +58,19 @@ class PlacementDecision:
     """Where a request goes; the deployment turns it into a tandem.v1.Placement."""
 
     request_id: str
-    prefill: WorkerRecord
+    #: None for a local prefill: the decode worker computes the prompt itself.
+    prefill: WorkerRecord | None
     decode: WorkerRecord
     lease_s: float
+    #: Prompt tokens the prefill worker is expected to have cached (0 for a local prefill).
     num_cached_tokens: int
     reason: str
+    #: Prompt tokens the decode worker is expected to have cached.
+    num_decode_cached_tokens: int = 0
+
+    @property
+    def local_prefill(self) -> bool:
+        return self.prefill is None
 
 
 @dataclass(frozen=True)
@@ -101,8 +114,11 @@ class Scheduler:
         subscriber: KVEventSubscriber | None = None,
         replica_sync: ReplicaSync | None = None,
         queue: QueueConfig | None = None,
+        min_uncached_tokens_to_disaggregate: int = 0,
     ) -> None:
         self._view = view
+        #: Below this many prompt tokens missing from the decode worker's cache, it prefills alone (0: never).
+        self._min_uncached_tokens_to_disaggregate = min_uncached_tokens_to_disaggregate
         self._policy = policy
         self._reservations = reservations
         self._metrics: RouterMetrics = metrics or NullRouterMetrics()
@@ -210,33 +226,43 @@ class Scheduler:
             cached_tokens=cached,
             num_indexed_blocks=self._index.num_blocks,
         )
-        prefill = self._policy.choose(request, ROLE_PREFILL, workers, view)
-        decode = self._policy.choose(request, ROLE_DECODE, workers, view) if prefill is not None else None
-        if prefill is None or decode is None:
-            role = ROLE_PREFILL if prefill is None else ROLE_DECODE
-            if self._num_candidates(request, workers, role):
-                raise _NoBudget
-            raise self._no_worker_error(request, workers, role)
+        decode = self._policy.choose(request, ROLE_DECODE, workers, view)
+        if decode is None:
+            self._no_worker(request, workers, ROLE_DECODE)
+        assert decode is not None
         num_tokens = request.num_tokens
-        tokens = {
-            prefill.worker.worker_id: view.need_tokens(prefill.worker, num_tokens, request.max_tokens),
-            decode.worker.worker_id: view.need_tokens(decode.worker, num_tokens, request.max_tokens),
-        }
+        num_decode_cached = cached.get(decode.worker.worker_id, 0)
+        # A request that does not say how long its prompt is is not known to be short.
+        local = num_tokens > 0 and num_tokens - num_decode_cached < self._min_uncached_tokens_to_disaggregate
+        prefill = None if local else self._policy.choose(request, ROLE_PREFILL, workers, view)
+        if prefill is None and not local:
+            self._no_worker(request, workers, ROLE_PREFILL)
+        chosen = [decode] if prefill is None else [prefill, decode]
+        tokens = {s.worker.worker_id: view.need_tokens(s.worker, num_tokens, request.max_tokens) for s in chosen}
         reservation = self._reservations.reserve(
-            request.request_id, (prefill.worker.worker_id, decode.worker.worker_id), tokens, tenant=request.tenant
+            request.request_id, tuple(s.worker.worker_id for s in chosen), tokens, tenant=request.tenant
         )
         if self._replica_sync is not None:
             self._replica_sync.placed(request.request_id)
         self._publish(reservation)
-        num_cached = cached.get(prefill.worker.worker_id, 0)
+        self._metrics.count_placement(local_prefill=local)
+        num_cached = 0 if prefill is None else cached.get(prefill.worker.worker_id, 0)
         return PlacementDecision(
             request_id=request.request_id,
-            prefill=prefill.worker,
+            prefill=None if prefill is None else prefill.worker,
             decode=decode.worker,
             lease_s=self._reservations.lease_s,
             num_cached_tokens=num_cached,
-            reason=self._reason(prefill, decode, num_cached),
+            reason=self._reason(prefill, decode, num_cached, num_decode_cached),
+            num_decode_cached_tokens=num_decode_cached,
         )
+
+    def _no_worker(self, request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> None:
+        """Raise for a role without a worker to take the request: wait for budget (_NoBudget) when
+        some exist, else the error that names what is missing."""
+        if self._num_candidates(request, workers, role):
+            raise _NoBudget
+        raise self._no_worker_error(request, workers, role)
 
     def _cached_tokens(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> dict[str, int]:
         """Prompt tokens each worker holds in its prefix cache, from the KV index."""
@@ -394,10 +420,15 @@ class Scheduler:
         else:
             self._published_worker_ids.discard(worker_id)
 
-    def _reason(self, prefill: ScoredWorker, decode: ScoredWorker, num_cached_tokens: int) -> str:
+    def _reason(
+        self, prefill: ScoredWorker | None, decode: ScoredWorker, num_cached_tokens: int, num_decode_cached: int
+    ) -> str:
+        decode_part = f"decode={decode.worker.worker_id}:{decode.score:.3f} decode_cached={num_decode_cached}"
+        if prefill is None:
+            return f"{self._policy.name} local_prefill {decode_part}"
         return (
             f"{self._policy.name} prefill={prefill.worker.worker_id}:{prefill.score:.3f} "
-            f"decode={decode.worker.worker_id}:{decode.score:.3f} cached={num_cached_tokens}"
+            f"{decode_part} cached={num_cached_tokens}"
         )
 
     @staticmethod

@@ -12,6 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tandem.common.settings import RedisSettings, RegistrySettings
 from tandem.router.policy import DEFAULT_POLICY, CacheAwareWeights
 
+#: See :class:`DisaggregationSettings`.
+DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE = 256
+
 
 class BudgetSettings(BaseModel):
     """Token budgets per worker (see tandem.router.budget)."""
@@ -20,6 +23,17 @@ class BudgetSettings(BaseModel):
     prefill_tokens_in_flight: int = Field(16_384, gt=0)
     #: Share of a decode worker's KV cache (block_size x num_kv_blocks) the router fills.
     decode_kv_fraction: float = Field(0.9, gt=0, le=1)
+
+
+class DisaggregationSettings(BaseModel):
+    """When a request goes through a prefill worker, and when its decode worker prefills it alone."""
+
+    #: A request goes through a prefill worker (and its KV is handed to the decode worker) only when at
+    #: least this many of its prompt tokens are missing from the chosen decode worker's prefix cache
+    #: (the router's KV index, fed by the workers' KV events); shorter ones are prefilled by the decode
+    #: worker itself, with no handoff. 0 sends every request through a prefill worker. The default
+    #: comes from ``make bench-local-prefill`` (benchmarks/local_prefill.py; see services/router/README.md).
+    min_uncached_tokens: int = Field(DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE, ge=0)
 
 
 class QueueSettings(BaseModel):
@@ -54,6 +68,7 @@ class RouterConfig(BaseModel):
     policy: str = DEFAULT_POLICY
     weights: CacheAwareWeights = Field(default_factory=CacheAwareWeights)
     budget: BudgetSettings = Field(default_factory=BudgetSettings)
+    disaggregation: DisaggregationSettings = Field(default_factory=DisaggregationSettings)
     queue: QueueSettings = Field(default_factory=QueueSettings)
     kv_index: KVIndexSettings = Field(default_factory=KVIndexSettings)
     #: How often replicas exchange their budgets through Redis (active-active).

@@ -1,0 +1,147 @@
+"""Disaggregate only when it pays: a request whose prompt is mostly in the decode worker's prefix
+cache (or short) is placed on that decode worker alone; the rest go through a prefill worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.common.block_hash import BlockHasher
+from tandem.common.errors import NoCapacityError
+from tandem.common.registry import WorkerRecord
+from tandem.router.budget import BudgetConfig
+from tandem.router.deployment import placement_to_proto
+from tandem.router.kv_index import KVIndex
+from tandem.router.metrics import NullRouterMetrics
+from tandem.router.policy import ScheduleRequest, create_policy
+from tandem.router.reservations import ReservationTable
+from tandem.router.scheduler import Scheduler
+from tandem.router.settings import RouterConfig
+from tests.kit.clock import FakeClock
+from tests.kit.workers import StaticView
+from tests.unit.router.test_cache_aware import BLOCK, request, worker
+
+THRESHOLD = 40
+#: Three full blocks of a document (48 tokens).
+DOC = list(range(2000, 2000 + 3 * BLOCK))
+
+
+class PlacementCounts(NullRouterMetrics):
+    def __init__(self) -> None:
+        self.local = 0
+        self.disaggregated = 0
+
+    def count_placement(self, *, local_prefill: bool) -> None:
+        if local_prefill:
+            self.local += 1
+        else:
+            self.disaggregated += 1
+
+
+def make_scheduler(
+    workers: list[WorkerRecord], *, threshold: int = THRESHOLD
+) -> tuple[Scheduler, KVIndex, PlacementCounts]:
+    index = KVIndex()
+    metrics = PlacementCounts()
+    scheduler = Scheduler(
+        StaticView(workers),
+        create_policy("cache_aware"),
+        ReservationTable(lease_s=60, clock=FakeClock()),
+        metrics,
+        budget=BudgetConfig(prefill_tokens_in_flight=10_000),
+        index=index,
+        min_uncached_tokens_to_disaggregate=threshold,
+    )
+    return scheduler, index, metrics
+
+
+POOL = [worker("p0", "prefill"), worker("d0", "decode")]
+
+
+async def test_a_short_prompt_runs_on_the_decode_worker_alone() -> None:
+    scheduler, _, metrics = make_scheduler(POOL)
+    placement = await scheduler.schedule(request("short", [5] * (THRESHOLD - 1)))
+    assert placement.local_prefill and placement.prefill is None
+    assert placement.decode.worker_id == "d0"
+    assert placement.num_cached_tokens == 0 and placement.num_decode_cached_tokens == 0
+    assert "local_prefill" in placement.reason
+    # Only the decode worker is reserved (prompt + max_tokens of KV); the prefill worker is untouched.
+    assert scheduler.reservations.in_flight_by_worker() == {"d0": 1}
+    assert scheduler.reservations.tokens_by_worker() == {"d0": THRESHOLD - 1 + 8}
+    assert (metrics.local, metrics.disaggregated) == (1, 0)
+
+
+async def test_at_the_threshold_the_request_goes_through_a_prefill_worker() -> None:
+    scheduler, _, metrics = make_scheduler(POOL)
+    placement = await scheduler.schedule(request("long", [5] * THRESHOLD))
+    assert not placement.local_prefill
+    assert placement.prefill is not None and placement.prefill.worker_id == "p0"
+    assert scheduler.reservations.in_flight_by_worker() == {"p0": 1, "d0": 1}
+    assert (metrics.local, metrics.disaggregated) == (0, 1)
+
+
+async def test_the_decode_workers_cached_prefix_counts_as_computed() -> None:
+    """A long prompt whose prefix the chosen decode worker holds (its KV events say so) is finished
+    there: what is left to compute is below the threshold, whatever the prefill worker caches. (The
+    decode worker is chosen for balance, as before; its own cache then decides the path.)"""
+    scheduler, index, _ = make_scheduler([worker("p0", "prefill"), worker("d0", "decode"), worker("d1", "decode")])
+    hashes = BlockHasher(BLOCK).block_hashes(DOC)
+    index.store("d1", hashes)
+    index.store("p0", hashes)
+    prompt = DOC + [7] * (THRESHOLD - 1)
+
+    def placed_avoiding(request_id: str, decode_worker_id: str) -> ScheduleRequest:
+        return ScheduleRequest(
+            request_id=request_id,
+            model="m",
+            num_prompt_tokens=len(prompt),
+            max_tokens=8,
+            prompt_token_ids=tuple(prompt),
+            exclude_worker_ids=frozenset({decode_worker_id}),
+        )
+
+    local = await scheduler.schedule(placed_avoiding("warm", "d0"))
+    assert local.local_prefill and local.decode.worker_id == "d1"
+    assert local.num_decode_cached_tokens == len(DOC)
+    # The same prompt on a decode worker without the prefix: too much to compute there.
+    cold = await scheduler.schedule(placed_avoiding("cold", "d1"))
+    assert not cold.local_prefill and cold.decode.worker_id == "d0"
+    assert cold.num_cached_tokens == len(DOC)  # the prefill worker's prefix still counts for prefill
+
+
+async def test_a_request_that_does_not_say_its_prompt_length_is_not_taken_for_short() -> None:
+    scheduler, _, _ = make_scheduler(POOL)
+    placement = await scheduler.schedule(ScheduleRequest(request_id="unsized", model="m", max_tokens=8))
+    assert not placement.local_prefill and placement.prefill is not None
+
+
+async def test_a_threshold_of_zero_always_disaggregates() -> None:
+    scheduler, _, metrics = make_scheduler(POOL, threshold=0)
+    placement = await scheduler.schedule(request("one", [5]))
+    assert not placement.local_prefill and placement.prefill is not None
+    assert (metrics.local, metrics.disaggregated) == (0, 1)
+
+
+async def test_without_prefill_workers_short_prompts_are_served_and_long_ones_name_the_missing_role() -> None:
+    scheduler, _, _ = make_scheduler([worker("d0", "decode")])
+    assert (await scheduler.schedule(request("short", [5] * 3))).local_prefill
+    with pytest.raises(NoCapacityError, match="no prefill worker"):
+        await scheduler.schedule(request("long", [5] * THRESHOLD))
+
+
+def test_the_placement_proto_of_a_local_prefill_has_no_prefill_worker() -> None:
+    scheduler, _, _ = make_scheduler(POOL)
+    local = placement_to_proto(scheduler.place_now(request("short", [5] * 3), POOL))
+    assert local.local_prefill and not local.HasField("prefill")
+    assert local.decode.worker_id == "d0"
+    pair = placement_to_proto(scheduler.place_now(request("long", [5] * THRESHOLD), POOL))
+    assert not pair.local_prefill and pair.prefill.worker_id == "p0"
+
+
+def test_the_threshold_is_a_router_setting() -> None:
+    assert RouterConfig().disaggregation.min_uncached_tokens > 0
+    assert (
+        RouterConfig.model_validate({"disaggregation": {"min_uncached_tokens": 0}}).disaggregation.min_uncached_tokens
+        == 0
+    )
+    with pytest.raises(ValueError):
+        RouterConfig.model_validate({"disaggregation": {"min_uncached_tokens": -1}})
