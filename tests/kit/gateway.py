@@ -83,6 +83,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         ]
     )
     decode_step_delay_s: float = 0.0
+    #: DecodeStats.num_local_cached_tokens of the last chunk (prompt tokens from the decode engine's own cache).
+    decode_num_local_cached_tokens: int = 0
     #: After this many steps the stream stalls until cancelled (None: never).
     decode_hang_after: int | None = None
     #: After this many steps the stream fails with INTERNAL (None: never).
@@ -133,6 +135,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 )
                 if step.finish_reason:
                     chunk.stats.num_output_tokens = sum(len(s.token_ids) for s in self.decode_steps)
+                    chunk.stats.num_local_cached_tokens = self.decode_num_local_cached_tokens
                 yield chunk
         except asyncio.CancelledError:
             self.decode_cancelled.set()

@@ -4,13 +4,16 @@ Called by the route handlers (through :meth:`Orchestrator.generate`); calls the
 router through a :class:`~tandem.gateway.router.Router` and the workers
 through :class:`~tandem.gateway.workers.WorkerChannels`:
 
-1. ``Schedule`` → a (prefill, decode) placement;
+1. ``Schedule`` → a (prefill, decode) placement, or a decode worker alone
+   (``local_prefill``: little of the prompt is uncached there, so it prefills
+   the prompt itself and there is no handoff);
 2. ``Prefill`` on the prefill worker → the first token (retried once on another
-   prefill worker when the first one is UNAVAILABLE);
-3. ``Decode`` stream on the decode worker → the remaining tokens, unless the
-   first token already finished the request (placed once more on another
-   decode worker when the first one is UNAVAILABLE before it sent anything; a
-   decode worker that dies mid-stream ends the stream with an error);
+   prefill worker when the first one is UNAVAILABLE); skipped for a local prefill;
+3. ``Decode`` stream on the decode worker → the remaining tokens (all of them
+   for a local prefill), unless the first token already finished the request
+   (placed once more on another decode worker when the first one is
+   UNAVAILABLE before it sent anything; a decode worker that dies mid-stream
+   ends the stream with an error);
 4. always: ``Release`` on the router, and ``Abort`` on both workers when the
    generation did not complete (error, timeout, client gone), so that held KV
    blocks are freed at once rather than when their lease runs out.
@@ -155,15 +158,17 @@ class Orchestrator:
         progress = _Progress()
         try:
             prefill = await self._schedule_and_prefill(job, progress, deadline)
-            first_logprobs = (prefill.first_logprobs,) if prefill.HasField("first_logprobs") else ()
-            yield TextDelta(prefill.first_text, 1, first_logprobs)
-            if prefill.finish_reason or job.max_tokens <= 1:
-                progress.completed = True
-                usage = Usage(len(job.prompt_token_ids), 1, prefill.num_cached_tokens)
-                yield Finished(prefill.finish_reason or "length", usage)
-                return
+            if prefill is not None:
+                first_logprobs = (prefill.first_logprobs,) if prefill.HasField("first_logprobs") else ()
+                yield TextDelta(prefill.first_text, 1, first_logprobs)
+                if prefill.finish_reason or job.max_tokens <= 1:
+                    progress.completed = True
+                    usage = Usage(len(job.prompt_token_ids), 1, prefill.num_cached_tokens)
+                    yield Finished(prefill.finish_reason or "length", usage)
+                    return
             assert progress.placement is not None
             num_decoded_tokens = 0
+            num_cached_tokens = 0 if prefill is None else prefill.num_cached_tokens
             finish_reason = ""
             for attempt in range(2):
                 call = self._start_decode(job, progress.placement, prefill, deadline)
@@ -174,6 +179,10 @@ class Orchestrator:
                         num_chunks += 1
                         if chunk.HasField("stats"):
                             _record_decode_stats(job.clock, chunk.stats)
+                            if prefill is None:
+                                num_cached_tokens = chunk.stats.num_local_cached_tokens
+                        if prefill is None and chunk.token_ids:
+                            job.clock.mark("prefill_done")  # the decode worker's own prefill
                         num_decoded_tokens += len(chunk.token_ids)
                         if chunk.text or chunk.token_ids:
                             # Empty text (a token that completes no character yet) still counts as a token.
@@ -192,8 +201,8 @@ class Orchestrator:
             if not finish_reason:
                 raise WorkerUnavailableError("decode stream ended without a finish reason")
             progress.completed = True
-            usage = Usage(len(job.prompt_token_ids), 1 + num_decoded_tokens, prefill.num_cached_tokens)
-            yield Finished(finish_reason, usage)
+            num_output_tokens = num_decoded_tokens + (0 if prefill is None else 1)
+            yield Finished(finish_reason, Usage(len(job.prompt_token_ids), num_output_tokens, num_cached_tokens))
         finally:
             if progress.decode_call is not None and not progress.decode_call.done():
                 progress.decode_call.cancel()
@@ -202,12 +211,17 @@ class Orchestrator:
 
     async def _schedule_and_prefill(
         self, job: GenerationJob, progress: _Progress, deadline: float
-    ) -> worker_pb2.PrefillResponse:
+    ) -> worker_pb2.PrefillResponse | None:
+        """The prefill worker's answer, or None when the router placed a local prefill."""
         excluded: list[str] = []
         for attempt in range(2):
             placement = await self._place(job, excluded)
             progress.placement = placement
             job.clock.remark("scheduled")
+            job.clock.worker["num_router_expected_decode_cached_tokens"] = placement.num_decode_cached_tokens
+            if placement.local_prefill:
+                job.clock.worker["local_prefill"] = 1
+                return None
             request = worker_pb2.PrefillRequest(
                 request_id=job.request_id,
                 prompt_token_ids=job.prompt_token_ids,
@@ -292,34 +306,42 @@ class Orchestrator:
             extra={"request_id": job.request_id, "worker_id": dead.worker_id},
         )
         self._metrics.worker_retries_total.labels(role="decode").inc()
-        prefill = progress.placement.prefill
+        previous = progress.placement
         await self._release(job.request_id)
         progress.placement = None
         placement = await self._place(job, [dead.worker_id])
-        # The new placement's prefill worker is not used: the KV stays where it was computed.
+        # The new placement's prefill worker is not used: the KV stays where it was computed, and a
+        # local prefill stays local (nothing was streamed; the new decode worker prefills the prompt).
         replaced = router_pb2.Placement()
         replaced.CopyFrom(placement)
-        replaced.prefill.CopyFrom(prefill)
+        replaced.local_prefill = previous.local_prefill
+        if previous.local_prefill:
+            replaced.ClearField("prefill")
+        else:
+            replaced.prefill.CopyFrom(previous.prefill)
         progress.placement = replaced
 
     def _start_decode(
         self,
         job: GenerationJob,
         placement: router_pb2.Placement,
-        prefill: worker_pb2.PrefillResponse,
+        prefill: worker_pb2.PrefillResponse | None,
         deadline: float,
     ) -> grpc.aio.UnaryStreamCall:  # type: ignore[type-arg]
-        if not prefill.HasField("kv_handle"):
-            raise PermanentError("prefill worker kept no KV for the decode worker")
         request = worker_pb2.DecodeRequest(
             request_id=job.request_id,
             prompt_token_ids=job.prompt_token_ids,
-            first_token_id=prefill.first_token_id,
-            first_text=prefill.first_text,
             sampling=job.sampling.to_proto(job.max_tokens),
-            kv_handle=prefill.kv_handle,
             cache_salt=job.cache_salt,
         )
+        if prefill is None:
+            request.local_prefill = True
+        elif not prefill.HasField("kv_handle"):
+            raise PermanentError("prefill worker kept no KV for the decode worker")
+        else:
+            request.first_token_id = prefill.first_token_id
+            request.first_text = prefill.first_text
+            request.kv_handle.CopyFrom(prefill.kv_handle)
         stub = self._workers.stub(placement.decode.address)
         call: grpc.aio.UnaryStreamCall = stub.Decode(  # type: ignore[type-arg]
             request, timeout=max(0.001, deadline - time.monotonic())

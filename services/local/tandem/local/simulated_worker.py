@@ -287,14 +287,22 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: _Ctx) -> AsyncIterator[worker_pb2.DecodeChunk]:
         max_tokens = max(1, request.sampling.max_tokens)
-        num_kv = len(request.prompt_token_ids) + max_tokens
+        prompt = list(request.prompt_token_ids)
+        num_kv = len(prompt) + max_tokens
         self.num_running += 1
         self.num_kv_tokens_in_flight += num_kv
         try:
-            for i in range(max_tokens - 1):
+            num_streamed = max_tokens - 1  # the first token came from the prefill worker
+            if request.local_prefill:  # this worker prefills the prompt itself and streams every token
+                num_streamed = max_tokens
+                async with self._compute:
+                    num_computed = len(prompt) - await self.cache_prompt(prompt, request.cache_salt)
+                    await asyncio.sleep(self.config.latency.prefill_s(num_computed))
+                    self.prompt_tokens_computed_total += num_computed
+            for i in range(num_streamed):
                 await asyncio.sleep(self.config.latency.decode_token_s())
                 chunk = worker_pb2.DecodeChunk(text=" sim", token_ids=[2 + i])
-                if i == max_tokens - 2:
+                if i == num_streamed - 1:
                     chunk.finish_reason = "length"
                 yield chunk
         finally:

@@ -98,6 +98,9 @@ class StackConfig:
     start_gateway: bool = True
     #: TANDEM_ROUTER_POLICY for the router ("" = the router's default, cache_aware).
     router_policy: str = ""
+    #: TANDEM_ROUTER_DISAGGREGATION__MIN_UNCACHED_TOKENS: requests with fewer uncached prompt tokens on the
+    #: decode worker are prefilled there, with no handoff (None = the router's default; 0 = always hand off).
+    min_uncached_tokens_to_disaggregate: int | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: When the stack starts its own Redis: keep its data here (append-only file), so that a restarted
     #: Redis comes back with its tenants and keys, as a production Redis does. None: in memory only.
@@ -288,6 +291,8 @@ class LocalStack:
         )
         if c.router_policy:
             env["TANDEM_ROUTER_POLICY"] = c.router_policy
+        if c.min_uncached_tokens_to_disaggregate is not None:
+            env["TANDEM_ROUTER_DISAGGREGATION__MIN_UNCACHED_TOKENS"] = str(c.min_uncached_tokens_to_disaggregate)
         return env
 
     def _gateway_env(self) -> dict[str, str]:

@@ -13,6 +13,8 @@ in ``tests/unit/worker/test_continuation.py``.
   detokenizer yields the first token's text again (plus whatever was held
   back). :class:`ReplaySkipper` drops the replayed token, its log-probabilities
   and exactly the characters prefill already streamed, and passes the rest.
+* A local prefill (the decode worker ran the whole request) streams all of it:
+  :class:`StreamAll`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ def first_streamed_text(text: str, *, finished: bool, stop_buffer_chars: int) ->
     if finished or stop_buffer_chars <= 0:
         return text
     return text[: max(0, len(text) - stop_buffer_chars)]
+
+
+class StreamAll:
+    """Passes decode's delta outputs as they are: a local prefill, where this engine sampled the first
+    token too and nothing was streamed before (same interface as :class:`ReplaySkipper`)."""
+
+    mismatch = False
+
+    def tokens(self, token_ids: Sequence[int], per_token: Sequence[T] | None = None) -> tuple[list[int], list[T]]:
+        return list(token_ids), list(per_token) if per_token else []
+
+    def text(self, delta: str) -> str:
+        return delta
 
 
 class ReplaySkipper:

@@ -20,7 +20,7 @@ import grpc
 
 from tandem.common.tls import aio_channel
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tandem.worker.continuation import ReplaySkipper, first_streamed_text
+from tandem.worker.continuation import ReplaySkipper, StreamAll, first_streamed_text
 from tandem.worker.first_token import replay_args
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.params import HANDLE, KVHandleParams, decode_params, prefill_params
@@ -230,8 +230,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         prompt_ids = list(request.prompt_token_ids)
         await self._check(context, "decode", len(prompt_ids))
+        local = request.local_prefill
+        if local and (request.HasField("kv_handle") or request.first_token_id or request.first_text):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a local prefill carries no kv_handle, first_token_id or first_text (no prefill worker ran)",
+            )
         # The first token is replayed, not appended to the prompt: see tandem.worker.first_token.
-        extra_args: dict[str, Any] = replay_args(request.first_token_id)
+        extra_args: dict[str, Any] = {} if local else replay_args(request.first_token_id)
         if request.HasField("kv_handle"):
             h = request.kv_handle
             assert self.layout is not None
@@ -249,18 +255,23 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
             extra_args["kv_transfer_params"] = decode_params(handle)
         max_tokens = request.sampling.max_tokens
-        if max_tokens < 2:
+        if max_tokens < (1 if local else 2):
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 2 (the first token is replayed)"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "max_tokens must be at least 1"
+                if local
+                else "max_tokens must be at least 2 (the first token is replayed)",
             )
         params = await self._sampling_params(
             context,
             request.sampling,
             max_tokens=max_tokens,
             output_kind=RequestOutputKind.DELTA,
-            extra_args=extra_args,
+            extra_args=extra_args or None,
         )
-        skipper = ReplaySkipper(request.first_token_id, request.first_text)
+        skipper: ReplaySkipper | StreamAll = (
+            StreamAll() if local else ReplaySkipper(request.first_token_id, request.first_text)
+        )
         num_top_logprobs = params.logprobs or 0
         num_output = 0
         started = time.perf_counter()
