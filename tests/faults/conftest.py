@@ -35,6 +35,9 @@ def ledger() -> FaultLedger:
 def running_stack(tmp_path_factory: pytest.TempPathFactory, label: str, **overrides: object) -> Iterator[LocalStack]:
     """A local stack on free ports with a private registry prefix; its logs' tails are printed if it fails."""
     log_dir = Path(tmp_path_factory.mktemp(f"{label}-logs"))
+    # The fault suite is about the handoff: every request goes through a prefill worker unless a test
+    # asks otherwise (local prefills are tested in tests/integration/test_local_prefill.py).
+    overrides.setdefault("min_uncached_tokens_to_disaggregate", 0)
     config = StackConfig.with_free_ports(
         key_prefix=f"tandem-faults-{label}-{uuid.uuid4().hex[:6]}", log_dir=log_dir, **overrides
     )

@@ -12,11 +12,20 @@ import pytest
 
 from tandem.local.stack import LocalStack, StackConfig
 
+#: Below the router's default: every chat prompt here (the chat template alone is ~30 tokens) goes
+#: through the handoff, so the tests of the prefill → decode path keep testing it; a prompt whose prefix
+#: the decode worker already holds is finished there alone (test_local_prefill.py).
+MIN_UNCACHED_TOKENS_TO_DISAGGREGATE = 16
+
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     log_dir = Path(tmp_path_factory.mktemp("stack-logs"))
-    config = StackConfig.with_free_ports(key_prefix=f"tandem-it-{uuid.uuid4().hex[:8]}", log_dir=log_dir)
+    config = StackConfig.with_free_ports(
+        key_prefix=f"tandem-it-{uuid.uuid4().hex[:8]}",
+        log_dir=log_dir,
+        min_uncached_tokens_to_disaggregate=MIN_UNCACHED_TOKENS_TO_DISAGGREGATE,
+    )
     stack = LocalStack(config, progress=lambda msg: print(f"[stack] {msg}", flush=True))
     try:
         stack.start()
