@@ -233,6 +233,36 @@ def test_lease_expiry_frees_blocks_nobody_pulled() -> None:
         prefill.shutdown()
 
 
+def test_held_blocks_are_released_by_the_handles_id_or_by_the_callers_request_id() -> None:
+    """The KV server alone tracks what it holds: the worker service aborts by the id it knows (the
+    caller's), which vLLM suffixed into the handle's id."""
+    prefill, _ = make_side(free_port())
+    try:
+        expiry = time.time() + 60
+        prefill.start_load_kv(
+            GrpcKVMetadata(holds={"req-a-abcdefgh": ((1,), expiry), "req-b-12345678": ((2,), expiry)})
+        )
+        assert prefill.release("req-a")  # the caller's id
+        assert prefill.release("req-b-12345678")  # the handle's id
+        assert not prefill.release("req-a") and not prefill.release("no-such-request")
+        assert prefill.stats("").num_held_requests == 0
+        assert prefill.get_transfer_results({"req-a-abcdefgh", "req-b-12345678"})[0] == {
+            "req-a-abcdefgh",
+            "req-b-12345678",
+        }
+    finally:
+        prefill.shutdown()
+
+
+def test_the_handle_survives_every_form_it_takes() -> None:
+    handle = make_handle((3, 1, 4), num_tokens=9, kv_address="10.0.0.1:7000")
+    layout = KVLayout("m", "float32", BLOCK, LAYERS, (2, BLOCK, 8)).to_proto()
+    as_proto = handle.to_proto(layout)
+    assert as_proto.layout == layout
+    assert KVHandleParams.from_proto(as_proto) == handle == KVHandleParams.from_dict(handle.to_dict())
+    assert KVHandleParams.from_dict(decode_params(handle)[HANDLE]) == handle
+
+
 def test_an_idle_step_waits_for_a_load_in_flight_and_a_busy_step_does_not() -> None:
     prefill, _ = make_side(free_port())
     decode, _ = make_side(free_port(), fill=0.0)

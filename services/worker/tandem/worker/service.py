@@ -65,8 +65,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._kv_channel = aio_channel(self.kv_address, settings.tls)
         self._kv = kv_transfer_pb2_grpc.KVTransferStub(self._kv_channel)
         self.layout: KVLayout | None = None
-        #: Prefill: request id → handle of blocks held for a decode worker.
-        self._held: dict[str, KVHandleParams] = {}
         self._counters = _Counters()
         self.draining = False
         #: The model's sampling defaults (generation_config.json), applied to options the client left unset.
@@ -148,11 +146,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling parameters: {exc}")
             raise  # unreachable: abort raises
 
-    def _prune_held(self) -> None:
-        now = time.time()
-        for req_id in [r for r, h in self._held.items() if h.lease_expires_unix_s < now]:
-            del self._held[req_id]
-
     # -- RPCs --------------------------------------------------------------------
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: _Ctx) -> worker_pb2.PrefillResponse:
@@ -160,7 +153,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
         prompt_ids = list(request.prompt_token_ids)
         await self._check(context, "prefill", len(prompt_ids))
-        self._prune_held()
         params = await self._sampling_params(
             context,
             request.sampling,
@@ -207,23 +199,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if finished:
             response.finish_reason = completion.finish_reason or "length"
         elif handle_dict is not None:
-            handle = KVHandleParams.from_dict(handle_dict)
-            self._held[request.request_id] = handle
-            response.kv_handle.CopyFrom(self._handle_proto(handle))
+            # The blocks are held, under their lease, by this engine's KV server, which alone tracks them.
+            assert self.layout is not None
+            response.kv_handle.CopyFrom(KVHandleParams.from_dict(handle_dict).to_proto(self.layout.to_proto()))
         # else: continue on decode without a handle; decode recomputes the prompt.
         return response
-
-    def _handle_proto(self, handle: KVHandleParams) -> common_pb2.KVHandle:
-        assert self.layout is not None
-        return common_pb2.KVHandle(
-            engine_id=handle.engine_id,
-            kv_address=handle.kv_address,
-            remote_request_id=handle.remote_request_id,
-            block_ids=list(handle.block_ids),
-            num_tokens=handle.num_tokens,
-            layout=self.layout.to_proto(),
-            lease_expires_unix_s=handle.lease_expires_unix_s,
-        )
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: _Ctx) -> AsyncIterator[worker_pb2.DecodeChunk]:
         from vllm.sampling_params import RequestOutputKind
@@ -239,21 +219,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # The first token is replayed, not appended to the prompt: see tandem.worker.first_token.
         extra_args: dict[str, Any] = {} if local else replay_args(request.first_token_id)
         if request.HasField("kv_handle"):
-            h = request.kv_handle
             assert self.layout is not None
             try:
-                self.layout.check_compatible(KVLayout.from_proto(h.layout))
+                self.layout.check_compatible(KVLayout.from_proto(request.kv_handle.layout))
             except Exception as exc:  # KVLayoutMismatchError
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            handle = KVHandleParams(
-                engine_id=h.engine_id,
-                kv_address=h.kv_address,
-                remote_request_id=h.remote_request_id,
-                block_ids=tuple(h.block_ids),
-                num_tokens=h.num_tokens,
-                lease_expires_unix_s=h.lease_expires_unix_s,
-            )
-            extra_args["kv_transfer_params"] = decode_params(handle)
+            extra_args["kv_transfer_params"] = decode_params(KVHandleParams.from_proto(request.kv_handle))
         max_tokens = request.sampling.max_tokens
         if max_tokens < (1 if local else 2):
             await context.abort(
@@ -342,15 +313,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: _Ctx) -> worker_pb2.AbortResponse:
+        """Abort the request in the engine and, on a prefill worker, free the KV blocks its KV server
+        holds for it (found: blocks were held). Unknown ids are not an error."""
         await self._engine.abort(request.request_id)
-        found = False
-        handle = self._held.pop(request.request_id, None)
-        if handle is not None:
-            response = await self._kv.Release(
-                kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=handle.remote_request_id), timeout=5
-            )
-            found = response.found
-        return worker_pb2.AbortResponse(found=found)
+        if self._role != "prefill":
+            return worker_pb2.AbortResponse(found=False)
+        response = await self._kv.Release(
+            kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=request.request_id), timeout=5
+        )
+        return worker_pb2.AbortResponse(found=response.found)
 
     async def GetLoad(self, request: worker_pb2.LoadRequest, context: _Ctx) -> worker_pb2.LoadReport:
         stats = await self.kv_stats()

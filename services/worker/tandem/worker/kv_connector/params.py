@@ -1,14 +1,18 @@
-"""The KV handle as it travels inside vLLM's ``kv_transfer_params`` dict.
+"""The KV handle, and every form it takes, converted here and nowhere else.
 
-The prefill engine's ``request_finished`` produces it, ``AsyncLLM`` returns it
-in ``RequestOutput.kv_transfer_params``, the worker service turns it into a
-``tandem.v1.KVHandle`` for the gateway, and the decode worker service turns
-it back into a dict for the decode engine's connector."""
+The prefill engine's ``request_finished`` produces it (:meth:`KVHandleParams.to_dict`,
+inside vLLM's ``kv_transfer_params``), ``AsyncLLM`` returns it in
+``RequestOutput.kv_transfer_params``, the worker service sends it to the gateway
+as a ``tandem.v1.KVHandle`` (:meth:`KVHandleParams.to_proto`), and the decode
+worker service reads it back (:meth:`KVHandleParams.from_proto`) into the
+decode engine's ``kv_transfer_params`` (:func:`decode_params`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from tandem.v1 import common_pb2
 
 #: Set on a prefill request: keep its KV for a decode engine.
 DO_REMOTE_DECODE = "do_remote_decode"
@@ -48,6 +52,30 @@ class KVHandleParams:
             block_ids=tuple(int(b) for b in data["block_ids"]),
             num_tokens=int(data["num_tokens"]),
             lease_expires_unix_s=float(data["lease_expires_unix_s"]),
+        )
+
+    def to_proto(self, layout: common_pb2.KVLayout) -> common_pb2.KVHandle:
+        """The handle for the gateway, with the prefill engine's block ``layout``."""
+        return common_pb2.KVHandle(
+            engine_id=self.engine_id,
+            kv_address=self.kv_address,
+            remote_request_id=self.remote_request_id,
+            block_ids=list(self.block_ids),
+            num_tokens=self.num_tokens,
+            layout=layout,
+            lease_expires_unix_s=self.lease_expires_unix_s,
+        )
+
+    @classmethod
+    def from_proto(cls, handle: common_pb2.KVHandle) -> KVHandleParams:
+        """The handle a decode request carries (its layout is checked by the caller)."""
+        return cls(
+            engine_id=handle.engine_id,
+            kv_address=handle.kv_address,
+            remote_request_id=handle.remote_request_id,
+            block_ids=tuple(handle.block_ids),
+            num_tokens=handle.num_tokens,
+            lease_expires_unix_s=handle.lease_expires_unix_s,
         )
 
 

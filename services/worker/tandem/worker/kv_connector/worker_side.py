@@ -236,7 +236,11 @@ class WorkerSide:
             return self._holds[req_id]
 
     def release(self, req_id: str) -> bool:
+        """Free the blocks held for ``req_id``: the handle's id (vLLM's internal request id), or the
+        id the caller gave the request (what the worker service knows when it aborts one)."""
         with self._lock:
+            if req_id not in self._holds:
+                req_id = next((held for held in self._holds if external_request_id(held) == req_id), req_id)
             hold = self._holds.pop(req_id, None)
             if hold is not None:
                 self._done_sending.add(req_id)
