@@ -55,7 +55,7 @@ empty :=
 space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS) $(TOOL_DIRS))
 
-.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv
+.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv bench-local-prefill
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -149,6 +149,9 @@ bench-path: setup redis  ## disaggregated path vs plain vLLM side by side: TTFT,
 BENCH_KV_ARGS ?= --engines
 bench-kv: setup redis  ## KV pull vs loopback TCP vs a bare gRPC stream, where the pull's time goes, second-token gap
 	$(PY) benchmarks/kv_transfer.py $(BENCH_KV_ARGS)
+
+bench-local-prefill: setup redis  ## handoff vs the decode worker prefilling alone, by prompt length: the router's threshold
+	$(PY) benchmarks/local_prefill.py
 
 clean:  ## remove generated stubs, stamps, caches and build outputs (keeps .venv and the model cache)
 	rm -rf $(STAMP_DIR) reports build dist .pytest_cache .mypy_cache .ruff_cache

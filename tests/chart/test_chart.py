@@ -4,6 +4,7 @@ and assert on the rendered objects (security, probes, policies, GPU requests).""
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
@@ -197,6 +198,30 @@ def test_gateway_reaches_the_router_service() -> None:
     assert serve["grpc_options"]["grpc_servicer_functions"] == [
         "tandem.v1.router_pb2_grpc.add_RouterServicer_to_server"
     ]
+
+
+@pytest.mark.parametrize("threshold", [None, 0, 512])
+def test_the_router_reads_its_placement_settings_from_the_chart(
+    threshold: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Ray pods' environment, read by the router's own settings class (not a copy of its names)."""
+    settings = pytest.importorskip("tandem.router.settings", reason="the router package (make setup)")
+    extra = () if threshold is None else (f"router.minUncachedTokensToDisaggregate={threshold}",)
+    ray = one(render(None, extra), "RayService", f"{FULL}-router")
+    head = ray["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    literal = {e["name"]: e["value"] for e in head["env"] if "value" in e}
+    assert {n for n in literal if n.startswith("TANDEM_ROUTER_")} >= {
+        "TANDEM_ROUTER_POLICY",
+        "TANDEM_ROUTER_DISAGGREGATION__MIN_UNCACHED_TOKENS",
+    }
+    for name in [n for n in os.environ if n.startswith("TANDEM_ROUTER_")]:
+        monkeypatch.delenv(name)
+    for name, value in literal.items():
+        monkeypatch.setenv(name, value)
+    parsed = settings.TandemRouterSettings()
+    expected = settings.DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE if threshold is None else threshold
+    assert parsed.disaggregation.min_uncached_tokens == expected
+    assert parsed.policy == yaml.safe_load(run_helm("show", "values", str(CHART)).stdout)["router"]["policy"]
 
 
 def test_external_redis_goes_through_a_secret() -> None:

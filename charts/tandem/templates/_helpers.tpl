@@ -142,6 +142,8 @@ env:
   {{- include "tandem.redisEnv" (dict "ctx" .ctx "prefix" "TANDEM_ROUTER_") | nindent 2 }}
   - name: TANDEM_ROUTER_POLICY
     value: {{ .ctx.Values.router.policy | quote }}
+  - name: TANDEM_ROUTER_DISAGGREGATION__MIN_UNCACHED_TOKENS
+    value: {{ .ctx.Values.router.minUncachedTokensToDisaggregate | quote }}
   - name: TANDEM_ROUTER_GRPC_PORT
     value: {{ .ctx.Values.router.grpcPort | quote }}
   - name: HOME

@@ -13,7 +13,7 @@ from tandem.common.settings import RedisSettings, RegistrySettings
 from tandem.router.policy import DEFAULT_POLICY, CacheAwareWeights
 
 #: See :class:`DisaggregationSettings`.
-DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE = 256
+DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE = 128
 
 
 class BudgetSettings(BaseModel):
