@@ -89,6 +89,18 @@ def stream_once(
 SLO_MS = {"ttft": 3000.0, "itl": 1000.0}
 
 
+#: Share of long (~2,000-token) prompts in the mixed load.
+LONG_FRACTION = 0.2
+#: The mixed load's rate keeps Tandem's one prefill worker this busy with long prompts (measured
+#: in the same run), so that both systems can sustain it: an overloaded queue measures only itself.
+PREFILL_UTILIZATION = 0.5
+
+
+def sustainable_rate_rps(long_prefill_s: float) -> float:
+    """Requests per second at which long prompts keep one prefill engine ``PREFILL_UTILIZATION`` busy."""
+    return round(PREFILL_UTILIZATION / (LONG_FRACTION * long_prefill_s), 3)
+
+
 class RoundRobin(httpx.AsyncBaseTransport):
     """Sends each request to the next of ``ports`` on the request's host, in turn."""
 
@@ -118,7 +130,7 @@ def mixed_phase(
         workload=WorkloadOptions(
             input_tokens=LengthDist("fixed", 32),
             output_tokens=LengthDist("fixed", 64),
-            long_fraction=0.2,
+            long_fraction=LONG_FRACTION,
             long_input_tokens=LengthDist("fixed", 2000),
             long_output_tokens=LengthDist("fixed", 16),
         ),
@@ -196,7 +208,13 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=12, help="per server")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-long", type=int, default=3, help="~2,000-token prompts for KV throughput")
-    parser.add_argument("--mixed-rate", type=float, default=0.3, help="mixed load: requests per second")
+    parser.add_argument(
+        "--mixed-rate",
+        type=float,
+        default=None,
+        help="mixed load: requests per second (default: from the long prompts' measured prefill time, "
+        f"so that they keep the prefill worker {PREFILL_UTILIZATION:.0%} busy)",
+    )
     parser.add_argument("--mixed-phase-s", type=float, default=90.0, help="mixed load: seconds per phase")
     parser.add_argument("--mixed-rounds", type=int, default=2, help="mixed load: phases per system")
     args = parser.parse_args()
@@ -240,9 +258,11 @@ def main() -> None:
 
         kv = kv_transfer_pb2_grpc.KVTransferStub(grpc.insecure_channel(f"127.0.0.1:{config.decode_kv_port}"))
         before = kv.GetStats(kv_transfer_pb2.KVStatsRequest())
+        long_ttft_s = []
         for i in range(args.num_long):
             doc = " ".join(f"Fact {i}-{j}: the number {j * 7 + i} is interesting." for j in range(150))
-            stream_once(config.gateway_url, config.served_model_name, doc + " Summarize.", 4, stack.auth_headers)
+            t, _ = stream_once(config.gateway_url, config.served_model_name, doc + " Summarize.", 4, stack.auth_headers)
+            long_ttft_s.append(t)
         after = kv.GetStats(kv_transfer_pb2.KVStatsRequest())
         kv_bytes = after.bytes_received_total - before.bytes_received_total
         kv_s = after.transfer_seconds_total - before.transfer_seconds_total
@@ -250,7 +270,9 @@ def main() -> None:
 
         print(
             "\nrequest path, measured side by side in one run "
-            f"({args.num_requests} requests each, {args.max_tokens} output tokens, alternating)"
+            f"({args.num_requests} requests each, {args.max_tokens} output tokens, alternating; these short "
+            "questions are below the router's default disaggregation threshold, so Tandem runs them on the "
+            "decode worker alone: the handoff's figures are the KV line and make bench-kv)"
         )
         print(f"{'':8} {'TTFT p50':>10} {'TTFT p90':>10} {'ITL p50':>10} {'ITL p90':>10}")
         for name in targets:
@@ -272,6 +294,12 @@ def main() -> None:
             f"router {stack.ready_after_s.get('router', 0):.1f} s, plain vLLM {vllm_start_s:.1f} s "
             "(alone, while the stack idled)"
         )
+        mixed_rate = args.mixed_rate or sustainable_rate_rps(statistics.median(long_ttft_s))
+        print(
+            f"long prompts' TTFT through Tandem (one at a time): p50 {statistics.median(long_ttft_s):.1f} s; "
+            f"mixed-load rate {mixed_rate:g} req/s"
+            + ("" if args.mixed_rate else f" (keeps the prefill worker ~{PREFILL_UTILIZATION:.0%} busy)")
+        )
         stop_plain_vllm(vllm_proc)
         vllm_proc = None
 
@@ -287,7 +315,7 @@ def main() -> None:
             )
             replicas.append(proc)
         loaded = compare_under_load(
-            stack, replica_ports, rate_rps=args.mixed_rate, phase_s=args.mixed_phase_s, rounds=args.mixed_rounds
+            stack, replica_ports, rate_rps=mixed_rate, phase_s=args.mixed_phase_s, rounds=args.mixed_rounds
         )
         print(
             f"bench-path: ttft_p50_ratio={r_ttft:.2f} itl_p99_ratio_vs_colocated={loaded['itl_p99']:.2f} "
