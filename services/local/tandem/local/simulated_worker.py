@@ -259,6 +259,16 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
         num_cached = min(num_hit * self.config.block_size_tokens, max(0, len(token_ids) - 1))
         return num_cached
 
+    async def _compute_prompt(self, prompt: list[int], cache_salt: str) -> int:
+        """Prefill ``prompt`` (one at a time, like one CPU engine): cache it, take the simulated time of
+        its uncached tokens; returns the cached ones."""
+        async with self._compute:
+            num_cached = await self.cache_prompt(prompt, cache_salt)
+            num_computed = len(prompt) - num_cached
+            await asyncio.sleep(self.config.latency.prefill_s(num_computed))
+            self.prompt_tokens_computed_total += num_computed
+        return num_cached
+
     # -- tandem.v1.Worker ----------------------------------------------------------
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: _Ctx) -> worker_pb2.PrefillResponse:
@@ -267,11 +277,7 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
         self.num_running += 1
         self.num_prompt_tokens_in_flight += len(prompt)
         try:
-            async with self._compute:
-                num_cached = await self.cache_prompt(prompt, request.cache_salt)
-                num_computed = len(prompt) - num_cached
-                await asyncio.sleep(self.config.latency.prefill_s(num_computed))
-                self.prompt_tokens_computed_total += num_computed
+            num_cached = await self._compute_prompt(prompt, request.cache_salt)
         finally:
             self.num_running -= 1
             self.num_prompt_tokens_in_flight -= len(prompt)
@@ -295,10 +301,7 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
             num_streamed = max_tokens - 1  # the first token came from the prefill worker
             if request.local_prefill:  # this worker prefills the prompt itself and streams every token
                 num_streamed = max_tokens
-                async with self._compute:
-                    num_computed = len(prompt) - await self.cache_prompt(prompt, request.cache_salt)
-                    await asyncio.sleep(self.config.latency.prefill_s(num_computed))
-                    self.prompt_tokens_computed_total += num_computed
+                await self._compute_prompt(prompt, request.cache_salt)
             for i in range(num_streamed):
                 await asyncio.sleep(self.config.latency.decode_token_s())
                 chunk = worker_pb2.DecodeChunk(text=" sim", token_ids=[2 + i])

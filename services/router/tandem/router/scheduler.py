@@ -31,7 +31,7 @@ import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from tandem.common.block_hash import HASH_ALGO_SHA256, BlockHasher
 from tandem.common.errors import InvalidRequestError, NoCapacityError, TandemError
@@ -229,7 +229,6 @@ class Scheduler:
         decode = self._policy.choose(request, ROLE_DECODE, workers, view)
         if decode is None:
             self._no_worker(request, workers, ROLE_DECODE)
-        assert decode is not None
         num_tokens = request.num_tokens
         num_decode_cached = cached.get(decode.worker.worker_id, 0)
         # A request that does not say how long its prompt is is not known to be short.
@@ -257,7 +256,7 @@ class Scheduler:
             num_decode_cached_tokens=num_decode_cached,
         )
 
-    def _no_worker(self, request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> None:
+    def _no_worker(self, request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> NoReturn:
         """Raise for a role without a worker to take the request: wait for budget (_NoBudget) when
         some exist, else the error that names what is missing."""
         if self._num_candidates(request, workers, role):
