@@ -277,8 +277,8 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> di
             for i in range(repeats + 1):
                 rid = f"bench-{num_tokens}-{i}"
                 handle = KVHandleParams("prefill", f"127.0.0.1:{port}", rid, remote, num_tokens, time.time() + 600)
-                decode._load(LoadSpec(f"{rid}-0123abcd", handle, remote, local, num_tokens))
-                record = decode.stats(rid).request
+                record = decode.load(LoadSpec(f"{rid}-0123abcd", handle, remote, local, num_tokens))
+                decode.puller.release_remote(handle)
                 if record.failed:
                     raise RuntimeError(f"pull of {num_tokens} tokens failed: {record.error}")
                 if i == 0:

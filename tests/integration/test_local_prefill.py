@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from tandem.local.stack import LocalStack
 from tests.integration.conftest import MIN_UNCACHED_TOKENS_TO_DISAGGREGATE
-from tests.probes import kv_stats, load, read_sse
+from tests.probes import gauge, kv_stats, load, read_sse, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -65,10 +65,19 @@ def test_a_prompt_whose_prefix_the_decode_worker_holds_is_finished_there_alone(s
         "temperature": 0,
     }
 
+    received_before = load(stack, "decode").kv_bytes_received_total
     handed_off = _post(stack, body)
     worker = handed_off["tandem_timings"]["worker"]
     assert "local_prefill" not in worker
     assert worker["num_kv_tokens_loaded"] >= 2 * block  # the decode worker now holds two blocks of it
+    # The request's own pull figures (the decode engine's connector reports them with the finished
+    # request) agree with the engine's KV counters.
+    assert worker["kv_transfer_bytes"] == load(stack, "decode").kv_bytes_received_total - received_before > 0
+    # ... and so does the worker's /metrics (the KV server's counters as the heartbeat last read them).
+    received = load(stack, "decode").kv_bytes_received_total
+    assert wait_until(
+        lambda: gauge(stack, "decode", "tandem_kv_transfer_bytes_received_total") == received, timeout_s=10
+    ), (gauge(stack, "decode", "tandem_kv_transfer_bytes_received_total"), received)
 
     # The decode engine's KV events reach the router within moments: the same prompt is then short there.
     deadline_s = time.monotonic() + 15

@@ -12,16 +12,19 @@ import torch
 
 from tandem.common.errors import KVLayoutMismatchError
 from tandem.worker.kv_connector.layout import KVLayout
-from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, GrpcKVWorkerMeta, LoadSpec
 from tandem.worker.kv_connector.params import (
     HANDLE,
     KVHandleParams,
+    LoadRecord,
     decode_params,
     external_request_id,
+    load_record_of,
     prefill_params,
 )
+from tandem.worker.kv_connector.puller import IDLE_STEP_WAIT_S
 from tandem.worker.kv_connector.scheduler_side import SchedulerSide
-from tandem.worker.kv_connector.worker_side import IDLE_STEP_WAIT_S, WorkerSide
+from tandem.worker.kv_connector.worker_side import WorkerSide
 from tests.kit.net import free_port
 
 BLOCK = 4
@@ -157,6 +160,45 @@ def test_prefill_holds_blocks_only_when_length_capped() -> None:
     assert list(side.build_connector_meta().holds) == ["a"]
 
 
+def _planned_load(side: SchedulerSide, req_id: str) -> FakeRequest:
+    req = FakeRequest(req_id, num_prompt_tokens=9, kv_transfer_params=decode_params(make_handle((10, 11), 8)))
+    side.get_num_new_matched_tokens(req, num_computed_tokens=0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(req, FakeBlocks(([FakeBlock(1), FakeBlock(2)],)), 8)  # type: ignore[arg-type]
+    return req
+
+
+def test_a_decode_leaves_with_what_its_load_did() -> None:
+    """The worker side's record of a pull reaches the scheduler side (vLLM's connector worker
+    metadata) and leaves in the finished request's kv_transfer_params, once."""
+    side = SchedulerSide(engine_id="d", kv_address="x:1", block_size_tokens=BLOCK, lease_s=60)
+    req = _planned_load(side, "r-abcdefgh")
+    record = LoadRecord(num_kv_tokens_loaded=8, num_blocks_loaded=2, num_bytes=4096, seconds=0.1)
+    side.update_connector_output(GrpcKVWorkerMeta({"r-abcdefgh": record, "unknown": record}))
+    side.update_connector_output(None)  # a step with nothing to report
+    delay, params = side.request_finished(req, [1, 2])  # type: ignore[arg-type]
+    assert delay is False and load_record_of(params) == record
+    assert side.request_finished(req, [1, 2]) == (False, None)  # type: ignore[arg-type]
+    assert side._load_records == {} and side._loading == set()  # nothing kept for "unknown" either
+
+
+def test_a_load_that_ends_after_its_request_was_aborted_is_not_kept() -> None:
+    side = SchedulerSide(engine_id="d", kv_address="x:1", block_size_tokens=BLOCK, lease_s=60)
+    req = _planned_load(side, "r-abcdefgh")
+    assert side.request_finished(req, []) == (False, None)  # type: ignore[arg-type]
+    late = LoadRecord(num_kv_tokens_loaded=8, num_blocks_loaded=2, num_bytes=4096, seconds=3.0)
+    side.update_connector_output(GrpcKVWorkerMeta({"r-abcdefgh": late}))
+    assert side._load_records == {}
+
+
+def test_tensor_parallel_ranks_records_of_one_load_add_up() -> None:
+    a = LoadRecord(num_kv_tokens_loaded=8, num_blocks_loaded=2, num_bytes=100, seconds=0.2)
+    b = LoadRecord(num_kv_tokens_loaded=8, num_blocks_loaded=2, num_bytes=100, seconds=0.5, failed=True, error="x")
+    merged = GrpcKVWorkerMeta({"r": a}).aggregate(GrpcKVWorkerMeta({"r": b, "s": a}))
+    assert merged.loads["r"] == LoadRecord(8, 2, 200, 0.5, failed=True, error="x")
+    assert merged.loads["s"] == a
+    assert LoadRecord.from_dict(a.to_dict()) == a
+
+
 def test_decode_aborted_before_its_load_was_planned_releases_the_prefill_blocks() -> None:
     side = SchedulerSide(engine_id="d", kv_address="x:1", block_size_tokens=BLOCK, lease_s=60)
     handle = make_handle((1,), num_tokens=3)
@@ -177,23 +219,24 @@ def test_blocks_move_between_engines_and_are_released() -> None:
     prefill, p_caches = make_side(free_port())
     decode, d_caches = make_side(free_port(), fill=0.0)
     try:
-        handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill._bind)
+        handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill.server.address)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode._done_recving)
+        wait_until(lambda: "req-1-abcdefgh" in decode.puller._done)
         for name in p_caches:
             assert torch.equal(d_caches[name][0], p_caches[name][5])
             assert torch.equal(d_caches[name][3], p_caches[name][9])
             assert torch.count_nonzero(d_caches[name][1]) == 0  # untouched
         _, recving, failed = decode.get_transfer_results(set())
         assert recving == {"req-1-abcdefgh"} and failed == set()
-        record = decode.stats("req-1").request
+        record = decode.take_load_records()["req-1-abcdefgh"]
         assert record.num_kv_tokens_loaded == 7 and record.num_bytes == 2 * LAYERS * 2 * BLOCK * 8 * 4
+        assert not record.failed and decode.take_load_records() == {}  # each record is handed out once
         # The decode side released the blocks; vLLM hears of it once the request is finished.
-        wait_until(lambda: prefill.stats("").num_held_requests == 0)
+        wait_until(lambda: prefill.stats().num_held_requests == 0)
         assert prefill.get_transfer_results(set())[0] == set()
         assert prefill.get_transfer_results({handle.remote_request_id})[0] == {handle.remote_request_id}
-        assert prefill.stats("").bytes_sent_total == decode.stats("").bytes_received_total > 0
+        assert prefill.stats().bytes_sent_total == decode.stats().bytes_received_total > 0
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -203,12 +246,14 @@ def test_mismatched_layout_is_refused_and_reported_as_failed_load() -> None:
     prefill, _ = make_side(free_port(), model="model-a")
     decode, _ = make_side(free_port(), model="model-b")
     try:
-        handle = make_handle((1,), num_tokens=3, kv_address=prefill._bind)
+        handle = make_handle((1,), num_tokens=3, kv_address=prefill.server.address)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (1,), (4,), 3)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode._failed_recving)
+        wait_until(lambda: "req-1-abcdefgh" in decode.puller._failed)
         assert decode.take_failed_block_ids() == {4}
-        record = decode.stats("req-1").request
+        _, recving, failed = decode.get_transfer_results(set())
+        assert recving == failed == {"req-1-abcdefgh"}  # a failed load is also done receiving
+        record = decode.take_load_records()["req-1-abcdefgh"]
         assert record.failed and "model" in record.error
     finally:
         prefill.shutdown()
@@ -228,7 +273,7 @@ def test_lease_expiry_frees_blocks_nobody_pulled() -> None:
     try:
         prefill.start_load_kv(GrpcKVMetadata(holds={"x-12345678": ((1, 2), time.time() - 1)}))
         assert prefill.get_transfer_results({"x-12345678"})[0] == {"x-12345678"}
-        assert prefill.stats("").leases_expired_total == 1
+        assert prefill.stats().leases_expired_total == 1
     finally:
         prefill.shutdown()
 
@@ -245,7 +290,7 @@ def test_held_blocks_are_released_by_the_handles_id_or_by_the_callers_request_id
         assert prefill.release("req-a")  # the caller's id
         assert prefill.release("req-b-12345678")  # the handle's id
         assert not prefill.release("req-a") and not prefill.release("no-such-request")
-        assert prefill.stats("").num_held_requests == 0
+        assert prefill.stats().num_held_requests == 0
         assert prefill.get_transfer_results({"req-a-abcdefgh", "req-b-12345678"})[0] == {
             "req-a-abcdefgh",
             "req-b-12345678",
@@ -267,7 +312,7 @@ def test_an_idle_step_waits_for_a_load_in_flight_and_a_busy_step_does_not() -> N
     prefill, _ = make_side(free_port())
     decode, _ = make_side(free_port(), fill=0.0)
     try:
-        handle = make_handle((2, 5), num_tokens=7, kv_address=prefill._bind)
+        handle = make_handle((2, 5), num_tokens=7, kv_address=prefill.server.address)
         # The prefill side announces its hold late: the load stays in flight meanwhile.
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (2, 5), (0, 3), 7)]))
         started = time.perf_counter()
@@ -287,7 +332,7 @@ def test_an_idle_step_waits_for_a_load_in_flight_and_a_busy_step_does_not() -> N
             decode.start_load_kv(GrpcKVMetadata(idle_step=True))
             recving = decode.get_transfer_results(set())[1]
         assert recving == {"req-1-abcdefgh"}
-        assert decode._num_loads_in_flight == 0
+        wait_until(lambda: decode.puller._num_in_flight == 0)
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -24,19 +24,19 @@ def test_blocks_move_over_mutual_tls_and_strangers_are_refused(tmp_path: Path) -
     prefill, p_caches = make_side(free_port(), tls=trusted, max_chunk_bytes=1 << 20)
     decode, d_caches = make_side(free_port(), fill=0.0, tls=trusted, max_chunk_bytes=1 << 20)
     try:
-        handle = make_handle((3,), num_tokens=4, kv_address=prefill._bind)
+        handle = make_handle((3,), num_tokens=4, kv_address=prefill.server.address)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (3,), (0,), 4)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode._done_recving)
-        assert not decode.stats("req-1").request.failed
+        wait_until(lambda: "req-1-abcdefgh" in decode.puller._done)
+        assert not decode.take_load_records()["req-1-abcdefgh"].failed
         for name in p_caches:
             assert torch.equal(d_caches[name][0], p_caches[name][3])
 
         # A client whose certificate the CA did not sign cannot even describe the layout ...
-        with channel(prefill._bind, stranger) as ch, pytest.raises(grpc.RpcError):
+        with channel(prefill.server.address, stranger) as ch, pytest.raises(grpc.RpcError):
             kv_transfer_pb2_grpc.KVTransferStub(ch).Describe(kv_transfer_pb2.DescribeRequest(), timeout=3)
         # ... and neither can a plaintext client.
-        with channel(prefill._bind, TLSSettings()) as ch, pytest.raises(grpc.RpcError):
+        with channel(prefill.server.address, TLSSettings()) as ch, pytest.raises(grpc.RpcError):
             kv_transfer_pb2_grpc.KVTransferStub(ch).Describe(kv_transfer_pb2.DescribeRequest(), timeout=3)
     finally:
         prefill.shutdown()

@@ -81,11 +81,12 @@ def test_pulled_blocks_are_byte_identical(layout: str, dtype: torch.dtype) -> No
         assert decode.layout is not None and decode.layout.block_dim == block_dim
         # Consecutive, scattered and reversed runs on both sides.
         remote, local = (1, 2, 3, 7, 5), (11, 10, 0, 1, 2)
-        handle = make_handle(remote, num_tokens=len(remote) * BLOCK, kv_address=prefill._bind)
+        handle = make_handle(remote, num_tokens=len(remote) * BLOCK, kv_address=prefill.server.address)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (remote, time.time() + 60)}))
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, remote, local, 20)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode._done_recving | decode._failed_recving, timeout_s=10)
-        assert decode.stats("req-1").request.failed is False, decode.stats("req-1").request.error
+        wait_until(lambda: "req-1-abcdefgh" in decode.puller._done | decode.puller._failed, timeout_s=10)
+        record = decode.take_load_records()["req-1-abcdefgh"]
+        assert record.failed is False, record.error
         untouched = set(range(NUM_BLOCKS)) - set(local)
         for name in p_caches:
             for theirs, ours in zip(remote, local, strict=True):
@@ -93,7 +94,7 @@ def test_pulled_blocks_are_byte_identical(layout: str, dtype: torch.dtype) -> No
                 assert _same_bytes(got, sent), (name, theirs)
             for b in untouched:
                 assert torch.count_nonzero(d_caches[name].select(block_dim, b).view(torch.uint8)) == 0
-        assert decode.stats("").bytes_received_total == len(remote) * block_bytes * len(p_caches)
+        assert decode.stats().bytes_received_total == len(remote) * block_bytes * len(p_caches)
     finally:
         prefill.shutdown()
         decode.shutdown()

@@ -1,11 +1,9 @@
 """Decode with ``local_prefill``: the decode engine runs the whole request (no replayed token, no
-KV to pull) and streams every token, the first included. The engine is the scripted stand-in of
-test_decode_stats.py; the request's vLLM ``SamplingParams`` are real."""
+KV to pull) and streams every token, the first included. The engine is a scripted stand-in
+(fake_engine.py); the request's vLLM ``SamplingParams`` are real."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -16,40 +14,15 @@ from tandem.v1 import common_pb2, worker_pb2
 from tandem.worker.first_token import REPLAY_TOKEN_ID
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
-from tests.unit.worker.test_decode_stats import FIRST_TEXT, FIRST_TOKEN, ScriptedEngine, _layout
+from tests.unit.worker.fake_engine import FIRST_TEXT, FIRST_TOKEN, Context, Refused, ScriptedEngine
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 
-@dataclass
-class RecordingEngine(ScriptedEngine):
-    params: list[Any] = field(default_factory=list)
-
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
-        self.params.append(params)
-        async for out in super().generate(prompt, params, request_id):
-            yield out
-
-
-class Refused(Exception):
-    pass
-
-
-class Context:
-    def __init__(self) -> None:
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.code, self.details = code, details
-        raise Refused(details)
-
-
-def _service(engine: ScriptedEngine) -> WorkerService:
-    # No KV server is needed: a local prefill neither pulls KV nor asks for KV figures.
+async def _service(engine: ScriptedEngine) -> WorkerService:
     settings = WorkerSettings(role="decode", kv={"host": "127.0.0.1", "port": 1}, tls=TLSSettings())
     service = WorkerService(settings, engine, worker_id="decode-0")
-    service.layout = _layout()
+    await service.start()
     return service
 
 
@@ -65,8 +38,8 @@ def _request(**fields: Any) -> worker_pb2.DecodeRequest:
 
 
 async def test_every_token_is_streamed_and_nothing_is_replayed_or_pulled() -> None:
-    engine = RecordingEngine()
-    service = _service(engine)
+    engine = ScriptedEngine()
+    service = await _service(engine)
     chunks = [chunk async for chunk in service.Decode(_request(), Context())]  # type: ignore[arg-type]
     assert "".join(c.text for c in chunks) == FIRST_TEXT + " there!"
     assert [t for c in chunks for t in c.token_ids] == [FIRST_TOKEN, 12, 13]
@@ -79,17 +52,15 @@ async def test_every_token_is_streamed_and_nothing_is_replayed_or_pulled() -> No
     assert not (params.extra_args or {}).get(REPLAY_TOKEN_ID)
     assert "kv_transfer_params" not in (params.extra_args or {})
     assert params.max_tokens == 3
-    await service.aclose()
 
 
 async def test_one_token_is_enough_for_a_local_prefill() -> None:
-    engine = RecordingEngine()
-    service = _service(engine)
+    engine = ScriptedEngine()
+    service = await _service(engine)
     request = _request(sampling=common_pb2.SamplingOptions(max_tokens=1, temperature=0.0))
     chunks = [chunk async for chunk in service.Decode(request, Context())]  # type: ignore[arg-type]
     assert chunks[0].token_ids == [FIRST_TOKEN]
     assert engine.params[0].max_tokens == 1
-    await service.aclose()
 
 
 @pytest.mark.parametrize(
@@ -102,12 +73,11 @@ async def test_one_token_is_enough_for_a_local_prefill() -> None:
     ids=["first_token_id", "first_text", "kv_handle"],
 )
 async def test_a_local_prefill_that_carries_a_prefill_workers_output_is_refused(fields: dict[str, Any]) -> None:
-    engine = RecordingEngine()
-    service = _service(engine)
+    engine = ScriptedEngine()
+    service = await _service(engine)
     context = Context()
     with pytest.raises(Refused):
         async for _ in service.Decode(_request(**fields), context):  # type: ignore[arg-type]
             pass
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
     assert engine.params == []  # nothing reached the engine
-    await service.aclose()

@@ -55,11 +55,6 @@ def parse_settings(argv: list[str] | None = None) -> WorkerSettings:
     return settings.model_copy(update=updates)
 
 
-def _engine_kv_shape(engine: Any) -> tuple[int, int]:
-    cache = engine.vllm_config.cache_config
-    return int(cache.num_gpu_blocks or 0), int(cache.block_size or 0)
-
-
 async def serve(settings: WorkerSettings) -> None:
     from tandem.worker.engine import build_engine
     from tandem.worker.metrics import start_metrics_server
@@ -84,9 +79,9 @@ async def serve(settings: WorkerSettings) -> None:
         raise SystemExit(f"cannot bind {address}")
     await server.start()
     if settings.metrics_port:
-        start_metrics_server(settings.bind_host, settings.metrics_port, service, settings.tls)
+        start_metrics_server(settings.bind_host, settings.metrics_port, service)
 
-    num_blocks, block_size = _engine_kv_shape(engine)
+    num_blocks, block_size = engine.kv_cache_shape()
     registry = WorkerRegistry(
         settings.redis.url, key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
     )
@@ -124,7 +119,6 @@ async def serve(settings: WorkerSettings) -> None:
     await wait_idle(service, settings.drain_timeout_s)
     heartbeat.cancel()
     await server.stop(grace=1.0)
-    await service.aclose()
     await registry.aclose()
     engine.shutdown()
     logger.info("worker stopped", extra={"worker_id": worker_id})

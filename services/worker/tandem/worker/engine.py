@@ -1,13 +1,17 @@
 """Builds vLLM's ``AsyncLLM`` for one worker role, with the gRPC KV connector
-wired in. Called by ``__main__``; the only module (with ``kv_connector``)
-that imports vLLM."""
+wired in, and :class:`VLLMEngine`, the worker's engine protocol over it.
+Called by ``__main__``; with ``kv_connector``, the only code that starts vLLM."""
 
 from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
+from tandem.v1 import kv_transfer_pb2
+from tandem.worker.kv_connector.extension import WORKER_EXTENSION
+from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.settings import WorkerSettings
 
 CONNECTOR_MODULE = "tandem.worker.kv_connector.connector"
@@ -81,6 +85,8 @@ def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str,
         "enable_prefix_caching": True,
         # Decode replays the prefill's first token; see tandem.worker.first_token.
         "logits_processors": [FIRST_TOKEN_REPLAY],
+        # The worker service reaches its KV server through the engine (tandem.worker.kv_connector.extension).
+        "worker_extension_cls": WORKER_EXTENSION,
         # Our connector serves one full-attention group; HMA would need SupportsHMA.
         "disable_hybrid_kv_cache_manager": True,
         "kv_transfer_config": {
@@ -102,7 +108,54 @@ def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str,
     }
 
 
-def build_engine(settings: WorkerSettings) -> Any:
+class VLLMEngine:
+    """:class:`~tandem.worker.engine_api.WorkerEngine` over a started ``AsyncLLM``. The KV server's
+    layout, counters and holds are reached with ``collective_rpc`` on every rank (the methods of
+    :class:`~tandem.worker.kv_connector.extension.KVWorkerExtension`)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
+        result: AsyncIterator[Any] = self.llm.generate(prompt, params, request_id)
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        return dict(self.llm.model_config.get_diff_sampling_param())
+
+    async def kv_layout(self) -> KVLayout:
+        layouts = await self.llm.collective_rpc("tandem_kv_layout")
+        if not layouts or layouts[0] is None:
+            raise RuntimeError("the engine's KV connector has no KV caches registered")
+        return KVLayout.from_dict(layouts[0])
+
+    async def kv_release(self, request_id: str) -> bool:
+        return any(await self.llm.collective_rpc("tandem_kv_release", args=(request_id,)))
+
+    async def kv_stats(self) -> kv_transfer_pb2.KVStats:
+        total = kv_transfer_pb2.KVStats()
+        for rank, raw in enumerate(await self.llm.collective_rpc("tandem_kv_stats")):
+            stats = kv_transfer_pb2.KVStats.FromString(raw)
+            if rank == 0:
+                total.CopyFrom(stats)  # layout and held requests: rank 0 speaks for all
+                continue
+            for field in ("bytes_sent_total", "bytes_received_total", "transfer_seconds_total"):
+                setattr(total, field, getattr(total, field) + getattr(stats, field))
+        return total
+
+    def kv_cache_shape(self) -> tuple[int, int]:
+        """(number of KV blocks, tokens per block) of this engine."""
+        cache = self.llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0), int(cache.block_size or 0)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def build_engine(settings: WorkerSettings) -> VLLMEngine:
     """Start an ``AsyncLLM`` (spawns the engine-core and model-runner processes)."""
     if settings.engine.cpu_threads_bind:
         # Read by vLLM's CPU worker in the child process it spawns.
@@ -112,4 +165,4 @@ def build_engine(settings: WorkerSettings) -> Any:
 
     engine_id = f"{settings.role}-{uuid.uuid4().hex[:12]}"
     args = AsyncEngineArgs(**engine_args_kwargs(settings, engine_id=engine_id))
-    return AsyncLLM.from_engine_args(args)
+    return VLLMEngine(AsyncLLM.from_engine_args(args))

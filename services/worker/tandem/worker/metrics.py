@@ -1,53 +1,31 @@
 """Prometheus endpoint of a worker: vLLM's own ``vllm:*`` metrics (registered
-by AsyncLLM in this process) plus ``tandem_kv_*`` counters read from the
-engine's KV server on each scrape. Started by ``__main__``."""
+by AsyncLLM in this process) plus ``tandem_kv_*`` counters of the engine's KV
+server, as the worker service last read them (the registry heartbeat reads
+them every second, through the engine). Started by ``__main__``."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import grpc
 from prometheus_client import REGISTRY, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from tandem.common.tls import TLSSettings, channel
-from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 if TYPE_CHECKING:
     from tandem.worker.service import WorkerService
 
 
-class ServiceCollector(Collector):
-    """The request-handling side's own counters, read at scrape time."""
+class KVCollector(Collector):
+    """The KV server's counters at scrape time (no state of its own)."""
 
     def __init__(self, service: WorkerService) -> None:
         self._service = service
 
     def collect(self) -> Iterator[Metric]:
-        c = CounterMetricFamily(
-            "tandem_worker_decode_stats_unavailable",
-            "Finished decodes reported without their KV load figures (the KV server did not answer in time)",
-            labels=["role"],
-        )
-        c.add_metric([self._service.role], float(self._service.num_decode_stats_unavailable))
-        yield c
-
-
-class KVCollector(Collector):
-    """Reads the KV server's counters at scrape time (no state of its own)."""
-
-    def __init__(self, kv_address: str, role: str, tls: TLSSettings) -> None:
-        self._stub = kv_transfer_pb2_grpc.KVTransferStub(channel(kv_address, tls))
-        self._role = role
-
-    def collect(self) -> Iterator[Metric]:
-        try:
-            s = self._stub.GetStats(kv_transfer_pb2.KVStatsRequest(), timeout=2)
-        except grpc.RpcError:
-            return
+        s = self._service.last_kv_stats
         labels = ["role"]
+        role = self._service.role
         for name, doc, value in (
             ("tandem_kv_transfer_bytes_sent", "KV bytes served to decode engines", s.bytes_sent_total),
             ("tandem_kv_transfer_bytes_received", "KV bytes pulled from prefill engines", s.bytes_received_total),
@@ -57,15 +35,14 @@ class KVCollector(Collector):
             ("tandem_kv_leases_expired", "Held KV freed by lease expiry", s.leases_expired_total),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self._role], float(value))
+            c.add_metric([role], float(value))
             yield c
         g = GaugeMetricFamily("tandem_kv_held_blocks", "KV blocks held for decode engines", labels=labels)
-        g.add_metric([self._role], float(s.num_held_blocks))
+        g.add_metric([role], float(s.num_held_blocks))
         yield g
 
 
-def start_metrics_server(host: str, port: int, service: WorkerService, tls: TLSSettings) -> None:
+def start_metrics_server(host: str, port: int, service: WorkerService) -> None:
     """Serve /metrics on its own thread."""
-    REGISTRY.register(KVCollector(service.kv_address, service.role, tls))
-    REGISTRY.register(ServiceCollector(service))
+    REGISTRY.register(KVCollector(service))
     start_http_server(port, addr=host)

@@ -9,8 +9,6 @@ import dataclasses
 import logging
 import time
 
-import grpc
-
 from tandem.common.errors import BackendUnavailableError
 from tandem.common.registry import WorkerLoad, WorkerRecord, WorkerRegistry
 from tandem.worker.service import WorkerService
@@ -65,11 +63,8 @@ async def heartbeat_forever(
 
 
 async def _current(record: WorkerRecord, service: WorkerService) -> WorkerRecord:
-    """``record`` with the load of this moment (held KV from the engine's KV server when it answers)."""
-    try:
-        num_held = (await service.kv_stats()).num_held_requests
-    except grpc.RpcError:
-        num_held = record.load.num_held_kv_requests
+    """``record`` with the load of this moment (held KV from the engine's KV server, as last read)."""
+    num_held = (await service.refresh_kv_stats()).num_held_requests
     return dataclasses.replace(
         record,
         load=WorkerLoad(

@@ -6,8 +6,11 @@ request's blocks and hands out a KV handle; the decode engine pulls them in
 chunks over gRPC into its own paged cache and releases them; a lease frees
 blocks nobody pulled.
 
-Modules: ``params`` (the handle as it travels in ``kv_transfer_params``),
-``layout`` (what a block looks like; refuse mismatches), ``metadata``
-(scheduler → worker messages), ``scheduler_side`` (engine-core process),
-``worker_side`` (model-runner process: KV server and puller),
-``connector`` (the class vLLM instantiates)."""
+Modules: ``params`` (the handle and a load's figures as they travel in
+``kv_transfer_params``), ``layout`` (what a block looks like; refuse
+mismatches), ``metadata`` (messages between the two halves each step),
+``scheduler_side`` (engine-core process), ``worker_side`` (model-runner
+process), which composes ``kv_server`` (the one owner of held blocks and
+their leases) and ``puller`` (every pull), ``wire`` (the bytes on the wire),
+``extension`` (what the worker service asks its KV server, through the
+engine), ``connector`` (the class vLLM instantiates)."""

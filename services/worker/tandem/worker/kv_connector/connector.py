@@ -19,10 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 
 from tandem.common.tls import TLSSettings
-from tandem.worker.kv_connector.metadata import GrpcKVMetadata
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, GrpcKVWorkerMeta
 from tandem.worker.kv_connector.scheduler_side import SchedulerSide
 from tandem.worker.kv_connector.worker_side import WorkerSide
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -96,6 +98,9 @@ class GrpcKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(connector_output.kv_connector_worker_meta)
+
     # -- worker role -------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -131,6 +136,10 @@ class GrpcKVConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_failed_block_ids()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        loads = self._work().take_load_records()
+        return GrpcKVWorkerMeta(loads) if loads else None
 
     def shutdown(self) -> None:
         if self._worker is not None:

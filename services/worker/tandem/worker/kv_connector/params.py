@@ -5,7 +5,12 @@ inside vLLM's ``kv_transfer_params``), ``AsyncLLM`` returns it in
 ``RequestOutput.kv_transfer_params``, the worker service sends it to the gateway
 as a ``tandem.v1.KVHandle`` (:meth:`KVHandleParams.to_proto`), and the decode
 worker service reads it back (:meth:`KVHandleParams.from_proto`) into the
-decode engine's ``kv_transfer_params`` (:func:`decode_params`)."""
+decode engine's ``kv_transfer_params`` (:func:`decode_params`).
+
+On the way back, what a decode engine's load did (:class:`LoadRecord`) travels
+from its puller to its scheduler-side connector (vLLM's connector worker
+metadata) and out in the finished request's ``kv_transfer_params``
+(:func:`load_record_of`): the worker service never asks its KV server."""
 
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ DO_REMOTE_DECODE = "do_remote_decode"
 #: Set on a decode request: load the prompt's KV from the handle.
 DO_REMOTE_PREFILL = "do_remote_prefill"
 HANDLE = "tandem_kv_handle"
+#: In a finished decode request's ``kv_transfer_params``: what its KV load did.
+KV_LOAD = "tandem_kv_load"
 
 
 @dataclass(frozen=True)
@@ -93,3 +100,53 @@ def external_request_id(internal_request_id: str) -> str:
     """vLLM appends ``-<8 random chars>`` to the id a caller passes in."""
     head, sep, tail = internal_request_id.rpartition("-")
     return head if sep and len(tail) == 8 else internal_request_id
+
+
+@dataclass(frozen=True)
+class LoadRecord:
+    """What one decode-side KV load did (summed over tensor-parallel ranks)."""
+
+    num_kv_tokens_loaded: int
+    num_blocks_loaded: int
+    num_bytes: int
+    seconds: float
+    failed: bool = False
+    error: str = ""
+
+    def merge(self, other: LoadRecord) -> LoadRecord:
+        """The same request's load on another rank: bytes add up, the slower rank sets the time."""
+        return LoadRecord(
+            num_kv_tokens_loaded=max(self.num_kv_tokens_loaded, other.num_kv_tokens_loaded),
+            num_blocks_loaded=max(self.num_blocks_loaded, other.num_blocks_loaded),
+            num_bytes=self.num_bytes + other.num_bytes,
+            seconds=max(self.seconds, other.seconds),
+            failed=self.failed or other.failed,
+            error=self.error or other.error,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_kv_tokens_loaded": self.num_kv_tokens_loaded,
+            "num_blocks_loaded": self.num_blocks_loaded,
+            "num_bytes": self.num_bytes,
+            "seconds": self.seconds,
+            "failed": self.failed,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoadRecord:
+        return cls(
+            num_kv_tokens_loaded=int(data["num_kv_tokens_loaded"]),
+            num_blocks_loaded=int(data["num_blocks_loaded"]),
+            num_bytes=int(data["num_bytes"]),
+            seconds=float(data["seconds"]),
+            failed=bool(data.get("failed", False)),
+            error=str(data.get("error", "")),
+        )
+
+
+def load_record_of(kv_transfer_params: dict[str, Any] | None) -> LoadRecord | None:
+    """The load record a finished decode's output carries; None when nothing was loaded."""
+    data = (kv_transfer_params or {}).get(KV_LOAD)
+    return LoadRecord.from_dict(data) if data else None

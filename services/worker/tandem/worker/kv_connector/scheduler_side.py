@@ -1,6 +1,7 @@
 """Scheduler-side half of the gRPC KV connector; runs in vLLM's engine-core
 process, called by vLLM's scheduler. Decides what to hold (prefill) and what
-to load (decode); never touches KV tensors."""
+to load (decode); never touches KV tensors. A decode request's load figures
+come back from the worker side and leave with the finished request."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, GrpcKVWorkerMeta, LoadSpec
 from tandem.worker.kv_connector.params import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
     HANDLE,
+    KV_LOAD,
     KVHandleParams,
+    LoadRecord,
 )
 
 if TYPE_CHECKING:
@@ -33,6 +36,9 @@ class SchedulerSide:
         self._block_size_tokens = block_size_tokens
         self._lease_s = lease_s
         self._pending = GrpcKVMetadata()
+        #: Decode requests whose load is planned and not yet reported, and the reports not yet handed out.
+        self._loading: set[str] = set()
+        self._load_records: dict[str, LoadRecord] = {}
 
     # -- decode side -------------------------------------------------------------
 
@@ -75,6 +81,7 @@ class SchedulerSide:
             )
             n = min(len(remote_ids), len(local_ids))
             local_ids, remote_ids = local_ids[:n], remote_ids[:n]
+        self._loading.add(request.request_id)
         self._pending.loads.append(
             LoadSpec(
                 request_id=request.request_id,
@@ -100,7 +107,10 @@ class SchedulerSide:
             self._pending.releases.append(KVHandleParams.from_dict(params[HANDLE]))
             return False, None
         if not params.get(DO_REMOTE_DECODE):
-            return False, None
+            # A decode request: its load's figures leave with it (a load still in flight reports to no one).
+            self._loading.discard(request.request_id)
+            record = self._load_records.pop(request.request_id, None)
+            return False, ({KV_LOAD: record.to_dict()} if record is not None else None)
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
             # Stopped on EOS/stop string or aborted: nothing will be decoded.
             return False, None
@@ -116,6 +126,15 @@ class SchedulerSide:
             lease_expires_unix_s=expiry,
         )
         return True, {HANDLE: handle.to_dict()}
+
+    def update_connector_output(self, worker_meta: object) -> None:
+        """Keep the figures of loads that ended, for requests still running."""
+        if not isinstance(worker_meta, GrpcKVWorkerMeta):
+            return
+        for req_id, record in worker_meta.loads.items():
+            if req_id in self._loading:
+                self._loading.discard(req_id)
+                self._load_records[req_id] = record
 
     def build_connector_meta(self) -> GrpcKVMetadata:
         meta, self._pending = self._pending, GrpcKVMetadata()

@@ -1,0 +1,128 @@
+"""The decode role: continue a request from a prefill worker's KV (pulled by
+the engine's KV connector, the first token replayed) or, for a local prefill,
+run the whole request here; stream the new tokens, and end with what the
+request cost (prompt tokens loaded, computed and cached, the KV pull's time
+and bytes, from the finished request's own ``kv_transfer_params``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from tandem.v1 import worker_pb2
+from tandem.worker.continuation import ReplaySkipper, StreamAll
+from tandem.worker.engine_api import WorkerEngine
+from tandem.worker.first_token import replay_args
+from tandem.worker.handling import Admission, Ctx, WorkerCounters, engine_prompt, engine_refusals, sampling_params
+from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.kv_connector.params import KVHandleParams, decode_params, load_record_of
+from tandem.worker.sampling import logprobs_messages
+
+
+class DecodeRole:
+    def __init__(
+        self,
+        engine: WorkerEngine,
+        admission: Admission,
+        counters: WorkerCounters,
+        layout: KVLayout,
+        model_defaults: dict[str, Any],
+    ) -> None:
+        self._engine = engine
+        self._admission = admission
+        self._counters = counters
+        self._layout = layout
+        self._model_defaults = model_defaults
+
+    async def decode(self, request: worker_pb2.DecodeRequest, context: Ctx) -> AsyncIterator[worker_pb2.DecodeChunk]:
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt_ids = list(request.prompt_token_ids)
+        await self._admission.check(context, "decode", len(prompt_ids))
+        local = request.local_prefill
+        if local and (request.HasField("kv_handle") or request.first_token_id or request.first_text):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a local prefill carries no kv_handle, first_token_id or first_text (no prefill worker ran)",
+            )
+        # The first token is replayed, not appended to the prompt: see tandem.worker.first_token.
+        extra_args: dict[str, Any] = {} if local else replay_args(request.first_token_id)
+        if request.HasField("kv_handle"):
+            try:
+                self._layout.check_compatible(KVLayout.from_proto(request.kv_handle.layout))
+            except Exception as exc:  # KVLayoutMismatchError
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            extra_args["kv_transfer_params"] = decode_params(KVHandleParams.from_proto(request.kv_handle))
+        max_tokens = request.sampling.max_tokens
+        if max_tokens < (1 if local else 2):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "max_tokens must be at least 1"
+                if local
+                else "max_tokens must be at least 2 (the first token is replayed)",
+            )
+        params = await sampling_params(
+            context,
+            request.sampling,
+            max_tokens=max_tokens,
+            model_defaults=self._model_defaults,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra_args or None,
+        )
+        skipper: ReplaySkipper | StreamAll = (
+            StreamAll() if local else ReplaySkipper(request.first_token_id, request.first_text)
+        )
+        num_top_logprobs = params.logprobs or 0
+        num_output = 0
+        started = time.perf_counter()
+        first_token_s = 0.0
+        num_kv_tokens = len(prompt_ids) + max_tokens
+        self._counters.num_running += 1
+        self._counters.num_kv_tokens_in_flight += num_kv_tokens
+        try:
+            async for out in self._engine.generate(
+                engine_prompt(prompt_ids, request.cache_salt), params, request.request_id
+            ):
+                completion = out.outputs[0]
+                token_ids, logprobs = skipper.tokens(completion.token_ids, completion.logprobs)
+                if not num_output and token_ids:
+                    first_token_s = time.perf_counter() - started
+                num_output += len(token_ids)
+                chunk = worker_pb2.DecodeChunk(
+                    text=skipper.text(completion.text),
+                    token_ids=token_ids,
+                    logprobs=logprobs_messages(token_ids, logprobs, num_top_logprobs),
+                )
+                if not (chunk.text or token_ids or out.finished):
+                    continue  # the replayed first token alone: prefill streamed it already
+                if out.finished:
+                    chunk.finish_reason = completion.finish_reason or "stop"
+                    chunk.stats.CopyFrom(self._stats(out, len(prompt_ids), num_output))
+                    chunk.stats.first_token_seconds = first_token_s
+                yield chunk
+        except engine_refusals() as exc:  # the engine refused the request's parameters (e.g. a bad grammar)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {exc}")
+        finally:
+            self._counters.num_running -= 1
+            self._counters.num_kv_tokens_in_flight -= num_kv_tokens
+
+    def _stats(self, out: Any, num_prompt: int, num_output: int) -> worker_pb2.DecodeStats:
+        """Where the prompt's KV came from: loaded (the engine's connector reports its pull with the
+        finished request), found in this engine's prefix cache, or computed here."""
+        load = load_record_of(out.kv_transfer_params)
+        num_loaded = load.num_kv_tokens_loaded if load is not None and not load.failed else 0
+        num_cached_total = int(out.num_cached_tokens or 0)
+        num_local_cached = max(0, num_cached_total - num_loaded)
+        num_computed = num_prompt - num_local_cached - num_loaded
+        self._counters.prompt_tokens_computed += num_computed
+        return worker_pb2.DecodeStats(
+            num_kv_tokens_loaded=num_loaded,
+            num_computed_prompt_tokens=num_computed,
+            num_local_cached_tokens=num_local_cached,
+            num_output_tokens=num_output,
+            kv_transfer_seconds=load.seconds if load is not None else 0.0,
+            kv_transfer_bytes=load.num_bytes if load is not None else 0,
+        )

@@ -1,0 +1,39 @@
+"""What the worker's roles need from an engine, as a protocol.
+
+:mod:`prefill` and :mod:`decode` handle their role over :class:`WorkerEngine`;
+:class:`tandem.worker.engine.VLLMEngine` implements it over vLLM's
+``AsyncLLM`` and the engine's KV server (reached through the engine, see
+:mod:`tandem.worker.kv_connector.extension`); unit tests implement it with a
+scripted fake."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from tandem.v1 import kv_transfer_pb2
+from tandem.worker.kv_connector.layout import KVLayout
+
+
+class WorkerEngine(Protocol):
+    def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
+        """vLLM ``RequestOutput``s for one request (``AsyncLLM.generate``)."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's own sampling defaults (generation_config.json)."""
+        ...
+
+    async def kv_layout(self) -> KVLayout:
+        """The block layout of this engine's KV cache (the same on every rank)."""
+        ...
+
+    async def kv_release(self, request_id: str) -> bool:
+        """Free the KV blocks held for ``request_id`` on every rank; True if any were held."""
+        ...
+
+    async def kv_stats(self) -> kv_transfer_pb2.KVStats:
+        """The KV server's counters, summed over ranks."""
+        ...

@@ -1,0 +1,85 @@
+"""What both roles do with a request before and around the engine: refuse
+what cannot run, build the engine's prompt and ``SamplingParams``, count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from tandem.v1 import common_pb2
+from tandem.worker.sampling import sampling_kwargs, structured_output_spec
+
+Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+def engine_refusals() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a request it refuses (4xx in its own server): the client's fault."""
+    from vllm.exceptions import VLLMClientError
+
+    return (ValueError, VLLMClientError)
+
+
+@dataclass
+class WorkerCounters:
+    num_running: int = 0
+    num_prompt_tokens_in_flight: int = 0
+    num_kv_tokens_in_flight: int = 0
+    prompt_tokens_computed: int = 0
+
+
+@dataclass
+class Admission:
+    """Who may run here: checks every request against the worker's state and limits."""
+
+    worker_id: str
+    role: str
+    max_model_len: int
+    draining: bool = False
+
+    async def check(self, context: Ctx, role: str, prompt_len: int) -> None:
+        if self.role != role:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"worker {self.worker_id} is a {self.role} worker, not {role}"
+            )
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
+        if prompt_len == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        if prompt_len >= self.max_model_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt of {prompt_len} tokens does not fit max_model_len {self.max_model_len}",
+            )
+
+
+def engine_prompt(token_ids: list[int], cache_salt: str) -> dict[str, Any]:
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if cache_salt:
+        prompt["cache_salt"] = cache_salt
+    return prompt
+
+
+async def sampling_params(
+    context: Ctx,
+    options: common_pb2.SamplingOptions,
+    *,
+    max_tokens: int,
+    model_defaults: dict[str, Any],
+    **extra: Any,
+) -> Any:
+    """vLLM ``SamplingParams`` for ``options``; parameters vLLM refuses abort the call (INVALID_ARGUMENT)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    try:
+        structured = structured_output_spec(options)
+        return SamplingParams(
+            **sampling_kwargs(options, max_tokens=max_tokens, model_defaults=model_defaults),
+            structured_outputs=StructuredOutputsParams(**structured) if structured else None,
+            **extra,
+        )
+    except engine_refusals() as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling parameters: {exc}")
+        raise  # unreachable: abort raises

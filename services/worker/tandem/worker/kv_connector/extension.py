@@ -1,0 +1,43 @@
+"""What the worker service asks of its engine's KV server, through the engine.
+
+vLLM mixes :class:`KVWorkerExtension` into its model-runner worker
+(``worker_extension_cls``); ``AsyncLLM.collective_rpc`` calls these methods on
+every tensor-parallel rank, between engine steps, over the engine's own IPC.
+So the worker service needs no gRPC channel to its own KV server, and a
+release reaches every rank's holds, not rank 0's alone. Values are plain
+(msgpack-able): the layout as a dict, the counters as serialized
+``tandem.v1.KVStats``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: For ``worker_extension_cls``.
+WORKER_EXTENSION = "tandem.worker.kv_connector.extension.KVWorkerExtension"
+
+
+def _side() -> Any:
+    """This rank's :class:`~tandem.worker.kv_connector.worker_side.WorkerSide`."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        raise RuntimeError("this engine runs without the Tandem KV connector")
+    side = getattr(get_kv_transfer_group(), "_worker", None)
+    if side is None:
+        raise RuntimeError("the engine's KV connector is not Tandem's GrpcKVConnector")
+    return side
+
+
+class KVWorkerExtension:
+    """Methods vLLM adds to its worker class; names carry a ``tandem_kv_`` prefix (vLLM refuses clashes)."""
+
+    def tandem_kv_layout(self) -> dict[str, Any] | None:
+        layout = _side().layout
+        return layout.to_dict() if layout is not None else None
+
+    def tandem_kv_release(self, request_id: str) -> bool:
+        """Free the blocks held for ``request_id`` (the caller's id or the handle's); False if none."""
+        return bool(_side().release(request_id))
+
+    def tandem_kv_stats(self) -> bytes:
+        return bytes(_side().stats().SerializeToString())

@@ -1,0 +1,103 @@
+"""A scripted :class:`~tandem.worker.engine_api.WorkerEngine` for the worker's role tests: no
+vLLM engine runs, but the requests' ``SamplingParams`` are vLLM's own. It streams the outputs it is
+given, as vLLM's DELTA outputs do, and records what it was asked."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from tandem.v1 import kv_transfer_pb2
+from tandem.worker.kv_connector.layout import KVLayout
+
+FIRST_TOKEN, FIRST_TEXT = 11, "Hi"
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    logprobs: Any = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Output:
+    outputs: list[Completion]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def layout() -> KVLayout:
+    return KVLayout(model="m", dtype="float32", block_size_tokens=4, num_layers=2, block_shape=(2, 4, 1, 8))
+
+
+def decode_outputs(kv_transfer_params: dict[str, Any] | None = None, num_cached_tokens: int = 3) -> list[Output]:
+    """The replayed first token, then two more; the last output carries ``kv_transfer_params``."""
+    return [
+        Output([Completion([FIRST_TOKEN], FIRST_TEXT)]),
+        Output([Completion([12], " there")]),
+        Output(
+            [Completion([13], "!", finish_reason="stop")],
+            finished=True,
+            num_cached_tokens=num_cached_tokens,
+            kv_transfer_params=kv_transfer_params,
+        ),
+    ]
+
+
+@dataclass
+class ScriptedEngine:
+    outputs: list[Output] = field(default_factory=decode_outputs)
+    #: What kv_release answers, and how long kv_stats takes.
+    held: set[str] = field(default_factory=set)
+    kv_stats_delay_s: float = 0.0
+    params: list[Any] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+
+    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
+        self.params.append(params)
+        for out in self.outputs:
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        return {"temperature": 0.6, "max_tokens": 99}
+
+    async def kv_layout(self) -> KVLayout:
+        return layout()
+
+    async def kv_release(self, request_id: str) -> bool:
+        self.released.append(request_id)
+        if request_id in self.held:
+            self.held.discard(request_id)
+            return True
+        return False
+
+    async def kv_stats(self) -> kv_transfer_pb2.KVStats:
+        await asyncio.sleep(self.kv_stats_delay_s)
+        return kv_transfer_pb2.KVStats(num_held_requests=len(self.held), bytes_sent_total=123)
+
+
+class Refused(Exception):
+    pass
+
+
+class Context:
+    """The part of ``grpc.aio.ServicerContext`` the service uses: abort raises, as gRPC's does."""
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+        raise Refused(details)

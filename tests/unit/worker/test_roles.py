@@ -1,0 +1,189 @@
+"""The worker's two roles over the engine protocol, with a scripted engine (fake_engine.py):
+what a decode reports about its prompt's KV comes from the finished request's own
+``kv_transfer_params`` (the engine's connector), a prefill hands out the handle with its engine's
+layout, an abort frees held KV through the engine, and a slow engine never stalls the heartbeat's
+counters. Text includes emoji, CJK and the chat template's own control tokens."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from tandem.common.tls import TLSSettings
+from tandem.v1 import common_pb2, worker_pb2
+from tandem.worker.kv_connector.params import HANDLE, KV_LOAD, KVHandleParams, LoadRecord
+from tandem.worker.service import WorkerService
+from tandem.worker.settings import WorkerSettings
+from tests.unit.worker.fake_engine import (
+    FIRST_TEXT,
+    FIRST_TOKEN,
+    Completion,
+    Context,
+    Output,
+    Refused,
+    ScriptedEngine,
+    decode_outputs,
+    layout,
+)
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+
+async def _service(role: str, engine: ScriptedEngine) -> WorkerService:
+    settings = WorkerSettings(role=role, kv={"host": "127.0.0.1", "port": 1}, tls=TLSSettings())
+    service = WorkerService(settings, engine, worker_id=f"{role}-0")
+    await service.start()
+    return service
+
+
+def _handle() -> common_pb2.KVHandle:
+    return common_pb2.KVHandle(
+        engine_id="prefill-0",
+        kv_address="127.0.0.1:1",
+        remote_request_id="r1-abcdefgh",
+        block_ids=[0],
+        num_tokens=4,
+        layout=layout().to_proto(),
+    )
+
+
+def _decode_request(**fields: Any) -> worker_pb2.DecodeRequest:
+    values: dict[str, Any] = {
+        "request_id": "r1",
+        "prompt_token_ids": [1, 2, 3, 4, 5],
+        "first_token_id": FIRST_TOKEN,
+        "first_text": FIRST_TEXT,
+        "sampling": common_pb2.SamplingOptions(max_tokens=3, temperature=0.0),
+        "kv_handle": _handle(),
+        **fields,
+    }
+    return worker_pb2.DecodeRequest(**values)
+
+
+async def _decode(service: WorkerService, request: worker_pb2.DecodeRequest) -> list[worker_pb2.DecodeChunk]:
+    return [chunk async for chunk in service.Decode(request, Context())]  # type: ignore[arg-type]
+
+
+async def test_decode_reports_the_load_the_engine_did_with_the_finished_request() -> None:
+    record = LoadRecord(num_kv_tokens_loaded=4, num_blocks_loaded=1, num_bytes=5_898_240, seconds=0.25)
+    engine = ScriptedEngine(outputs=decode_outputs({KV_LOAD: record.to_dict()}, num_cached_tokens=4))
+    chunks = await _decode(await _service("decode", engine), _decode_request())
+    assert "".join(c.text for c in chunks) == " there!"  # the replayed first token is not streamed again
+    stats = chunks[-1].stats
+    assert chunks[-1].finish_reason == "stop"
+    assert stats.num_kv_tokens_loaded == 4 and stats.num_local_cached_tokens == 0
+    assert stats.num_computed_prompt_tokens == 1  # the last prompt position is always computed
+    assert stats.kv_transfer_bytes == 5_898_240 and stats.kv_transfer_seconds == pytest.approx(0.25)
+    (params,) = engine.params
+    assert params.extra_args["kv_transfer_params"][HANDLE]["remote_request_id"] == "r1-abcdefgh"
+    assert params.temperature == 0.0  # the client's choice beats the model's default (0.6)
+
+
+async def test_a_failed_load_counts_as_computed_and_still_reports_its_time() -> None:
+    record = LoadRecord(num_kv_tokens_loaded=4, num_blocks_loaded=1, num_bytes=0, seconds=8.0, failed=True)
+    engine = ScriptedEngine(outputs=decode_outputs({KV_LOAD: record.to_dict()}, num_cached_tokens=0))
+    stats = (await _decode(await _service("decode", engine), _decode_request()))[-1].stats
+    assert stats.num_kv_tokens_loaded == 0 and stats.num_computed_prompt_tokens == 5
+    assert stats.kv_transfer_seconds == pytest.approx(8.0)
+
+
+async def test_a_decode_whose_prompt_was_all_cached_here_reports_no_load() -> None:
+    engine = ScriptedEngine(outputs=decode_outputs(None, num_cached_tokens=4))
+    stats = (await _decode(await _service("decode", engine), _decode_request()))[-1].stats
+    assert stats.num_kv_tokens_loaded == 0 and stats.num_local_cached_tokens == 4
+    assert stats.kv_transfer_bytes == 0
+
+
+async def test_a_handle_of_another_layout_is_refused_before_the_engine_sees_it() -> None:
+    engine = ScriptedEngine()
+    handle = _handle()
+    handle.layout.num_layers = 3
+    context = Context()
+    service = await _service("decode", engine)
+    with pytest.raises(Refused):
+        async for _ in service.Decode(_decode_request(kv_handle=handle), context):  # type: ignore[arg-type]
+            pass
+    assert context.code == grpc.StatusCode.FAILED_PRECONDITION and "num_layers" in context.details
+    assert engine.params == []
+
+
+@pytest.mark.parametrize("text", ["Olá 👋 東京", "<|im_start|>assistant\n<|im_end|>"], ids=["non-ascii", "control"])
+async def test_prefill_hands_out_the_held_blocks_with_this_engines_layout(text: str) -> None:
+    handle = KVHandleParams("prefill-0", "10.0.0.7:9500", "p1-abcdefgh", (3, 4), 200, time.time() + 60)
+    engine = ScriptedEngine(
+        outputs=[
+            Output(
+                [Completion([FIRST_TOKEN], text, finish_reason="length")],
+                finished=True,
+                num_cached_tokens=128,
+                kv_transfer_params={HANDLE: handle.to_dict()},
+            )
+        ]
+    )
+    service = await _service("prefill", engine)
+    request = worker_pb2.PrefillRequest(
+        request_id="p1", prompt_token_ids=list(range(200)), keep_kv=True, sampling=common_pb2.SamplingOptions()
+    )
+    response = await service.Prefill(request, Context())  # type: ignore[arg-type]
+    assert response.first_token_id == FIRST_TOKEN and response.first_text == text
+    assert response.num_cached_tokens == 128 and not response.finish_reason
+    assert KVHandleParams.from_proto(response.kv_handle) == handle
+    assert response.kv_handle.layout == layout().to_proto()
+    assert engine.params[0].max_tokens == 1
+
+
+async def test_a_prefill_that_stops_on_its_first_token_finishes_without_a_handle() -> None:
+    engine = ScriptedEngine(outputs=[Output([Completion([2], "", finish_reason="stop")], finished=True)])
+    service = await _service("prefill", engine)
+    request = worker_pb2.PrefillRequest(request_id="p1", prompt_token_ids=[1, 2], keep_kv=True)
+    response = await service.Prefill(request, Context())  # type: ignore[arg-type]
+    assert response.finish_reason == "stop" and not response.HasField("kv_handle")
+
+
+async def test_abort_on_a_prefill_worker_frees_held_kv_through_the_engine() -> None:
+    engine = ScriptedEngine(held={"p1"})
+    service = await _service("prefill", engine)
+    first = await service.Abort(worker_pb2.AbortRequest(request_id="p1"), Context())  # type: ignore[arg-type]
+    again = await service.Abort(worker_pb2.AbortRequest(request_id="p1"), Context())  # type: ignore[arg-type]
+    assert first.found and not again.found
+    assert engine.aborted == ["p1", "p1"] and engine.released == ["p1", "p1"]
+
+
+async def test_abort_on_a_decode_worker_only_aborts_the_request() -> None:
+    engine = ScriptedEngine(held={"d1"})
+    service = await _service("decode", engine)
+    response = await service.Abort(worker_pb2.AbortRequest(request_id="d1"), Context())  # type: ignore[arg-type]
+    assert not response.found and engine.released == [] and engine.aborted == ["d1"]
+
+
+async def test_a_request_for_the_other_role_is_refused() -> None:
+    service = await _service("decode", ScriptedEngine())
+    context = Context()
+    with pytest.raises(Refused):
+        await service.Prefill(worker_pb2.PrefillRequest(request_id="p1", prompt_token_ids=[1]), context)  # type: ignore[arg-type]
+    assert context.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_worker_not_started_refuses_with_unavailable() -> None:
+    settings = WorkerSettings(role="decode", kv={"host": "127.0.0.1", "port": 1}, tls=TLSSettings())
+    service = WorkerService(settings, ScriptedEngine(), worker_id="decode-0")
+    context = Context()
+    with pytest.raises(Refused):
+        await _decode(service, _decode_request())
+    health = await service.Health(worker_pb2.HealthRequest(), context)  # type: ignore[arg-type]
+    assert not health.ready
+
+
+async def test_kv_counters_from_a_busy_engine_fall_back_to_the_last_ones_read() -> None:
+    engine = ScriptedEngine(held={"a", "b"})
+    service = await _service("prefill", engine)
+    assert (await service.refresh_kv_stats()).num_held_requests == 2
+    engine.held.clear()
+    engine.kv_stats_delay_s = 5.0  # a long engine step
+    started = time.monotonic()
+    stats = await service.refresh_kv_stats(timeout_s=0.2)
+    assert time.monotonic() - started < 2.0
+    assert stats.num_held_requests == 2 and stats.bytes_sent_total == 123
