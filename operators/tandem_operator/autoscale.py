@@ -8,9 +8,12 @@ the new history go out.
 
 Each pool scales on its own signal:
 
-* **prefill** — router queue depth per replica, uncached prompt tokens in
-  flight per replica, TTFT p90 against its SLO;
-* **decode** — average KV-cache usage against a target, ITL p90 against its SLO.
+* **prefill** — requests waiting in the router for prefill budget per replica,
+  uncached prompt tokens in flight on prefill workers (and queued for them) per
+  replica, TTFT p90 against its SLO;
+* **decode** — average KV-cache usage against a target, requests waiting for
+  decode (in the router for decode budget, or in the decode engines' queues)
+  per replica, ITL p90 against its SLO.
 
 The raw recommendation is the largest count any signal asks for. As in the
 Kubernetes HPA, a scale-up takes the *smallest* recommendation seen within the
@@ -35,14 +38,16 @@ from tandem_operator.spec import AutoscalingSpec, PoolSpec, Role, SloSpec
 class PoolSignals:
     """What the pool's load looks like now; ``None`` where the source had no data."""
 
-    #: Requests waiting in the router for a prefill worker (prefill).
+    #: Requests waiting in the router for prefill budget (prefill).
     queue_depth: float | None = None
-    #: Uncached prompt tokens the router has in flight on prefill workers (prefill).
+    #: Uncached prompt tokens the router has in flight on prefill workers or queued for them (prefill).
     uncached_tokens: float | None = None
     #: Time to first token, p90 over the last minute, seconds (prefill).
     ttft_p90_s: float | None = None
     #: Average KV-cache usage of the decode workers, 0..1 (decode).
     kv_usage: float | None = None
+    #: Requests waiting for decode: in the router for decode budget, or in the decode engines' queues (decode).
+    waiting: float | None = None
     #: Inter-token latency, p90 over the last minute, seconds (decode).
     itl_p90_s: float | None = None
 
@@ -95,9 +100,7 @@ def _latency_vote(current: int, p90_s: float, slo_s: float, scale_down_fraction:
     return 0  # comfortable: latency does not stand in the way of a scale-down
 
 
-def votes_for(
-    role: Role, current: int, signals: PoolSignals, policy: AutoscalingSpec, slo: SloSpec
-) -> dict[str, int]:
+def votes_for(role: Role, current: int, signals: PoolSignals, policy: AutoscalingSpec, slo: SloSpec) -> dict[str, int]:
     """Per available signal, how many replicas it asks for."""
     votes: dict[str, int] = {}
     if role == "prefill":
@@ -113,6 +116,8 @@ def votes_for(
     else:
         if signals.kv_usage is not None:
             votes["kv_usage"] = _ratio_vote(current, signals.kv_usage, policy.decode.kv_usage, policy.tolerance)
+        if signals.waiting is not None:
+            votes["waiting"] = _total_vote(signals.waiting, policy.decode.waiting_per_replica)
         if signals.itl_p90_s is not None:
             votes["itl_p90"] = _latency_vote(
                 current, signals.itl_p90_s, slo.itl_p90_seconds, policy.scale_down_slo_fraction

@@ -8,8 +8,15 @@ autoscaling tick. Two implementations:
   API (the metrics of the gateway, the router and the workers scraped by the
   chart's ServiceMonitor/PodMonitor);
 * :class:`RouterSource` — reads the router's Prometheus text endpoint directly
-  (queue depth and uncached-token backlog only; no latency, no KV usage), for
+  (the router's queue and token backlog only; no latency, no KV usage), for
   clusters without Prometheus.
+
+Names are the real exported ones: Ray prefixes the router's application
+metrics with ``ray_`` (a test reads them from a real Ray Serve router and
+parses them here). Each pool reads its own quantities: prefill the uncached
+prompt tokens on prefill workers and the requests waiting for prefill budget;
+decode the requests waiting for decode budget or in the decode engines' own
+queues, and their KV usage. Nothing of one pool feeds the other's vote.
 
 A signal that cannot be read is ``None``; the decision then rests on the
 others (and holds when none is left). Network errors are logged here, not
@@ -33,6 +40,11 @@ logger = logging.getLogger(__name__)
 
 _TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
+#: The router's series as Prometheus stores them (Ray's export adds the ``ray_`` prefix).
+PREFILL_TOKENS_IN_FLIGHT = "ray_tandem_router_prefill_tokens_in_flight"
+QUEUED_REQUESTS = "ray_tandem_router_queued_requests"
+QUEUED_UNCACHED_TOKENS = "ray_tandem_router_queued_uncached_tokens"
+
 
 class SignalSource(Protocol):
     async def read(self, role: Role) -> PoolSignals:
@@ -50,17 +62,23 @@ class QueryScope:
     def queries(self, role: Role) -> dict[str, str]:
         ns = f'namespace="{self.namespace}"'
         pods = f'pod=~"{self.deployment_name}-{role}-.*"'
+        waiting = f'{QUEUED_REQUESTS}{{{ns},waiting_for="{role}"}}'
         if role == "prefill":
             return {
-                "queue_depth": f"sum(tandem_router_queue_depth{{{ns}}})",
-                "uncached_tokens": f"sum(tandem_router_uncached_prompt_tokens_in_flight{{{ns}}})",
+                "queue_depth": f"sum({waiting})",
+                # A router at rest publishes zeros, so the in-flight sum exists whenever a router runs.
+                "uncached_tokens": (
+                    f"sum({PREFILL_TOKENS_IN_FLIGHT}{{{ns}}}) "
+                    f'+ (sum({QUEUED_UNCACHED_TOKENS}{{{ns},waiting_for="prefill"}}) or vector(0))'
+                ),
                 "ttft_p90_s": (
                     "histogram_quantile(0.9, sum by (le) "
                     f"(rate(tandem_gateway_time_to_first_token_seconds_bucket{{{ns}}}[1m])))"
                 ),
             }
         return {
-            "kv_usage": f'avg(vllm:kv_cache_usage_perc{{{ns},{pods}}})',
+            "kv_usage": f"avg(vllm:kv_cache_usage_perc{{{ns},{pods}}})",
+            "waiting": f"sum({waiting}) + (sum(vllm:num_requests_waiting{{{ns},{pods}}}) or vector(0))",
             "itl_p90_s": (
                 "histogram_quantile(0.9, sum by (le) "
                 f"(rate(tandem_gateway_inter_token_latency_seconds_bucket{{{ns}}}[1m])))"
@@ -109,16 +127,25 @@ class PrometheusSource:
         return PoolSignals(**values)
 
 
-def parse_router_metrics(text: str) -> PoolSignals:
-    """Queue depth and uncached-token backlog from the router's Prometheus text (summed over replicas)."""
+def parse_router_metrics(text: str, role: Role) -> PoolSignals:
+    """``role``'s signals from the router's Prometheus text (Ray's export; summed over replicas)."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in ("tandem_router_queue_depth", "tandem_router_uncached_prompt_tokens_in_flight"):
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            name = sample.name
+            if name in (QUEUED_REQUESTS, QUEUED_UNCACHED_TOKENS):
+                name = f"{name}/{sample.labels.get('waiting_for', '')}"
+            elif name != PREFILL_TOKENS_IN_FLIGHT:
+                continue
+            totals[name] = totals.get(name, 0.0) + sample.value
+    waiting = totals.get(f"{QUEUED_REQUESTS}/{role}")
+    if role == "decode":
+        return PoolSignals(waiting=waiting)
+    in_flight = totals.get(PREFILL_TOKENS_IN_FLIGHT)
+    queued_tokens = totals.get(f"{QUEUED_UNCACHED_TOKENS}/prefill", 0.0)
     return PoolSignals(
-        queue_depth=totals.get("tandem_router_queue_depth"),
-        uncached_tokens=totals.get("tandem_router_uncached_prompt_tokens_in_flight"),
+        queue_depth=waiting,
+        uncached_tokens=None if in_flight is None else in_flight + queued_tokens,
     )
 
 
@@ -128,14 +155,14 @@ class RouterSource:
         self._session = session
 
     async def read(self, role: Role) -> PoolSignals:
-        if role != "prefill" or not self._url:
-            return PoolSignals()  # the router knows nothing about decode KV usage or latency
+        if not self._url:
+            return PoolSignals()
         try:
             async with self._session.get(self._url, timeout=_TIMEOUT) as resp:
                 if resp.status != 200:
                     logger.warning("router metrics answered %s", resp.status)
                     return PoolSignals()
-                return parse_router_metrics(await resp.text())
+                return parse_router_metrics(await resp.text(), role)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             logger.warning("router metrics unreadable (%s) at %s", type(exc).__name__, self._url)
             return PoolSignals()

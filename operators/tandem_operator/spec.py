@@ -131,8 +131,7 @@ class PoolSpec(_Model):
             raise ValueError(f"minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
         if not self.min_replicas <= self.replicas <= self.max_replicas:
             raise ValueError(
-                f"replicas {self.replicas} outside [minReplicas {self.min_replicas}, "
-                f"maxReplicas {self.max_replicas}]"
+                f"replicas {self.replicas} outside [minReplicas {self.min_replicas}, maxReplicas {self.max_replicas}]"
             )
         return self
 
@@ -164,6 +163,8 @@ class PrefillTargets(_Model):
 class DecodeTargets(_Model):
     #: Average KV-cache usage (0..1) of the decode pool to hold.
     kv_usage: float = Field(default=0.7, gt=0, le=1)
+    #: Requests waiting for decode (router queue for decode budget, engines' queues) per decode replica.
+    waiting_per_replica: float = Field(default=4.0, gt=0)
 
 
 class AutoscalingSpec(_Model):
@@ -204,9 +205,7 @@ def parse_spec(raw: dict[str, Any] | Any) -> TandemSpec:
     try:
         return TandemSpec.model_validate(dict(raw))
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: {err['msg']}" for err in exc.errors())
         raise SpecError(f"invalid spec: {problems}") from exc
     except (TypeError, ValueError) as exc:
         raise SpecError(f"invalid spec: {exc}") from exc

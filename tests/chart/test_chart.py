@@ -222,6 +222,8 @@ def test_the_router_reads_its_placement_settings_from_the_chart(
     expected = settings.DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE if threshold is None else threshold
     assert parsed.disaggregation.min_uncached_tokens == expected
     assert parsed.policy == yaml.safe_load(run_helm("show", "values", str(CHART)).stdout)["router"]["policy"]
+    # Day one routes by prefix-cache locality, as the router does when nothing is set.
+    assert parsed.policy == "cache_aware" == settings.TandemRouterSettings.model_fields["policy"].default
 
 
 def test_external_redis_goes_through_a_secret() -> None:

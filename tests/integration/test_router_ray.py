@@ -20,6 +20,7 @@ import httpx
 import pytest
 import pytest_asyncio
 import redis
+from tandem_operator.signals import parse_router_metrics
 
 from tandem.common.errors import InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord, WorkerRegistry
@@ -234,7 +235,7 @@ async def test_metrics_reach_rays_prometheus_endpoint(
     router: RouterProcess, client: RouterClient, workers: FakeWorkers
 ) -> None:
     model = model_of(workers)
-    placement = await client.schedule("req-metrics", model)
+    placement = await client.schedule("req-metrics", model, num_prompt_tokens=300, max_tokens=20)
     short = await client.schedule("req-metrics-short", model, num_prompt_tokens=12, max_tokens=8)
     await client.release(short.request_id)
     # Ray exports every ~10 s and prefixes custom metrics with "ray_".
@@ -243,7 +244,11 @@ async def test_metrics_reach_rays_prometheus_endpoint(
     async with httpx.AsyncClient() as http:
         while time.monotonic() < deadline_s:
             text = (await http.get(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=5)).text
-            if f'worker_id="{placement.decode.worker_id}"' in text and "tandem_router_schedule_seconds" in text:
+            if (
+                f'worker_id="{placement.decode.worker_id}"' in text
+                and "tandem_router_schedule_seconds" in text
+                and "tandem_router_queued_requests" in text
+            ):
                 break
             await asyncio.sleep(1)
     await client.release("req-metrics")
@@ -263,3 +268,9 @@ async def test_metrics_reach_rays_prometheus_endpoint(
         and f'worker_id="{placement.decode.worker_id}"' in line
     ]
     assert gauge and gauge[0].endswith(" 1.0"), gauge
+
+    # The operator's parser reads the real export: each pool's own quantities, nothing of the other's.
+    prefill = parse_router_metrics(text, "prefill")
+    assert prefill.uncached_tokens == 300 and prefill.queue_depth == 0, prefill
+    decode = parse_router_metrics(text, "decode")
+    assert decode.waiting == 0 and decode.uncached_tokens is None, decode

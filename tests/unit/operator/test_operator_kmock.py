@@ -44,6 +44,10 @@ def td_body(**autoscaling: Any) -> dict[str, Any]:
     }
 
 
+#: The prefill pool's queue query (the decode pool's says waiting_for="decode").
+PREFILL_QUEUE = f'ray_tandem_router_queued_requests{{namespace="{NS}",waiting_for="prefill"}}'
+
+
 class FakePrometheus:
     """Answers /api/v1/query from a dict keyed by metric-name fragments; no match = empty result."""
 
@@ -141,7 +145,7 @@ async def test_create_scale_delete(cluster: Any, prometheus: tuple[FakePrometheu
         assert {c["type"]: c["status"] for c in td}["SpecValid"] == "True"
 
         # Prefill load rises (router queue of 12, 4 per replica) → only prefill scales (step cap 2).
-        fake.values = {"tandem_router_queue_depth": 12.0, "vllm:kv_cache_usage_perc": 0.7}
+        fake.values = {PREFILL_QUEUE: 12.0, "vllm:kv_cache_usage_perc": 0.7}
         await _until(lambda: _replicas(cluster, "prefill") == 3, "prefill to scale to 3")
         assert _replicas(cluster, "decode") == 1
 
@@ -155,7 +159,7 @@ async def test_create_scale_delete(cluster: Any, prometheus: tuple[FakePrometheu
         assert decision["desiredReplicas"] == 3, decision
 
         # Decode KV usage rises → decode scales; prefill load gone → prefill comes down (one step at a time).
-        fake.values = {"tandem_router_queue_depth": 0.0, "vllm:kv_cache_usage_perc": 0.95}
+        fake.values = {PREFILL_QUEUE: 0.0, "vllm:kv_cache_usage_perc": 0.95}
         await _until(lambda: (_replicas(cluster, "decode") or 0) >= 2, "decode to scale up")
         await _until(lambda: _replicas(cluster, "prefill") == 1, "prefill to scale back to 1")
 

@@ -16,16 +16,45 @@ def test_instant_values() -> None:
 def test_queries_are_scoped_to_the_namespace_and_pool() -> None:
     queries = QueryScope("ns1", "chat").queries("decode")
     assert 'namespace="ns1"' in queries["kv_usage"] and 'pod=~"chat-decode-.*"' in queries["kv_usage"]
-    assert set(QueryScope("ns1", "chat").queries("prefill")) == {"queue_depth", "uncached_tokens", "ttft_p90_s"}
+    assert set(queries) == {"kv_usage", "waiting", "itl_p90_s"}
+    assert 'waiting_for="decode"' in queries["waiting"]
+    prefill = QueryScope("ns1", "chat").queries("prefill")
+    assert set(prefill) == {"queue_depth", "uncached_tokens", "ttft_p90_s"}
+    assert 'waiting_for="prefill"' in prefill["queue_depth"]
+    # No decode quantity in a prefill query, nor the reverse.
+    assert not any("decode" in q for q in prefill.values())
+    assert not any("prefill" in q for q in queries.values())
 
 
-def test_router_metrics_sum_over_replicas() -> None:
-    text = (
-        "# TYPE tandem_router_queue_depth gauge\n"
-        'tandem_router_queue_depth{replica="a"} 3\n'
-        'tandem_router_queue_depth{replica="b"} 4\n'
-        "# TYPE tandem_router_uncached_prompt_tokens_in_flight gauge\n"
-        'tandem_router_uncached_prompt_tokens_in_flight{replica="a"} 1000\n'
-    )
-    signals = parse_router_metrics(text)
-    assert signals.queue_depth == 7 and signals.uncached_tokens == 1000 and signals.kv_usage is None
+# The shape of Ray's export (names, labels); a test against a real Ray Serve router
+# (tests/integration/test_router_ray.py) parses the real thing.
+RAY_TEXT = """\
+# HELP ray_tandem_router_prefill_tokens_in_flight Uncached prompt tokens ...
+# TYPE ray_tandem_router_prefill_tokens_in_flight gauge
+ray_tandem_router_prefill_tokens_in_flight{Component="core_worker",replica="a",worker_id="p0"} 1000.0
+ray_tandem_router_prefill_tokens_in_flight{Component="core_worker",replica="b",worker_id="p0"} 500.0
+# TYPE ray_tandem_router_decode_tokens_in_flight gauge
+ray_tandem_router_decode_tokens_in_flight{replica="a",worker_id="d0"} 90000.0
+# TYPE ray_tandem_router_queued_requests gauge
+ray_tandem_router_queued_requests{replica="a",waiting_for="prefill"} 3.0
+ray_tandem_router_queued_requests{replica="b",waiting_for="prefill"} 4.0
+ray_tandem_router_queued_requests{replica="a",waiting_for="decode"} 2.0
+# TYPE ray_tandem_router_queued_uncached_tokens gauge
+ray_tandem_router_queued_uncached_tokens{replica="a",waiting_for="prefill"} 700.0
+ray_tandem_router_queued_uncached_tokens{replica="a",waiting_for="decode"} 9000.0
+"""
+
+
+def test_router_metrics_sum_over_replicas_and_keep_the_pools_apart() -> None:
+    prefill = parse_router_metrics(RAY_TEXT, "prefill")
+    assert prefill.queue_depth == 7 and prefill.uncached_tokens == 1000 + 500 + 700
+    assert prefill.kv_usage is None and prefill.waiting is None
+    decode = parse_router_metrics(RAY_TEXT, "decode")
+    assert decode.waiting == 2 and decode.queue_depth is None and decode.uncached_tokens is None
+
+
+def test_unprefixed_names_are_not_read() -> None:
+    """What the operator once asked for and Ray never exports."""
+    text = "# TYPE tandem_router_queue_depth gauge\ntandem_router_queue_depth 3\n"
+    assert parse_router_metrics(text, "prefill") == parse_router_metrics("", "prefill")
+    assert parse_router_metrics("", "prefill").uncached_tokens is None

@@ -148,3 +148,72 @@ def test_queue_depth_is_bounded() -> None:
             queue.push("2", tenant="a", priority="")
 
     asyncio.run(run())
+
+
+class PoolMetrics(QueueMetrics):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: dict[tuple[str, str], int] = {}
+        self.queued: dict[str, tuple[int, int]] = {}
+
+    def set_tokens_in_flight(self, worker_id: str, role: str, num_tokens: int) -> None:
+        self.tokens[(worker_id, role)] = num_tokens
+
+    def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
+        self.queued[waiting_for] = (num_requests, num_uncached_tokens)
+
+
+def _pool_scheduler(budget: BudgetConfig) -> tuple[Scheduler, PoolMetrics]:
+    metrics = PoolMetrics()
+    scheduler = Scheduler(
+        StaticView(),
+        create_policy("cache_aware"),
+        ReservationTable(lease_s=60),
+        metrics,
+        budget=budget,
+        queue=QueueConfig(timeout_s=2.0, poll_interval_s=0.01),
+    )
+    return scheduler, metrics
+
+
+async def test_each_pools_tokens_in_flight_are_reported_apart() -> None:
+    scheduler, metrics = _pool_scheduler(BudgetConfig(prefill_tokens_in_flight=100))
+    await scheduler.schedule(req("a", tokens=60))
+    # Prefill holds the uncached prompt; decode holds prompt plus max_tokens: neither counts as the other.
+    assert metrics.tokens == {("p0", "prefill"): 60, ("d0", "decode"): 64}
+    scheduler.release("a")
+    assert metrics.tokens == {("p0", "prefill"): 0, ("d0", "decode"): 0}
+
+
+async def test_the_queue_says_which_pools_budget_its_requests_wait_for() -> None:
+    # Prefill budget 100 tokens: the second 60-token prompt waits for prefill.
+    scheduler, metrics = _pool_scheduler(BudgetConfig(prefill_tokens_in_flight=100))
+    await scheduler.schedule(req("first", tokens=60))
+    waiting = [asyncio.create_task(scheduler.schedule(req(f"w{i}", tokens=60))) for i in range(3)]
+    await asyncio.sleep(0.05)
+    assert scheduler.queued() == {"prefill": (3, 180), "decode": (0, 0)}
+    scheduler.tick()
+    assert metrics.queued == {"prefill": (3, 180), "decode": (0, 0)}
+    scheduler.release("first")
+    await asyncio.wait_for(waiting[0], 1)
+    for task in waiting[1:]:
+        task.cancel()
+
+    # Decode budget 10,000 blocks x 16 tokens x 0.0065 = 1,040 tokens: room for one 904-token request.
+    scheduler, metrics = _pool_scheduler(BudgetConfig(prefill_tokens_in_flight=10_000, decode_kv_fraction=0.0065))
+    await scheduler.schedule(req("first", tokens=900))
+    waiting = [asyncio.create_task(scheduler.schedule(req(f"w{i}", tokens=900))) for i in range(2)]
+    await asyncio.sleep(0.05)
+    assert scheduler.queued() == {"prefill": (0, 0), "decode": (2, 1800)}
+    scheduler.tick()
+    assert metrics.queued["decode"] == (2, 1800) and metrics.queued["prefill"] == (0, 0)
+    for task in waiting:
+        task.cancel()
+
+
+async def test_a_quiet_pool_reads_zero_not_no_data() -> None:
+    scheduler, metrics = _pool_scheduler(BudgetConfig())
+    await scheduler.refresh_workers()
+    scheduler.tick()
+    assert metrics.tokens == {("p0", "prefill"): 0, ("d0", "decode"): 0}
+    assert metrics.queued == {"prefill": (0, 0), "decode": (0, 0)}

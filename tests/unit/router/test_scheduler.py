@@ -156,4 +156,5 @@ async def test_tick_sweeps_without_traffic_and_refreshes_gauges() -> None:
     assert h.metrics.in_flight == {"p0": 0, "d0": 0}
     h.metrics.in_flight.clear()
     h.scheduler.tick()
-    assert h.metrics.in_flight == {}  # zero was published once; nothing left to refresh
+    # Known workers' zeros are refreshed too: a pool at rest reads 0 to the autoscaler, not "no data".
+    assert h.metrics.in_flight == {"p0": 0, "d0": 0}

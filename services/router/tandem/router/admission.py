@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -83,6 +83,12 @@ class AdmissionQueue(Generic[T]):
 
     def depth(self, priority: str) -> int:
         return sum(len(q) for q in self._queues.get(priority, {}).values())
+
+    def waiters(self) -> Iterator[Waiter[T]]:
+        """Every waiter, in no particular order."""
+        for tenants in self._queues.values():
+            for fifo in tenants.values():
+                yield from fifo
 
     def push(self, item: T, *, tenant: str, priority: str) -> Waiter[T]:
         if self._depth >= self._max_depth:

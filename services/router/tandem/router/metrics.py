@@ -28,12 +28,19 @@ class RouterMetrics(Protocol):
         """This replica now has ``num_requests`` reserved on ``worker_id``."""
         ...
 
-    def set_tokens_in_flight(self, worker_id: str, num_tokens: int) -> None:
-        """Budget tokens this replica holds on ``worker_id`` (uncached prompt tokens on prefill)."""
+    def set_tokens_in_flight(self, worker_id: str, role: str, num_tokens: int) -> None:
+        """Budget tokens this replica holds on ``worker_id``: uncached prompt tokens on a prefill
+        worker, prompt plus max_tokens on a decode worker (two gauges: neither pool's load counts
+        as the other's)."""
         ...
 
     def set_queue_depth(self, priority: str, depth: int) -> None:
         """Requests of ``priority`` waiting for budget in this replica."""
+        ...
+
+    def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
+        """Requests waiting in this replica's queue for ``waiting_for``'s budget (prefill or decode),
+        and their prompt tokens no worker holds."""
         ...
 
     def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
@@ -52,10 +59,13 @@ class NullRouterMetrics:
     def set_in_flight(self, worker_id: str, num_requests: int) -> None:
         pass
 
-    def set_tokens_in_flight(self, worker_id: str, num_tokens: int) -> None:
+    def set_tokens_in_flight(self, worker_id: str, role: str, num_tokens: int) -> None:
         pass
 
     def set_queue_depth(self, priority: str, depth: int) -> None:
+        pass
+
+    def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
         pass
 
     def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
@@ -82,16 +92,36 @@ class RayRouterMetrics:
             description="Requests this router replica has reserved on a worker and not yet released.",
             tag_keys=("worker_id",),
         )
-        self._tokens_in_flight = serve_metrics.Gauge(
-            "tandem_router_uncached_prompt_tokens_in_flight",
-            description="Budget tokens this replica holds per worker: uncached prompt tokens on prefill "
-            "workers, prompt plus max_tokens on decode workers.",
-            tag_keys=("worker_id",),
-        )
+        self._tokens_in_flight = {
+            "prefill": serve_metrics.Gauge(
+                "tandem_router_prefill_tokens_in_flight",
+                description="Uncached prompt tokens this replica has placed on each prefill worker and not "
+                "yet released (the prefill pool's backlog).",
+                tag_keys=("worker_id",),
+            ),
+            "decode": serve_metrics.Gauge(
+                "tandem_router_decode_tokens_in_flight",
+                description="Prompt plus max_tokens this replica has placed on each decode worker and not yet "
+                "released (KV the decode pool must hold).",
+                tag_keys=("worker_id",),
+            ),
+        }
         self._queue_depth = serve_metrics.Gauge(
             "tandem_router_queue_depth",
             description="Requests waiting in this replica's admission queue for token budget.",
             tag_keys=("priority",),
+        )
+        self._queued_requests = serve_metrics.Gauge(
+            "tandem_router_queued_requests",
+            description="Requests waiting in this replica's admission queue, by the pool whose budget they "
+            "wait for (prefill or decode).",
+            tag_keys=("waiting_for",),
+        )
+        self._queued_tokens = serve_metrics.Gauge(
+            "tandem_router_queued_uncached_tokens",
+            description="Prompt tokens no worker holds, of the requests waiting in this replica's admission "
+            "queue, by the pool whose budget they wait for.",
+            tag_keys=("waiting_for",),
         )
         self._queue_wait = serve_metrics.Histogram(
             "tandem_router_queue_wait_seconds",
@@ -112,11 +142,15 @@ class RayRouterMetrics:
     def set_in_flight(self, worker_id: str, num_requests: int) -> None:
         self._in_flight.set(num_requests, tags={"worker_id": worker_id})
 
-    def set_tokens_in_flight(self, worker_id: str, num_tokens: int) -> None:
-        self._tokens_in_flight.set(num_tokens, tags={"worker_id": worker_id})
+    def set_tokens_in_flight(self, worker_id: str, role: str, num_tokens: int) -> None:
+        self._tokens_in_flight[role].set(num_tokens, tags={"worker_id": worker_id})
 
     def set_queue_depth(self, priority: str, depth: int) -> None:
         self._queue_depth.set(depth, tags={"priority": priority})
+
+    def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
+        self._queued_requests.set(num_requests, tags={"waiting_for": waiting_for})
+        self._queued_tokens.set(num_uncached_tokens, tags={"waiting_for": waiting_for})
 
     def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
         self._queue_wait.observe(duration_s, tags={"outcome": outcome})

@@ -93,10 +93,18 @@ class _Pending:
 
     request: ScheduleRequest
     hashes: dict[tuple[int, str], list[int]] = field(default_factory=dict)
+    #: The role whose budget it lacked at its last try ("" if not tried yet), and its prompt tokens
+    #: that no worker holds (the whole prompt until the KV index was asked).
+    waiting_for: str = ""
+    num_uncached_tokens: int = -1
 
 
 class _NoBudget(Exception):
     """Workers of the role exist, but none has budget left: wait in the queue."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(role)
+        self.role = role
 
 
 class Scheduler:
@@ -134,8 +142,11 @@ class Scheduler:
         )
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
         self._last_workers: list[WorkerRecord] | None = None
-        # Workers whose gauges are non-zero, so tick() can refresh them.
+        # Workers whose gauges are non-zero, so tick() can refresh them, and every placed worker's role.
         self._published_worker_ids: set[str] = set()
+        self._worker_roles: dict[str, str] = {}
+        #: What the queue's head lacked at its last try: everyone behind it waits for the same.
+        self._blocked_on = ROLE_PREFILL
 
     @property
     def reservations(self) -> ReservationTable:
@@ -186,8 +197,8 @@ class Scheduler:
         if not self._queue:
             try:
                 return self._place(pending, workers)
-            except _NoBudget:
-                pass
+            except _NoBudget as exc:
+                pending.waiting_for = self._blocked_on = exc.role
         else:
             self._check_servable(request, workers)
         return await self._wait_in_queue(pending)
@@ -219,6 +230,7 @@ class Scheduler:
     def _place(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> PlacementDecision:
         request = pending.request
         cached = self._cached_tokens(pending, workers)
+        pending.num_uncached_tokens = max(0, request.num_tokens - max(cached.values(), default=0))
         view = BudgetView(
             self._reservations,
             self._budget,
@@ -237,6 +249,8 @@ class Scheduler:
         if prefill is None and not local:
             self._no_worker(request, workers, ROLE_PREFILL)
         chosen = [decode] if prefill is None else [prefill, decode]
+        for scored in chosen:
+            self._worker_roles[scored.worker.worker_id] = scored.worker.role
         tokens = {s.worker.worker_id: view.need_tokens(s.worker, num_tokens, request.max_tokens) for s in chosen}
         reservation = self._reservations.reserve(
             request.request_id, tuple(s.worker.worker_id for s in chosen), tokens, tenant=request.tenant
@@ -260,7 +274,7 @@ class Scheduler:
         """Raise for a role without a worker to take the request: wait for budget (_NoBudget) when
         some exist, else the error that names what is missing."""
         if self._num_candidates(request, workers, role):
-            raise _NoBudget
+            raise _NoBudget(role)
         raise self._no_worker_error(request, workers, role)
 
     def _cached_tokens(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> dict[str, int]:
@@ -351,7 +365,8 @@ class Scheduler:
                 continue
             try:
                 decision = self._place(waiter.item, workers)
-            except _NoBudget:
+            except _NoBudget as exc:
+                waiter.item.waiting_for = self._blocked_on = exc.role
                 return
             except TandemError as exc:
                 self._queue.remove(waiter)
@@ -382,12 +397,21 @@ class Scheduler:
     def tick(self) -> None:
         """Periodic upkeep, called by the deployment every few seconds: drop
         expired leases even without traffic, and set every gauge again (Ray
-        forgets a gauge that is not set for a couple of export intervals)."""
+        forgets a gauge that is not set for a couple of export intervals; the
+        autoscaler must see a quiet pool's zeros)."""
         self._sweep()
+        # Every known worker's gauges, zeros included: a pool at rest must read 0, not "no data".
+        for worker in self._last_workers or ():
+            self._worker_roles.setdefault(worker.worker_id, worker.role)
+            self._published_worker_ids.add(worker.worker_id)
         for worker_id in list(self._published_worker_ids):
             self._set_gauges(worker_id)
+        live = {w.worker_id for w in self._last_workers or ()} | self._published_worker_ids
+        for worker_id in [w for w in self._worker_roles if w not in live]:
+            del self._worker_roles[worker_id]  # a worker gone for good (a pod replaced has a new id)
         for priority in self._queue.priority_classes:
             self._metrics.set_queue_depth(priority, self._queue.depth(priority))
+        self._publish_queue()
 
     async def sync_replicas(self) -> None:
         """Share budgets with the other replicas and apply Releases they forwarded here."""
@@ -410,10 +434,30 @@ class Scheduler:
             for worker_id in set(reservation.worker_ids):
                 self._set_gauges(worker_id)
 
+    def queued(self) -> dict[str, tuple[int, int]]:
+        """Per role, (requests, prompt tokens no worker holds) waiting for that role's budget. A
+        request not tried yet waits behind the head, for what the head lacks."""
+        queued = {ROLE_PREFILL: [0, 0], ROLE_DECODE: [0, 0]}
+        for waiter in self._queue.waiters():
+            pending = waiter.item
+            counts = queued[pending.waiting_for or self._blocked_on]
+            counts[0] += 1
+            counts[1] += pending.num_uncached_tokens if pending.num_uncached_tokens >= 0 else pending.request.num_tokens
+        return {role: (n, tokens) for role, (n, tokens) in queued.items()}
+
+    def _publish_queue(self) -> None:
+        """Set the queue's per-role gauges (from :meth:`tick`: one pass over the queue, not one per request)."""
+        for role, (num_requests, num_tokens) in self.queued().items():
+            self._metrics.set_queued(role, num_requests, num_tokens)
+
     def _set_gauges(self, worker_id: str) -> None:
         num_in_flight = self._reservations.num_in_flight(worker_id)
         self._metrics.set_in_flight(worker_id, num_in_flight)
-        self._metrics.set_tokens_in_flight(worker_id, self._reservations.num_tokens_in_flight(worker_id))
+        self._metrics.set_tokens_in_flight(
+            worker_id,
+            self._worker_roles.get(worker_id, ROLE_PREFILL),
+            self._reservations.num_tokens_in_flight(worker_id),
+        )
         if num_in_flight:
             self._published_worker_ids.add(worker_id)
         else:
