@@ -153,3 +153,12 @@ securityContext:
 volumeMounts:
   - {name: tmp, mountPath: /tmp}
 {{- end -}}
+
+{{/*
+A histogram bucket bound as prometheus_client writes it in "le" (Go's %g with at least one
+decimal: 2 -> "2.0", 0.1 -> "0.1"). An SLO of 2 written "2" matches no series.
+*/}}
+{{- define "tandem.promLe" -}}
+{{- $v := float64 . -}}
+{{- if eq $v (floor $v) -}}{{ printf "%.1f" $v }}{{- else -}}{{ $v }}{{- end -}}
+{{- end -}}

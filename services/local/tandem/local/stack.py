@@ -79,6 +79,8 @@ class StackConfig:
     gateway_port: int = 8080
     router_grpc_port: int = 9000
     router_http_port: int = 8001
+    #: Ray's Prometheus export of the router's metrics (ray_tandem_router_*).
+    router_metrics_port: int = 9103
     prefill_port: int = 50051
     prefill_kv_port: int = 50061
     prefill_metrics_port: int = 9101
@@ -130,6 +132,7 @@ class StackConfig:
                 "gateway_port",
                 "router_grpc_port",
                 "router_http_port",
+                "router_metrics_port",
                 "prefill_port",
                 "prefill_kv_port",
                 "prefill_metrics_port",
@@ -285,6 +288,7 @@ class LocalStack:
                 "TANDEM_ROUTER_GRPC_PORT": str(c.router_grpc_port),
                 "TANDEM_ROUTER_HTTP_PORT": str(c.router_http_port),
                 "TANDEM_ROUTER_HTTP_HOST": c.host,
+                "TANDEM_ROUTER_METRICS_PORT": str(c.router_metrics_port),
                 "TANDEM_ROUTER_REDIS__URL": c.redis_url,
                 "TANDEM_ROUTER_REGISTRY__KEY_PREFIX": c.key_prefix,
             }

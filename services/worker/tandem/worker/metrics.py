@@ -1,14 +1,24 @@
 """Prometheus endpoint of a worker: vLLM's own ``vllm:*`` metrics (registered
 by AsyncLLM in this process) plus ``tandem_kv_*`` counters of the engine's KV
 server, as the worker service last read them (the registry heartbeat reads
-them every second, through the engine). Started by ``__main__``."""
+them every second, through the engine). Started by ``__main__``.
+
+Always in Prometheus's text format: asked for OpenMetrics (as Prometheus
+asks first), prometheus_client escapes the colons of ``vllm:*`` names to
+underscores, so the same series would be named ``vllm:kv_cache_usage_perc`` or
+``vllm_kv_cache_usage_perc`` depending on the scraper (seen with Prometheus
+2.42 and prometheus_client 0.26). Dashboards, alerts and the autoscaler ask
+for ``vllm:*``; this endpoint never renames them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -42,7 +52,27 @@ class KVCollector(Collector):
         yield g
 
 
+def metrics_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    """WSGI: ``GET /metrics`` in the text format, whatever the ``Accept`` header asks."""
+    if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found\n"]
+    body = generate_latest(REGISTRY)
+    start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape every few seconds is not news
+
+
 def start_metrics_server(host: str, port: int, service: WorkerService) -> None:
     """Serve /metrics on its own thread."""
     REGISTRY.register(KVCollector(service))
-    start_http_server(port, addr=host)
+    server = make_server(host, port, metrics_app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="tandem-metrics", daemon=True).start()

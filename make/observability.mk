@@ -1,0 +1,16 @@
+# Observability part: the real Prometheus (Debian's package, with promtool) that the live-query
+# test runs against the local stack and that checks the chart's alert rules. Included from the
+# Makefile, which defines the `test` target.
+#
+#   make prometheus   install Debian's prometheus (/usr/bin/prometheus, /usr/bin/promtool)
+
+PROMETHEUS ?= /usr/bin/prometheus
+
+.PHONY: prometheus
+
+prometheus:  ## install Debian's prometheus and promtool (apt; skipped when present)
+	@if [ -x "$(PROMETHEUS)" ] && command -v promtool >/dev/null; then echo "[prometheus] $(PROMETHEUS) present"; \
+	else echo "[prometheus] installing prometheus with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; fi
+
+test: prometheus
