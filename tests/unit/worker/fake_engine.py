@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from tandem.v1 import kv_transfer_pb2
+from tandem.worker.engine_api import EngineLoad
 from tandem.worker.kv_connector.layout import KVLayout
 
 FIRST_TOKEN, FIRST_TEXT = 11, "Hi"
@@ -81,6 +82,9 @@ class ScriptedEngine:
             self.held.discard(request_id)
             return True
         return False
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(num_waiting_requests=2, kv_usage=0.25, num_kv_blocks=64)
 
     async def kv_stats(self) -> kv_transfer_pb2.KVStats:
         await asyncio.sleep(self.kv_stats_delay_s)

@@ -187,3 +187,9 @@ async def test_kv_counters_from_a_busy_engine_fall_back_to_the_last_ones_read() 
     stats = await service.refresh_kv_stats(timeout_s=0.2)
     assert time.monotonic() - started < 2.0
     assert stats.num_held_requests == 2 and stats.bytes_sent_total == 123
+
+
+async def test_get_load_reports_the_engines_own_queue_and_kv_usage() -> None:
+    service = await _service("decode", ScriptedEngine())
+    report = await service.GetLoad(worker_pb2.LoadRequest(), Context())  # type: ignore[arg-type]
+    assert (report.num_waiting_requests, report.kv_usage, report.num_kv_blocks_total) == (2, 0.25, 64)

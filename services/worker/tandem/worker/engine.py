@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tandem.v1 import kv_transfer_pb2
+from tandem.worker.engine_api import EngineLoad
 from tandem.worker.kv_connector.extension import WORKER_EXTENSION
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.settings import WorkerSettings
@@ -145,6 +146,20 @@ class VLLMEngine:
             for field in ("bytes_sent_total", "bytes_received_total", "transfer_seconds_total"):
                 setattr(total, field, getattr(total, field) + getattr(stats, field))
         return total
+
+    def load(self) -> EngineLoad:
+        """From vLLM's own Prometheus gauges in this process (its stat logger sets them every step):
+        the same numbers /metrics shows, so the router scores on what a dashboard sees."""
+        from prometheus_client import REGISTRY
+
+        labels = {"engine": "0", "model_name": str(self.llm.model_config.served_model_name)}
+        waiting = REGISTRY.get_sample_value("vllm:num_requests_waiting", labels)
+        usage = REGISTRY.get_sample_value("vllm:kv_cache_usage_perc", labels)
+        return EngineLoad(
+            num_waiting_requests=int(waiting or 0),
+            kv_usage=min(1.0, max(0.0, float(usage or 0.0))),
+            num_kv_blocks=self.kv_cache_shape()[0],
+        )
 
     def kv_cache_shape(self) -> tuple[int, int]:
         """(number of KV blocks, tokens per block) of this engine."""

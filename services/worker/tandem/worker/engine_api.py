@@ -9,10 +9,21 @@ scripted fake."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tandem.v1 import kv_transfer_pb2
 from tandem.worker.kv_connector.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine itself says of its load (vLLM's own gauges)."""
+
+    num_waiting_requests: int = 0
+    #: Fraction of KV blocks in use, 0..1.
+    kv_usage: float = 0.0
+    num_kv_blocks: int = 0
 
 
 class WorkerEngine(Protocol):
@@ -36,4 +47,8 @@ class WorkerEngine(Protocol):
 
     async def kv_stats(self) -> kv_transfer_pb2.KVStats:
         """The KV server's counters, summed over ranks."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """Requests waiting in the engine's scheduler and KV usage, as the engine last reported them."""
         ...

@@ -65,10 +65,13 @@ async def heartbeat_forever(
 async def _current(record: WorkerRecord, service: WorkerService) -> WorkerRecord:
     """``record`` with the load of this moment (held KV from the engine's KV server, as last read)."""
     num_held = (await service.refresh_kv_stats()).num_held_requests
+    engine = service.engine_load()
     return dataclasses.replace(
         record,
         load=WorkerLoad(
             num_running_requests=service.num_running,
+            num_waiting_requests=engine.num_waiting_requests,
+            kv_usage=engine.kv_usage,
             num_held_kv_requests=num_held,
             num_prompt_tokens_in_flight=service.num_prompt_tokens_in_flight,
             num_kv_tokens_in_flight=service.num_kv_tokens_in_flight,

@@ -18,7 +18,7 @@ import grpc
 
 from tandem.v1 import kv_transfer_pb2, worker_pb2, worker_pb2_grpc
 from tandem.worker.decode import DecodeRole
-from tandem.worker.engine_api import WorkerEngine
+from tandem.worker.engine_api import EngineLoad, WorkerEngine
 from tandem.worker.handling import Admission, Ctx, WorkerCounters
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.prefill import PrefillRole
@@ -85,6 +85,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Prompt plus max_tokens of the decodes running now."""
         return self._counters.num_kv_tokens_in_flight
 
+    def engine_load(self) -> EngineLoad:
+        """The engine's own view of its queue and KV cache (zeros if it cannot say)."""
+        try:
+            return self._engine.load()
+        except Exception:  # a metric renamed by a vLLM upgrade must not stop the heartbeat
+            logger.exception("engine load unreadable; reporting zeros")
+            return EngineLoad()
+
     async def refresh_kv_stats(self, timeout_s: float = KV_STATS_TIMEOUT_S) -> kv_transfer_pb2.KVStats:
         """The KV server's counters now; the last ones read if the engine does not answer in time."""
         try:
@@ -122,9 +130,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def GetLoad(self, request: worker_pb2.LoadRequest, context: Ctx) -> worker_pb2.LoadReport:
         stats = await self.refresh_kv_stats()
+        engine = self.engine_load()
         return worker_pb2.LoadReport(
             worker_id=self._worker_id,
             num_running_requests=self._counters.num_running,
+            num_waiting_requests=engine.num_waiting_requests,
+            kv_usage=engine.kv_usage,
+            num_kv_blocks_total=engine.num_kv_blocks,
             num_held_kv_requests=stats.num_held_requests,
             kv_bytes_sent_total=stats.bytes_sent_total,
             kv_bytes_received_total=stats.bytes_received_total,
