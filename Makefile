@@ -127,7 +127,7 @@ redis:  ## make sure a Redis answers on 127.0.0.1:$(REDIS_PORT)
 		redis-cli -p $(REDIS_PORT) ping; fi
 
 test: setup redis  ## run the test suite, then the fault suite (PYTEST_ARGS=... to narrow it to pytest only)
-	$(PY) -m pytest $(PYTEST_ARGS) --ignore=tests/faults
+	$(PY) -m pytest $(PYTEST_ARGS) --ignore=tests/faults --durations=15
 	$(if $(filter tests,$(PYTEST_ARGS)),@$(MAKE) --no-print-directory faults)
 
 # The fault suite starts stacks of its own (two prefill and two decode engines at most), one at a
@@ -137,7 +137,7 @@ FAULTS_PYTEST_ARGS ?=
 
 faults: setup redis  ## break the stack on purpose (workers, router, Redis, churn, hostile input, tenants); prints the table
 	@rm -f $(FAULTS_LEDGER)
-	@status=0; TANDEM_FAULTS_LEDGER=$(FAULTS_LEDGER) $(PY) -m pytest tests/faults $(FAULTS_PYTEST_ARGS) || status=$$?; \
+	@status=0; TANDEM_FAULTS_LEDGER=$(FAULTS_LEDGER) $(PY) -m pytest tests/faults --durations=15 $(FAULTS_PYTEST_ARGS) || status=$$?; \
 	$(PY) -m tests.faults.report $(FAULTS_LEDGER) || status=1; exit $$status
 
 run: setup  ## start the local stack; prints the gateway URL and a curl line when ready
