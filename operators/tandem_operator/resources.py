@@ -193,6 +193,8 @@ def build_pool_deployment(
         ]
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
     if pool.node_selector:
         pod_spec["nodeSelector"] = dict(pool.node_selector)
     if pool.tolerations:

@@ -186,6 +186,10 @@ class AutoscalingSpec(_Model):
     decode: DecodeTargets = DecodeTargets()
 
 
+class ImagePullSecret(_Model):
+    name: str = Field(min_length=1)
+
+
 class TandemSpec(_Model):
     model: ModelSpec
     image: ImageSpec
@@ -194,6 +198,8 @@ class TandemSpec(_Model):
     slo: SloSpec = SloSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     service_account_name: str = ""
+    #: Secrets for pulling the worker image, as in a pod spec (``[{"name": ...}]``).
+    image_pull_secrets: list[ImagePullSecret] = Field(default_factory=list)
     #: Extra labels for every pod of both pools.
     pod_labels: dict[str, str] = Field(default_factory=dict)
     #: Mutual TLS for the pools' gRPC; None: plaintext, fenced by NetworkPolicies.

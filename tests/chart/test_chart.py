@@ -355,3 +355,28 @@ def test_monitoring_objects() -> None:
     for needle in ("time to first token", "inter-token", "queue", "kv-cache usage", "kv transfer", "replicas"):
         assert needle in titles
     assert not find(render(None), "ServiceMonitor") and not find(render(None), "PrometheusRule")
+
+
+def test_image_pull_secrets_reach_every_pod_the_operator_creates_too() -> None:
+    docs = render(None, ("imagePullSecrets[0].name=registry-cred",))
+    pods = _pod_specs(docs) + [(d["metadata"]["name"], d["spec"]["template"]["spec"])
+                               for d in _operator_pools(docs) if d["kind"] == "Deployment"]
+    assert {n for n, _ in pods} >= {f"{FULL}-prefill", f"{FULL}-decode"}, [n for n, _ in pods]
+    for name, pod in pods:
+        assert pod.get("imagePullSecrets") == [{"name": "registry-cred"}], name
+    (td,) = find(docs, "TandemDeployment")
+    validate_custom_resource(td)
+
+
+@pytest.mark.parametrize(
+    ("extra", "source"),
+    [
+        ((), "router"),  # nothing scrapes the pods: read the router, never hold for want of metrics
+        (("monitoring.serviceMonitors.enabled=true",), "prometheus"),
+        (("tandemDeployment.autoscaling.source=prometheus",), "prometheus"),  # an explicit choice stands
+    ],
+)
+def test_day_one_autoscaling_reads_a_source_that_has_data(extra: tuple[str, ...], source: str) -> None:
+    (td,) = find(render(None, extra), "TandemDeployment")
+    assert td["spec"]["autoscaling"]["source"] == source
+    assert parse_spec(td["spec"]).autoscaling.source == source

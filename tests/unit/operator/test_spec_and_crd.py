@@ -40,10 +40,11 @@ def _schema_fields(node: dict[str, Any]) -> dict[str, Any]:
 def test_crd_and_model_have_the_same_fields() -> None:
     crd = _schema_fields(crd_version_schema()["properties"]["spec"])
     model = _model_fields(TandemSpec)
-    # Tolerations are a list of objects in the CRD and a list of models in the spec.
+    # Tolerations and image pull secrets are lists of objects in the CRD and lists of models in the spec.
     for tree in (crd, model):
         for role in ("prefill", "decode"):
             tree["pools"][role]["tolerations"] = None
+        tree["imagePullSecrets"] = None
     assert crd == model
 
 
