@@ -24,6 +24,11 @@ each step the pool is watched for a full window again, because taking a
 decode worker away raises the others' batch and their ITL only with a lag.
 Then the step caps and min/max apply.
 A latency above ``scale_down_slo_fraction × SLO`` vetoes any scale-down.
+
+Only ready replicas count as capacity: the proportional votes (KV usage,
+latency) multiply the *ready* count, and while some replicas are still starting
+the pool never shrinks (their capacity is on its way; the start-up time of the
+pool, however long, is the cooldown after a scale-up).
 """
 
 from __future__ import annotations
@@ -79,11 +84,18 @@ class Decision:
 
 
 def _ratio_vote(current: int, observed: float, target: float, tolerance: float) -> int:
-    """HPA's rule: ceil(current × observed/target), unchanged within the tolerance band."""
+    """HPA's rule: ceil(current × observed/target), unchanged within the tolerance band. Fewer
+    replicas only where the same load stays under the band's lower edge: the removed replicas' share
+    lands on the others, and a fuller decode batch runs slower, so its requests live longer and the
+    usage climbs past the plain proportion (without this margin the simulated decode pool stepped
+    5 → 4 → 6 on a flat plateau)."""
     ratio = observed / target
     if abs(ratio - 1.0) <= tolerance:
         return current
-    return max(1, math.ceil(max(current, 1) * ratio)) if observed > 0 else 0
+    wanted = max(1, math.ceil(max(current, 1) * ratio)) if observed > 0 else 0
+    if wanted < current:
+        return min(current, math.ceil(current * observed / (target * (1.0 - tolerance))))
+    return wanted
 
 
 def _total_vote(total: float, per_replica: float) -> int:
@@ -135,13 +147,16 @@ def decide(
     slo: SloSpec,
     history: tuple[Recommendation, ...],
     now_s: float,
+    ready_replicas: int | None = None,
 ) -> tuple[Decision, tuple[Recommendation, ...]]:
     """The replica count for ``role`` now, and the recommendation history to pass next time.
 
+    ``ready_replicas`` (None: all of ``current_replicas``) is the capacity the signals describe.
     An empty history is seeded with the current count, so an operator restart
     never scales down before a full scale-down window has passed.
     """
-    votes = votes_for(role, current_replicas, signals, policy, slo)
+    ready = current_replicas if ready_replicas is None else max(0, min(ready_replicas, current_replicas))
+    votes = votes_for(role, ready, signals, policy, slo)
     if not history:
         history = (Recommendation(now_s, current_replicas, current_replicas),)
     if not votes:
@@ -177,7 +192,9 @@ def decide(
         sat_long_enough = now_s - run_start_s >= window_s
         in_window = [r.num_replicas for r in earlier if now_s - r.at_s < window_s]
         stable = max([raw_bounded, *in_window])
-        if sat_long_enough and stable < current_replicas:
+        if ready < current_replicas:
+            reason = f"scale down held: {current_replicas - ready} of {current_replicas} replicas still starting"
+        elif sat_long_enough and stable < current_replicas:
             desired = max(stable, current_replicas - policy.max_scale_down_step)
             reason = f"scale down: load asks {raw} ({top_signal})"
         else:

@@ -8,9 +8,12 @@ through :class:`.kube.KubeClient` and writes the answer into ``status``.
   status ``pools`` and conditions ``SpecValid``, ``Reconciled``, ``Ready``.
   A malformed resource gets ``SpecValid=False`` with the reason and is left
   alone until it changes (no retry loop, no crash).
-* timer → every ``autoscaling.intervalSeconds``, each pool's signals are read
-  and the decision applied to its Deployment's replicas; every decision is
-  logged as one JSON line (``tandem.autoscale``).
+* timer → every ``STATUS_REFRESH_S`` the pools' ready counts and the ``Ready``
+  condition are refreshed in ``status`` (``kubectl get tandemdeployment`` shows
+  what is ready now, not what was at the last change); every
+  ``autoscaling.intervalSeconds`` each pool's signals are read and the decision
+  applied to its Deployment's replicas; every decision is logged as one JSON
+  line (``tandem.autoscale``).
 * delete → the pools' Deployments and Services are deleted (the owner
   references would let the garbage collector do it too; this makes it
   immediate). Deleting a Deployment sends SIGTERM to its workers, which
@@ -35,7 +38,9 @@ from tandem_operator.reconcile import (
     decision_status,
     desired_objects,
     invalid_status,
+    observed_pool,
     owned_names,
+    ready_condition,
     reconciled_status,
 )
 from tandem_operator.resources import pool_name
@@ -51,6 +56,8 @@ decision_logger = logging.getLogger("tandem.autoscale")
 # each resource's own interval is enforced inside the handler. Everything else
 # is read once per operator run, at login/startup, into ``memo.settings``.
 _TICK_S = OperatorSettings().tick_s
+#: How often the timer refreshes a resource's status.pools and Ready condition.
+STATUS_REFRESH_S = 5.0
 
 
 def _now() -> str:
@@ -85,6 +92,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.http = aiohttp.ClientSession()
     memo.history = {}
     memo.last_decision_s = {}
+    memo.last_status_s = {}
 
 
 @kopf.on.cleanup()
@@ -148,6 +156,9 @@ async def autoscale_handler(
         return  # the reconcile handler reports it
     key = (namespace, name)
     now_s = time.monotonic()
+    if now_s - memo.last_status_s.get(key, -1e9) >= STATUS_REFRESH_S:
+        memo.last_status_s[key] = now_s
+        await _refresh_status(memo.kube, namespace, name, meta, status, patch)
     if not td.autoscaling.enabled or now_s - memo.last_decision_s.get(key, -1e9) < td.autoscaling.interval_seconds:
         return
     memo.last_decision_s[key] = now_s
@@ -162,11 +173,12 @@ async def autoscale_handler(
             if dep is None:
                 continue  # not reconciled yet
             current = int((dep.get("spec") or {}).get("replicas", 0))
+            ready = int((dep.get("status") or {}).get("readyReplicas", 0) or 0)
             signals = await source.read(role)
             history: tuple[Recommendation, ...] = memo.history.get((namespace, name, role), ())
             decision, history = decide(
                 role=role, current_replicas=current, signals=signals, pool=td.pools.get(role),
-                policy=td.autoscaling, slo=td.slo, history=history, now_s=now_s,
+                policy=td.autoscaling, slo=td.slo, history=history, now_s=now_s, ready_replicas=ready,
             )
             memo.history[(namespace, name, role)] = history
             num_with_metrics += bool(decision.votes)
@@ -196,6 +208,30 @@ async def autoscale_handler(
         patch.status["autoscaling"] = entries
 
 
+async def _refresh_status(
+    kube: KubeClient, namespace: str, name: str, meta: Any, status: Any, patch: kopf.Patch
+) -> None:
+    """Write status.pools and the Ready condition when what is ready has changed."""
+    try:
+        deployments = {role: await kube.get("apps/v1", "Deployment", namespace, pool_name(name, role))
+                       for role in ROLES}
+    except KubeError:
+        return  # the next tick tries again; the autoscaler below reports API trouble
+    if any(dep is None for dep in deployments.values()):
+        return  # not reconciled yet: the reconcile handler writes the first status
+    pools = {role: observed_pool(dep) for role, dep in deployments.items()}
+    conditions = list(status.get("conditions", []))
+    updated = ready_condition(conditions, pools, _now(), int(meta.get("generation") or 0))
+    if pools != status.get("pools") or _condition_status(updated) != _condition_status(conditions):
+        patch.status["pools"] = pools
+        patch.status["conditions"] = updated
+
+
+def _condition_status(conditions: list[dict[str, Any]]) -> tuple[str, str]:
+    ready = next((c for c in conditions if c.get("type") == "Ready"), {})
+    return str(ready.get("status", "")), str(ready.get("message", ""))
+
+
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 async def delete_handler(*, name: str, namespace: str | None, memo: Any, logger: _Logger, **_: Any) -> None:
     assert namespace is not None
@@ -209,3 +245,4 @@ async def delete_handler(*, name: str, namespace: str | None, memo: Any, logger:
     for role in ROLES:
         memo.history.pop((namespace, name, role), None)
     memo.last_decision_s.pop((namespace, name), None)
+    memo.last_status_s.pop((namespace, name), None)

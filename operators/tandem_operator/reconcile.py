@@ -95,18 +95,25 @@ def reconciled_status(
     owner: Owner, deployments: dict[Role, dict[str, Any] | None], conditions: list[dict[str, Any]], now: str
 ) -> dict[str, Any]:
     pools = {role: observed_pool(deployments.get(role)) for role in ROLES}
-    ready = all(p["readyReplicas"] > 0 for p in pools.values())
     conditions = set_condition(conditions, type_="SpecValid", status=True, reason="Valid", message="",
                                now=now, generation=owner.generation)
     conditions = set_condition(conditions, type_="Reconciled", status=True, reason="Applied",
                                message="Deployments and Services of both pools applied", now=now,
                                generation=owner.generation)
-    conditions = set_condition(
+    conditions = ready_condition(conditions, pools, now, owner.generation)
+    return {"observedGeneration": owner.generation, "pools": pools, "conditions": conditions}
+
+
+def ready_condition(
+    conditions: list[dict[str, Any]], pools: dict[Role, dict[str, Any]], now: str, generation: int
+) -> list[dict[str, Any]]:
+    """``conditions`` with Ready set from the pools: every pool has a ready replica."""
+    ready = all(p["readyReplicas"] > 0 for p in pools.values())
+    return set_condition(
         conditions, type_="Ready", status=ready, reason="PoolsReady" if ready else "PoolsNotReady",
         message=", ".join(f"{r}: {p['readyReplicas']}/{p['desiredReplicas']} ready" for r, p in pools.items()),
-        now=now, generation=owner.generation,
+        now=now, generation=generation,
     )
-    return {"observedGeneration": owner.generation, "pools": pools, "conditions": conditions}
 
 
 def invalid_status(owner: Owner, message: str, conditions: list[dict[str, Any]], now: str) -> dict[str, Any]:

@@ -129,7 +129,7 @@ class SimulatedCluster:
                     decision, self.history[role] = decide(
                         role=role, current_replicas=pool.replicas, signals=signals[role],
                         pool=self.spec.pools.get(role), policy=policy, slo=slo,
-                        history=self.history.get(role, ()), now_s=t,
+                        history=self.history.get(role, ()), now_s=t, ready_replicas=pool.num_ready(t),
                     )
                     self.decisions.append((t, decision))
                     if decision.changed:

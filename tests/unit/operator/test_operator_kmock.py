@@ -120,6 +120,23 @@ def _replicas(kmock: Any, role: str) -> int | None:
     return None if dep is None else int(dep["spec"]["replicas"])
 
 
+async def _deployment_controller(kmock: Any) -> None:
+    """kmock runs no controllers: stand in for the Deployment controller (every replica becomes
+    ready at once), so the operator sees ready replicas as in a cluster."""
+    while True:
+        for role in ("prefill", "decode"):
+            try:
+                obj = kmock.objects[("apps/v1/deployments", NS, f"{NAME}-{role}")]
+            except KeyError:
+                continue
+            if obj.deleted:
+                continue
+            replicas = int(obj["spec"]["replicas"])
+            if (obj.get("status") or {}).get("readyReplicas") != replicas:
+                obj.patch({"status": {"replicas": replicas, "readyReplicas": replicas}})
+        await asyncio.sleep(0.2)
+
+
 def _runner() -> KopfRunner:
     # -A, not --namespace: kmock 0.8 answers a 500 on the namespace listing that
     # kopf does for --namespace (its path parser expects a name after "namespaces").
@@ -128,6 +145,7 @@ def _runner() -> KopfRunner:
 
 async def test_create_scale_delete(cluster: Any, prometheus: tuple[FakePrometheus, str]) -> None:
     fake, prom_url = prometheus
+    controller = asyncio.create_task(_deployment_controller(cluster))
     with _runner() as runner:
         await asyncio.sleep(1.0)  # discovery and watchers
         await cluster.post(TD_PATH, json=td_body(prometheusUrl=prom_url))
@@ -143,6 +161,14 @@ async def test_create_scale_delete(cluster: Any, prometheus: tuple[FakePrometheu
             lambda: (_obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) or {}).get("status", {})
             .get("conditions"), "status conditions")
         assert {c["type"]: c["status"] for c in td}["SpecValid"] == "True"
+
+        # The status follows the pools as they become ready (a timer, not only on spec changes).
+        def td_status() -> dict[str, Any]:
+            return dict((_obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) or {}).get("status", {}))
+
+        await _until(lambda: td_status().get("pools", {}).get("decode", {}).get("readyReplicas") == 1
+                     and {c["type"]: c["status"] for c in td_status()["conditions"]}.get("Ready") == "True",
+                     "status to show the ready pools", timeout_s=30)
 
         # Prefill load rises (router queue of 12, 4 per replica) → only prefill scales (step cap 2).
         fake.values = {PREFILL_QUEUE: 12.0, "vllm:kv_cache_usage_perc": 0.7}
@@ -172,6 +198,7 @@ async def test_create_scale_delete(cluster: Any, prometheus: tuple[FakePrometheu
                          f"{role} Service deleted")
         await _until(lambda: _obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) is None,
                      "finalizer released")
+    controller.cancel()
     assert runner.exception is None, runner.output[-3000:]
     assert any("histogram_quantile" in q for q in fake.queries)  # latency signals were asked for too
 
