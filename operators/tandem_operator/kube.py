@@ -10,6 +10,7 @@ Errors other than 404 become :class:`KubeError` (kopf retries them).
 
 from __future__ import annotations
 
+import json
 import ssl
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,10 @@ _PATHS = {
     ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
 }
 _MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
+#: Server-side apply: JSON is YAML. With this field manager, a key the operator stops setting is
+#: removed from the object (a merge patch would leave it there forever).
+_APPLY_PATCH = {"Content-Type": "application/apply-patch+yaml"}
+FIELD_MANAGER = "tandem-operator"
 
 
 class KubeError(RuntimeError):
@@ -84,19 +89,23 @@ class KubeClient:
         return await self._request("PATCH", path, json=changes, headers=_MERGE_PATCH)
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Create ``obj``, or merge-patch its labels, owner and spec onto the existing one."""
+        """Create ``obj``, or server-side apply it (field manager ``tandem-operator``, forced): what the
+        operator set before and no longer sets goes away, what others own (status, HPA-set fields it
+        does not send) stays."""
         meta = obj["metadata"]
         api_version, kind, ns, name = obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]
         existing = await self.get(api_version, kind, ns, name)
         if existing is None:
             created = await self._request("POST", collection_path(api_version, kind, ns), json=obj)
             return created or obj
-        changes = {
-            "metadata": {"labels": meta.get("labels", {}), "ownerReferences": meta.get("ownerReferences", [])},
-            "spec": obj["spec"],
-        }
-        patched = await self.patch(api_version, kind, ns, name, changes)
-        return patched or obj
+        applied = await self._request(
+            "PATCH",
+            f"{collection_path(api_version, kind, ns)}/{name}",
+            data=json.dumps(obj),
+            headers=_APPLY_PATCH,
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+        )
+        return applied or obj
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """True if it existed. Background propagation: the Deployment's pods drain on SIGTERM."""
