@@ -159,7 +159,9 @@ async def autoscale_handler(
     if now_s - memo.last_status_s.get(key, -1e9) >= STATUS_REFRESH_S:
         memo.last_status_s[key] = now_s
         await _refresh_status(memo.kube, namespace, name, meta, status, patch)
-    if not td.autoscaling.enabled or now_s - memo.last_decision_s.get(key, -1e9) < td.autoscaling.interval_seconds:
+    if td.autoscaling.external or not td.autoscaling.enabled:
+        return  # HPA/KEDA or nobody: the status above is all this timer does
+    if now_s - memo.last_decision_s.get(key, -1e9) < td.autoscaling.interval_seconds:
         return
     memo.last_decision_s[key] = now_s
     kube: KubeClient = memo.kube

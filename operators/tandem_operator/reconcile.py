@@ -25,9 +25,16 @@ class Owner:
     generation: int
 
 
-def replicas_to_apply(pool: PoolSpec, *, autoscaling_enabled: bool, current: int | None) -> int:
-    """With autoscaling on, the autoscaler owns the count (kept within min/max); otherwise the spec does."""
-    if not autoscaling_enabled or current is None:
+def replicas_to_apply(
+    pool: PoolSpec, *, autoscaling_enabled: bool, current: int | None, external: bool = False
+) -> int:
+    """With autoscaling on, the autoscaler owns the count (kept within min/max); with an external
+    autoscaler (HPA, KEDA), whatever it set; otherwise the spec does."""
+    if current is None:
+        return pool.replicas
+    if external:
+        return current
+    if not autoscaling_enabled:
         return pool.replicas
     return min(max(current, pool.min_replicas), pool.max_replicas)
 
@@ -37,7 +44,10 @@ def desired_objects(owner: Owner, spec: TandemSpec, current_replicas: dict[Role,
     objects: list[dict[str, Any]] = []
     for role in ROLES:
         replicas = replicas_to_apply(
-            spec.pools.get(role), autoscaling_enabled=spec.autoscaling.enabled, current=current_replicas.get(role)
+            spec.pools.get(role),
+            autoscaling_enabled=spec.autoscaling.enabled,
+            current=current_replicas.get(role),
+            external=spec.autoscaling.external,
         )
         objects.append(build_pool_deployment(name=owner.name, namespace=owner.namespace, uid=owner.uid,
                                              cr_labels=owner.labels, spec=spec, role=role, replicas=replicas))

@@ -169,6 +169,9 @@ class DecodeTargets(_Model):
 
 class AutoscalingSpec(_Model):
     enabled: bool = True
+    #: The pools' replicas belong to an external autoscaler (HPA, KEDA) targeting the pool Deployments:
+    #: the operator neither decides nor resets them after creating the pools.
+    external: bool = False
     source: Literal["prometheus", "router"] = "prometheus"
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
     #: Prometheus-text endpoint of the router (Ray's metrics export), for ``source: router``.
