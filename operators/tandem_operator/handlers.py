@@ -42,6 +42,7 @@ from tandem_operator.reconcile import (
     owned_names,
     ready_condition,
     reconciled_status,
+    set_condition,
 )
 from tandem_operator.resources import pool_name
 from tandem_operator.settings import OperatorSettings
@@ -168,6 +169,7 @@ async def autoscale_handler(
     source = _source(td, namespace, name, memo.http)
     entries: dict[str, Any] = {}
     num_with_metrics = 0
+    without_metrics: list[str] = []
     try:
         for role in ROLES:
             dep_name = pool_name(name, role)
@@ -184,6 +186,8 @@ async def autoscale_handler(
             )
             memo.history[(namespace, name, role)] = history
             num_with_metrics += bool(decision.votes)
+            if not decision.votes:
+                without_metrics.append(role)
             decision_logger.info(json.dumps({
                 "event": "autoscale_decision", "namespace": namespace, "name": name, "role": role,
                 "current": decision.current_replicas, "desired": decision.desired_replicas,
@@ -202,9 +206,8 @@ async def autoscale_handler(
             entries[role] = entry
     except KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=memo.settings.retry_delay_s) from exc
+    _set_metrics_condition(td, status, patch, without_metrics, int(meta.get("generation") or 0))
     if entries:
-        # Not a condition: the reconcile handler owns status.conditions (a list,
-        # replaced whole by a merge patch), and the two handlers run concurrently.
         entries["metricsAvailable"] = num_with_metrics > 0
         entries["source"] = td.autoscaling.source
         patch.status["autoscaling"] = entries
@@ -227,6 +230,32 @@ async def _refresh_status(
     if pools != status.get("pools") or _condition_status(updated) != _condition_status(conditions):
         patch.status["pools"] = pools
         patch.status["conditions"] = updated
+
+
+def _set_metrics_condition(
+    td: TandemSpec, status: Any, patch: kopf.Patch, without_metrics: list[str], generation: int
+) -> None:
+    """MetricsAvailable=False, with the reason, while a pool's source gives no signal at all (its
+    replicas then hold): visible in `kubectl describe`, not only in the operator's log. Written only
+    when it changes (the reconcile handler writes the same list)."""
+    available = not without_metrics
+    if td.autoscaling.source == "prometheus":
+        where = f"Prometheus at {td.autoscaling.prometheus_url}"
+    else:
+        where = f"the router's metrics at {td.autoscaling.router_metrics_url or '(no URL)'}"
+    message = (
+        f"signals from {where}"
+        if available
+        else f"no signal for the {' and '.join(without_metrics)} pool from {where}: its replicas hold"
+    )
+    conditions = list(patch.status.get("conditions") or status.get("conditions", []))
+    current: dict[str, Any] = next((c for c in conditions if c.get("type") == "MetricsAvailable"), {})
+    if current.get("status") == ("True" if available else "False") and current.get("message") == message:
+        return
+    patch.status["conditions"] = set_condition(
+        conditions, type_="MetricsAvailable", status=available,
+        reason="SignalsRead" if available else "NoSignals", message=message, now=_now(), generation=generation,
+    )
 
 
 def _condition_status(conditions: list[dict[str, Any]]) -> tuple[str, str]:

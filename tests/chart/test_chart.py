@@ -380,3 +380,16 @@ def test_day_one_autoscaling_reads_a_source_that_has_data(extra: tuple[str, ...]
     (td,) = find(render(None, extra), "TandemDeployment")
     assert td["spec"]["autoscaling"]["source"] == source
     assert parse_spec(td["spec"]).autoscaling.source == source
+
+
+@pytest.mark.parametrize("grace_s", [120, 600])
+def test_the_gateway_drains_for_its_pods_grace_period(grace_s: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's own drain grace (read by its settings class) fits inside the pod's termination grace."""
+    settings = pytest.importorskip("tandem.gateway.settings", reason="the gateway package (make setup)")
+    docs = render(None, (f"gateway.terminationGracePeriodSeconds={grace_s}",))
+    pod = one(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"] if "value" in e}
+    monkeypatch.setenv("TANDEM_GATEWAY_STREAM__DRAIN_GRACE_S", env["TANDEM_GATEWAY_STREAM__DRAIN_GRACE_S"])
+    drain_s = settings.GatewaySettings().stream.drain_grace_s
+    assert pod["terminationGracePeriodSeconds"] == grace_s
+    assert drain_s == grace_s - 10

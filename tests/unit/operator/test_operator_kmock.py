@@ -170,6 +170,14 @@ async def test_create_scale_delete(cluster: Any, prometheus: tuple[FakePrometheu
                      and {c["type"]: c["status"] for c in td_status()["conditions"]}.get("Ready") == "True",
                      "status to show the ready pools", timeout_s=30)
 
+        # No series yet: the pools hold, and the resource says so.
+        def metrics_condition() -> dict[str, Any]:
+            return next((c for c in td_status().get("conditions", []) if c["type"] == "MetricsAvailable"), {})
+
+        missing = await _until(lambda: metrics_condition().get("status") == "False" and metrics_condition(),
+                               "MetricsAvailable=False")
+        assert "no signal for the prefill and decode pool" in missing["message"], missing
+
         # Prefill load rises (router queue of 12, 4 per replica) → only prefill scales (step cap 2).
         fake.values = {PREFILL_QUEUE: 12.0, "vllm:kv_cache_usage_perc": 0.7}
         await _until(lambda: _replicas(cluster, "prefill") == 3, "prefill to scale to 3")
@@ -183,6 +191,7 @@ async def test_create_scale_delete(cluster: Any, prometheus: tuple[FakePrometheu
         decision = await _until(lambda: "queue_depth" in prefill_decision().get("reason", "") and prefill_decision(),
                                 "the prefill decision in status")
         assert decision["desiredReplicas"] == 3, decision
+        await _until(lambda: metrics_condition().get("status") == "True", "MetricsAvailable=True")
 
         # Decode KV usage rises → decode scales; prefill load gone → prefill comes down (one step at a time).
         fake.values = {PREFILL_QUEUE: 0.0, "vllm:kv_cache_usage_perc": 0.95}
