@@ -144,3 +144,34 @@ def test_admin_cli_creates_lists_and_revokes(
         client = redis.Redis()
         for k in client.scan_iter(match=f"{prefix}:*"):
             client.delete(k)
+
+
+async def test_a_tenant_created_again_under_the_same_id_gets_a_new_cache_salt(edge: Any) -> None:
+    """The salt is random per tenant record: not a function of the public id, and a deleted tenant's
+    cached prefixes are not its successor's."""
+    key = await edge.tenant("reborn")
+    assert (await edge.client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).status_code == 200
+    await edge.store.delete_tenant("reborn")
+    key = await edge.tenant("reborn")
+    assert (await edge.client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).status_code == 200
+    first, second = (call["cache_salt"] for call in edge.router.schedule_calls)
+    assert first and second and first != second
+    assert len(first) == 32 and "reborn" not in first
+
+
+async def test_a_tenant_stored_before_salts_gets_one_salt_for_good(edge: Any) -> None:
+    tenant_key = f"{edge.key_prefix}:gw:tenant:legacy"
+    await edge.tenant("legacy")
+    stored = json.loads(await edge.redis.get(tenant_key))
+    del stored["salt"]  # a record written before this field existed
+    await edge.redis.set(tenant_key, json.dumps(stored))
+    salts = {(await edge.store.get_tenant("legacy")).cache_salt for _ in range(3)}
+    assert len(salts) == 1
+    assert json.loads(await edge.redis.get(tenant_key))["salt"] == salts.pop()
+
+
+def test_admins_never_see_the_salt(capsys: pytest.CaptureFixture[str]) -> None:
+    from tandem.gateway.tenancy.models import Tenant
+
+    tenant = Tenant(id="acme")
+    assert "salt" not in tenant.public() and tenant.public()["id"] == "acme"

@@ -72,3 +72,26 @@ def unused_tcp_port() -> int:
     from tests.kit.net import free_port
 
     return free_port()
+
+
+@pytest.mark.parametrize("tenant_id", ["tenants", "recorded", "_tenants"])
+async def test_no_tenant_id_reaches_the_stores_own_keys(tenant_id: str) -> None:
+    """A tenant named after one of the store's own keys once made every usage write fail with
+    WRONGTYPE. Tenant ids cannot start with "_" and the store's keys do; the one that does is refused."""
+    from tandem.gateway.tenancy.models import valid_tenant_id
+
+    if not valid_tenant_id(tenant_id):
+        assert tenant_id.startswith("_")
+        return
+    prefix = f"tandem-unit-{uuid.uuid4().hex[:8]}"
+    client = connect("redis://127.0.0.1:6379/0", timeout_s=2.0)
+    try:
+        store = UsageStore(client, key_prefix=prefix)
+        await store.record(UsageRecord(tenant_id, "m", 10, 5, 0, aborted=False, request_id="r-1"))
+        await store.record(UsageRecord("acme", "m", 7, 1, 0, aborted=False, request_id="r-2"))
+        assert (await store.tenant_usage(tenant_id))["total"]["prompt_tokens"] == 10
+        assert (await store.tenant_usage("acme"))["total"]["prompt_tokens"] == 7
+        assert await store.tenants() == sorted(["acme", tenant_id])
+    finally:
+        await delete_prefix(client, prefix)
+        await client.aclose()

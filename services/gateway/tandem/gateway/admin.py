@@ -114,21 +114,21 @@ async def _dispatch(args: argparse.Namespace, store: TenantStore, usage: UsageSt
     if args.command == "tenant":
         if args.action == "create":
             tenant = await store.put_tenant(Tenant(id=args.tenant_id, name=args.name, **_policy_changes(args)))
-            return [tenant.model_dump()]
+            return [tenant.public()]
         if args.action == "update":
             changes = _policy_changes(args)
             for name in ("name", "disabled"):
                 if getattr(args, name) is not None:
                     changes[name] = getattr(args, name)
-            return [(await store.update_tenant(args.tenant_id, **changes)).model_dump()]
+            return [(await store.update_tenant(args.tenant_id, **changes)).public()]
         if args.action == "list":
-            return [t.model_dump() for t in await store.list_tenants()]
+            return [t.public() for t in await store.list_tenants()]
         if args.action == "show":
             found = await store.get_tenant(args.tenant_id)
             if found is None:
                 raise TenantError(f"no tenant {args.tenant_id!r}")
             keys = [k.model_dump() for k in await store.list_keys(args.tenant_id)]
-            return [{**found.model_dump(), "keys": keys}]
+            return [{**found.public(), "keys": keys}]
         if args.action == "delete":
             await store.delete_tenant(args.tenant_id)
             return [{"deleted": args.tenant_id}]

@@ -4,7 +4,9 @@ Called once per finished request (also aborted ones, with the tokens that were
 actually generated) by the generation response's completion hook, and by the
 ``/v1/usage`` handlers and the admin CLI to read. Layout: hash
 ``<prefix>:gw:usage:<tenant>`` with fields ``<model>|<counter>`` (all time) and
-``<prefix>:gw:usage:<tenant>:<YYYY-MM-DD>`` (UTC day, kept 400 days).
+``<prefix>:gw:usage:<tenant>:<YYYY-MM-DD>`` (UTC day, kept 400 days). The keys of the store
+itself start with ``_`` (``_tenants``, ``_recorded:<request id>``), which no tenant id can: a
+tenant named ``tenants`` once shared the set's key and broke every usage write.
 """
 
 from __future__ import annotations
@@ -85,8 +87,8 @@ class UsageStore:
         keys = [
             f"{self._p}:{record.tenant_id}",
             f"{self._p}:{record.tenant_id}:{day}",
-            f"{self._p}:tenants",
-            f"{self._p}:recorded:{record.request_id}" if record.request_id else "",
+            f"{self._p}:_tenants",
+            f"{self._p}:_recorded:{record.request_id}" if record.request_id else "",
         ]
         args: list[str | int] = [record.model, _DAY_TTL_S, _RECORDED_MARKER_TTL_S, record.tenant_id]
         for name, value in values.items():
@@ -126,4 +128,4 @@ class UsageStore:
 
     async def tenants(self) -> list[str]:
         with redis_errors("usage tenants"):
-            return sorted(str(t) for t in await self._redis.smembers(f"{self._p}:tenants"))
+            return sorted(str(t) for t in await self._redis.smembers(f"{self._p}:_tenants"))

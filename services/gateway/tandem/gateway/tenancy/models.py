@@ -6,9 +6,9 @@ route handlers, the quota and the prompt assembly. No logic beyond defaults.
 
 from __future__ import annotations
 
-import hashlib
 import re
-from typing import Literal
+import secrets
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,11 +46,18 @@ class Tenant(TenantPolicy):
     created_unix_s: int = 0
     #: A disabled tenant's keys answer 401.
     disabled: bool = False
+    #: Random per tenant record, made when it is created: a tenant deleted and created again under
+    #: the same id starts with a cold cache, and nobody can compute another tenant's salt from its id.
+    salt: str = Field(default_factory=lambda: secrets.token_hex(16))
 
     @property
     def cache_salt(self) -> str:
         """Prefix-cache namespace of this tenant: blocks computed for one tenant never match another's."""
-        return hashlib.sha256(f"tandem-tenant:{self.id}".encode()).hexdigest()[:32]
+        return self.salt
+
+    def public(self) -> dict[str, Any]:
+        """The record as admins see it (the salt stays inside)."""
+        return self.model_dump(exclude={"salt"})
 
     def may_use(self, model: str) -> bool:
         return not self.allowed_models or model in self.allowed_models

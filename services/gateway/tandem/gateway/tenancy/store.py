@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from tandem.gateway.redis_client import redis_errors
 from tandem.gateway.tenancy.keys import hash_key, new_api_key
@@ -52,7 +53,27 @@ class TenantStore:
     async def get_tenant(self, tenant_id: str) -> Tenant | None:
         with redis_errors("get tenant"):
             raw = await self._redis.get(self._k("tenant", tenant_id))
-        return None if raw is None else Tenant.model_validate_json(raw)
+        return None if raw is None else await self._loaded(raw)
+
+    async def _loaded(self, raw: str | bytes) -> Tenant:
+        """A stored tenant; one written before tenants had a salt gets its random salt now, once."""
+        tenant = Tenant.model_validate_json(raw)
+        if b'"salt"' in (raw if isinstance(raw, bytes) else raw.encode()):
+            return tenant
+        key = self._k("tenant", tenant.id)
+        with redis_errors("salt tenant"):
+            try:  # only if the record is still the one read: a concurrent writer's salt wins
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    await pipe.watch(key)
+                    if await pipe.get(key) == raw:
+                        pipe.multi()  # type: ignore[no-untyped-call]
+                        pipe.set(key, tenant.model_dump_json())
+                        await pipe.execute()
+                        return tenant
+            except WatchError:
+                pass
+            again = await self._redis.get(key)
+        return tenant if again is None else Tenant.model_validate_json(again)
 
     async def update_tenant(self, tenant_id: str, **changes: Any) -> Tenant:
         tenant = await self.get_tenant(tenant_id)
@@ -65,7 +86,7 @@ class TenantStore:
         with redis_errors("list tenants"):
             ids = sorted(str(i) for i in await self._redis.smembers(self._k("tenants")))
             raws = await self._redis.mget([self._k("tenant", i) for i in ids]) if ids else []
-        return [Tenant.model_validate_json(raw) for raw in raws if raw is not None]
+        return [await self._loaded(raw) for raw in raws if raw is not None]
 
     async def delete_tenant(self, tenant_id: str) -> None:
         """Remove a tenant and revoke all its keys (usage figures stay)."""
@@ -121,4 +142,4 @@ class TenantStore:
             tenant_raw = await self._redis.get(self._k("tenant", record.tenant_id))
         if tenant_raw is None:
             return None
-        return record, Tenant.model_validate_json(tenant_raw)
+        return record, await self._loaded(tenant_raw)
