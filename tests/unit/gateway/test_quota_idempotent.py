@@ -54,3 +54,14 @@ async def test_a_settlement_sent_twice_refunds_once(quota: RedisQuota) -> None:
     # Admitted again after its settlement, the same id is a new admission (charged again).
     readmitted = await quota.admit("acme", POLICY, "req-1", 100, 400)
     assert left(readmitted.headers)[1] < 110
+
+
+async def test_a_request_that_failed_before_its_first_token_costs_nothing(quota: RedisQuota) -> None:
+    served = await quota.admit("acme", POLICY, "req-served", 300, 40)
+    await quota.settle(served, 40)  # answered: the prompt stays charged
+    refused = await quota.admit("acme", POLICY, "req-refused", 300, 40)
+    await quota.settle(refused, 0, served=False)  # e.g. 503 no capacity: the prompt comes back
+    await quota.settle(refused, 0, served=False)  # once
+    in_left, out_left, _ = left((await quota.admit("acme", POLICY, "probe", 1, 1)).headers)
+    assert 699 - 1 <= in_left < 705 - 1  # 1000 - 300 (served) - the probe's 1
+    assert 460 - 1 <= out_left < 465 - 1  # 500 - 40 (served) - the probe's 1

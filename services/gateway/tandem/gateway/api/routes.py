@@ -132,10 +132,13 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
     return _openai_errors(path, handle)
 
 async def _settle(services: GatewayServices, admission: Admission, model: str, outcome: Outcome) -> None:
-    """Reconcile the quota with what was generated and record usage — also for aborted requests."""
-    await services.quota.settle(admission, outcome.num_completion_tokens)
-    if outcome.status >= 400 and outcome.num_completion_tokens == 0 and outcome.status != 499:
-        return  # nothing ran on the engines worth billing (the prompt charge stays in the bucket)
+    """Reconcile the quota with what was generated and record usage — also for aborted requests. A
+    request that failed before its first token (no capacity, a queue timeout, a worker error) costs
+    nothing: no usage record, and its input charge goes back to the bucket."""
+    failed_before_answer = outcome.status >= 400 and outcome.num_completion_tokens == 0 and outcome.status != 499
+    await services.quota.settle(admission, outcome.num_completion_tokens, served=not failed_before_answer)
+    if failed_before_answer:
+        return
     cached = outcome.finished.usage.cached_tokens if outcome.finished is not None else 0
     await services.usage.record(
         UsageRecord(

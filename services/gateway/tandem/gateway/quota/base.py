@@ -32,6 +32,7 @@ class Quota(Protocol):
         BackendUnavailableError (503) when the quota cannot be checked."""
         ...
 
-    async def settle(self, admission: Admission, num_output_tokens: int) -> None:
-        """Refund the unused reservation and free the concurrency slot. Never raises."""
+    async def settle(self, admission: Admission, num_output_tokens: int, *, served: bool = True) -> None:
+        """Refund the unused reservation and free the concurrency slot; a request not ``served`` (it
+        failed before its first token) gets its input charge back too. Never raises."""
         ...

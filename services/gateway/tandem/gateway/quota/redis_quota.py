@@ -138,16 +138,23 @@ class RedisQuota:
             )
         raise _rate_limited(reason, wait_ms / 1000, policy, num_input_tokens, num_output_tokens, headers)
 
-    async def settle(self, admission: Admission, num_output_tokens: int) -> None:
+    async def settle(self, admission: Admission, num_output_tokens: int, *, served: bool = True) -> None:
         if not admission.charged:
             return
         refund = max(0, admission.num_reserved_output_tokens - num_output_tokens)
-        _, out_key, streams_key = self._keys(admission.tenant_id)
+        input_refund = 0 if served else admission.num_input_tokens
+        in_key, out_key, streams_key = self._keys(admission.tenant_id)
         try:
             with redis_errors("quota settle"):
                 await self._settle(
-                    keys=[out_key, streams_key, self._marker(admission.tenant_id, admission.request_id)],
-                    args=[_limit(admission.policy.output_tokens_per_minute), refund, admission.request_id],
+                    keys=[out_key, streams_key, self._marker(admission.tenant_id, admission.request_id), in_key],
+                    args=[
+                        _limit(admission.policy.output_tokens_per_minute),
+                        refund,
+                        admission.request_id,
+                        _limit(admission.policy.input_tokens_per_minute),
+                        input_refund,
+                    ],
                 )
         except BackendUnavailableError as exc:
             # The slot's lease expires by itself; the unrefunded tokens refill within a minute.
