@@ -62,6 +62,8 @@ async def test_concurrency_cap(edge: Any, edge_url: str) -> None:
             assert blocked.status_code == 429
             assert blocked.json()["error"]["type"] == "requests"
             assert blocked.headers["x-ratelimit-remaining-requests"] == "0"
+            # A slot frees when any stream ends, not when a lease runs out: retry soon.
+            assert blocked.headers["retry-after"] == "1"
     await edge.settled()
     edge.decode.decode_hang_after = None
     assert (await edge.client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).status_code == 200
@@ -198,3 +200,14 @@ async def test_two_gateway_processes_never_overspend(
     finally:
         await delete_prefix(redis_client, prefix)
         await redis_client.aclose()
+
+
+async def test_a_tenant_whose_output_quota_is_below_the_default_answer_length_is_served(edge: Any) -> None:
+    """Without max_tokens the gateway reserves its default answer length; a tenant allowed fewer output
+    tokens per minute would be refused forever. The default is capped at the tenant's quota instead."""
+    key = await edge.tenant("small", output_tokens_per_minute=20)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}  # no max_tokens
+    response = await edge.client.post("/v1/chat/completions", json=body, headers=bearer(key))
+    assert response.status_code == 200, response.text
+    (call,) = edge.router.schedule_calls
+    assert call["max_tokens"] <= 20

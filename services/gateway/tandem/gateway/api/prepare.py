@@ -94,7 +94,7 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
             history=history,
             client_messages=messages,
             requested_max_tokens=body.requested_max_tokens(),
-            default_max_tokens=limits.default_max_tokens,
+            default_max_tokens=_default_max_tokens(limits.default_max_tokens, tenant),
             context_tokens=context_tokens,
         )
         prompt_ids, max_tokens, num_dropped = assembled.prompt_ids, assembled.max_tokens, assembled.num_dropped_messages
@@ -106,7 +106,7 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
         max_tokens = fit_max_tokens(
             len(prompt_ids),
             body.requested_max_tokens(),
-            default_max_tokens=limits.default_max_tokens,
+            default_max_tokens=_default_max_tokens(limits.default_max_tokens, tenant),
             context_tokens=context_tokens,
             param="prompt",
         )
@@ -123,6 +123,13 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
         conversation=conversation,
         num_dropped_messages=num_dropped,
     )
+
+
+def _default_max_tokens(default: int, tenant: Tenant) -> int:
+    """The answer length reserved when the client sets none: never more than the tenant's output tokens
+    per minute (a larger reservation could never be admitted, and the tenant would get 429 forever)."""
+    cap = tenant.output_tokens_per_minute
+    return default if cap is None else max(1, min(default, cap))
 
 
 async def _completion_prompt_ids(services: GatewayServices, body: CompletionRequest) -> list[int]:

@@ -39,8 +39,8 @@ if redis.call('EXISTS', KEYS[4]) == 1 then return reply(1, '', 0) end
 if in_cap >= 0 and in_cost > in_cap then return reply(0, 'input_too_large', 0) end
 if out_cap >= 0 and out_cost > out_cap then return reply(0, 'output_too_large', 0) end
 if max_streams >= 0 and in_use >= max_streams then
-  local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
-  return reply(0, 'streams', math.max(1000, math.min(60000, tonumber(first[2]) - now)))
+  -- A slot frees as soon as any of the tenant's streams ends (not when a lease runs out): retry soon.
+  return reply(0, 'streams', 1000)
 end
 if in_cap >= 0 and in_left < in_cost then
   return reply(0, 'input_tokens', (in_cost - in_left) * 60000 / in_cap)
