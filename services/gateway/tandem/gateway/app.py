@@ -24,6 +24,7 @@ from tandem.gateway import playground
 from tandem.gateway.api import openapi, routes
 from tandem.gateway.api.errors import ApiError, internal_error
 from tandem.gateway.api.generation import StreamLimits
+from tandem.gateway.api.prepare import MAX_BYTES_PER_TOKEN
 from tandem.gateway.api.services import GatewayServices, ModelLimits
 from tandem.gateway.conversations import ConversationStore
 from tandem.gateway.drain import Drain
@@ -102,6 +103,7 @@ def build_app(
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.default_max_tokens,
             max_body_bytes=settings.max_body_bytes,
+            max_prompt_bytes=settings.max_prompt_bytes or MAX_BYTES_PER_TOKEN * settings.max_model_len,
         ),
         tokenizer=tokenizer,
         orchestrator=orchestrator,

@@ -105,6 +105,10 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int = Field(256, ge=1)
     #: Largest request body accepted; larger ones get 413.
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    #: Largest total of message (or prompt) text in one request, bytes; more gets 400 before the chat
+    #: template is rendered or anything is tokenized. 0: 64 bytes per token of max_model_len (no token
+    #: is longer; the default lets a client send up to ~16x the context and have it trimmed).
+    max_prompt_bytes: int = Field(0, ge=0)
 
     #: host:port of the router's gRPC endpoint (Ray Serve gRPC proxy).
     router_address: str = "127.0.0.1:9000"

@@ -79,6 +79,17 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
         parse_body(raw, ChatCompletionRequest) if endpoint == "chat" else parse_body(raw, CompletionRequest)
     )
     check_model(body.model, limits, tenant)
+    # Cheap checks before the expensive ones (rendering the chat template, tokenizing, trimming): the
+    # size of the text, then the tenant's stream slot and quota for the fewest tokens it can be.
+    num_text_bytes, min_input_tokens = _text_size(body)
+    if num_text_bytes > limits.max_prompt_bytes:
+        raise InvalidRequestError(
+            f"The request's text is {num_text_bytes} bytes; the limit is {limits.max_prompt_bytes} "
+            f"(the context holds {limits.max_model_len} tokens).",
+            param="messages" if endpoint == "chat" else "prompt",
+            code="request_too_large",
+        )
+    await services.quota.precheck(tenant.id, tenant, min_input_tokens)
     context_tokens = _context_tokens(limits, tenant)
     conversation = None
     num_dropped = 0
@@ -123,6 +134,25 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
         conversation=conversation,
         num_dropped_messages=num_dropped,
     )
+
+
+#: No token of any tokenizer Tandem serves is longer than this many bytes of text.
+MAX_BYTES_PER_TOKEN = 64
+
+
+def _text_size(body: ChatCompletionRequest | CompletionRequest) -> tuple[int, int]:
+    """(bytes of text, the fewest prompt tokens that text can make), without tokenizing."""
+    if isinstance(body, ChatCompletionRequest):
+        num_bytes = sum(len(m.text().encode()) for m in body.messages)
+        return num_bytes, num_bytes // MAX_BYTES_PER_TOKEN
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        num_bytes = len(prompt.encode())
+        return num_bytes, num_bytes // MAX_BYTES_PER_TOKEN
+    if prompt and isinstance(prompt[0], int):  # token ids: exactly as many tokens
+        return len(prompt) * 4, len(prompt)
+    num_bytes = sum(len(str(p).encode()) for p in prompt)
+    return num_bytes, num_bytes // MAX_BYTES_PER_TOKEN
 
 
 def _default_max_tokens(default: int, tenant: Tenant) -> int:

@@ -23,6 +23,8 @@ class ModelLimits:
     max_model_len: int
     default_max_tokens: int
     max_body_bytes: int
+    #: Largest total of message or prompt text, bytes (checked before any rendering or tokenizing).
+    max_prompt_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)

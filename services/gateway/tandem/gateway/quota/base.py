@@ -25,6 +25,12 @@ class Admission:
 
 
 class Quota(Protocol):
+    async def precheck(self, tenant_id: str, policy: TenantPolicy, min_input_tokens: int) -> None:
+        """Before any prompt is built: RateLimitedError (429) when no stream slot is free or the buckets
+        cannot pay for ``min_input_tokens`` and one output token. Charges nothing; a Redis outage is
+        left to :meth:`admit` (which fails closed or open as configured)."""
+        ...
+
     async def admit(
         self, tenant_id: str, policy: TenantPolicy, request_id: str, num_input_tokens: int, num_output_tokens: int
     ) -> Admission:

@@ -82,6 +82,7 @@ class RedisQuota:
         self._fail_open = fail_open
         self._admit: Any = client.register_script(_script("admit.lua"))
         self._settle: Any = client.register_script(_script("settle.lua"))
+        self._peek: Any = client.register_script(_script("peek.lua"))
 
     def _keys(self, tenant_id: str) -> tuple[str, str, str]:
         base = f"{self._p}:{tenant_id}"
@@ -97,6 +98,27 @@ class RedisQuota:
             and policy.output_tokens_per_minute is None
             and policy.max_concurrent_streams is None
         )
+
+    async def precheck(self, tenant_id: str, policy: TenantPolicy, min_input_tokens: int) -> None:
+        if self.unlimited(policy):
+            return
+        in_key, out_key, streams_key = self._keys(tenant_id)
+        args = [
+            _limit(policy.input_tokens_per_minute),
+            _limit(policy.output_tokens_per_minute),
+            min_input_tokens,
+            _limit(policy.max_concurrent_streams),
+        ]
+        try:
+            with redis_errors("quota precheck"):
+                reply = await self._peek(keys=[in_key, out_key, streams_key], args=args)
+        except BackendUnavailableError:
+            return  # admit decides, with the configured fail mode
+        if int(reply[0]):
+            return
+        input_left, output_left, streams_in_use = map(int, reply[3:])
+        headers = ratelimit_headers(policy, input_left, output_left, streams_in_use)
+        raise _rate_limited(str(reply[1]), int(reply[2]) / 1000, policy, min_input_tokens, 1, headers)
 
     async def admit(
         self, tenant_id: str, policy: TenantPolicy, request_id: str, num_input_tokens: int, num_output_tokens: int
