@@ -47,12 +47,19 @@ class ConversationStore:
             raws = await self._redis.lrange(self._key(tenant_id, conversation_id), 0, -1)
         return [json.loads(raw) for raw in raws]
 
-    async def append(self, tenant_id: str, conversation_id: str, messages: Sequence[Message]) -> None:
+    async def append(
+        self, tenant_id: str, conversation_id: str, messages: Sequence[Message], *, num_dropped_history: int = 0
+    ) -> None:
+        """Add ``messages`` (the turns that made it into the prompt, and the answer) and forget the
+        ``num_dropped_history`` oldest stored turns, which no longer fit the context: the conversation
+        keeps only what can go into a prompt."""
         if not messages:
             return
         key = self._key(tenant_id, conversation_id)
         with redis_errors("conversation write"):
             async with self._redis.pipeline(transaction=True) as pipe:
+                if num_dropped_history > 0:
+                    pipe.ltrim(key, num_dropped_history, -1)
                 pipe.rpush(key, *[json.dumps(m, ensure_ascii=False) for m in messages])
                 pipe.ltrim(key, -self._max_messages, -1)
                 pipe.expire(key, self._ttl_s)

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 COUNTERS = ("requests", "aborted_requests", "prompt_tokens", "completion_tokens", "cached_tokens")
 _DAY_TTL_S = 400 * 24 * 3600
 #: How long a request id stays marked as recorded (retries come within seconds).
-_RECORDED_MARKER_TTL_S = 24 * 3600
+_RECORDED_MARKER_TTL_S = 3600
 
 
 @dataclass(frozen=True)

@@ -52,4 +52,3 @@ class CompleteResponse(GenerationResponse):
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers(headers, length=len(body))})
         await send_body(send, body, more_body=False)
         return 200
-

@@ -50,6 +50,7 @@ STATUS_CLIENT_GONE = 499
 #: Worker figures (StageClock.worker) that are stages of their own in the histogram.
 _WORKER_STAGES = (("prefill_engine_s", "prefill_engine"), ("kv_transfer_s", "kv_transfer"))
 
+
 @dataclass(frozen=True)
 class RequestTiming:
     endpoint: str
@@ -270,6 +271,7 @@ class GenerationResponse(Response):
         self._metrics.time_to_first_token_s.observe(self._ttft_s)
         self._logprobs.extend(first.logprobs)
         self._texts.append(first.text)
+
 
 async def _wait_for_disconnect(receive: Receive) -> None:
     while True:

@@ -41,7 +41,10 @@ class Conversation:
     """A chat request's server-kept conversation: the turns to append once the answer is complete."""
 
     id: str
+    #: The client's new turns that made it into the prompt (older ones trimmed to fit are not kept).
     new_turns: tuple[Message, ...]
+    #: Stored turns trimmed away to fit the context: the store forgets them too.
+    num_dropped_history: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,10 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
         prompt_ids, max_tokens, num_dropped = assembled.prompt_ids, assembled.max_tokens, assembled.num_dropped_messages
         if body.conversation_id is not None:
             new_turns = tuple(m for m in messages if m["role"] != "system")
-            conversation = Conversation(body.conversation_id, new_turns)
+            dropped_history = min(num_dropped, len(history))
+            conversation = Conversation(
+                body.conversation_id, new_turns[num_dropped - dropped_history :], dropped_history
+            )
     else:
         prompt_ids = await _completion_prompt_ids(services, body)
         max_tokens = fit_max_tokens(

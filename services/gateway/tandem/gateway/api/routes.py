@@ -123,13 +123,19 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
             if conversation is not None and outcome.finished is not None:
                 answer = {"role": "assistant", "content": outcome.text}
                 try:
-                    await services.conversations.append(tenant.id, conversation.id, [*conversation.new_turns, answer])
+                    await services.conversations.append(
+                        tenant.id,
+                        conversation.id,
+                        [*conversation.new_turns, answer],
+                        num_dropped_history=conversation.num_dropped_history,
+                    )
                 except BackendUnavailableError as exc:
                     logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})
 
         return _generation_response(services, request, prepared, path, admission, on_finish)
 
     return _openai_errors(path, handle)
+
 
 async def _settle(services: GatewayServices, admission: Admission, model: str, outcome: Outcome) -> None:
     """Reconcile the quota with what was generated and record usage — also for aborted requests. A
@@ -209,6 +215,7 @@ def _generation_response(
             on_finish=on_finish,
         ),
     )
+
 
 chat_completions = _generation_handler("chat", CHAT_ENDPOINT)
 completions = _generation_handler("completions", COMPLETIONS_ENDPOINT)

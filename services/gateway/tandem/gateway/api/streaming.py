@@ -38,6 +38,7 @@ from tandem.gateway.sse import DONE_EVENT, HEARTBEAT, SSE_HEADERS, ChunkEncoder,
 
 logger = logging.getLogger(__name__)
 
+
 class SlowReaderError(Exception):
     """The client did not take our bytes for ``slow_reader_timeout_s``."""
 
@@ -105,8 +106,6 @@ class _StreamWriter:
         async with self._changed:
             self.error = error
             self._changed.notify_all()
-
-
 
 
 class StreamedResponse(GenerationResponse):
@@ -219,5 +218,3 @@ class StreamedResponse(GenerationResponse):
         unsent = self._logprobs[self._num_logprobs_sent :]
         self._num_logprobs_sent = len(self._logprobs)
         return encoder.delta(text, unsent)
-
-
