@@ -175,3 +175,24 @@ def test_admins_never_see_the_salt(capsys: pytest.CaptureFixture[str]) -> None:
 
     tenant = Tenant(id="acme")
     assert "salt" not in tenant.public() and tenant.public()["id"] == "acme"
+
+
+async def test_a_deleted_tenants_data_goes_with_it(edge: Any) -> None:
+    """Conversations, usage and quota state: a tenant created again under the same id reads none of it."""
+    key = await edge.tenant("gone", max_concurrent_streams=4)
+    body = chat("remember: the code is 4711 ✓", conversation_id="c1")
+    assert (await edge.client.post("/v1/chat/completions", json=body, headers=bearer(key))).status_code == 200
+    await edge.settled()
+    assert [k async for k in edge.redis.scan_iter(match=f"{edge.key_prefix}:gw:*:gone:*")]
+    deleted = await edge.store.delete_tenant("gone")
+    assert deleted >= 3  # the record, a conversation, usage counters, ...
+    assert [k async for k in edge.redis.scan_iter(match=f"{edge.key_prefix}:gw:*:gone*")] == []
+    assert "gone" not in await edge.redis.smembers(f"{edge.key_prefix}:gw:usage:_tenants")
+
+    key = await edge.tenant("gone")
+    usage = (await edge.client.get("/v1/usage", headers=bearer(key))).json()["total"]
+    assert usage["requests"] == 0
+    again = await edge.client.post("/v1/chat/completions", json=chat("hi", conversation_id="c1"), headers=bearer(key))
+    assert again.status_code == 200
+    prompt = edge.router.schedule_calls[-1]["prompt_token_ids"]
+    assert len(prompt) < len(edge.router.schedule_calls[0]["prompt_token_ids"]) + 3  # no old turns in it

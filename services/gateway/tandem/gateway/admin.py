@@ -130,8 +130,9 @@ async def _dispatch(args: argparse.Namespace, store: TenantStore, usage: UsageSt
             keys = [k.model_dump() for k in await store.list_keys(args.tenant_id)]
             return [{**found.public(), "keys": keys}]
         if args.action == "delete":
-            await store.delete_tenant(args.tenant_id)
-            return [{"deleted": args.tenant_id}]
+            final_usage = await usage.tenant_usage(args.tenant_id)  # the billing record leaves with the output
+            num_keys = await store.delete_tenant(args.tenant_id)
+            return [final_usage, {"deleted": args.tenant_id, "num_redis_keys_deleted": num_keys}]
     if args.command == "key":
         if args.action == "create":
             record, key = await store.create_key(args.tenant_id, label=args.label)

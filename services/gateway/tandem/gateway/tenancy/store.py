@@ -88,15 +88,26 @@ class TenantStore:
             raws = await self._redis.mget([self._k("tenant", i) for i in ids]) if ids else []
         return [await self._loaded(raw) for raw in raws if raw is not None]
 
-    async def delete_tenant(self, tenant_id: str) -> None:
-        """Remove a tenant and revoke all its keys (usage figures stay)."""
+    async def delete_tenant(self, tenant_id: str) -> int:
+        """Remove a tenant, revoke all its keys and delete everything kept for it: conversations,
+        usage counters and quota state (``tandem-admin tenant delete`` prints its usage first). A
+        tenant created again under the same id starts empty. Returns the number of keys deleted."""
+        if not valid_tenant_id(tenant_id):
+            raise TenantError(f"tenant id {tenant_id!r} is not a tenant id")
         for record in await self.list_keys(tenant_id):
             await self.revoke_key(record.key_id)
+        owned = [f"{self._p}:{space}:{tenant_id}:*" for space in ("conv", "usage", "quota")]
         with redis_errors("delete tenant"):
+            doomed = [self._k("tenant", tenant_id), self._k("tenant", tenant_id, "keys"), self._k("usage", tenant_id)]
+            for pattern in owned:  # tenant ids hold no glob characters: the pattern is this tenant's alone
+                doomed += [str(k) async for k in self._redis.scan_iter(match=pattern, count=1000)]
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self._k("tenant", tenant_id), self._k("tenant", tenant_id, "keys"))
+                for i in range(0, len(doomed), 500):
+                    pipe.delete(*doomed[i : i + 500])
                 pipe.srem(self._k("tenants"), tenant_id)
-                await pipe.execute()
+                pipe.srem(self._k("usage", "_tenants"), tenant_id)
+                results = await pipe.execute()
+        return int(sum(results[:-2]))
 
     # -- keys ----------------------------------------------------------------------------------------
 
