@@ -99,7 +99,8 @@ def _walk_values(node: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]
             paths.append((*path, key))
             # Free-form maps (resources, selectors, labels) are typed as maps, not key by key.
             if isinstance(value, dict) and key not in {"requests", "limits", "labels", "nodeSelector",
-                                                       "monitoringNamespaceSelector", "extraEnv", "annotations"}:
+                                                       "monitoringNamespaceSelector", "kuberayNamespaceSelector",
+                                                       "kuberayPodSelector", "extraEnv", "annotations"}:
                 paths.extend(_walk_values(value, (*path, key)))
     return paths
 
@@ -393,3 +394,31 @@ def test_the_gateway_drains_for_its_pods_grace_period(grace_s: int, monkeypatch:
     drain_s = settings.GatewaySettings().stream.drain_grace_s
     assert pod["terminationGracePeriodSeconds"] == grace_s
     assert drain_s == grace_s - 10
+
+
+def test_the_admin_key_comes_from_a_secret_and_the_gateway_reads_that_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = pytest.importorskip("tandem.gateway.settings", reason="the gateway package (make setup)")
+    pod = one(render(None, ("gateway.adminKeySecret.name=tandem-admin",)), "Deployment", f"{FULL}-gateway")
+    env = {e["name"]: e for e in pod["spec"]["template"]["spec"]["containers"][0]["env"]}
+    ref = env["TANDEM_GATEWAY_AUTH__ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "tandem-admin", "key": "admin-key"}
+    monkeypatch.setenv("TANDEM_GATEWAY_AUTH__ADMIN_KEY", "from-the-secret")
+    assert settings.GatewaySettings().auth.admin_key.get_secret_value() == "from-the-secret"
+    # Without the Secret, no admin credential at all (the endpoints answer 403).
+    plain = one(render(None), "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert "TANDEM_GATEWAY_AUTH__ADMIN_KEY" not in {e["name"] for e in plain["env"]}
+
+
+def test_only_the_kuberay_operators_namespace_reaches_the_ray_dashboard() -> None:
+    policies = find(render(None), "NetworkPolicy")
+    peers = [
+        peer
+        for policy in policies
+        for rule in policy["spec"].get("ingress", [])
+        if any(p.get("port") == 8265 for p in rule.get("ports", []))
+        for peer in rule.get("from", [])
+    ]
+    assert peers, "no rule admits the Ray dashboard port"
+    for peer in peers:
+        assert peer["namespaceSelector"]["matchLabels"], peer  # never {} (every namespace)
+        assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
