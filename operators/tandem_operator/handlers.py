@@ -226,10 +226,18 @@ async def _refresh_status(
         return  # not reconciled yet: the reconcile handler writes the first status
     pools = {role: observed_pool(dep) for role, dep in deployments.items()}
     conditions = list(status.get("conditions", []))
-    updated = ready_condition(conditions, pools, _now(), int(meta.get("generation") or 0))
-    if pools != status.get("pools") or _condition_status(updated) != _condition_status(conditions):
+    if pools != status.get("pools"):
         patch.status["pools"] = pools
+    if not _reconciled(conditions):
+        return  # the list is the reconcile handler's to start; writing it from an older view would lose its
+    updated = ready_condition(conditions, pools, _now(), int(meta.get("generation") or 0))
+    if _condition_status(updated) != _condition_status(conditions):
         patch.status["conditions"] = updated
+
+
+def _reconciled(conditions: list[dict[str, Any]]) -> bool:
+    """The reconcile handler has written its conditions (the timer only updates a list it has seen)."""
+    return any(c.get("type") == "SpecValid" for c in conditions)
 
 
 def _set_metrics_condition(
@@ -249,6 +257,8 @@ def _set_metrics_condition(
         else f"no signal for the {' and '.join(without_metrics)} pool from {where}: its replicas hold"
     )
     conditions = list(patch.status.get("conditions") or status.get("conditions", []))
+    if not _reconciled(conditions):
+        return
     current: dict[str, Any] = next((c for c in conditions if c.get("type") == "MetricsAvailable"), {})
     if current.get("status") == ("True" if available else "False") and current.get("message") == message:
         return

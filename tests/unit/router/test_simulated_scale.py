@@ -88,9 +88,19 @@ async def test_64_simulated_workers_prefill_each_document_once_and_spread_tenant
             homes[tenant][placement.prefill.worker_id] += 1
             scheduler.release(f"r{i}")
 
+        async def events_arrived() -> None:
+            """Until the router's index holds what every engine's cache holds (its KV events arrived), as
+            between real requests; a fixed sleep was too short on a loaded host (a CI run with other jobs
+            on both cores computed 27,520 tokens against a bound of 17,280)."""
+            deadline = asyncio.get_running_loop().time() + 5.0
+            while asyncio.get_running_loop().time() < deadline:
+                if all(scheduler.index.num_blocks(w.config.worker_id) == len(w.cache) for w in cluster.workers):
+                    return
+                await asyncio.sleep(0.005)
+
         for start in range(0, NUM_REQUESTS, 4):  # four in flight at a time
             await asyncio.gather(*(one(i) for i in range(start, start + 4)))
-            await asyncio.sleep(0.005)  # let KV events arrive, as between real requests
+            await events_arrived()
 
         computed = sum(w.prompt_tokens_computed_total for w in cluster.workers)
         hit_rate = num_cached / num_prompt
