@@ -14,3 +14,9 @@ prometheus:  ## install Debian's prometheus and promtool (apt; skipped when pres
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; fi
 
 test: prometheus
+
+.PHONY: autoscale-demo
+
+# The operator's loop (real signal path and decisions, SIMULATED workers) under a 10x ramp; ~10 min.
+autoscale-demo: setup redis loadtest-setup k8s-setup prometheus  ## the operator's autoscaling loop on this machine under a 10x ramp: reports/autoscale-demo/ (PNG, decision log)
+	$(PY) loadtest/autoscale_demo.py

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -25,9 +24,9 @@ import pytest
 import yaml
 from tandem_operator.signals import QueryScope
 
+from tandem.local.prometheus import LocalPrometheus, stack_targets
 from tandem.local.stack import LocalStack
 from tests.chart.conftest import CHART, run_helm
-from tests.kit.net import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -37,33 +36,6 @@ DEPLOYMENT = "tandem"
 DASHBOARD = CHART / "dashboards" / "tandem.json"
 #: Read kube-state-metrics, not a Tandem component.
 NOT_PRODUCED_HERE = ("kube_deployment_",)
-
-
-def _scrape_config(stack: LocalStack) -> dict[str, Any]:
-    c = stack.config
-    ports = c.worker_ports()
-    workers = []
-    for name, worker in ports.items():  # prefill, prefill-1, ..., decode, ...
-        pool, _, index = name.partition("-")
-        labels = {"namespace": NAMESPACE, "pod": f"{DEPLOYMENT}-{pool}-{index or 0}", "pool": pool}
-        workers.append({"targets": [f"{c.host}:{worker.metrics_port}"], "labels": labels})
-    return {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": ["rules.yml"],
-        "scrape_configs": [
-            {
-                "job_name": "gateway",
-                "static_configs": [{"targets": [f"{c.host}:{c.gateway_port}"], "labels": {"namespace": NAMESPACE}}],
-            },
-            {
-                "job_name": "router",
-                "static_configs": [
-                    {"targets": [f"{c.host}:{c.router_metrics_port}"], "labels": {"namespace": NAMESPACE}}
-                ],
-            },
-            {"job_name": "workers", "static_configs": workers},
-        ],
-    }
 
 
 def _chart_rules() -> list[dict[str, Any]]:
@@ -87,44 +59,17 @@ def _dashboard_exprs() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def prometheus(stack: LocalStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = shutil.which("prometheus")
-    if binary is None:
+def prometheus(stack: LocalStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPrometheus]:
+    if shutil.which("prometheus") is None:
         pytest.skip("needs Debian's prometheus (make prometheus)")
-    workdir = Path(tmp_path_factory.mktemp("prometheus"))
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(_scrape_config(stack)))
-    (workdir / "rules.yml").write_text(yaml.safe_dump({"groups": _chart_rules()}))
-    check = subprocess.run(
-        ["promtool", "check", "config", str(workdir / "prometheus.yml")], capture_output=True, text=True
+    server = LocalPrometheus(
+        Path(tmp_path_factory.mktemp("prometheus")),
+        stack_targets(stack.config, NAMESPACE, DEPLOYMENT),
+        rule_groups=_chart_rules(),
     )
-    assert check.returncode == 0, check.stdout + check.stderr
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={workdir / 'prometheus.yml'}",
-            f"--storage.tsdb.path={workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(workdir / "prometheus.log").open("w"),
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError((workdir / "prometheus.log").read_text()[-2000:])
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    server.start()
+    yield server
+    server.stop()
 
 
 def _load(stack: LocalStack, stop: threading.Event) -> None:
@@ -152,13 +97,11 @@ def _load(stack: LocalStack, stop: threading.Event) -> None:
         t.join(timeout=120)
 
 
-def _has_data(url: str, promql: str) -> bool:
-    answer = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10).json()
-    assert answer["status"] == "success", (promql, answer)
-    return bool(answer["data"]["result"])
+def _has_data(prometheus: LocalPrometheus, promql: str) -> bool:
+    return bool(prometheus.query(promql))
 
 
-def test_every_shipped_query_returns_data_from_the_real_stack(stack: LocalStack, prometheus: str) -> None:
+def test_every_shipped_query_returns_data_from_the_real_stack(stack: LocalStack, prometheus: LocalPrometheus) -> None:
     groups = _chart_rules()
     recorded = [r["expr"] for g in groups for r in g["rules"] if "record" in r]
     # An alert fires on a condition; what it reads must exist: every series name in its expression.

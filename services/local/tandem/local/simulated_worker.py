@@ -363,7 +363,9 @@ class SimulatedCluster:
         self._heartbeat = asyncio.get_running_loop().create_task(self._beat_forever())
 
     async def heartbeat_once(self) -> None:
-        for worker in self.workers:
+        for worker in list(self.workers):  # workers come and go while a heartbeat awaits Redis
+            if worker not in self.workers:
+                continue
             record = replace(worker.record(), started_unix_s=self._started_unix_s[worker.config.worker_id])
             await self._registry.heartbeat(record)
 
@@ -374,6 +376,25 @@ class SimulatedCluster:
                 await self.heartbeat_once()
             except Exception:
                 logger.exception("simulated heartbeat failed")
+
+    async def add_worker(self, config: SimulatedWorkerConfig) -> SimulatedWorker:
+        """Start one more worker; it is registered at once (a scale-up whose engine is ready)."""
+        worker = SimulatedWorker(config)
+        await worker.start()
+        self._started_unix_s[config.worker_id] = time.time()
+        self.workers.append(worker)
+        await self._registry.heartbeat(replace(worker.record(), started_unix_s=self._started_unix_s[config.worker_id]))
+        return worker
+
+    async def drain_worker(self, worker: SimulatedWorker, timeout_s: float = 60.0) -> None:
+        """Unregister ``worker`` (no new requests), let its requests finish, then close it: what a real
+        worker does on SIGTERM."""
+        self.workers.remove(worker)
+        await self._registry.unregister(worker.config.worker_id)
+        deadline = time.monotonic() + timeout_s
+        while worker.num_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await worker.aclose()
 
     async def stop_worker(self, worker: SimulatedWorker) -> None:
         """Take one worker away (unregister and close), like a worker that was drained."""

@@ -98,6 +98,8 @@ class StackConfig:
     #: Start the router and the gateway too (benchmarks that drive the workers directly say no).
     start_router: bool = True
     start_gateway: bool = True
+    #: Start the vLLM workers (the autoscaling demo brings SIMULATED workers of its own instead).
+    start_workers: bool = True
     #: TANDEM_ROUTER_POLICY for the router ("" = the router's default, cache_aware).
     router_policy: str = ""
     #: TANDEM_ROUTER_DISAGGREGATION__MIN_UNCACHED_TOKENS: requests with fewer uncached prompt tokens on the
@@ -385,7 +387,7 @@ class LocalStack:
             raise StackError(f"model folder {c.model_dir} is missing; run `make model`")
         self._progress("starting redis")
         self._ensure_redis()
-        workers = c.worker_ports()
+        workers = c.worker_ports() if c.start_workers else {}
         self._progress(
             ("starting router (Ray Serve), " if c.start_router else "starting ")
             + f"{sum(not n.startswith('decode') for n in workers)} prefill and "

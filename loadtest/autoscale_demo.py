@@ -1,0 +1,370 @@
+"""``make autoscale-demo``: the operator's autoscaling loop on this machine, under a 10x ramp.
+
+Real here: Redis, the router (Ray Serve), the gateway, a Prometheus (Debian's) scraping them, the
+operator's signal reader (``PrometheusSource``: the same PromQL as in a cluster), its decision
+function (``decide``, with the ready-replica count) and ``tandem-loadtest``.
+
+SIMULATED: the workers. Two cores hold one prefill and one decode vLLM engine, not a pool of each,
+so the pools are made of SIMULATED workers (ids ``simulated-...``, ``tandem.local.simulated_worker``)
+whose sleeps follow the CPU latency model fitted to this host's real engines
+(``benchmarks/data/simulated_latency_cpu.json``). They speak the real worker's gRPC and KV-event
+protocols, so the router and the gateway cannot tell. A worker the actuator adds is ready
+``STARTUP_S`` later (an engine loading its model); one it removes drains first. Every figure here
+describes the control loop, never model speed.
+
+Writes ``reports/autoscale-demo/`` (``autoscale.png``, ``decisions.jsonl``, the load test's
+reports) and ends with one line:
+``autoscale: reversals=... slo_breach_fraction=... peak_prefill=... peak_decode=... returned_to_min=yes|no``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from tandem_loadtest.cli import main as loadtest_main
+from tandem_operator.autoscale import Decision, PoolSignals, Recommendation, decide
+from tandem_operator.signals import PrometheusSource, QueryScope
+from tandem_operator.spec import ROLES, Role, TandemSpec, parse_spec
+
+from tandem.local.prometheus import LocalPrometheus, stack_targets
+from tandem.local.simulated_worker import (
+    SimulatedCluster,
+    SimulatedLatencyModel,
+    SimulatedWorker,
+    SimulatedWorkerConfig,
+)
+from tandem.local.stack import LocalStack, StackConfig
+
+NAMESPACE = "tandem-local"
+DEPLOYMENT = "tandem"
+REPORT_DIR = Path("reports") / "autoscale-demo"
+#: A simulated worker is ready this long after the actuator starts it (a CPU engine loads in ~30 s).
+STARTUP_S = 20.0
+#: Decode KV blocks per simulated decode worker: with 128-token blocks, the router's decode budget
+#: (90 % of them) holds about three of the demo's requests, so the decode pool fills as the load grows.
+DECODE_KV_BLOCKS = 8
+#: The load: 10x ramp up, a plateau, the ramp down, then quiet (seconds, requests per second).
+LOW_RPS, HIGH_RPS = 0.15, 1.5
+RAMP_S, PLATEAU_S, TAIL_S = 120.0, 120.0, 180.0
+PROMPT_TOKENS, OUTPUT_TOKENS = 200, 16
+
+
+def offered_rps(t_s: float) -> float:
+    """The load the three phases offer at ``t_s`` after the load started (0 after the ramp down)."""
+    if t_s < RAMP_S:
+        return LOW_RPS + (HIGH_RPS - LOW_RPS) * t_s / RAMP_S
+    if t_s < RAMP_S + PLATEAU_S:
+        return HIGH_RPS
+    if t_s < 2 * RAMP_S + PLATEAU_S:
+        return HIGH_RPS - (HIGH_RPS - LOW_RPS) * (t_s - RAMP_S - PLATEAU_S) / RAMP_S
+    return 0.0
+
+
+def demo_spec(served_model_name: str) -> TandemSpec:
+    """The TandemDeployment the loop acts for; targets sized for the simulated CPU workers."""
+    return parse_spec(
+        {
+            "model": {"servedModelName": served_model_name, "pvc": {"claimName": "none"}},
+            "image": {"repository": "simulated", "tag": "0"},
+            "redis": {"url": "redis://unused:6379/0"},
+            "pools": {
+                "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 6},
+                "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 6},
+            },
+            "slo": {"ttftP90Seconds": 5.0, "itlP90Seconds": 0.2},
+            "autoscaling": {
+                "intervalSeconds": 10,
+                "scaleUpStabilizationSeconds": 20,
+                "scaleDownStabilizationSeconds": 60,
+                "maxScaleUpStep": 2,
+                "maxScaleDownStep": 1,
+                "prefill": {"queueDepthPerReplica": 2, "uncachedTokensPerReplica": 600},
+                "decode": {"kvUsage": 0.7, "waitingPerReplica": 2},
+            },
+        }
+    )
+
+
+@dataclass
+class Pool:
+    ready: list[SimulatedWorker] = field(default_factory=list)
+    starting: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.ready) + len(self.starting)
+
+
+class LocalActuator:
+    """Applies the operator's decisions to the local stack: starts SIMULATED workers (ready after
+    ``STARTUP_S``) and drains them away, as the pool Deployments' pods come and go in a cluster."""
+
+    def __init__(self, cluster: SimulatedCluster, model: str, latency: SimulatedLatencyModel) -> None:
+        self._cluster = cluster
+        self._model = model
+        self._latency = latency
+        self.pools: dict[Role, Pool] = {role: Pool() for role in ROLES}
+        self._serial = itertools.count()
+        self._draining: set[asyncio.Task[None]] = set()
+
+    def _config(self, role: Role) -> SimulatedWorkerConfig:
+        return SimulatedWorkerConfig(
+            worker_id=f"simulated-{role}-{next(self._serial)}",
+            role=role,
+            model=self._model,
+            num_kv_blocks=DECODE_KV_BLOCKS if role == "decode" else 2048,
+            latency=self._latency,
+        )
+
+    async def start_ready(self, role: Role) -> None:
+        """One worker ready at once (the pool's first, before the load)."""
+        self.pools[role].ready.append(await self._cluster.add_worker(self._config(role)))
+
+    async def _start(self, role: Role, task_box: list[asyncio.Task[None]]) -> None:
+        await asyncio.sleep(STARTUP_S)
+        worker = await self._cluster.add_worker(self._config(role))
+        pool = self.pools[role]
+        pool.starting.remove(task_box[0])
+        pool.ready.append(worker)
+
+    async def apply(self, role: Role, desired: int) -> None:
+        pool = self.pools[role]
+        while pool.replicas < desired:
+            box: list[asyncio.Task[None]] = []
+            box.append(asyncio.create_task(self._start(role, box)))
+            pool.starting.append(box[0])
+        while pool.replicas > desired:
+            if pool.starting:  # the newest pod, not started yet, goes first
+                pool.starting.pop().cancel()
+                continue
+            worker = pool.ready.pop()
+            task = asyncio.create_task(self._cluster.drain_worker(worker))
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
+
+    async def aclose(self) -> None:
+        for pool in self.pools.values():
+            for task in pool.starting:
+                task.cancel()
+        if self._draining:
+            await asyncio.gather(*self._draining, return_exceptions=True)
+
+
+@dataclass
+class Tick:
+    t_s: float
+    replicas: dict[Role, int]
+    ready: dict[Role, int]
+    signals: dict[Role, PoolSignals]
+
+
+async def control_loop(
+    spec: TandemSpec,
+    source: PrometheusSource,
+    actuator: LocalActuator,
+    started_s: float,
+    ticks: list[Tick],
+    decisions: list[tuple[float, Decision]],
+    log: Any,
+    stop: asyncio.Event,
+) -> None:
+    """What the operator's timer does every ``intervalSeconds``, with the local actuator."""
+    history: dict[Role, tuple[Recommendation, ...]] = {}
+    while not stop.is_set():
+        now_s = time.monotonic() - started_s
+        signals: dict[Role, PoolSignals] = {}
+        for role in ROLES:
+            pool = actuator.pools[role]
+            signals[role] = await source.read(role)
+            decision, history[role] = decide(
+                role=role,
+                current_replicas=pool.replicas,
+                signals=signals[role],
+                pool=spec.pools.get(role),
+                policy=spec.autoscaling,
+                slo=spec.slo,
+                history=history.get(role, ()),
+                now_s=now_s,
+                ready_replicas=len(pool.ready),
+            )
+            decisions.append((now_s, decision))
+            log.write(
+                json.dumps(
+                    {
+                        "t_s": round(now_s, 1),
+                        "simulated": True,
+                        "role": role,
+                        "current": decision.current_replicas,
+                        "ready": len(pool.ready),
+                        "desired": decision.desired_replicas,
+                        "votes": decision.votes,
+                        "reason": decision.reason,
+                        "signals": {k: v for k, v in vars(signals[role]).items() if v is not None},
+                    }
+                )
+                + "\n"
+            )
+            log.flush()
+            if decision.changed:
+                await actuator.apply(role, decision.desired_replicas)
+        ticks.append(
+            Tick(
+                now_s,
+                {r: actuator.pools[r].replicas for r in ROLES},
+                {r: len(actuator.pools[r].ready) for r in ROLES},
+                signals,
+            )
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), spec.autoscaling.interval_seconds)
+
+
+def run_load(stack: LocalStack, out: Path) -> None:
+    """The three phases, one ``tandem-loadtest run`` each (ramp up 10x, plateau, ramp down)."""
+    common = [
+        "run",
+        "--url",
+        stack.config.gateway_url,
+        "--api-key",
+        stack.api_key or "",
+        "--model",
+        stack.config.served_model_name,
+        "--workload",
+        "synthetic",
+        "--input-tokens",
+        str(PROMPT_TOKENS),
+        "--output-tokens",
+        str(OUTPUT_TOKENS),
+        "--ignore-eos",
+        "--request-timeout-s",
+        "120",
+        "--no-progress",
+        "--no-plots",
+        "--max-concurrency",
+        "64",
+    ]
+    phases = [
+        ("1-ramp-up", f"ramp:{LOW_RPS}:{HIGH_RPS}:{RAMP_S:g}", RAMP_S),
+        ("2-plateau", f"poisson:{HIGH_RPS}", PLATEAU_S),
+        ("3-ramp-down", f"ramp:{HIGH_RPS}:{LOW_RPS}:{RAMP_S:g}", RAMP_S),
+    ]
+    for name, arrival, duration_s in phases:
+        loadtest_main([*common, "--arrival", arrival, "--duration-s", f"{duration_s:g}", "--out", str(out / name)])
+
+
+def summary(spec: TandemSpec, ticks: list[Tick], decisions: list[tuple[float, Decision]], load_end_s: float) -> str:
+    reversals = 0
+    for role in ROLES:
+        directions = [d.desired_replicas > d.current_replicas for _, d in decisions if d.role == role and d.changed]
+        reversals += sum(1 for a, b in itertools.pairwise(directions) if a != b)
+    loaded = [t for t in ticks if t.t_s <= load_end_s]
+    slo = spec.slo
+
+    def breached(t: Tick) -> bool:
+        ttft, itl = t.signals["prefill"].ttft_p90_s, t.signals["decode"].itl_p90_s
+        return (ttft is not None and ttft > slo.ttft_p90_seconds) or (itl is not None and itl > slo.itl_p90_seconds)
+
+    breach = sum(breached(t) for t in loaded) / max(1, len(loaded))
+    end = ticks[-1]
+    at_min = all(end.replicas[r] == spec.pools.get(r).min_replicas for r in ROLES)
+    return (
+        f"autoscale: reversals={reversals} slo_breach_fraction={breach:.3f} "
+        f"peak_prefill={max(t.replicas['prefill'] for t in ticks)} "
+        f"peak_decode={max(t.replicas['decode'] for t in ticks)} returned_to_min={'yes' if at_min else 'no'}"
+    )
+
+
+def plot(spec: TandemSpec, ticks: list[Tick], load_started_s: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [x.t_s for x in ticks]
+    fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    axes[0].plot(t, [offered_rps(x - load_started_s) if x >= load_started_s else 0.0 for x in t], color="black")
+    axes[0].set_ylabel("offered req/s")
+    colors: dict[Role, str] = {"prefill": "tab:blue", "decode": "tab:orange"}
+    for role, color in colors.items():
+        axes[1].step(t, [x.replicas[role] for x in ticks], where="post", color=color, label=f"{role} replicas")
+        axes[1].step(t, [x.ready[role] for x in ticks], where="post", color=color, linestyle=":", label=f"{role} ready")
+    axes[1].set_ylabel("replicas (SIMULATED workers)")
+    axes[1].legend(loc="upper right", fontsize=8)
+    for ax, values, limit, label in (
+        (axes[2], [x.signals["prefill"].ttft_p90_s for x in ticks], spec.slo.ttft_p90_seconds, "TTFT p90 (s)"),
+        (axes[3], [x.signals["decode"].itl_p90_s for x in ticks], spec.slo.itl_p90_seconds, "ITL p90 (s)"),
+    ):
+        ax.plot(t, [float("nan") if v is None else v for v in values], marker=".", color="tab:green")
+        ax.axhline(limit, color="tab:red", linestyle="--", label="SLO")
+        ax.set_ylabel(label)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[3].set_xlabel("seconds (the operator's decision loop; SIMULATED workers, real router and gateway)")
+    fig.suptitle("make autoscale-demo: operator decisions under a 10x ramp")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+async def demo(out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    config = StackConfig.with_free_ports(
+        key_prefix=f"tandem-autoscale-{uuid.uuid4().hex[:8]}", log_dir=out / "logs", start_workers=False
+    )
+    stack = LocalStack(config, progress=lambda msg: print(f"[autoscale-demo] {msg}", flush=True))
+    prometheus = LocalPrometheus(out / "prometheus", stack_targets(config, NAMESPACE, DEPLOYMENT))
+    cluster = SimulatedCluster([], redis_url=config.redis_url, key_prefix=config.key_prefix)
+    spec = demo_spec(config.served_model_name)
+    actuator = LocalActuator(cluster, config.served_model_name, SimulatedLatencyModel.from_json())
+    ticks: list[Tick] = []
+    decisions: list[tuple[float, Decision]] = []
+    stop = asyncio.Event()
+    try:
+        await asyncio.to_thread(stack.start)
+        await cluster.start()
+        for role in ROLES:
+            await actuator.start_ready(role)
+        prometheus.start()
+        started_s = time.monotonic()
+        async with aiohttp.ClientSession() as http:
+            source = PrometheusSource(prometheus.url, QueryScope(NAMESPACE, DEPLOYMENT), http)
+            with (out / "decisions.jsonl").open("w") as log:
+                loop = asyncio.create_task(control_loop(spec, source, actuator, started_s, ticks, decisions, log, stop))
+                await asyncio.sleep(20)  # a quiet start: the loop holds at the minimum
+                load_started_s = time.monotonic() - started_s
+                await asyncio.to_thread(run_load, stack, out / "load")
+                load_end_s = time.monotonic() - started_s
+                await asyncio.sleep(TAIL_S)  # quiet again: back down, one step per window
+                stop.set()
+                await loop
+        plot(spec, ticks, load_started_s, out / "autoscale.png")
+        return summary(spec, ticks, decisions, load_end_s)
+    finally:
+        stop.set()
+        await actuator.aclose()
+        await cluster.aclose()
+        prometheus.stop()
+        stack.stop()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="make autoscale-demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPORT_DIR)
+    args = parser.parse_args()
+    line = asyncio.run(demo(args.out))
+    print(f"[autoscale-demo] wrote {args.out / 'autoscale.png'} and {args.out / 'decisions.jsonl'}")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
