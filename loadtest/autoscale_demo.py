@@ -51,8 +51,9 @@ REPORT_DIR = Path("reports") / "autoscale-demo"
 #: A simulated worker is ready this long after the actuator starts it (a CPU engine loads in ~30 s).
 STARTUP_S = 20.0
 #: Decode KV blocks per simulated decode worker: with 128-token blocks, the router's decode budget
-#: (90 % of them) holds about three of the demo's requests, so the decode pool fills as the load grows.
-DECODE_KV_BLOCKS = 8
+#: (90 % of them, 460 tokens) holds one or two of the demo's requests (~230 tokens reserved each), so
+#: the decode pool fills as the load grows.
+DECODE_KV_BLOCKS = 4
 #: The load: 10x ramp up, a plateau, the ramp down, then quiet (seconds, requests per second).
 LOW_RPS, HIGH_RPS = 0.15, 1.5
 RAMP_S, PLATEAU_S, TAIL_S = 120.0, 120.0, 180.0

@@ -411,7 +411,7 @@ def test_a_cannot_raise_its_own_quota(stack: LocalStack, keys: dict[str, str], l
         response = chat(stack, key, "Hi.", **raise_quota, tenant=B, user=B)
         assert response.status_code == 200, response.text
         assert response.headers["x-ratelimit-limit-tokens"] == "400"
-        assert response.headers["x-ratelimit-limit-requests"] == "2"
+        assert response.headers["x-ratelimit-limit-streams"] == "2"
         after = with_store(stack, lambda store: store.get_tenant(tenant_id))
         assert after == before
         too_big = chat(stack, key, "Hi.", max_tokens=401)

@@ -82,7 +82,7 @@ async def test_a_tenant_with_no_stream_slot_is_refused_before_its_prompt_is_buil
         blocked = await edge.client.post("/v1/chat/completions", json=huge_chat(200, 400), headers=bearer(key))
         assert blocked.status_code == 429
         assert blocked.headers["retry-after"] == "1"
-        assert blocked.headers["x-ratelimit-remaining-requests"] == "0"
+        assert blocked.headers["x-ratelimit-remaining-streams"] == "0"
         assert len(tokenizer_calls) == calls_for_the_first  # the second prompt was never built
     edge.decode.decode_hang_after = None
     await edge.settled()

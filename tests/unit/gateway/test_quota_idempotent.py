@@ -29,7 +29,7 @@ def left(headers: dict[str, str]) -> tuple[int, int, int]:
     return (
         int(headers["x-ratelimit-remaining-input-tokens"]),
         int(headers["x-ratelimit-remaining-output-tokens"]),
-        int(headers["x-ratelimit-remaining-requests"]),
+        int(headers["x-ratelimit-remaining-streams"]),
     )
 
 

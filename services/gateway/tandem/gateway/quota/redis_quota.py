@@ -65,8 +65,8 @@ def ratelimit_headers(policy: TenantPolicy, input_left: int, output_left: int, s
         headers["x-ratelimit-remaining-tokens"] = str(sum(left for _, _, left in limits))
         headers["x-ratelimit-reset-tokens"] = format_reset(max((cap - left) * 60 / cap for _, cap, left in limits))
     if policy.max_concurrent_streams is not None:
-        headers["x-ratelimit-limit-requests"] = str(policy.max_concurrent_streams)
-        headers["x-ratelimit-remaining-requests"] = str(max(0, policy.max_concurrent_streams - streams_in_use))
+        headers["x-ratelimit-limit-streams"] = str(policy.max_concurrent_streams)
+        headers["x-ratelimit-remaining-streams"] = str(max(0, policy.max_concurrent_streams - streams_in_use))
     return headers
 
 
