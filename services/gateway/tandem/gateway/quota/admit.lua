@@ -1,3 +1,4 @@
+#!lua
 -- Admission of one request: two token buckets (input, output tokens per minute) and a
 -- concurrency set, checked and charged atomically. Called by RedisQuota.admit.
 --

@@ -1,3 +1,4 @@
+#!lua flags=no-writes
 -- A read-only look at one tenant's quota before any prompt is built: is a stream slot free, and can
 -- the buckets pay for a prompt of at least ARGV[3] tokens and one output token? Nothing is charged
 -- (RedisQuota.admit charges the exact figures once the prompt is tokenized).

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- Reconciliation of one admitted request: give back the part of the output reservation that was not
 -- generated (and, for a request that failed before its first token, its input charge too), and free
 -- its concurrency slot. Called by RedisQuota.settle (also after disconnects).
