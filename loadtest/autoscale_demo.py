@@ -330,11 +330,12 @@ async def demo(out: Path) -> str:
     decisions: list[tuple[float, Decision]] = []
     stop = asyncio.Event()
     try:
-        await asyncio.to_thread(stack.start)
+        # The pools' first workers first: the gateway is ready only once both roles are registered.
         await cluster.start()
         for role in ROLES:
             await actuator.start_ready(role)
-        prometheus.start()
+        await asyncio.to_thread(stack.start)
+        await asyncio.to_thread(prometheus.start)  # the simulated workers' heartbeats go on meanwhile
         started_s = time.monotonic()
         async with aiohttp.ClientSession() as http:
             source = PrometheusSource(prometheus.url, QueryScope(NAMESPACE, DEPLOYMENT), http)
