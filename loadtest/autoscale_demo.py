@@ -43,7 +43,7 @@ from tandem.local.simulated_worker import (
     SimulatedWorker,
     SimulatedWorkerConfig,
 )
-from tandem.local.stack import LocalStack, StackConfig
+from tandem.local.stack import LocalStack, StackConfig, free_port
 
 NAMESPACE = "tandem-local"
 DEPLOYMENT = "tandem"
@@ -319,7 +319,10 @@ def plot(spec: TandemSpec, ticks: list[Tick], load_started_s: float, path: Path)
 async def demo(out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     config = StackConfig.with_free_ports(
-        key_prefix=f"tandem-autoscale-{uuid.uuid4().hex[:8]}", log_dir=out / "logs", start_workers=False
+        key_prefix=f"tandem-autoscale-{uuid.uuid4().hex[:8]}",
+        log_dir=out / "logs",
+        start_workers=False,
+        router_metrics_port=free_port(),  # scraped by the demo's Prometheus
     )
     stack = LocalStack(config, progress=lambda msg: print(f"[autoscale-demo] {msg}", flush=True))
     prometheus = LocalPrometheus(out / "prometheus", stack_targets(config, NAMESPACE, DEPLOYMENT))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.local.stack import LocalStack, StackConfig
+from tandem.local.stack import LocalStack, StackConfig, free_port
 
 #: Below the router's default: every chat prompt here (the chat template alone is ~30 tokens) goes
 #: through the handoff, so the tests of the prefill → decode path keep testing it; a prompt whose prefix
@@ -25,6 +25,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         key_prefix=f"tandem-it-{uuid.uuid4().hex[:8]}",
         log_dir=log_dir,
         min_uncached_tokens_to_disaggregate=MIN_UNCACHED_TOKENS_TO_DISAGGREGATE,
+        router_metrics_port=free_port(),  # scraped by test_prometheus_queries.py
     )
     stack = LocalStack(config, progress=lambda msg: print(f"[stack] {msg}", flush=True))
     try:

@@ -35,7 +35,7 @@ def stack_targets(config: StackConfig, namespace: str, deployment: str) -> list[
     targets = []
     if config.start_gateway:
         targets.append(ScrapeTarget("gateway", f"{config.host}:{config.gateway_port}", {"namespace": namespace}))
-    if config.start_router:
+    if config.start_router and config.router_metrics_port:
         targets.append(ScrapeTarget("router", f"{config.host}:{config.router_metrics_port}", {"namespace": namespace}))
     if config.start_workers:
         for name, worker in config.worker_ports().items():  # prefill, prefill-1, ..., decode, ...

@@ -79,8 +79,10 @@ class StackConfig:
     gateway_port: int = 8080
     router_grpc_port: int = 9000
     router_http_port: int = 8001
-    #: Ray's Prometheus export of the router's metrics (ray_tandem_router_*).
-    router_metrics_port: int = 9103
+    #: Ray's Prometheus export of the router's metrics (ray_tandem_router_*); 0: a port Ray picks. A fixed
+    #: port is for a scraper (the live-query test, the autoscaling demo); a router SIGKILLed and restarted at
+    #: once may find it still held by the dead router's Ray agents, so the fault suite leaves it to Ray.
+    router_metrics_port: int = 0
     prefill_port: int = 50051
     prefill_kv_port: int = 50061
     prefill_metrics_port: int = 9101
@@ -134,7 +136,6 @@ class StackConfig:
                 "gateway_port",
                 "router_grpc_port",
                 "router_http_port",
-                "router_metrics_port",
                 "prefill_port",
                 "prefill_kv_port",
                 "prefill_metrics_port",
@@ -290,11 +291,12 @@ class LocalStack:
                 "TANDEM_ROUTER_GRPC_PORT": str(c.router_grpc_port),
                 "TANDEM_ROUTER_HTTP_PORT": str(c.router_http_port),
                 "TANDEM_ROUTER_HTTP_HOST": c.host,
-                "TANDEM_ROUTER_METRICS_PORT": str(c.router_metrics_port),
                 "TANDEM_ROUTER_REDIS__URL": c.redis_url,
                 "TANDEM_ROUTER_REGISTRY__KEY_PREFIX": c.key_prefix,
             }
         )
+        if c.router_metrics_port:
+            env["TANDEM_ROUTER_METRICS_PORT"] = str(c.router_metrics_port)
         if c.router_policy:
             env["TANDEM_ROUTER_POLICY"] = c.router_policy
         if c.min_uncached_tokens_to_disaggregate is not None:
