@@ -10,6 +10,7 @@ and Ray down on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -42,6 +43,10 @@ def _start_ray(settings: TandemRouterSettings) -> None:
     if settings.ray_address:
         ray.init(address=settings.ray_address, logging_level=logging.WARNING, log_to_driver=False)
     else:
+        # A local Ray on a loaded host (a 2-core machine running vLLM engines) can take longer than the
+        # raylet's default 30 s to hear from its dashboard agent; it then aborts and the router never
+        # starts (seen when the fault suite restarted the router). Give it three minutes.
+        os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
         ray.init(
             num_cpus=settings.ray_num_cpus,
             include_dashboard=False,

@@ -14,29 +14,14 @@ import grpc
 
 from tandem.v1 import worker_pb2
 from tandem.worker.continuation import ReplaySkipper, StreamAll
-from tandem.worker.engine_api import WorkerEngine
 from tandem.worker.first_token import replay_args
-from tandem.worker.handling import Admission, Ctx, WorkerCounters, engine_prompt, engine_refusals, sampling_params
+from tandem.worker.handling import Ctx, Role, engine_prompt, engine_refusals, sampling_params
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.params import KVHandleParams, decode_params, load_record_of
 from tandem.worker.sampling import logprobs_messages
 
 
-class DecodeRole:
-    def __init__(
-        self,
-        engine: WorkerEngine,
-        admission: Admission,
-        counters: WorkerCounters,
-        layout: KVLayout,
-        model_defaults: dict[str, Any],
-    ) -> None:
-        self._engine = engine
-        self._admission = admission
-        self._counters = counters
-        self._layout = layout
-        self._model_defaults = model_defaults
-
+class DecodeRole(Role):
     async def decode(self, request: worker_pb2.DecodeRequest, context: Ctx) -> AsyncIterator[worker_pb2.DecodeChunk]:
         from vllm.sampling_params import RequestOutputKind
 

@@ -9,6 +9,8 @@ from typing import Any
 import grpc
 
 from tandem.v1 import common_pb2
+from tandem.worker.engine_api import WorkerEngine
+from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.sampling import sampling_kwargs, structured_output_spec
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
@@ -52,6 +54,25 @@ class Admission:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt of {prompt_len} tokens does not fit max_model_len {self.max_model_len}",
             )
+
+
+class Role:
+    """What a role's handler works with: the engine, the admission rules, the worker's counters, the
+    engine's KV layout and the model's sampling defaults."""
+
+    def __init__(
+        self,
+        engine: WorkerEngine,
+        admission: Admission,
+        counters: WorkerCounters,
+        layout: KVLayout,
+        model_defaults: dict[str, Any],
+    ) -> None:
+        self._engine = engine
+        self._admission = admission
+        self._counters = counters
+        self._layout = layout
+        self._model_defaults = model_defaults
 
 
 def engine_prompt(token_ids: list[int], cache_salt: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Prometheus endpoint of a worker: vLLM's own ``vllm:*`` metrics (registered
 by AsyncLLM in this process) plus ``tandem_kv_*`` counters of the engine's KV
-server, as the worker service last read them (the registry heartbeat reads
-them every second, through the engine). Started by ``__main__``.
+server, as the worker service last read them (through the engine: by GetLoad,
+and by the registry heartbeat at most every 30 s). Started by ``__main__``.
 
 Always in Prometheus's text format: asked for OpenMetrics (as Prometheus
 asks first), prometheus_client escapes the colons of ``vllm:*`` names to

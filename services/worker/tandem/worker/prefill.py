@@ -5,34 +5,17 @@ engine's KV server now holds for it (under a lease)."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import grpc
 
 from tandem.v1 import worker_pb2
 from tandem.worker.continuation import first_streamed_text
-from tandem.worker.engine_api import WorkerEngine
-from tandem.worker.handling import Admission, Ctx, WorkerCounters, engine_prompt, engine_refusals, sampling_params
-from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.handling import Ctx, Role, engine_prompt, engine_refusals, sampling_params
 from tandem.worker.kv_connector.params import HANDLE, KVHandleParams, prefill_params
 from tandem.worker.sampling import logprobs_messages
 
 
-class PrefillRole:
-    def __init__(
-        self,
-        engine: WorkerEngine,
-        admission: Admission,
-        counters: WorkerCounters,
-        layout: KVLayout,
-        model_defaults: dict[str, Any],
-    ) -> None:
-        self._engine = engine
-        self._admission = admission
-        self._counters = counters
-        self._layout = layout
-        self._model_defaults = model_defaults
-
+class PrefillRole(Role):
     async def prefill(self, request: worker_pb2.PrefillRequest, context: Ctx) -> worker_pb2.PrefillResponse:
         from vllm.sampling_params import RequestOutputKind
 

@@ -63,8 +63,9 @@ async def heartbeat_forever(
 
 
 async def _current(record: WorkerRecord, service: WorkerService) -> WorkerRecord:
-    """``record`` with the load of this moment (held KV from the engine's KV server, as last read)."""
-    num_held = (await service.refresh_kv_stats()).num_held_requests
+    """``record`` with the load of this moment (held KV from the engine's KV server, read at most every
+    ``KV_STATS_REFRESH_S``: no Tandem component scores on it)."""
+    num_held = (await service.recent_kv_stats()).num_held_requests
     engine = service.engine_load()
     return dataclasses.replace(
         record,
