@@ -3,8 +3,6 @@ before any token, for limited and unlimited tenants alike: served requests must 
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,35 +13,15 @@ from tandem.gateway.quota.redis_quota import RedisQuota
 from tandem.gateway.redis_client import connect
 from tandem.gateway.tenancy.models import TenantPolicy
 from tandem.gateway.usage import UsageRecord, UsageStore
+from tests.kit.redis import start_redis
 
 
 @pytest_asyncio.fixture
 async def full_redis(unused_tcp_port: int) -> AsyncIterator[str]:
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(unused_tcp_port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--maxmemory",
-            "2mb",
-            "--maxmemory-policy",
-            "noeviction",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
+    proc = start_redis(unused_tcp_port, "--appendonly", "no", "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
     url = f"redis://127.0.0.1:{unused_tcp_port}/0"
     client = connect(url, timeout_s=2.0)
     try:
-        for _ in range(100):
-            try:
-                await client.ping()
-                break
-            except Exception:
-                await asyncio.sleep(0.05)
         with pytest.raises(Exception, match="maxmemory"):  # fill it to the brim
             for i in range(10_000):
                 await client.set(f"filler:{i}", "x" * 4096)
