@@ -24,6 +24,8 @@ from tests.probes import wait_until, worker_names
 KV_LEASE_S = 20.0
 PULL_TIMEOUT_S = 8.0
 REGISTRY_TTL_S = 5.0
+#: A gateway replica silent this long is dead, and its in-flight requests are billed by another.
+GATEWAY_LIVENESS_S = 3.0
 #: The longest reconnect backoff of Tandem's gRPC clients (gateway → workers, decode → prefill KV).
 RECONNECT_BACKOFF_S = 2.5
 
@@ -79,6 +81,8 @@ def backend_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackendS
             "TANDEM_FAILPOINTS_DIR": str(failpoints),
             "TANDEM_WORKER_KV__PULL_TIMEOUT_S": str(PULL_TIMEOUT_S),
             "TANDEM_WORKER_REGISTRY__TTL_S": str(REGISTRY_TTL_S),
+            "TANDEM_GATEWAY_TENANCY__USAGE_LIVENESS_S": str(GATEWAY_LIVENESS_S),
+            "TANDEM_GATEWAY_TENANCY__USAGE_SWEEP_INTERVAL_S": "1",
         },
     ) as stack:
         yield BackendStack(stack, failpoints)

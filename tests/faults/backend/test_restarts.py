@@ -4,21 +4,23 @@ requests wait or get 503 with Retry-After; the system recovers by itself."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import signal
 import threading
 import time
 from collections import Counter
 
+import httpx
 import psutil
 import pytest
 import redis
 
 from tandem.local.stack import LocalStack
-from tests.faults.backend.client import chat_body, stream_chat, usage_total
-from tests.faults.backend.conftest import KV_LEASE_S, BackendStack
+from tests.faults.backend.client import chat_body, num_content_events, stream_chat, usage_total
+from tests.faults.backend.conftest import GATEWAY_LIVENESS_S, KV_LEASE_S, BackendStack
 from tests.faults.ledger import FaultLedger, FaultRecord
-from tests.probes import StreamResult, quiesce, wait_until
+from tests.probes import StreamResult, gauge, quiesce, wait_until, worker_names
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -253,4 +255,45 @@ def test_redis_restarted(backend: BackendStack, ledger: FaultLedger) -> None:
         assert [r.status for r in after] == [200] * BURST, [(r.status, r.body[:200]) for r in after]
         f.saw(f"after recovery: {BURST} concurrent requests, all 200 (no dead pooled Redis connection failed one)")
         f.tried()
+        assert_nothing_left(backend, f)
+
+
+def test_gateway_killed_mid_stream(backend: BackendStack, ledger: FaultLedger) -> None:
+    """The gateway dies (SIGKILL: an OOM kill, a lost node) while it streams an answer. What it served
+    is billed all the same, by its successor, from the usage record it kept open: at least the tokens
+    the client got, at most what the engines generated."""
+    stack = backend.stack
+    workers = worker_names(stack)
+    with ledger.fault("gateway SIGKILLed mid-stream, then restarted") as f:
+        usage_before = usage_total(stack)
+        generated_before = sum(gauge(stack, n, "vllm:generation_tokens_total") for n in workers)
+        seen: list[str] = []
+
+        def kill_when_streaming(lines: list[str]) -> None:
+            if not seen and num_content_events(lines) >= 10:
+                stack.kill("gateway")
+                seen.extend(lines)
+
+        body = chat_body(stack, max_tokens=200, ignore_eos=True)
+        with contextlib.suppress(httpx.HTTPError):  # the connection dies with the gateway
+            stream_chat(stack, body, on_line=kill_when_streaming)
+        f.tried()
+        assert seen, "the stream ended before the gateway could be killed"
+        # Each content event carries at least one token: a lower bound of what the client got.
+        num_tokens_received = num_content_events(seen)
+        stack.restart("gateway")
+        restarted_at = time.monotonic()
+        assert wait_until(
+            lambda: usage_total(stack)["requests"] > usage_before["requests"], timeout_s=GATEWAY_LIVENESS_S + 30
+        ), "the killed gateway's request was never billed"
+        f.saw(f"billed {time.monotonic() - restarted_at:.1f} s after the restart (liveness {GATEWAY_LIVENESS_S} s)")
+        quiesce(stack, timeout_s=KV_LEASE_S + 10)
+        usage = {k: v - usage_before[k] for k, v in usage_total(stack).items()}
+        generated = sum(gauge(stack, n, "vllm:generation_tokens_total") for n in workers) - generated_before
+        billed = usage["completion_tokens"]
+        f.saw(f"client got ≥ {num_tokens_received} tokens, billed {billed}, engines generated {generated}")
+        f.leaked("requests served but not billed", 1 - usage["requests"])
+        f.leaked("tokens sent to the client but not billed", max(0, num_tokens_received - billed))
+        f.leaked("completion tokens billed beyond generated", max(0, billed - generated))
+        assert usage["aborted_requests"] == 1 and usage["prompt_tokens"] > 0, usage
         assert_nothing_left(backend, f)

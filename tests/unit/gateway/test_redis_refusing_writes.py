@@ -39,11 +39,16 @@ async def full_redis(unused_tcp_port: int) -> AsyncIterator[str]:
     ids=["unlimited", "limited"],
 )
 async def test_a_full_redis_turns_the_request_away_before_any_token(full_redis: str, policy: TenantPolicy) -> None:
+    """What the route handler does before generating: admit (limited tenants are charged there), then
+    open the usage record (every tenant). One of the two must refuse."""
     client = connect(full_redis, timeout_s=2.0)
     try:
         quota = RedisQuota(client, key_prefix="t", lease_s=60)
+        usage = UsageStore(client, key_prefix="t", replica_id="gw-1")
         with pytest.raises(BackendUnavailableError, match="refuses writes"):
-            await quota.admit("acme", policy, "req-1", 10, 10)
+            admission = await quota.admit("acme", policy, "req-1", 10, 10)
+            assert not admission.charged  # only the unlimited tenant gets this far
+            await usage.open(UsageRecord("acme", "m", 10, 0, 0, aborted=False, request_id="req-1"))
     finally:
         await client.aclose()
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -39,6 +42,7 @@ from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.tenancy.auth import Authenticator
 from tandem.gateway.tenancy.store import TenantStore
 from tandem.gateway.usage import UsageStore
+from tandem.gateway.usage_sweeper import UsageSweeper
 from tandem.gateway.workers import WorkerChannels
 
 logger = logging.getLogger(__name__)
@@ -59,6 +63,11 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
 async def _unhandled(request: Request, exc: Exception) -> Response:
     logger.error("unhandled error on %s", request.url.path, exc_info=exc)
     return internal_error().response()
+
+
+def replica_id() -> str:
+    """This gateway process among all replicas and their restarts: host, pid and a random part."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def build_app(
@@ -88,6 +97,8 @@ def build_app(
     fail_open = tenancy.fail_mode == "open"
     if settings.auth.mode == "disabled":
         logger.warning("authentication is disabled: every request is the anonymous tenant")
+    usage = UsageStore(client, key_prefix=prefix, replica_id=replica_id(), fail_open=fail_open)
+    sweeper = UsageSweeper(usage, liveness_s=tenancy.usage_liveness_s, sweep_interval_s=tenancy.usage_sweep_interval_s)
     orchestrator = Orchestrator(
         router,
         workers,
@@ -113,12 +124,13 @@ def build_app(
         authenticator=Authenticator(store, mode=settings.auth.mode, cache_s=settings.auth.cache_s, fail_open=fail_open),
         # A concurrency slot outlives the longest request, so a replica that dies cannot hold it for long.
         quota=RedisQuota(client, key_prefix=prefix, lease_s=settings.request_timeout_s + 30, fail_open=fail_open),
-        usage=UsageStore(client, key_prefix=prefix),
+        usage=usage,
         conversations=ConversationStore(
             client,
             key_prefix=prefix,
             ttl_s=tenancy.conversation_ttl_s,
             max_messages=tenancy.max_conversation_messages,
+            max_conversations=tenancy.max_conversations_per_tenant,
         ),
         drain=drain,
         stream_limits=StreamLimits(
@@ -131,8 +143,10 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        sweeper.start()
         yield
         await orchestrator.drain()
+        await sweeper.stop()
         await workers.aclose()
         if owns_redis:
             await client.aclose()

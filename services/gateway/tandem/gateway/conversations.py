@@ -6,13 +6,22 @@ prompt is assembled, :meth:`ConversationStore.append` after an answer finished
 Keys are per tenant (``<prefix>:gw:conv:<tenant>:<conversation id>``, a list
 of JSON messages with a TTL), so one tenant can never read another's turns
 even with the same conversation id.
+
+Bounds (docs/tenancy.md, "Retention"): a conversation holds only turns that
+still fit a prompt, at most ``max_messages`` of them, and lives ``ttl_s`` after
+its last turn; a tenant keeps at most ``max_conversations`` conversations, the
+ones least recently used are deleted first (index: the sorted set
+``<prefix>:gw:conv:<tenant>``, conversation id → last turn, ms — no
+conversation key can be that name, since theirs go on with ``:<id>``).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -32,12 +41,52 @@ def check_conversation_id(conversation_id: str) -> None:
         )
 
 
+#: Appends a turn and applies every bound, atomically. KEYS: the conversation, the tenant's index.
+#: ARGV: stored turns to forget first, max messages, TTL (s), now (ms), conversation id, max
+#: conversations, the tenant's conversation key prefix, then the messages. Deletes the evicted
+#: conversations' keys, which are built here (one Redis, not a cluster: fine).
+_APPEND = """#!lua
+local key, index = KEYS[1], KEYS[2]
+local ttl_s, now_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
+if tonumber(ARGV[1]) > 0 then
+  redis.call('LTRIM', key, ARGV[1], -1)
+end
+redis.call('RPUSH', key, unpack(ARGV, 8))
+redis.call('LTRIM', key, -tonumber(ARGV[2]), -1)
+redis.call('EXPIRE', key, ttl_s)
+redis.call('ZADD', index, now_ms, ARGV[5])
+redis.call('ZREMRANGEBYSCORE', index, '-inf', now_ms - ttl_s * 1000)
+local over = redis.call('ZCARD', index) - tonumber(ARGV[6])
+if over > 0 then
+  for _, id in ipairs(redis.call('ZRANGE', index, 0, over - 1)) do
+    redis.call('DEL', ARGV[7] .. id)
+  end
+  redis.call('ZREMRANGEBYRANK', index, 0, over - 1)
+end
+redis.call('EXPIRE', index, ttl_s)
+return over > 0 and over or 0
+"""
+
+
 class ConversationStore:
-    def __init__(self, client: aioredis.Redis, *, key_prefix: str, ttl_s: int, max_messages: int) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        key_prefix: str,
+        ttl_s: int,
+        max_messages: int,
+        max_conversations: int = 1000,
+    ) -> None:
         self._redis = client
         self._p = f"{key_prefix}:gw:conv"
         self._ttl_s = ttl_s
         self._max_messages = max_messages
+        self._max_conversations = max_conversations
+        self._append: Any = client.register_script(_APPEND)
+
+    def _index_key(self, tenant_id: str) -> str:
+        return f"{self._p}:{tenant_id}"
 
     def _key(self, tenant_id: str, conversation_id: str) -> str:
         return f"{self._p}:{tenant_id}:{conversation_id}"
@@ -55,12 +104,15 @@ class ConversationStore:
         keeps only what can go into a prompt."""
         if not messages:
             return
-        key = self._key(tenant_id, conversation_id)
+        args: list[str | int] = [
+            num_dropped_history,
+            self._max_messages,
+            self._ttl_s,
+            int(time.time() * 1000),
+            conversation_id,
+            self._max_conversations,
+            f"{self._p}:{tenant_id}:",
+            *[json.dumps(m, ensure_ascii=False) for m in messages],
+        ]
         with redis_errors("conversation write"):
-            async with self._redis.pipeline(transaction=True) as pipe:
-                if num_dropped_history > 0:
-                    pipe.ltrim(key, num_dropped_history, -1)
-                pipe.rpush(key, *[json.dumps(m, ensure_ascii=False) for m in messages])
-                pipe.ltrim(key, -self._max_messages, -1)
-                pipe.expire(key, self._ttl_s)
-                await pipe.execute()
+            await self._append(keys=[self._key(tenant_id, conversation_id), self._index_key(tenant_id)], args=args)

@@ -46,6 +46,13 @@ class TenancySettings(BaseModel):
     conversation_ttl_s: int = Field(7 * 24 * 3600, ge=60)
     #: Most messages kept per conversation (oldest dropped first).
     max_conversation_messages: int = Field(200, ge=2)
+    #: Most conversations kept per tenant; the least recently used are deleted first.
+    max_conversations_per_tenant: int = Field(1000, ge=1)
+    #: A gateway replica that has not renewed its liveness for this long is dead: another replica (or its
+    #: successor) bills the requests it had in flight, with the tokens they had generated.
+    usage_liveness_s: float = Field(30.0, ge=1)
+    #: How often each replica looks for dead replicas' open usage records.
+    usage_sweep_interval_s: float = Field(10.0, gt=0)
 
 
 class StreamSettings(BaseModel):

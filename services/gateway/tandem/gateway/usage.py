@@ -7,6 +7,15 @@ actually generated) by the generation response's completion hook, and by the
 ``<prefix>:gw:usage:<tenant>:<YYYY-MM-DD>`` (UTC day, kept 400 days). The keys of the store
 itself start with ``_`` (``_tenants``, ``_recorded:<request id>``), which no tenant id can: a
 tenant named ``tenants`` once shared the set's key and broke every usage write.
+
+Open records, so that a gateway that dies mid-request does not lose what it served. At admission
+:meth:`UsageStore.open` writes the request's figures (hash ``_open:<request id>``, its id in the set
+``_open_by:<replica>``, the replica in ``_replicas``); while the answer streams, :meth:`progress` writes
+the number of generated tokens *before* they go to the client, so the record never holds fewer tokens
+than the client got; :meth:`record` adds the final figures and deletes the open record in one step.
+Each replica renews ``_alive:<replica>`` (:class:`tandem.gateway.usage_sweeper.UsageSweeper`); the
+open records of a replica whose key expired (it was killed) are settled by any other replica, or by
+its own successor, with the figures they last held (:meth:`settle_orphans`).
 """
 
 from __future__ import annotations
@@ -44,13 +53,18 @@ class UsageRecord:
 
 
 #: Adds one request's counters to both hashes, once: a retry after a lost reply finds the marker and
-#: adds nothing. KEYS: all-time hash, day hash, tenants set, marker ('' for none). ARGV: model, day TTL,
-#: marker TTL, tenant id, then counter name / value pairs.
+#: adds nothing. KEYS: all-time hash, day hash, tenants set, marker ('' for none), open record, the open
+#: records' set of its replica (both '' for none). ARGV: model, day TTL, marker TTL, tenant id, request
+#: id, then counter name / value pairs.
 _RECORD_ONCE = """
+if KEYS[5] ~= '' then
+  redis.call('DEL', KEYS[5])
+  redis.call('SREM', KEYS[6], ARGV[5])
+end
 if KEYS[4] ~= '' and redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[3]) == false then
   return 0
 end
-for i = 5, #ARGV, 2 do
+for i = 6, #ARGV, 2 do
   local field = ARGV[1] .. '|' .. ARGV[i]
   redis.call('HINCRBY', KEYS[1], field, ARGV[i + 1])
   redis.call('HINCRBY', KEYS[2], field, ARGV[i + 1])
@@ -61,6 +75,29 @@ return 1
 """
 
 
+#: Opens a request's record. KEYS: open record, its replica's set, the replicas set. ARGV: request id,
+#: replica, record TTL (s), then field / value pairs. ``#!lua``: a Redis that refuses writes refuses it.
+_OPEN = """#!lua
+redis.call('HSET', KEYS[1], 'replica', ARGV[2], unpack(ARGV, 4))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[2])
+return 1
+"""
+
+#: Moves an open record's token count forward (never back; a settled record stays settled).
+_PROGRESS = """#!lua
+local current = redis.call('HGET', KEYS[1], 'completion')
+if current and tonumber(current) < tonumber(ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'completion', ARGV[1])
+end
+return 1
+"""
+
+#: How long an open record may outlive its request (a safety net: records are settled in seconds).
+OPEN_RECORD_TTL_S = 7 * 24 * 3600
+
+
 class UsageStore:
     """Usage counters in Redis.
 
@@ -69,13 +106,160 @@ class UsageStore:
     reply was lost is not counted twice.
     """
 
-    def __init__(self, client: aioredis.Redis, *, key_prefix: str, retry_for_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        key_prefix: str,
+        retry_for_s: float = 60.0,
+        replica_id: str = "",
+        fail_open: bool = False,
+    ) -> None:
         self._redis = client
         self._p = f"{key_prefix}:gw:usage"
         self._retry_for_s = retry_for_s
+        #: This gateway process, owner of the records it opens ('' in tools that only read or record).
+        self.replica_id = replica_id
+        self._fail_open = fail_open
+        self._open: Any = client.register_script(_OPEN)
+        self._progress: Any = client.register_script(_PROGRESS)
+
+    def _open_key(self, request_id: str) -> str:
+        return f"{self._p}:_open:{request_id}"
+
+    def _open_by_key(self, replica_id: str) -> str:
+        return f"{self._p}:_open_by:{replica_id}"
+
+    def alive_key(self, replica_id: str) -> str:
+        return f"{self._p}:_alive:{replica_id}"
+
+    @property
+    def replicas_key(self) -> str:
+        return f"{self._p}:_replicas"
+
+    async def open(self, record: UsageRecord) -> bool:
+        """Write ``record`` (its prompt figures, no completion yet) as this replica's open record; True
+        once written. BackendUnavailableError when Redis cannot take it (down, or refusing writes): a
+        request that could not be billed is not served — unless the gateway runs with fail_mode=open,
+        where it is served unrecorded-until-the-end (False)."""
+        if not self.replica_id or not record.request_id:
+            raise ValueError("an open record needs a replica id and a request id")
+        fields: dict[str, str | int] = {
+            "tenant": record.tenant_id,
+            "model": record.model,
+            "prompt": record.num_prompt_tokens,
+            "cached": record.num_cached_tokens,
+            "completion": record.num_completion_tokens,
+        }
+        args: list[str | int] = [record.request_id, self.replica_id, OPEN_RECORD_TTL_S]
+        for name, value in fields.items():
+            args += [name, value]
+        keys = [self._open_key(record.request_id), self._open_by_key(self.replica_id), self.replicas_key]
+        try:
+            with redis_errors("usage open"):
+                await self._open(keys=keys, args=args)
+        except BackendUnavailableError:
+            if not self._fail_open:
+                raise
+            logger.warning("usage record not opened: redis down and fail_mode=open", extra={"tenant": record.tenant_id})
+            return False
+        return True
+
+    async def progress(self, request_id: str, num_completion_tokens: int) -> None:
+        """Raise the open record's token count to ``num_completion_tokens`` (raises BackendUnavailableError)."""
+        with redis_errors("usage progress"):
+            await self._progress(keys=[self._open_key(request_id)], args=[num_completion_tokens])
+
+    async def discard(self, request_id: str) -> None:
+        """Close an open record without billing it (the request failed before its first token). Never
+        raises: a record left open is settled as an aborted request with 0 tokens once this replica is gone."""
+        try:
+            with redis_errors("usage discard"):
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.delete(self._open_key(request_id))
+                    pipe.srem(self._open_by_key(self.replica_id), request_id)
+                    await pipe.execute()
+        except BackendUnavailableError as exc:
+            logger.warning("open usage record not discarded: %s", exc, extra={"request_id": request_id})
+
+    async def renew_liveness(self, ttl_s: float) -> None:
+        """Mark this replica alive for ``ttl_s`` (its open records are not anyone else's to settle)."""
+        with redis_errors("usage liveness"):
+            await self._redis.set(self.alive_key(self.replica_id), "1", px=int(ttl_s * 1000))
+
+    async def drop_liveness(self) -> None:
+        with redis_errors("usage liveness"):
+            await self._redis.delete(self.alive_key(self.replica_id))
+
+    async def settle_orphans(self) -> int:
+        """Record the open records of every replica whose liveness key expired (it died mid-request),
+        with the figures they last held; returns how many were settled. Safe to run on every replica at
+        once: each record is counted once (its request id marks it recorded)."""
+        with redis_errors("usage orphans"):
+            replicas = await self._redis.smembers(self.replicas_key)
+        settled = 0
+        for replica in sorted(str(r) for r in replicas):
+            if replica == self.replica_id:
+                continue
+            with redis_errors("usage orphans"):
+                if await self._redis.exists(self.alive_key(replica)):
+                    continue
+                request_ids = await self._redis.smembers(self._open_by_key(replica))
+            for request_id in sorted(str(r) for r in request_ids):
+                with redis_errors("usage orphans"):
+                    fields = await self._redis.hgetall(self._open_key(request_id))
+                    if not fields or not int(fields.get("completion", 0)):
+                        # Settled meanwhile, or died before its first token: that costs nothing.
+                        async with self._redis.pipeline(transaction=True) as pipe:
+                            pipe.delete(self._open_key(request_id))
+                            pipe.srem(self._open_by_key(replica), request_id)
+                            await pipe.execute()
+                        continue
+                record = UsageRecord(
+                    tenant_id=str(fields["tenant"]),
+                    model=str(fields["model"]),
+                    num_prompt_tokens=int(fields["prompt"]),
+                    num_completion_tokens=int(fields["completion"]),
+                    num_cached_tokens=int(fields["cached"]),
+                    aborted=True,
+                    request_id=request_id,
+                )
+                await self._write(record, replica_id=replica)
+                settled += 1
+                logger.warning(
+                    "usage of a request of a dead gateway replica settled",
+                    extra={"request_id": request_id, "replica": replica, "tenant": record.tenant_id},
+                )
+            with redis_errors("usage orphans"):
+                if not await self._redis.scard(self._open_by_key(replica)):
+                    await self._redis.srem(self.replicas_key, replica)
+        return settled
 
     async def record(self, record: UsageRecord) -> None:
-        """Add one request's figures; retries while Redis is down, then logs and drops them."""
+        """Add one request's figures (and close its open record); retries while Redis is down, then logs
+        and drops them (the open record, if any, is then settled once this replica is gone)."""
+        delays = backoff_delays(within_s=self._retry_for_s, max_s=5.0)
+        while True:
+            try:
+                await self._write(record, replica_id=self.replica_id)
+                return
+            except BackendUnavailableError as exc:
+                delay_s = next(delays, None)
+                if delay_s is None:
+                    logger.warning(
+                        "usage not recorded: %s",
+                        exc,
+                        extra={
+                            "tenant": record.tenant_id,
+                            "request_id": record.request_id,
+                            "prompt_tokens": record.num_prompt_tokens,
+                            "completion_tokens": record.num_completion_tokens,
+                        },
+                    )
+                    return
+                await asyncio.sleep(delay_s)
+
+    async def _write(self, record: UsageRecord, *, replica_id: str) -> None:
         day = time.strftime("%Y-%m-%d", time.gmtime())
         values = {
             "requests": 1,
@@ -84,28 +268,21 @@ class UsageStore:
             "completion_tokens": record.num_completion_tokens,
             "cached_tokens": record.num_cached_tokens,
         }
+        has_open = bool(record.request_id and replica_id)
         keys = [
             f"{self._p}:{record.tenant_id}",
             f"{self._p}:{record.tenant_id}:{day}",
             f"{self._p}:_tenants",
             f"{self._p}:_recorded:{record.request_id}" if record.request_id else "",
+            self._open_key(record.request_id) if has_open else "",
+            self._open_by_key(replica_id) if has_open else "",
         ]
-        args: list[str | int] = [record.model, _DAY_TTL_S, _RECORDED_MARKER_TTL_S, record.tenant_id]
+        args: list[str | int] = [record.model, _DAY_TTL_S, _RECORDED_MARKER_TTL_S, record.tenant_id, record.request_id]
         for name, value in values.items():
             if value:
                 args += [name, value]
-        delays = backoff_delays(within_s=self._retry_for_s, max_s=5.0)
-        while True:
-            try:
-                with redis_errors("usage record"):
-                    await self._redis.eval(_RECORD_ONCE, len(keys), *keys, *args)
-                return
-            except BackendUnavailableError as exc:
-                delay_s = next(delays, None)
-                if delay_s is None:
-                    logger.warning("usage not recorded: %s", exc, extra={"tenant": record.tenant_id, **values})
-                    return
-                await asyncio.sleep(delay_s)
+        with redis_errors("usage record"):
+            await self._redis.eval(_RECORD_ONCE, len(keys), *keys, *args)
 
     async def tenant_usage(self, tenant_id: str, *, day: str | None = None) -> dict[str, Any]:
         """``{"tenant": id, "period": "all"|day, "data": [{"model", counters…}], "total": {counters…}}``."""

@@ -25,9 +25,11 @@ class CompleteResponse(GenerationResponse):
     async def _respond(self, send: Send, source: EventSource) -> int:
         try:
             await self._first_event(source)
+            await self._save_progress()
             async for event in source.remaining():
                 if isinstance(event, TextDelta):
                     self._record(event)
+                    await self._save_progress()
                 elif isinstance(event, Finished):
                     self._finished = event
         except TandemError as exc:

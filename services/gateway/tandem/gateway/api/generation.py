@@ -85,6 +85,9 @@ class ResponseOptions:
     #: Extra top-level fields of the non-streamed body (e.g. conversation_id).
     extra_fields: dict[str, Any] = field(default_factory=dict)
     on_finish: Callable[[Outcome], Coroutine[Any, Any, None]] | None = None
+    #: Saves the number of tokens generated so far (the open usage record), awaited before they are
+    #: written to the client: a gateway killed mid-answer leaves a record of at least what was sent.
+    on_progress: Callable[[int], Coroutine[Any, Any, None]] | None = None
 
 
 class ClientGoneError(Exception):
@@ -171,6 +174,7 @@ class GenerationResponse(Response):
         self._num_logprobs_sent = 0
         self._finished: Finished | None = None
         self._cut_off = False
+        self._num_tokens_saved = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._metrics.in_flight_requests.inc()
@@ -258,6 +262,13 @@ class GenerationResponse(Response):
         assert isinstance(event, TextDelta)
         self._observe_first_token(event)
         return event
+
+    async def _save_progress(self) -> None:
+        """Write ahead: the open usage record counts every token before the client can see it."""
+        hook = self._options.on_progress
+        if hook is not None and self._num_completion_tokens > self._num_tokens_saved:
+            await hook(self._num_completion_tokens)
+            self._num_tokens_saved = self._num_completion_tokens
 
     def _record(self, delta: TextDelta) -> None:
         """Keep what a delta after the first one generated (for the answer, usage and the completion hook)."""

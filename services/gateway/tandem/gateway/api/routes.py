@@ -110,6 +110,7 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
         admission = await services.quota.admit(
             tenant.id, tenant, prepared.request_id, len(prepared.prompt_token_ids), prepared.max_tokens
         )
+        opened = await _open_usage(services, admission, prepared.body.model)
         prepared.clock.mark("admitted")
         if prepared.num_dropped_messages:
             logger.info(
@@ -132,9 +133,38 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
                 except BackendUnavailableError as exc:
                     logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})
 
-        return _generation_response(services, request, prepared, path, admission, on_finish)
+        async def on_progress(num_completion_tokens: int) -> None:
+            try:
+                await services.usage.progress(prepared.request_id, num_completion_tokens)
+            except BackendUnavailableError as exc:
+                # The final record retries on its own; only a gateway killed during this outage bills less.
+                logger.warning("usage progress not saved: %s", exc, extra={"request_id": prepared.request_id})
+
+        return _generation_response(
+            services, request, prepared, path, admission, on_finish, on_progress if opened else None
+        )
 
     return _openai_errors(path, handle)
+
+
+async def _open_usage(services: GatewayServices, admission: Admission, model: str) -> bool:
+    """Open the request's usage record, so that it is billed even if this gateway dies before it ends.
+    A Redis that cannot take it (down, full, read-only) turns the request away with 503 before any
+    token, and the admission is given back; True when the record is open."""
+    record = UsageRecord(
+        tenant_id=admission.tenant_id,
+        model=model,
+        num_prompt_tokens=admission.num_input_tokens,
+        num_completion_tokens=0,
+        num_cached_tokens=0,
+        aborted=False,
+        request_id=admission.request_id,
+    )
+    try:
+        return await services.usage.open(record)
+    except BackendUnavailableError:
+        await services.quota.settle(admission, 0, served=False)
+        raise
 
 
 async def _settle(services: GatewayServices, admission: Admission, model: str, outcome: Outcome) -> None:
@@ -144,6 +174,7 @@ async def _settle(services: GatewayServices, admission: Admission, model: str, o
     failed_before_answer = outcome.status >= 400 and outcome.num_completion_tokens == 0 and outcome.status != 499
     await services.quota.settle(admission, outcome.num_completion_tokens, served=not failed_before_answer)
     if failed_before_answer:
+        await services.usage.discard(admission.request_id)
         return
     cached = outcome.finished.usage.cached_tokens if outcome.finished is not None else 0
     await services.usage.record(
@@ -166,6 +197,7 @@ def _generation_response(
     path: str,
     admission: Admission,
     on_finish: Callable[[Outcome], Coroutine[Any, Any, None]],
+    on_progress: Callable[[int], Coroutine[Any, Any, None]] | None,
 ) -> GenerationResponse:
     tenant = prepared.tenant
     body = prepared.body
@@ -213,6 +245,7 @@ def _generation_response(
             timings=wants_timings(request.headers.get(TIMINGS_HEADER)),
             extra_fields={"conversation_id": conversation.id} if conversation is not None else {},
             on_finish=on_finish,
+            on_progress=on_progress,
         ),
     )
 

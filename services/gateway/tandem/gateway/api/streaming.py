@@ -150,6 +150,7 @@ class StreamedResponse(GenerationResponse):
             if writer_task is None:
                 await start_stream()
             assert writer_task is not None
+            await self._save_progress()
             await writer.write(encoder.start() + (self._delta(encoder, first.text) if first.text else b""))
             self._job.clock.mark("first_byte")
             self._metrics.generated_tokens_total.inc()
@@ -179,12 +180,14 @@ class StreamedResponse(GenerationResponse):
                     self._metrics.observe_tokens(now_s - last_token_s, num_unsent_tokens)
                     self._metrics.generated_tokens_total.inc(num_unsent_tokens)
                     last_token_s, num_unsent_tokens = now_s, 0
+                    await self._save_progress()
                     await writer.write(self._delta(encoder, event.text))
                 elif isinstance(event, Finished):
                     self._finished = event
                     self._metrics.generated_tokens_total.inc(num_unsent_tokens)
                     # Tokens that added no text (a stop token) still have log-probabilities to report.
                     unsent = self._delta(encoder, "") if self._num_logprobs_sent < len(self._logprobs) else b""
+                    await self._save_progress()
                     await writer.write(unsent + encoder.finish(event.finish_reason) + encoder.usage(event.usage))
         except TandemError as exc:
             logger.warning("stream failed: %s", exc, extra={"request_id": self._job.request_id})

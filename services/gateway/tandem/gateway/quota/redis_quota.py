@@ -125,14 +125,8 @@ class RedisQuota:
     ) -> Admission:
         admission = Admission(tenant_id, request_id, num_input_tokens, num_output_tokens, policy)
         if self.unlimited(policy):
-            # Nothing to charge, but the request will be billed: a Redis that refuses writes (full at
-            # maxmemory, read-only) must turn it away now, before any token, not after serving it.
-            try:
-                with redis_errors("quota admission"):
-                    await self._redis.set(f"{self._p}:_writable", "1", px=60_000)
-            except BackendUnavailableError:
-                if not self._fail_open:
-                    raise
+            # Nothing to charge. The request is still billed: its usage record, opened next, is what
+            # turns it away when Redis refuses writes.
             return Admission(tenant_id, request_id, num_input_tokens, num_output_tokens, policy, charged=False)
         args = [
             _limit(policy.input_tokens_per_minute),

@@ -98,7 +98,12 @@ class TenantStore:
             await self.revoke_key(record.key_id)
         owned = [f"{self._p}:{space}:{tenant_id}:*" for space in ("conv", "usage", "quota")]
         with redis_errors("delete tenant"):
-            doomed = [self._k("tenant", tenant_id), self._k("tenant", tenant_id, "keys"), self._k("usage", tenant_id)]
+            doomed = [
+                self._k("tenant", tenant_id),
+                self._k("tenant", tenant_id, "keys"),
+                self._k("usage", tenant_id),
+                self._k("conv", tenant_id),  # the index of its conversations
+            ]
             for pattern in owned:  # tenant ids hold no glob characters: the pattern is this tenant's alone
                 doomed += [str(k) async for k in self._redis.scan_iter(match=pattern, count=1000)]
             async with self._redis.pipeline(transaction=True) as pipe:

@@ -1,0 +1,136 @@
+"""Open usage records against the real Redis: a request whose gateway replica died mid-answer is billed
+with the tokens its record last held, once, by another replica (or its successor); a live replica's
+records are left alone; a request that died before its first token costs nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest_asyncio
+
+from tandem.gateway.redis_client import connect
+from tandem.gateway.usage import UsageRecord, UsageStore
+from tandem.gateway.usage_sweeper import UsageSweeper
+from tests.kit.redis import delete_prefix
+
+
+@pytest_asyncio.fixture
+async def prefix() -> AsyncIterator[str]:
+    prefix = f"tandem-unit-{uuid.uuid4().hex[:8]}"
+    client = connect("redis://127.0.0.1:6379/0", timeout_s=2.0)
+    try:
+        yield prefix
+    finally:
+        await delete_prefix(client, prefix)
+        await client.aclose()
+
+
+def _opened(request_id: str, tenant: str = "acme") -> UsageRecord:
+    return UsageRecord(tenant, "m", 12, 0, 0, aborted=False, request_id=request_id)
+
+
+async def _keys(client: object, prefix: str) -> list[str]:
+    return sorted([k async for k in client.scan_iter(match=f"{prefix}:gw:usage:_*")])  # type: ignore[attr-defined]
+
+
+async def test_a_finished_request_closes_its_open_record_and_counts_once(prefix: str) -> None:
+    client = connect("redis://127.0.0.1:6379/0", timeout_s=2.0)
+    try:
+        store = UsageStore(client, key_prefix=prefix, replica_id="gw-a")
+        assert await store.open(_opened("r-1"))
+        await store.progress("r-1", 3)
+        await store.progress("r-1", 2)  # never back
+        assert (await client.hgetall(f"{prefix}:gw:usage:_open:r-1"))["completion"] == "3"
+        await store.record(UsageRecord("acme", "m", 12, 5, 4, aborted=False, request_id="r-1"))
+        await store.progress("r-1", 9)  # after the record: does not bring it back
+        assert await _keys(client, prefix) == [
+            f"{prefix}:gw:usage:_recorded:r-1",
+            f"{prefix}:gw:usage:_replicas",
+            f"{prefix}:gw:usage:_tenants",
+        ]
+        # gw-a is dead now (it never renewed): a sweep finds nothing left to bill.
+        assert await UsageStore(client, key_prefix=prefix, replica_id="gw-b").settle_orphans() == 0
+        total = (await store.tenant_usage("acme"))["total"]
+        assert total == {
+            "requests": 1,
+            "aborted_requests": 0,
+            "prompt_tokens": 12,
+            "completion_tokens": 5,
+            "cached_tokens": 4,
+        }
+    finally:
+        await client.aclose()
+
+
+async def test_a_dead_replicas_requests_are_billed_once_by_another(prefix: str) -> None:
+    client = connect("redis://127.0.0.1:6379/0", timeout_s=2.0)
+    try:
+        dead = UsageStore(client, key_prefix=prefix, replica_id="gw-dead")
+        live = UsageStore(client, key_prefix=prefix, replica_id="gw-live")
+        await dead.renew_liveness(0.3)
+        await live.renew_liveness(60)
+        assert await dead.open(_opened("r-streamed"))
+        await dead.progress("r-streamed", 7)
+        assert await dead.open(_opened("r-queued", tenant="zeta"))  # died before its first token
+        assert await live.open(_opened("r-live"))
+        await live.progress("r-live", 2)
+
+        assert await live.settle_orphans() == 0  # gw-dead is still within its liveness
+        await asyncio.sleep(0.5)
+        # Two replicas sweep at once: each record is billed once.
+        other = UsageStore(client, key_prefix=prefix, replica_id="gw-other")
+        settled = await asyncio.gather(live.settle_orphans(), other.settle_orphans())
+        assert sum(settled) in (1, 2)  # both may read r-streamed; the marker counts it once
+        assert (await live.tenant_usage("acme"))["total"] == {
+            "requests": 1,
+            "aborted_requests": 1,
+            "prompt_tokens": 12,
+            "completion_tokens": 7,
+            "cached_tokens": 0,
+        }
+        assert (await live.tenant_usage("zeta"))["total"]["requests"] == 0
+        # The live replica's record is untouched; the dead one's are gone, and so is the replica.
+        assert await client.hgetall(f"{prefix}:gw:usage:_open:r-live")
+        assert not await client.exists(f"{prefix}:gw:usage:_open:r-streamed", f"{prefix}:gw:usage:_open:r-queued")
+        assert await client.smembers(f"{prefix}:gw:usage:_replicas") == {"gw-live"}
+    finally:
+        await client.aclose()
+
+
+async def test_a_restarted_gateway_settles_its_predecessor_at_start(prefix: str) -> None:
+    """The sweeper sweeps on its first turn: a gateway restarted after a SIGKILL bills what the killed
+    process served, as soon as the old liveness key has expired."""
+    client = connect("redis://127.0.0.1:6379/0", timeout_s=2.0)
+    try:
+        killed = UsageStore(client, key_prefix=prefix, replica_id="gw-1")
+        assert await killed.open(_opened("r-1"))
+        await killed.progress("r-1", 11)
+        successor = UsageStore(client, key_prefix=prefix, replica_id="gw-2")
+        sweeper = UsageSweeper(successor, liveness_s=5, sweep_interval_s=60)
+        sweeper.start()
+        try:
+            for _ in range(50):
+                if sweeper.num_settled:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await sweeper.stop()
+        assert sweeper.num_settled == 1
+        assert (await successor.tenant_usage("acme"))["total"]["completion_tokens"] == 11
+        assert not await client.exists(successor.alive_key("gw-2"))  # stopped: no longer claims to be alive
+    finally:
+        await client.aclose()
+
+
+async def test_a_request_refused_before_its_first_token_leaves_nothing_open(prefix: str) -> None:
+    client = connect("redis://127.0.0.1:6379/0", timeout_s=2.0)
+    try:
+        store = UsageStore(client, key_prefix=prefix, replica_id="gw-a")
+        assert await store.open(_opened("r-1"))
+        await store.discard("r-1")
+        assert not await client.exists(f"{prefix}:gw:usage:_open:r-1")
+        assert not await client.smembers(f"{prefix}:gw:usage:_open_by:gw-a")
+    finally:
+        await client.aclose()
