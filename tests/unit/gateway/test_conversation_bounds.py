@@ -53,3 +53,32 @@ async def test_turns_trimmed_to_fit_the_context_are_not_stored(edge: Any) -> Non
     stored = await _stored(edge, "acme", "c1")
     assert stored[-2]["content"] == "question 11 about Kyōto"
     assert len(stored) < 12  # what fits a 64-token context, not every turn ever sent
+
+
+async def test_a_tenant_keeps_at_most_its_cap_of_conversations_least_recently_used_go_first() -> None:
+    import asyncio
+    import uuid
+
+    from tandem.gateway.conversations import ConversationStore
+    from tandem.gateway.redis_client import connect
+    from tests.kit.redis import delete_prefix
+
+    prefix = f"tandem-unit-{uuid.uuid4().hex[:8]}"
+    client = connect("redis://127.0.0.1:6379/0", timeout_s=2.0)
+    try:
+        store = ConversationStore(client, key_prefix=prefix, ttl_s=600, max_messages=10, max_conversations=3)
+        for cid in ("c1", "c2", "c3"):
+            await store.append("acme", cid, [{"role": "user", "content": f"hello from {cid} 🙂"}])
+            await asyncio.sleep(0.002)
+        await store.append("acme", "c1", [{"role": "user", "content": "c1 again"}])  # c1 is recent again
+        await asyncio.sleep(0.002)
+        await store.append("acme", "c4", [{"role": "user", "content": "東京"}])  # one too many: c2 goes
+        await store.append("zeta", "c2", [{"role": "user", "content": "another tenant's c2"}])
+        assert await store.history("acme", "c2") == []
+        assert [m["content"] for m in await store.history("acme", "c1")] == ["hello from c1 🙂", "c1 again"]
+        assert await store.history("acme", "c3") and await store.history("acme", "c4")
+        assert await store.history("zeta", "c2")  # caps are per tenant
+        assert await client.zcard(f"{prefix}:gw:conv:acme") == 3
+    finally:
+        await delete_prefix(client, prefix)
+        await client.aclose()
