@@ -13,6 +13,7 @@ from tandem.v1 import kv_transfer_pb2
 from tandem.worker.engine_api import EngineLoad
 from tandem.worker.kv_connector.extension import WORKER_EXTENSION
 from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.kv_events_relay import KVEventEndpoints, KVEventRelay, plan_endpoints
 from tandem.worker.settings import WorkerSettings
 
 CONNECTOR_MODULE = "tandem.worker.kv_connector.connector"
@@ -44,26 +45,39 @@ def none_hash_seed() -> str:
     return os.environ.get("PYTHONHASHSEED") or DEFAULT_NONE_HASH_SEED
 
 
-def kv_events_config(settings: WorkerSettings) -> dict[str, Any] | None:
-    """vLLM's ``kv_events_config``: a ZMQ publisher bound on all interfaces
-    (``*`` makes vLLM bind rather than connect) plus its replay socket."""
+def kv_events_plan(settings: WorkerSettings) -> KVEventEndpoints | None:
+    """Where the engine's KV-event publisher and replay socket bind (None when events are off): the
+    worker's own address (``kv_events.host``, else the advertised host, else the bind host) through
+    :class:`~tandem.worker.kv_events_relay.KVEventRelay`, or all interfaces for ``0.0.0.0``."""
     ev = settings.kv_events
     if not ev.enabled:
+        return None
+    host = ev.host or settings.advertise_host or settings.bind_host
+    return plan_endpoints(host, ev.port, ev.replay_port)
+
+
+def kv_events_config(settings: WorkerSettings) -> dict[str, Any] | None:
+    """vLLM's ``kv_events_config`` for :func:`kv_events_plan`."""
+    plan = kv_events_plan(settings)
+    if plan is None:
         return None
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{ev.port}",
-        "replay_endpoint": f"tcp://*:{ev.replay_port}",
-        "buffer_steps": ev.buffer_steps,
+        "endpoint": plan.engine_publish,
+        "replay_endpoint": plan.engine_replay,
+        "buffer_steps": settings.kv_events.buffer_steps,
         "topic": "",
     }
 
 
 def kv_events_endpoints(settings: WorkerSettings) -> tuple[str, str]:
     """(PUB endpoint, replay endpoint) as others reach them; ("", "") when off."""
-    if not settings.kv_events.enabled:
+    plan = kv_events_plan(settings)
+    if plan is None:
         return "", ""
+    if plan.relay is not None:
+        return plan.relay[1], plan.engine_replay
     host = settings.advertise_host or settings.bind_host
     return f"tcp://{host}:{settings.kv_events.port}", f"tcp://{host}:{settings.kv_events.replay_port}"
 
@@ -114,8 +128,9 @@ class VLLMEngine:
     layout, counters and holds are reached with ``collective_rpc`` on every rank (the methods of
     :class:`~tandem.worker.kv_connector.extension.KVWorkerExtension`)."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, *, relay: KVEventRelay | None = None) -> None:
         self.llm = llm
+        self._relay = relay
 
     def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
         result: AsyncIterator[Any] = self.llm.generate(prompt, params, request_id)
@@ -168,6 +183,8 @@ class VLLMEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        if self._relay is not None:
+            self._relay.close()
 
 
 def build_engine(settings: WorkerSettings) -> VLLMEngine:
@@ -180,4 +197,13 @@ def build_engine(settings: WorkerSettings) -> VLLMEngine:
 
     engine_id = f"{settings.role}-{uuid.uuid4().hex[:12]}"
     args = AsyncEngineArgs(**engine_args_kwargs(settings, engine_id=engine_id))
-    return VLLMEngine(AsyncLLM.from_engine_args(args))
+    plan = kv_events_plan(settings)
+    relay = None if plan is None or plan.relay is None else KVEventRelay(*plan.relay)
+    if relay is not None:
+        relay.start()
+    try:
+        return VLLMEngine(AsyncLLM.from_engine_args(args), relay=relay)
+    except BaseException:
+        if relay is not None:
+            relay.close()
+        raise

@@ -66,7 +66,10 @@ class KVEventsSettings(BaseModel):
     """The engine's KV-event publisher (ZMQ), which the router's prefix index subscribes to."""
 
     enabled: bool = True
-    #: PUB port; the engine binds it on all interfaces.
+    #: The one address the publisher and its replay socket bind ("" = advertise_host, else bind_host):
+    #: events carry prompt token ids, so they are not served on every interface. ``0.0.0.0`` binds all.
+    host: str = ""
+    #: PUB port.
     port: int = Field(5557, ge=1, le=65535)
     #: ROUTER port serving replays of the last ``buffer_steps`` batches to (re)subscribers.
     replay_port: int = Field(6557, ge=1, le=65535)
