@@ -168,10 +168,10 @@ class FakeRouter:
         self,
         request_id: str,
         model: str,
-        prompt_token_ids: Sequence[int],
+        num_prompt_tokens: int,
+        prompt_block_hashes: Sequence[router_pb2.PromptBlockHashes],
         max_tokens: int,
         tenant: str,
-        cache_salt: str,
         exclude_worker_ids: Sequence[str],
         priority: str = "",
     ) -> router_pb2.Placement:
@@ -179,11 +179,11 @@ class FakeRouter:
             {
                 "request_id": request_id,
                 "model": model,
-                "prompt_token_ids": list(prompt_token_ids),
+                "num_prompt_tokens": num_prompt_tokens,
+                "prompt_block_hashes": list(prompt_block_hashes),
                 "max_tokens": max_tokens,
                 "exclude_worker_ids": list(exclude_worker_ids),
                 "tenant": tenant,
-                "cache_salt": cache_salt,
                 "priority": priority,
             }
         )

@@ -59,13 +59,14 @@ async def test_tenants_are_isolated(edge: Any) -> None:
             "/v1/chat/completions", json=chat(conversation_id="same-id"), headers=bearer(key)
         )
         assert response.status_code == 200
-    # Prefix cache: each tenant its own salt, to the router and both workers; priority class to the router.
+    # Prefix cache: each tenant its own salt, to both workers (the router gets salted hashes, not the
+    # salt); priority class to the router.
     call_a, call_b = edge.router.schedule_calls
     assert call_a["tenant"] == "tenant-a" and call_b["tenant"] == "tenant-b"
-    assert call_a["cache_salt"] and call_b["cache_salt"] and call_a["cache_salt"] != call_b["cache_salt"]
+    assert "cache_salt" not in call_a and "prompt_token_ids" not in call_a
     assert (call_a["priority"], call_b["priority"]) == ("interactive", "batch")
     salts = [r.cache_salt for r in edge.prefill.prefill_requests]
-    assert salts == [call_a["cache_salt"], call_b["cache_salt"]]
+    assert salts[0] and salts[1] and salts[0] != salts[1]
     assert [r.cache_salt for r in edge.decode.decode_requests] == salts
     # Conversations: the same id is two conversations.
     await edge.settled()
@@ -154,7 +155,7 @@ async def test_a_tenant_created_again_under_the_same_id_gets_a_new_cache_salt(ed
     await edge.store.delete_tenant("reborn")
     key = await edge.tenant("reborn")
     assert (await edge.client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).status_code == 200
-    first, second = (call["cache_salt"] for call in edge.router.schedule_calls)
+    first, second = (request.cache_salt for request in edge.prefill.prefill_requests)
     assert first and second and first != second
     assert len(first) == 32 and "reborn" not in first
 
@@ -194,5 +195,5 @@ async def test_a_deleted_tenants_data_goes_with_it(edge: Any) -> None:
     assert usage["requests"] == 0
     again = await edge.client.post("/v1/chat/completions", json=chat("hi", conversation_id="c1"), headers=bearer(key))
     assert again.status_code == 200
-    prompt = edge.router.schedule_calls[-1]["prompt_token_ids"]
-    assert len(prompt) < len(edge.router.schedule_calls[0]["prompt_token_ids"]) + 3  # no old turns in it
+    prompt = edge.prefill.prefill_requests[-1].prompt_token_ids
+    assert len(prompt) < len(edge.prefill.prefill_requests[0].prompt_token_ids) + 3  # no old turns in it

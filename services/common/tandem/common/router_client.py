@@ -63,10 +63,12 @@ class RouterClient:
         cache_salt: str = "",
         exclude_worker_ids: Iterable[str] = (),
         priority: int | str = 0,
+        prompt_block_hashes: Iterable[router_pb2.PromptBlockHashes] = (),
     ) -> router_pb2.Placement:
         """A (prefill, decode) pair for the request, reserved until :meth:`release` or the lease ends.
 
-        ``num_prompt_tokens`` defaults to ``len(prompt_token_ids)``. ``priority``
+        ``num_prompt_tokens`` defaults to ``len(prompt_token_ids)``. The gateway sends
+        ``prompt_block_hashes`` and no token ids (prompts do not travel to the router). ``priority``
         is the admission priority: an int (larger is served first, 1 = lowest
         class; 0 = not set) or a class name; it travels as ``tandem-priority``
         metadata.
@@ -85,6 +87,7 @@ class RouterClient:
             prompt_token_ids=token_ids,
             cache_salt=cache_salt,
             exclude_worker_ids=list(exclude_worker_ids),
+            prompt_block_hashes=list(prompt_block_hashes),
         )
         try:
             placement: router_pb2.Placement = await self._stub.Schedule(

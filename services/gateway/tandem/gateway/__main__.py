@@ -23,6 +23,7 @@ from tandem.gateway.app import build_app
 from tandem.gateway.drain import Drain
 from tandem.gateway.http_server import guarded_protocol
 from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.prefix_hashes import PromptHasher
 from tandem.gateway.prompt import HfPromptTokenizer
 from tandem.gateway.readiness import GrpcConnectProbe, RouterAndWorkersReadiness
 from tandem.gateway.router import connect_router
@@ -78,7 +79,13 @@ async def serve(settings: GatewaySettings) -> None:
     drain = Drain()
     metrics = GatewayMetrics()
     app = build_app(
-        settings, router=router, tokenizer=tokenizer, readiness=readiness, drain=drain, metrics=metrics
+        settings,
+        router=router,
+        tokenizer=tokenizer,
+        readiness=readiness,
+        drain=drain,
+        metrics=metrics,
+        prompt_hasher=PromptHasher(registry),
     )
     config = uvicorn.Config(
         app,

@@ -33,6 +33,7 @@ from tandem.gateway.conversations import ConversationStore
 from tandem.gateway.drain import Drain
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.orchestrator import Orchestrator
+from tandem.gateway.prefix_hashes import PromptHasher
 from tandem.gateway.prompt import PromptTokenizer
 from tandem.gateway.quota.redis_quota import RedisQuota
 from tandem.gateway.readiness import ReadinessCheck
@@ -80,6 +81,7 @@ def build_app(
     workers: WorkerChannels | None = None,
     redis_client: aioredis.Redis | None = None,
     drain: Drain | None = None,
+    prompt_hasher: PromptHasher | None = None,
 ) -> Starlette:
     """The ASGI app. Worker channels and Redis are closed and pending cleanups drained at shutdown."""
     metrics = metrics if metrics is not None else GatewayMetrics()
@@ -98,7 +100,12 @@ def build_app(
     if settings.auth.mode == "disabled":
         logger.warning("authentication is disabled: every request is the anonymous tenant")
     usage = UsageStore(client, key_prefix=prefix, replica_id=replica_id(), fail_open=fail_open)
-    sweeper = UsageSweeper(usage, liveness_s=tenancy.usage_liveness_s, sweep_interval_s=tenancy.usage_sweep_interval_s)
+    sweeper = UsageSweeper(
+        usage,
+        liveness_s=tenancy.usage_liveness_s,
+        sweep_interval_s=tenancy.usage_sweep_interval_s,
+        release=router.release,
+    )
     orchestrator = Orchestrator(
         router,
         workers,
@@ -107,6 +114,7 @@ def build_app(
         request_timeout_s=settings.request_timeout_s,
         cleanup_timeout_s=settings.cleanup_timeout_s,
         router_unavailable_wait_s=settings.router_unavailable_wait_s,
+        prompt_hasher=prompt_hasher,
     )
     services = GatewayServices(
         limits=ModelLimits(

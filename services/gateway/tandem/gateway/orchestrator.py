@@ -36,6 +36,7 @@ import grpc
 from tandem.common.backoff import backoff_delays
 from tandem.common.errors import BackendUnavailableError, PermanentError, TandemError, WorkerUnavailableError
 from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.prefix_hashes import PromptHasher
 from tandem.gateway.router import Router
 from tandem.gateway.sampling import SamplingParams
 from tandem.gateway.timings import StageClock
@@ -135,8 +136,11 @@ class Orchestrator:
         request_timeout_s: float,
         cleanup_timeout_s: float,
         router_unavailable_wait_s: float = 0.0,
+        prompt_hasher: PromptHasher | None = None,
     ) -> None:
         self._router = router
+        #: The prompt's prefix hashes for Schedule (None: none sent, the router places as if all were cold).
+        self._prompt_hasher = prompt_hasher
         self._workers = workers
         self._metrics = metrics
         self._prefill_timeout_s = prefill_timeout_s
@@ -272,14 +276,19 @@ class Orchestrator:
         """One ``Schedule``. If the request is cancelled meanwhile (the client left), the call
         is not cancelled with it: the router may already have reserved a pair, so the call runs to its
         end in the background and what it reserved is released, rather than held until its lease ends."""
+        hashes = (
+            await self._prompt_hasher.hashes(job.model, job.prompt_token_ids, job.cache_salt)
+            if self._prompt_hasher is not None
+            else []
+        )
         schedule = asyncio.ensure_future(
             self._router.schedule(
                 request_id=job.request_id,
                 model=job.model,
-                prompt_token_ids=job.prompt_token_ids,
+                num_prompt_tokens=len(job.prompt_token_ids),
+                prompt_block_hashes=hashes,
                 max_tokens=job.max_tokens,
                 tenant=job.tenant,
-                cache_salt=job.cache_salt,
                 exclude_worker_ids=list(exclude_worker_ids),
                 priority=job.priority,
             )

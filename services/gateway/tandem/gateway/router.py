@@ -20,7 +20,8 @@ class Router(Protocol):
     ``schedule`` reserves budget on both workers and may wait in the router's
     admission queue; it raises NoCapacityError (queue timeout),
     BackendUnavailableError (router unreachable) or InvalidRequestError.
-    ``release`` ends the reservation; it is idempotent and the gateway calls it
+    The prompt itself does not travel: only its length and its prefix-cache block hashes
+    (:mod:`tandem.gateway.prefix_hashes`). ``release`` ends the reservation; it is idempotent and the gateway calls it
     once per placement, however the request ended (a prefill retry makes a
     second placement under the same request id, after releasing the first).
     """
@@ -30,10 +31,10 @@ class Router(Protocol):
         request_id: str,
         model: str,
         *,
+        num_prompt_tokens: int,
+        prompt_block_hashes: Iterable[router_pb2.PromptBlockHashes],
         max_tokens: int,
         tenant: str,
-        prompt_token_ids: Iterable[int],
-        cache_salt: str,
         exclude_worker_ids: Iterable[str],
         priority: int | str,
     ) -> router_pb2.Placement: ...

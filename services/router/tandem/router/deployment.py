@@ -177,6 +177,7 @@ def schedule_request_from_proto(request: router_pb2.ScheduleRequest, *, priority
         tenant=request.tenant,
         prompt_token_ids=tuple(request.prompt_token_ids),
         cache_salt=request.cache_salt,
+        prompt_block_hashes={(h.block_size_tokens, h.hash_seed): tuple(h.hashes) for h in request.prompt_block_hashes},
         exclude_worker_ids=frozenset(request.exclude_worker_ids),
         priority=priority,
     )

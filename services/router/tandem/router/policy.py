@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 from pydantic import BaseModel, Field
@@ -41,6 +41,9 @@ class ScheduleRequest:
     tenant: str = ""
     prompt_token_ids: tuple[int, ...] = ()
     cache_salt: str = ""
+    #: The prompt's block hashes per engine hashing configuration (block size, hash seed), as the
+    #: gateway sends them instead of the token ids; when empty, hashed here from the token ids.
+    prompt_block_hashes: Mapping[tuple[int, str], Sequence[int]] = field(default_factory=dict)
     #: Workers to avoid, e.g. one that just failed this request.
     exclude_worker_ids: frozenset[str] = frozenset()
     #: Admission priority class ("" = the tenant's or the default class).

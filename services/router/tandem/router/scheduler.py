@@ -280,10 +280,10 @@ class Scheduler:
     def _cached_tokens(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> dict[str, int]:
         """Prompt tokens each worker holds in its prefix cache, from the KV index."""
         request = pending.request
-        if not request.prompt_token_ids or not self._index.num_workers:
+        if not (request.prompt_block_hashes or request.prompt_token_ids) or not self._index.num_workers:
             return {}
         cached: dict[str, int] = {}
-        num_tokens = len(request.prompt_token_ids)
+        num_tokens = request.num_tokens
         for worker in workers:
             if worker.model != request.model or worker.block_size_tokens <= 0:
                 continue
@@ -291,10 +291,14 @@ class Scheduler:
                 continue  # not reproducible here: treated as cold
             key = (worker.block_size_tokens, worker.block_hash_seed)
             if key not in pending.hashes:
-                hasher = self._hashers.get(key)
-                if hasher is None:
-                    hasher = self._hashers[key] = BlockHasher(*key)
-                pending.hashes[key] = hasher.block_hashes(request.prompt_token_ids, cache_salt=request.cache_salt)
+                if request.prompt_block_hashes:
+                    # The gateway's hashes (it sends no token ids); a configuration it did not know is cold.
+                    pending.hashes[key] = list(request.prompt_block_hashes.get(key, ()))
+                else:
+                    hasher = self._hashers.get(key)
+                    if hasher is None:
+                        hasher = self._hashers[key] = BlockHasher(*key)
+                    pending.hashes[key] = hasher.block_hashes(request.prompt_token_ids, cache_salt=request.cache_salt)
                 # one lookup per configuration, shared by its workers
                 matched = self._index.match(pending.hashes[key])
                 for worker_id, num_blocks in matched.items():
