@@ -191,13 +191,14 @@ class UsageStore:
         with redis_errors("usage liveness"):
             await self._redis.delete(self.alive_key(self.replica_id))
 
-    async def settle_orphans(self) -> int:
+    async def settle_orphans(self) -> list[str]:
         """Record the open records of every replica whose liveness key expired (it died mid-request),
-        with the figures they last held; returns how many were settled. Safe to run on every replica at
-        once: each record is counted once (its request id marks it recorded)."""
+        with the figures they last held; returns the request ids of every orphan found (billed, or
+        dropped for having no token). Safe to run on every replica at once: each record is counted once
+        (its request id marks it recorded)."""
         with redis_errors("usage orphans"):
             replicas = await self._redis.smembers(self.replicas_key)
-        settled = 0
+        orphans: list[str] = []
         for replica in sorted(str(r) for r in replicas):
             if replica == self.replica_id:
                 continue
@@ -208,6 +209,8 @@ class UsageStore:
             for request_id in sorted(str(r) for r in request_ids):
                 with redis_errors("usage orphans"):
                     fields = await self._redis.hgetall(self._open_key(request_id))
+                    if fields:
+                        orphans.append(request_id)
                     if not fields or not int(fields.get("completion", 0)):
                         # Settled meanwhile, or died before its first token: that costs nothing.
                         async with self._redis.pipeline(transaction=True) as pipe:
@@ -225,7 +228,6 @@ class UsageStore:
                     request_id=request_id,
                 )
                 await self._write(record, replica_id=replica)
-                settled += 1
                 logger.warning(
                     "usage of a request of a dead gateway replica settled",
                     extra={"request_id": request_id, "replica": replica, "tenant": record.tenant_id},
@@ -233,7 +235,7 @@ class UsageStore:
             with redis_errors("usage orphans"):
                 if not await self._redis.scard(self._open_by_key(replica)):
                     await self._redis.srem(self.replicas_key, replica)
-        return settled
+        return orphans
 
     async def record(self, record: UsageRecord) -> None:
         """Add one request's figures (and close its open record); retries while Redis is down, then logs

@@ -7,7 +7,9 @@ settles the open records of replicas whose key expired: a gateway SIGKILLed
 mid-stream (OOM kill, node loss) has its requests billed with the tokens its
 records last held, within ``liveness_s + sweep_interval_s`` of its death, by
 any live replica (its own successor included: a restart is a new replica).
-A Redis outage only delays both; the loop keeps going.
+It also releases their router reservations (Release is idempotent), so that a
+dead replica's requests do not hold prefill and decode budget until their
+leases run out. A Redis outage only delays both; the loop keeps going.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from tandem.common.errors import BackendUnavailableError
 from tandem.gateway.usage import UsageStore
@@ -24,13 +27,23 @@ logger = logging.getLogger(__name__)
 
 
 class UsageSweeper:
-    def __init__(self, store: UsageStore, *, liveness_s: float, sweep_interval_s: float) -> None:
+    def __init__(
+        self,
+        store: UsageStore,
+        *,
+        liveness_s: float,
+        sweep_interval_s: float,
+        release: Callable[[str], Awaitable[object]] | None = None,
+    ) -> None:
         if not store.replica_id:
             raise ValueError("the usage store needs this replica's id")
         self._store = store
         self._liveness_s = liveness_s
         self._renew_s = liveness_s / 3
         self._sweep_interval_s = sweep_interval_s
+        #: Ends a dead replica's router reservation (idempotent), so that its budget is not held until
+        #: the lease runs out.
+        self._release = release
         self._task: asyncio.Task[None] | None = None
         # A stop signal rather than only cancellation: redis-py may absorb a CancelledError that
         # arrives mid-command (seen: the loop went on for another round).
@@ -45,13 +58,24 @@ class UsageSweeper:
                 await self._store.renew_liveness(self._liveness_s)
                 if time.monotonic() >= next_sweep_s:
                     next_sweep_s = time.monotonic() + self._sweep_interval_s
-                    self.num_settled += await self._store.settle_orphans()
+                    orphans = await self._store.settle_orphans()
+                    self.num_settled += len(orphans)
+                    for request_id in orphans:
+                        await self._release_reservation(request_id)
             except BackendUnavailableError as exc:
                 logger.warning("usage liveness or sweep skipped: %s", exc)
             except Exception:
                 logger.exception("usage sweep failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), min(self._renew_s, self._sweep_interval_s))
+
+    async def _release_reservation(self, request_id: str) -> None:
+        if self._release is None:
+            return
+        try:
+            await self._release(request_id)
+        except Exception as exc:  # its lease frees it anyway
+            logger.warning("reservation of a dead replica's request not released: %s", exc)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="usage-sweeper")
