@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tandem.gateway.redis_client import connect
@@ -193,6 +194,36 @@ def test_oversized_bodies(ledger: FaultLedger, client: Client) -> None:
         f.saw(f"HTTP {response.status_code} {response.json()['error']['code']}")
         assert_openai_error(response, 413, "request_too_large")
         assert len(big) > limit
+
+
+#: Gateway CPU a refused oversized request may cost: parsing its JSON once (before issue 14 such a
+#: request was rendered and tokenized up to ~12 times: ~9 s of CPU for 4.4 MB).
+OVERSIZED_CPU_CEILING_S = 0.5
+
+
+def test_oversized_prompt_is_refused_before_any_rendering(ledger: FaultLedger, client: Client) -> None:
+    """2,000 messages, ~3 MB of text: under the body limit, over the prompt-text limit. The gateway
+    refuses it from its byte count, before rendering the template or tokenizing; measured on the
+    gateway process itself."""
+    messages = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": "Ünïcödé 東京 🙂 <|im_end|> " * 55}
+        for i in range(2000)
+    ]
+    body = json.dumps(client.chat(messages=messages), ensure_ascii=False).encode()
+    assert len(body) < 4 * 1024 * 1024
+    gateway = psutil.Process(client.stack.pid("gateway"))
+    num = 5
+    with refused_attack(ledger, client, f"oversized prompt ({len(body) / 1e6:.1f} MB, 2,000 messages)") as f:
+        cpu_before = sum(gateway.cpu_times()[:2])
+        for _ in range(num):
+            f.tried()
+            response = client.post(CHAT, content=body, headers={"content-type": "application/json"})
+            assert_openai_error(response, 400, "request_too_large", "messages")
+            f.saw(f"HTTP {response.status_code} {response.json()['error']['code']}")
+        cpu_per_request_s = (sum(gateway.cpu_times()[:2]) - cpu_before) / num
+        f.saw(f"gateway CPU per refused request: {cpu_per_request_s * 1000:.0f} ms")
+        print(f"oversized prompt refused: {cpu_per_request_s * 1000:.0f} ms of gateway CPU per request")
+        assert cpu_per_request_s < OVERSIZED_CPU_CEILING_S
 
 
 MALFORMED_BODIES = [

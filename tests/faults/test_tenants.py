@@ -494,3 +494,46 @@ def test_a_revoked_key_stops_working(stack: LocalStack, ledger: FaultLedger) -> 
         f.tried()
         assert wait_until(lambda: chat(stack, kept, "Hi.").status_code == 401, timeout_s=10, interval_s=0.5)
         f.saw("HTTP 401")
+
+
+# -- tenant lifecycle ----------------------------------------------------------------------------------------
+
+
+def test_a_deleted_tenant_leaves_nothing_and_its_id_starts_empty(stack: LocalStack, ledger: FaultLedger) -> None:
+    """Delete a tenant (what ``tandem-admin tenant delete`` does), then create one with the same id: the
+    old key is refused, nothing of the old tenant is left in Redis, and the new one reads no old
+    conversation or usage and gets a new cache salt."""
+    tenant_id = "tenant-reborn"
+    prefix = stack.config.key_prefix
+    secret = "the code is 4711 ✓ 東京 🙂"
+    old_key = stack.create_tenant_key(tenant_id)
+    client = redis.Redis.from_url(stack.config.redis_url, socket_timeout=2, decode_responses=True)
+    try:
+        with ledger.fault("tenant deleted, then created again under the same id") as f:
+            assert chat(stack, old_key, f"Remember: {secret}.", conversation_id="c1").status_code == 200
+            wait_billed(stack, {tenant_id: 1})
+            old_salt = json.loads(client.get(f"{prefix}:gw:tenant:{tenant_id}"))["salt"]
+            deleted = with_store(stack, lambda store: store.delete_tenant(tenant_id))
+            f.tried()
+            f.saw(f"{deleted} keys deleted")
+            assert wait_until(lambda: chat(stack, old_key, "Hi.").status_code == 401, timeout_s=10, interval_s=0.5)
+            f.saw("the old key: HTTP 401")
+            # Usage keys are per tenant: only its own, ":<id>" or ":<id>:…" (another id may extend this one).
+            left = [
+                k
+                for k in client.scan_iter(match=f"{prefix}:gw:*", count=1000)
+                if k.endswith(f":{tenant_id}") or f":{tenant_id}:" in k
+            ]
+            f.leaked("keys of the deleted tenant left in Redis", len(left))
+
+            new_key = stack.create_tenant_key(tenant_id)
+            f.leaked("usage carried over to the new tenant", usage_of(stack, new_key)["total"]["requests"])
+            reply = chat(stack, new_key, "What is the code?", conversation_id="c1")
+            assert reply.status_code == 200, reply.text
+            stored = client.lrange(f"{prefix}:gw:conv:{tenant_id}:c1", 0, -1)
+            f.leaked("old conversation turns readable", sum(secret in raw for raw in stored))
+            new_salt = json.loads(client.get(f"{prefix}:gw:tenant:{tenant_id}"))["salt"]
+            f.leaked("cache salt reused", int(new_salt == old_salt))
+            f.saw("the new tenant: no usage, no old turns, a new cache salt")
+    finally:
+        client.close()

@@ -258,6 +258,16 @@ def test_redis_restarted(backend: BackendStack, ledger: FaultLedger) -> None:
         assert_nothing_left(backend, f)
 
 
+def num_text_events(lines: list[str]) -> int:
+    """SSE chunks that carry text (the first chunk only opens the message: role, empty content)."""
+    num = 0
+    for line in lines:
+        if line.startswith("data:") and line != "data: [DONE]":
+            choices = json.loads(line[5:]).get("choices") or [{}]
+            num += bool(choices[0].get("delta", {}).get("content"))
+    return num
+
+
 def test_gateway_killed_mid_stream(backend: BackendStack, ledger: FaultLedger) -> None:
     """The gateway dies (SIGKILL: an OOM kill, a lost node) while it streams an answer. What it served
     is billed all the same, by its successor, from the usage record it kept open: at least the tokens
@@ -279,8 +289,8 @@ def test_gateway_killed_mid_stream(backend: BackendStack, ledger: FaultLedger) -
             stream_chat(stack, body, on_line=kill_when_streaming)
         f.tried()
         assert seen, "the stream ended before the gateway could be killed"
-        # Each content event carries at least one token: a lower bound of what the client got.
-        num_tokens_received = num_content_events(seen)
+        # Each event with text carries at least one token: a lower bound of what the client got.
+        num_tokens_received = num_text_events(seen)
         stack.restart("gateway")
         restarted_at = time.monotonic()
         assert wait_until(
@@ -297,3 +307,40 @@ def test_gateway_killed_mid_stream(backend: BackendStack, ledger: FaultLedger) -
         f.leaked("completion tokens billed beyond generated", max(0, billed - generated))
         assert usage["aborted_requests"] == 1 and usage["prompt_tokens"] > 0, usage
         assert_nothing_left(backend, f)
+
+
+def test_redis_full(backend: BackendStack, ledger: FaultLedger) -> None:
+    """Redis at ``maxmemory`` with ``noeviction`` refuses every write. A request must then be turned away
+    with 503 before any token (it could not be billed), and be served again once Redis has room."""
+    stack = backend.stack
+    workers = worker_names(stack)
+    client = redis.Redis.from_url(stack.config.redis_url, socket_timeout=2, decode_responses=True)
+    try:
+        with ledger.fault("Redis full (maxmemory, noeviction)") as f:
+            usage_before = usage_total(stack)
+            generated_before = sum(gauge(stack, n, "vllm:generation_tokens_total") for n in workers)
+            saved = client.config_get("maxmemory") | client.config_get("maxmemory-policy")
+            # Kept short: the workers' registry heartbeats are refused too, and registrations live 5 s.
+            client.config_set("maxmemory-policy", "noeviction")
+            client.config_set("maxmemory", "1")  # far below what is used: every write is refused
+            try:
+                for _ in range(3):
+                    result = stream_chat(stack, chat_body(stack, "Say no.", max_tokens=4), timeout_s=30)
+                    f.tried()
+                    assert result.status == 503, (result.status, result.body)
+                    error = result.errors[0]
+                    assert error.get("code") == "backend_unavailable" and error.get("retry_after"), error
+                    f.saw("HTTP 503 backend_unavailable with Retry-After")
+            finally:
+                client.config_set("maxmemory", saved["maxmemory"])
+                client.config_set("maxmemory-policy", saved["maxmemory-policy"])
+            generated = sum(gauge(stack, n, "vllm:generation_tokens_total") for n in workers) - generated_before
+            f.leaked("tokens generated for refused requests", generated)
+            f.leaked("refused requests billed", usage_total(stack)["requests"] - usage_before["requests"])
+            seen = probe_until_recovered(stack, f, deadline_s=RECOVERY_BOUND_S)
+            for what, num in seen.items():
+                f.saw(f"after Redis has room: {what}", num)
+            assert wait_until(lambda: usage_total(stack)["requests"] == usage_before["requests"] + 1, timeout_s=30)
+            assert_nothing_left(backend, f)
+    finally:
+        client.close()

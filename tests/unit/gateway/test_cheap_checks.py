@@ -4,6 +4,7 @@ stream slot or quota left, is refused before the chat template is rendered or an
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -27,8 +28,9 @@ def huge_chat(num_messages: int = 2000, chars: int = 1000) -> dict[str, Any]:
 
 @pytest.fixture
 def edge_overrides() -> dict[str, Any]:
-    """The production body limit (4 MiB) and a 2,048-token context: 128 KiB of text at most."""
-    return {"max_model_len": 2048, "max_body_bytes": 4 * 1024 * 1024}
+    """The production body limit (4 MiB) and a 2,048-token context: 128 KiB of text at most; requests
+    that hang end after 3 s."""
+    return {"max_model_len": 2048, "max_body_bytes": 4 * 1024 * 1024, "request_timeout_s": 3.0}
 
 
 @pytest.fixture
@@ -74,16 +76,23 @@ async def test_a_tenant_with_no_stream_slot_is_refused_before_its_prompt_is_buil
 ) -> None:
     key = await edge.tenant("busy", max_concurrent_streams=1)
     edge.decode.decode_hang_after = 1
-    async with edge.client.stream(
-        "POST", "/v1/chat/completions", json={**huge_chat(2, 40), "stream": True}, headers=bearer(key)
-    ) as first:
-        assert first.status_code == 200
-        calls_for_the_first = len(tokenizer_calls)
-        blocked = await edge.client.post("/v1/chat/completions", json=huge_chat(200, 400), headers=bearer(key))
-        assert blocked.status_code == 429
-        assert blocked.headers["retry-after"] == "1"
-        assert blocked.headers["x-ratelimit-remaining-streams"] == "0"
-        assert len(tokenizer_calls) == calls_for_the_first  # the second prompt was never built
+    # httpx's ASGI transport returns a response only once the app finished it: the first stream runs in
+    # a task of its own, and holds its slot while its decode stream hangs.
+    first = asyncio.create_task(
+        edge.client.post("/v1/chat/completions", json={**huge_chat(2, 40), "stream": True}, headers=bearer(key))
+    )
+    for _ in range(500):
+        if edge.decode.decode_requests:
+            break
+        await asyncio.sleep(0.01)
+    assert edge.decode.decode_requests, "the first request never reached its decode worker"
+    calls_for_the_first = len(tokenizer_calls)
+    blocked = await edge.client.post("/v1/chat/completions", json=huge_chat(200, 400), headers=bearer(key))
+    assert blocked.status_code == 429, blocked.text
+    assert blocked.headers["retry-after"] == "1"
+    assert blocked.headers["x-ratelimit-remaining-streams"] == "0"
+    assert len(tokenizer_calls) == calls_for_the_first  # the second prompt was never built
+    assert (await first).status_code == 200  # its stream ends with an error event at the request timeout
     edge.decode.decode_hang_after = None
     await edge.settled()
 

@@ -13,7 +13,11 @@ from tandem.local.stack import LocalStack, StackConfig, StackError
 
 
 def main() -> int:
-    config = StackConfig()
+    # A Redis the stack starts itself keeps tenants, keys and usage across restarts (append-only file);
+    # a Redis already running at the URL keeps its own persistence settings.
+    config = StackConfig(
+        redis_data_dir=Path(os.environ.get("TANDEM_REDIS_DATA_DIR", Path.home() / ".cache" / "tandem" / "redis"))
+    )
     model_dir = os.environ.get("TANDEM_MODEL_DIR")
     if model_dir:
         config.model_dir = Path(model_dir).expanduser()
