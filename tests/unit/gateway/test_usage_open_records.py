@@ -142,3 +142,39 @@ async def test_a_request_refused_before_its_first_token_leaves_nothing_open(pref
         assert not await client.smembers(f"{prefix}:gw:usage:_open_by:gw-a")
     finally:
         await client.aclose()
+
+
+async def test_usage_and_turns_never_land_on_a_deleted_or_recreated_tenant(prefix: str) -> None:
+    """A deleted tenant's key keeps working for ``auth.cache_s``; what it is served then must not bring
+    the tenant's usage or conversations back, nor reach a new tenant created under the same id."""
+    from tandem.gateway.conversations import ConversationStore
+    from tandem.gateway.tenancy.models import Tenant
+    from tandem.gateway.tenancy.store import TenantStore
+
+    client = connect("redis://127.0.0.1:6379/0", timeout_s=2.0)
+    try:
+        tenants = TenantStore(client, key_prefix=prefix)
+        usage = UsageStore(client, key_prefix=prefix, replica_id="gw-a")
+        conversations = ConversationStore(client, key_prefix=prefix, ttl_s=600, max_messages=10)
+        await tenants.put_tenant(Tenant(id="acme"))
+        old_salt = (await tenants.get_tenant("acme")).cache_salt  # type: ignore[union-attr]
+
+        def served(request_id: str, salt: str) -> UsageRecord:
+            return UsageRecord("acme", "m", 10, 3, 0, aborted=False, request_id=request_id, tenant_salt=salt)
+
+        await usage.record(served("r-1", old_salt))
+        assert (await usage.tenant_usage("acme"))["total"]["requests"] == 1
+        await tenants.delete_tenant("acme")
+        await usage.record(served("r-2", old_salt))  # served from a cached key after the deletion
+        await conversations.append("acme", "c1", [{"role": "user", "content": "東京 🙂"}], tenant_salt=old_salt)
+        assert [k async for k in client.scan_iter(match=f"{prefix}:gw:*acme*")] == []
+
+        await tenants.put_tenant(Tenant(id="acme"))  # created again: a new salt
+        new_salt = (await tenants.get_tenant("acme")).cache_salt  # type: ignore[union-attr]
+        assert new_salt != old_salt
+        await usage.record(served("r-3", old_salt))
+        assert (await usage.tenant_usage("acme"))["total"]["requests"] == 0
+        await usage.record(served("r-4", new_salt))
+        assert (await usage.tenant_usage("acme"))["total"]["requests"] == 1
+    finally:
+        await client.aclose()

@@ -41,17 +41,24 @@ def check_conversation_id(conversation_id: str) -> None:
         )
 
 
-#: Appends a turn and applies every bound, atomically. KEYS: the conversation, the tenant's index.
-#: ARGV: stored turns to forget first, max messages, TTL (s), now (ms), conversation id, max
-#: conversations, the tenant's conversation key prefix, then the messages. Deletes the evicted
-#: conversations' keys, which are built here (one Redis, not a cluster: fine).
+#: Appends a turn and applies every bound, atomically. KEYS: the conversation, the tenant's index, the
+#: tenant's record ('' for no check). ARGV: stored turns to forget first, max messages, TTL (s), now
+#: (ms), conversation id, max conversations, the tenant's conversation key prefix, the tenant's salt,
+#: then the messages. Deletes the evicted conversations' keys, which are built here (one Redis, not a
+#: cluster: fine). A tenant deleted (or created again) since the request was admitted gets nothing.
 _APPEND = """#!lua
 local key, index = KEYS[1], KEYS[2]
+if KEYS[3] ~= '' then
+  local raw = redis.call('GET', KEYS[3])
+  if not raw or cjson.decode(raw)['salt'] ~= ARGV[8] then
+    return -1
+  end
+end
 local ttl_s, now_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
 if tonumber(ARGV[1]) > 0 then
   redis.call('LTRIM', key, ARGV[1], -1)
 end
-redis.call('RPUSH', key, unpack(ARGV, 8))
+redis.call('RPUSH', key, unpack(ARGV, 9))
 redis.call('LTRIM', key, -tonumber(ARGV[2]), -1)
 redis.call('EXPIRE', key, ttl_s)
 redis.call('ZADD', index, now_ms, ARGV[5])
@@ -79,7 +86,8 @@ class ConversationStore:
         max_conversations: int = 1000,
     ) -> None:
         self._redis = client
-        self._p = f"{key_prefix}:gw:conv"
+        self._gw = f"{key_prefix}:gw"
+        self._p = f"{self._gw}:conv"
         self._ttl_s = ttl_s
         self._max_messages = max_messages
         self._max_conversations = max_conversations
@@ -97,7 +105,13 @@ class ConversationStore:
         return [json.loads(raw) for raw in raws]
 
     async def append(
-        self, tenant_id: str, conversation_id: str, messages: Sequence[Message], *, num_dropped_history: int = 0
+        self,
+        tenant_id: str,
+        conversation_id: str,
+        messages: Sequence[Message],
+        *,
+        num_dropped_history: int = 0,
+        tenant_salt: str = "",
     ) -> None:
         """Add ``messages`` (the turns that made it into the prompt, and the answer) and forget the
         ``num_dropped_history`` oldest stored turns, which no longer fit the context: the conversation
@@ -112,7 +126,13 @@ class ConversationStore:
             conversation_id,
             self._max_conversations,
             f"{self._p}:{tenant_id}:",
+            tenant_salt,
             *[json.dumps(m, ensure_ascii=False) for m in messages],
         ]
+        keys = [
+            self._key(tenant_id, conversation_id),
+            self._index_key(tenant_id),
+            f"{self._gw}:tenant:{tenant_id}" if tenant_salt else "",
+        ]
         with redis_errors("conversation write"):
-            await self._append(keys=[self._key(tenant_id, conversation_id), self._index_key(tenant_id)], args=args)
+            await self._append(keys=keys, args=args)

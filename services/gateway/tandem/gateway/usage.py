@@ -50,21 +50,32 @@ class UsageRecord:
     aborted: bool
     #: Makes :meth:`UsageStore.record` idempotent across retries ("": no marker).
     request_id: str = ""
+    #: The tenant record's salt when the request was admitted ("": no check, e.g. auth disabled): a
+    #: record whose tenant was deleted (or deleted and created again) meanwhile is not added to it.
+    tenant_salt: str = ""
 
 
 #: Adds one request's counters to both hashes, once: a retry after a lost reply finds the marker and
 #: adds nothing. KEYS: all-time hash, day hash, tenants set, marker ('' for none), open record, the open
-#: records' set of its replica (both '' for none). ARGV: model, day TTL, marker TTL, tenant id, request
-#: id, then counter name / value pairs.
+#: records' set of its replica (both '' for none), the tenant's record ('' for no check). ARGV: model,
+#: day TTL, marker TTL, tenant id, request id, the tenant's salt, then counter name / value pairs. A
+#: tenant deleted (or deleted and created again) since the request was admitted gets nothing: its
+#: cached key may serve for ``auth.cache_s`` after the deletion, and must not bring its usage back.
 _RECORD_ONCE = """
 if KEYS[5] ~= '' then
   redis.call('DEL', KEYS[5])
   redis.call('SREM', KEYS[6], ARGV[5])
 end
+if KEYS[7] ~= '' then
+  local raw = redis.call('GET', KEYS[7])
+  if not raw or cjson.decode(raw)['salt'] ~= ARGV[6] then
+    return 0
+  end
+end
 if KEYS[4] ~= '' and redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[3]) == false then
   return 0
 end
-for i = 6, #ARGV, 2 do
+for i = 7, #ARGV, 2 do
   local field = ARGV[1] .. '|' .. ARGV[i]
   redis.call('HINCRBY', KEYS[1], field, ARGV[i + 1])
   redis.call('HINCRBY', KEYS[2], field, ARGV[i + 1])
@@ -116,7 +127,8 @@ class UsageStore:
         fail_open: bool = False,
     ) -> None:
         self._redis = client
-        self._p = f"{key_prefix}:gw:usage"
+        self._gw = f"{key_prefix}:gw"
+        self._p = f"{self._gw}:usage"
         self._retry_for_s = retry_for_s
         #: This gateway process, owner of the records it opens ('' in tools that only read or record).
         self.replica_id = replica_id
@@ -150,6 +162,7 @@ class UsageStore:
             "prompt": record.num_prompt_tokens,
             "cached": record.num_cached_tokens,
             "completion": record.num_completion_tokens,
+            "salt": record.tenant_salt,
         }
         args: list[str | int] = [record.request_id, self.replica_id, OPEN_RECORD_TTL_S]
         for name, value in fields.items():
@@ -226,6 +239,7 @@ class UsageStore:
                     num_cached_tokens=int(fields["cached"]),
                     aborted=True,
                     request_id=request_id,
+                    tenant_salt=str(fields.get("salt", "")),
                 )
                 await self._write(record, replica_id=replica)
                 logger.warning(
@@ -278,8 +292,16 @@ class UsageStore:
             f"{self._p}:_recorded:{record.request_id}" if record.request_id else "",
             self._open_key(record.request_id) if has_open else "",
             self._open_by_key(replica_id) if has_open else "",
+            f"{self._gw}:tenant:{record.tenant_id}" if record.tenant_salt else "",
         ]
-        args: list[str | int] = [record.model, _DAY_TTL_S, _RECORDED_MARKER_TTL_S, record.tenant_id, record.request_id]
+        args: list[str | int] = [
+            record.model,
+            _DAY_TTL_S,
+            _RECORDED_MARKER_TTL_S,
+            record.tenant_id,
+            record.request_id,
+            record.tenant_salt,
+        ]
         for name, value in values.items():
             if value:
                 args += [name, value]

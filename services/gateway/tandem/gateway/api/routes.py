@@ -110,7 +110,10 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
         admission = await services.quota.admit(
             tenant.id, tenant, prepared.request_id, len(prepared.prompt_token_ids), prepared.max_tokens
         )
-        opened = await _open_usage(services, admission, prepared.body.model)
+        # Usage lands only on the tenant record it was admitted under (not on one deleted, or deleted and
+        # created again, meanwhile); anonymous requests (auth disabled) have no record to check.
+        tenant_salt = tenant.cache_salt if prepared.principal.key_id else ""
+        opened = await _open_usage(services, admission, prepared.body.model, tenant_salt)
         prepared.clock.mark("admitted")
         if prepared.num_dropped_messages:
             logger.info(
@@ -119,7 +122,7 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
             )
 
         async def on_finish(outcome: Outcome) -> None:
-            await _settle(services, admission, prepared.body.model, outcome)
+            await _settle(services, admission, prepared.body.model, outcome, tenant_salt)
             conversation = prepared.conversation
             if conversation is not None and outcome.finished is not None:
                 answer = {"role": "assistant", "content": outcome.text}
@@ -129,6 +132,7 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
                         conversation.id,
                         [*conversation.new_turns, answer],
                         num_dropped_history=conversation.num_dropped_history,
+                        tenant_salt=tenant_salt,
                     )
                 except BackendUnavailableError as exc:
                     logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})
@@ -147,7 +151,7 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
     return _openai_errors(path, handle)
 
 
-async def _open_usage(services: GatewayServices, admission: Admission, model: str) -> bool:
+async def _open_usage(services: GatewayServices, admission: Admission, model: str, tenant_salt: str) -> bool:
     """Open the request's usage record, so that it is billed even if this gateway dies before it ends.
     A Redis that cannot take it (down, full, read-only) turns the request away with 503 before any
     token, and the admission is given back; True when the record is open."""
@@ -159,6 +163,7 @@ async def _open_usage(services: GatewayServices, admission: Admission, model: st
         num_cached_tokens=0,
         aborted=False,
         request_id=admission.request_id,
+        tenant_salt=tenant_salt,
     )
     try:
         return await services.usage.open(record)
@@ -167,7 +172,9 @@ async def _open_usage(services: GatewayServices, admission: Admission, model: st
         raise
 
 
-async def _settle(services: GatewayServices, admission: Admission, model: str, outcome: Outcome) -> None:
+async def _settle(
+    services: GatewayServices, admission: Admission, model: str, outcome: Outcome, tenant_salt: str
+) -> None:
     """Reconcile the quota with what was generated and record usage — also for aborted requests. A
     request that failed before its first token (no capacity, a queue timeout, a worker error) costs
     nothing: no usage record, and its input charge goes back to the bucket."""
@@ -186,6 +193,7 @@ async def _settle(services: GatewayServices, admission: Admission, model: str, o
             num_cached_tokens=cached,
             aborted=outcome.finished is None,
             request_id=admission.request_id,
+            tenant_salt=tenant_salt,
         )
     )
 
