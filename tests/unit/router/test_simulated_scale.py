@@ -70,16 +70,28 @@ async def test_64_simulated_workers_prefill_each_document_once_and_spread_tenant
             prompt = docs[tenant] + [rnd.randrange(49152) for _ in range(40)]
             placement = await scheduler.schedule(
                 ScheduleRequest(
-                    request_id=f"r{i}", model="simulated-model", num_prompt_tokens=len(prompt), max_tokens=16,
-                    tenant=f"t{tenant}", prompt_token_ids=tuple(prompt), cache_salt=f"t{tenant}",
+                    request_id=f"r{i}",
+                    model="simulated-model",
+                    num_prompt_tokens=len(prompt),
+                    max_tokens=16,
+                    tenant=f"t{tenant}",
+                    prompt_token_ids=tuple(prompt),
+                    cache_salt=f"t{tenant}",
                 )
             )
             address = placement.prefill.address
             channel = channels.setdefault(address, grpc.aio.insecure_channel(address))
+            keep_kv = i % 2 == 0
             response = await worker_pb2_grpc.WorkerStub(channel).Prefill(
-                worker_pb2.PrefillRequest(request_id=f"r{i}", prompt_token_ids=prompt, cache_salt=f"t{tenant}"),
+                worker_pb2.PrefillRequest(
+                    request_id=f"r{i}", prompt_token_ids=prompt, cache_salt=f"t{tenant}", keep_kv=keep_kv
+                ),
                 timeout=10,
             )
+            # a handle in the real one's shape when asked to keep the KV (the gateway refuses a prefill without)
+            assert response.HasField("kv_handle") == keep_kv
+            if keep_kv:
+                assert response.kv_handle.remote_request_id == f"r{i}" and response.kv_handle.num_tokens == len(prompt)
             # the router's expectation is the engine's answer (events arrive before the next request)
             if i >= 2 * NUM_TENANTS:
                 assert placement.num_cached_tokens <= response.num_cached_tokens

@@ -36,7 +36,7 @@ import grpc
 from tandem.common.block_hash import BlockHasher
 from tandem.common.kv_events import END_SEQ, BlockRemoved, BlockStored, KVEvent, encode_batch, encode_seq
 from tandem.common.registry import WorkerLoad, WorkerRecord, WorkerRegistry
-from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
         finally:
             self.num_running -= 1
             self.num_prompt_tokens_in_flight -= len(prompt)
-        return worker_pb2.PrefillResponse(
+        response = worker_pb2.PrefillResponse(
             request_id=request.request_id,
             first_token_id=1,
             first_text=" simulated",
@@ -290,6 +290,18 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
             engine_seconds=time.perf_counter() - started_s,
             finish_reason="length" if not request.keep_kv else "",
         )
+        if request.keep_kv:
+            # A SIMULATED handle, in the real one's shape (the gateway refuses a prefill that kept no KV):
+            # this worker's simulated decode peers load nothing from it.
+            response.kv_handle.CopyFrom(
+                common_pb2.KVHandle(
+                    engine_id=self.config.worker_id,
+                    kv_address=f"{self.config.host}:{self.config.port}",
+                    remote_request_id=request.request_id,
+                    num_tokens=len(prompt),
+                )
+            )
+        return response
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: _Ctx) -> AsyncIterator[worker_pb2.DecodeChunk]:
         max_tokens = max(1, request.sampling.max_tokens)
