@@ -55,7 +55,7 @@ empty :=
 space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS) $(TOOL_DIRS))
 
-.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv bench-local-prefill
+.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv bench-local-prefill bench-trim
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -152,6 +152,9 @@ bench-kv: setup redis  ## KV pull vs loopback TCP vs a bare gRPC stream, where t
 
 bench-local-prefill: setup redis  ## handoff vs the decode worker prefilling alone, by prompt length: the router's threshold
 	$(PY) benchmarks/local_prefill.py
+
+bench-trim: setup  ## context trimming: one rendering prices every turn vs bisection, side by side
+	$(PY) benchmarks/context_trimming.py
 
 clean:  ## remove generated stubs, stamps, caches and build outputs (keeps .venv and the model cache)
 	rm -rf $(STAMP_DIR) reports build dist .pytest_cache .mypy_cache .ruff_cache

@@ -37,7 +37,7 @@ def edge_overrides() -> dict[str, Any]:
 def tokenizer_calls(edge: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     tokenizer = edge.app.state.services.tokenizer
-    for name in ("chat_prompt_ids", "text_prompt_ids"):
+    for name in ("chat_prompt", "text_prompt_ids"):
         original = getattr(tokenizer, name)
 
         def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:

@@ -13,12 +13,12 @@ the last message is never dropped. When even that cannot fit: 400.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from tandem.common.errors import InvalidRequestError
 from tandem.gateway.errors import PermissionDeniedError
-from tandem.gateway.prompt import PromptTokenizer, chat_prompt_ids
+from tandem.gateway.prompt import ChatPrompt, PromptTokenizer, chat_prompt
 
 Message = dict[str, str]
 SYSTEM_ROLES = ("system", "developer")
@@ -69,31 +69,22 @@ async def assemble_chat(
     if not turns:
         raise InvalidRequestError("messages: at least one non-system message is needed.", param="messages")
     reserve = requested_max_tokens if requested_max_tokens is not None else default_max_tokens
-    num_droppable = len(turns) - 1
-    cache: dict[int, list[int]] = {}
+    renders: dict[int, ChatPrompt] = {}
 
-    async def ids_without(num_dropped: int) -> list[int]:
-        if num_dropped not in cache:
-            cache[num_dropped] = await chat_prompt_ids(tokenizer, [*head, *turns[num_dropped:]])
-        return cache[num_dropped]
+    async def render_without(num_dropped: int) -> ChatPrompt:
+        if num_dropped not in renders:
+            renders[num_dropped] = await chat_prompt(tokenizer, [*head, *turns[num_dropped:]])
+        return renders[num_dropped]
 
-    def fits(ids: list[int]) -> bool:
-        return len(ids) + reserve <= context_tokens
+    async def fits_without(num_dropped: int) -> bool:
+        return len((await render_without(num_dropped)).ids) + reserve <= context_tokens
 
     num_dropped = 0
-    if not fits(await ids_without(0)):
-        if not fits(await ids_without(num_droppable)):
-            num_dropped = num_droppable
-        else:
-            low, high = 1, num_droppable  # the smallest number of dropped turns that fits lies in [low, high]
-            while low < high:
-                middle = (low + high) // 2
-                if fits(await ids_without(middle)):
-                    high = middle
-                else:
-                    low = middle + 1
-            num_dropped = low
-    ids = await ids_without(num_dropped)
+    if not await fits_without(0):
+        num_dropped = await _fewest_turns_to_drop(
+            renders[0], len(head), len(turns), reserve + len(renders[0].ids) - context_tokens, fits_without
+        )
+    ids = (await render_without(num_dropped)).ids
     max_tokens = fit_max_tokens(
         len(ids),
         requested_max_tokens,
@@ -103,6 +94,64 @@ async def assemble_chat(
         num_dropped_messages=num_dropped,
     )
     return AssembledPrompt(ids, max_tokens, [*head, *turns[num_dropped:]], num_dropped)
+
+
+async def _fewest_turns_to_drop(
+    full: ChatPrompt,
+    num_head_messages: int,
+    num_turns: int,
+    excess_tokens: int,
+    fits_without: Callable[[int], Awaitable[bool]],
+) -> int:
+    """The fewest oldest turns whose dropping makes the prompt fit (at most all but the last; the
+    caller refuses when even that does not fit), in time linear in the conversation.
+
+    The full rendering says where each turn's content begins among its tokens, so dropping ``k``
+    turns is priced by reading it, and the estimate is the first ``k`` that saves
+    ``excess_tokens``. A template's framing may differ a token or two by role (dropping a user
+    turn takes a user header away, while the estimate counted the next turn's), so the estimate is
+    confirmed by rendering it and one turn fewer, and a miss is searched from the estimate
+    outwards in doubling steps: with ChatML, 3 or 4 renderings for a conversation of any length,
+    each linear in it. A template that transforms contents, so that none can be located, gets a
+    bisection over all turns (O(log n) renderings)."""
+    num_droppable = num_turns - 1
+    starts = full.message_token_starts
+    first = starts[num_head_messages] if starts is not None else None
+    if starts is None or first is None:
+        return await _bisect(fits_without, 1, num_droppable) if await fits_without(num_droppable) else num_droppable
+    estimate = num_droppable
+    for k in range(1, num_droppable + 1):
+        start = starts[num_head_messages + k]
+        # A turn with empty content has no start of its own: it is priced with the turn after it.
+        if start is not None and start - first >= excess_tokens:
+            estimate = k
+            break
+    if await fits_without(estimate):
+        fitting, step = estimate, 1  # the answer is at most `fitting`; look below it
+        while fitting > 1:
+            below = max(1, fitting - step)
+            if not await fits_without(below):
+                return await _bisect(fits_without, below + 1, fitting)
+            fitting, step = below, step * 2
+        return fitting
+    short, step = estimate, 1  # dropping `short` turns is not enough; look above it
+    while short < num_droppable:
+        above = min(num_droppable, short + step)
+        if await fits_without(above):
+            return await _bisect(fits_without, short + 1, above)
+        short, step = above, step * 2
+    return num_droppable
+
+
+async def _bisect(fits_without: Callable[[int], Awaitable[bool]], low: int, high: int) -> int:
+    """The smallest count in [low, high] that fits, where ``high`` fits and ``low - 1`` does not."""
+    while low < high:
+        middle = (low + high) // 2
+        if await fits_without(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return high
 
 
 def fit_max_tokens(

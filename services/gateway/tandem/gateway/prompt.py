@@ -61,7 +61,7 @@ class PromptTokenizer(Protocol):
     """Turns client input into prompt token ids. Methods may block (CPU); the
     caller runs them off the event loop. Bad input raises InvalidRequestError."""
 
-    def chat_prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
         """Apply the model's chat template with the generation prompt and tokenize.
         Special-token strings inside message content are tokenized as text."""
         ...
@@ -69,6 +69,25 @@ class PromptTokenizer(Protocol):
     def text_prompt_ids(self, text: str) -> list[int]:
         """Tokenize a raw completion prompt (special tokens in it are live)."""
         ...
+
+
+class ChatPrompt(NamedTuple):
+    """A rendered and tokenized chat prompt."""
+
+    ids: list[int]
+    message_token_starts: list[int | None] | None = None
+    """Per message, how many of ``ids`` come before its content's first token; None for a message
+    whose content is empty. The whole list is None when contents could not be located in the
+    rendering (the template transforms them). Context trimming reads each turn's cost from it, so
+    one rendering prices every turn."""
+
+
+class ContentSpan(NamedTuple):
+    """Where one message's content lies in the rendered prompt."""
+
+    start: int
+    end: int
+    message_index: int
 
 
 class SpecialToken(NamedTuple):
@@ -116,6 +135,9 @@ class HfPromptTokenizer:
         return cls(AutoTokenizer.from_pretrained(str(model_dir)))
 
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        return self.chat_prompt(messages).ids
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
         if not getattr(self._tokenizer, "chat_template", None):
             raise InvalidRequestError("This model has no chat template; use /v1/completions.", code="no_chat_template")
         real = [dict(m) for m in messages]
@@ -132,7 +154,7 @@ class HfPromptTokenizer:
             # Content cannot be told from control here, so content may not carry control strings at all.
             if any(self._special_pattern.search(c) for c in contents):
                 raise self._control_token_error()
-            return ids
+            return ChatPrompt(ids)
         live: list[SpecialToken] = []  # the template's own
         forged: list[int] = []  # where a content's text was taken for a special token
         for k in itertools.compress(itertools.count(), map(self._special_ids.__contains__, ids)):
@@ -142,9 +164,10 @@ class HfPromptTokenizer:
                 live.append(special)
             elif not self._is_unknown_text(special, rendered):
                 forged.append(start)
-        if not forged:
-            return ids
-        return self._ids_with_content_as_text(rendered, ids, live, forged)
+        token_starts = [start for start, _ in encoding.offsets]
+        if forged:
+            ids, token_starts = self._ids_with_content_as_text(rendered, ids, token_starts, live, forged)
+        return ChatPrompt(ids, _message_token_starts(len(real), spans, token_starts))
 
     def text_prompt_ids(self, text: str) -> list[int]:
         return [int(i) for i in self._tokenizer(text, add_special_tokens=True)["input_ids"]]
@@ -160,8 +183,8 @@ class HfPromptTokenizer:
 
     def _content_spans(
         self, messages: list[dict[str, str]], contents: list[str], rendered: str
-    ) -> list[tuple[int, int]] | None:
-        """Where each rendered content lies in ``rendered`` (start, end), in order; None when the
+    ) -> list[ContentSpan] | None:
+        """Where each rendered content lies in ``rendered``, in order; None when the
         template does not render contents verbatim (or ``strip()``-ed) in content-independent text."""
         skeleton_messages = [
             {**m, "content": self._stand_in.format(i)} if contents[i] else m for i, m in enumerate(messages)
@@ -172,7 +195,7 @@ class HfPromptTokenizer:
             return None
         # [template text, content index, template text, …, template text]
         parts = self._stand_in_pattern.split(skeleton)
-        spans: list[tuple[int, int]] = []
+        spans: list[ContentSpan] = []
         if not rendered.startswith(parts[0]):
             return None
         cursor = len(parts[0])
@@ -184,19 +207,19 @@ class HfPromptTokenizer:
                     break
             else:
                 return None
-            spans.append((cursor, end))
+            spans.append(ContentSpan(cursor, end, int(index_text)))
             cursor = end + len(template_text)
         return spans if cursor == len(rendered) else None
 
-    def _in_content(self, special: SpecialToken, rendered: str, spans: list[tuple[int, int]]) -> bool:
+    def _in_content(self, special: SpecialToken, rendered: str, spans: list[ContentSpan]) -> bool:
         """Whether the token takes any character of a message's content."""
         # Its own text, without whitespace it absorbed: absorbing a content's trailing spaces
         # (lstrip) is what the tokenizer does today, not control taken from content.
         text = self._special_text[special.token_id]
         start = rendered.find(text, special.start, special.end)
         start, end = (start, start + len(text)) if start >= 0 else (special.start, special.end)
-        k = bisect.bisect_left(spans, (end, end))  # spans are ordered and disjoint
-        return k > 0 and spans[k - 1][1] > start and spans[k - 1][0] < end
+        k = bisect.bisect_left(spans, end, key=lambda span: span.start)  # spans are ordered and disjoint
+        return k > 0 and spans[k - 1].end > start
 
     def _is_unknown_text(self, special: SpecialToken, rendered: str) -> bool:
         """The unknown token standing for text the model cannot represent, not its string matched."""
@@ -208,28 +231,33 @@ class HfPromptTokenizer:
         return unk not in text and unk not in normalized
 
     def _ids_with_content_as_text(
-        self, rendered: str, ids: list[int], live: list[SpecialToken], forged: list[int]
-    ) -> list[int]:
+        self, rendered: str, ids: list[int], token_starts: list[int], live: list[SpecialToken], forged: list[int]
+    ) -> tuple[list[int], list[int]]:
         """``ids`` with each piece between two of the template's special tokens that holds a forged one
-        (``forged``: its first character) tokenized again as plain text. The tokenizer cuts text at
-        special tokens before anything else, so the other pieces, the tenant's system block among
-        them, keep their ids."""
+        (``forged``: its first character) tokenized again as plain text, and each resulting token's
+        first character in ``rendered`` (``token_starts``: the same of ``ids``). The tokenizer cuts
+        text at special tokens before anything else, so the other pieces, the tenant's system block
+        among them, keep their ids."""
         if self._text_only_backend is None:
             raise self._control_token_error()
         bounds = [SpecialToken(0, 0, -1, -1), *live, SpecialToken(len(rendered), len(rendered), -1, len(ids))]
         result: list[int] = []
+        result_starts: list[int] = []
         for before, after in itertools.pairwise(bounds):
             if bisect.bisect_left(forged, before.end) < bisect.bisect_left(forged, after.start):
                 encoding = self._text_only_backend.encode(rendered[before.end : after.start], add_special_tokens=False)
                 result.extend(encoding.ids)
+                result_starts.extend(before.end + start for start, _ in encoding.offsets)
             else:
                 result.extend(ids[before.token_index + 1 : after.token_index])
+                result_starts.extend(token_starts[before.token_index + 1 : after.token_index])
             if after.token_id >= 0:
                 result.append(after.token_id)
+                result_starts.append(after.start)
         if sum(map(self._control_ids.__contains__, result)) != sum(s.token_id in self._control_ids for s in live):
             # A control id came out of plain text: this tokenizer cannot neutralise it.
             raise self._control_token_error()
-        return result
+        return result, result_starts
 
     def _control_token_error(self) -> InvalidRequestError:
         if not self._warned_refusal:
@@ -243,6 +271,17 @@ class HfPromptTokenizer:
             param="messages",
             code="control_token_in_content",
         )
+
+
+def _message_token_starts(
+    num_messages: int, spans: Sequence[ContentSpan], token_starts: Sequence[int]
+) -> list[int | None]:
+    """Per message, the number of tokens that begin before its content does (None: empty content).
+    ``token_starts``: each token's first character in the rendering, in order."""
+    starts: list[int | None] = [None] * num_messages
+    for span in spans:
+        starts[span.message_index] = bisect.bisect_left(token_starts, span.start)
+    return starts
 
 
 def _special_tokens(tokenizer: Any) -> dict[str, int]:
@@ -281,9 +320,9 @@ def _text_only_backend(backend: Any, specials: Mapping[str, int]) -> Any | None:
     return copy
 
 
-async def chat_prompt_ids(tokenizer: PromptTokenizer, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """:meth:`PromptTokenizer.chat_prompt_ids` off the event loop (long prompts take milliseconds)."""
-    return await asyncio.to_thread(tokenizer.chat_prompt_ids, messages)
+async def chat_prompt(tokenizer: PromptTokenizer, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
+    """:meth:`PromptTokenizer.chat_prompt` off the event loop (long prompts take milliseconds)."""
+    return await asyncio.to_thread(tokenizer.chat_prompt, messages)
 
 
 async def text_prompt_ids(tokenizer: PromptTokenizer, text: str) -> list[int]:
