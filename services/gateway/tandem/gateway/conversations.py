@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 
 from tandem.common.errors import InvalidRequestError
 from tandem.gateway.redis_client import redis_errors
+from tandem.gateway.tenancy.store import tenant_record_key, tenant_salt_guard_lua
 
 CONVERSATION_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 Message = dict[str, str]
@@ -46,14 +47,10 @@ def check_conversation_id(conversation_id: str) -> None:
 #: (ms), conversation id, max conversations, the tenant's conversation key prefix, the tenant's salt,
 #: then the messages. Deletes the evicted conversations' keys, which are built here (one Redis, not a
 #: cluster: fine). A tenant deleted (or created again) since the request was admitted gets nothing.
-_APPEND = """#!lua
-local key, index = KEYS[1], KEYS[2]
-if KEYS[3] ~= '' then
-  local raw = redis.call('GET', KEYS[3])
-  if not raw or cjson.decode(raw)['salt'] ~= ARGV[8] then
-    return -1
-  end
-end
+_APPEND = (
+    "#!lua\n"
+    + tenant_salt_guard_lua(key="KEYS[3]", salt="ARGV[8]", refused="-1")
+    + """local key, index = KEYS[1], KEYS[2]
 local ttl_s, now_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
 if tonumber(ARGV[1]) > 0 then
   redis.call('LTRIM', key, ARGV[1], -1)
@@ -73,6 +70,7 @@ end
 redis.call('EXPIRE', index, ttl_s)
 return over > 0 and over or 0
 """
+)
 
 
 class ConversationStore:
@@ -92,6 +90,7 @@ class ConversationStore:
         self._max_messages = max_messages
         self._max_conversations = max_conversations
         self._append: Any = client.register_script(_APPEND)
+        self._key_prefix = key_prefix
 
     def _index_key(self, tenant_id: str) -> str:
         return f"{self._p}:{tenant_id}"
@@ -132,7 +131,7 @@ class ConversationStore:
         keys = [
             self._key(tenant_id, conversation_id),
             self._index_key(tenant_id),
-            f"{self._gw}:tenant:{tenant_id}" if tenant_salt else "",
+            tenant_record_key(self._key_prefix, tenant_id) if tenant_salt else "",
         ]
         with redis_errors("conversation write"):
             await self._append(keys=keys, args=args)

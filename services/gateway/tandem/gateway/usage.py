@@ -31,6 +31,7 @@ import redis.asyncio as aioredis
 from tandem.common.backoff import backoff_delays
 from tandem.common.errors import BackendUnavailableError
 from tandem.gateway.redis_client import redis_errors
+from tandem.gateway.tenancy.store import tenant_record_key, tenant_salt_guard_lua
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +62,15 @@ class UsageRecord:
 #: day TTL, marker TTL, tenant id, request id, the tenant's salt, then counter name / value pairs. A
 #: tenant deleted (or deleted and created again) since the request was admitted gets nothing: its
 #: cached key may serve for ``auth.cache_s`` after the deletion, and must not bring its usage back.
-_RECORD_ONCE = """
+_RECORD_ONCE = (
+    """
 if KEYS[5] ~= '' then
   redis.call('DEL', KEYS[5])
   redis.call('SREM', KEYS[6], ARGV[5])
 end
-if KEYS[7] ~= '' then
-  local raw = redis.call('GET', KEYS[7])
-  if not raw or cjson.decode(raw)['salt'] ~= ARGV[6] then
-    return 0
-  end
-end
-if KEYS[4] ~= '' and redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[3]) == false then
+"""
+    + tenant_salt_guard_lua(key="KEYS[7]", salt="ARGV[6]", refused="0")
+    + """if KEYS[4] ~= '' and redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[3]) == false then
   return 0
 end
 for i = 7, #ARGV, 2 do
@@ -84,6 +82,7 @@ redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[4])
 return 1
 """
+)
 
 
 #: Opens a request's record. KEYS: open record, its replica's set, the replicas set. ARGV: request id,
@@ -135,6 +134,8 @@ class UsageStore:
         self._fail_open = fail_open
         self._open: Any = client.register_script(_OPEN)
         self._progress: Any = client.register_script(_PROGRESS)
+        self._record_once: Any = client.register_script(_RECORD_ONCE)
+        self._key_prefix = key_prefix
 
     def _open_key(self, request_id: str) -> str:
         return f"{self._p}:_open:{request_id}"
@@ -188,12 +189,16 @@ class UsageStore:
         raises: a record left open is settled as an aborted request with 0 tokens once this replica is gone."""
         try:
             with redis_errors("usage discard"):
-                async with self._redis.pipeline(transaction=True) as pipe:
-                    pipe.delete(self._open_key(request_id))
-                    pipe.srem(self._open_by_key(self.replica_id), request_id)
-                    await pipe.execute()
+                await self._close_open(request_id, self.replica_id)
         except BackendUnavailableError as exc:
             logger.warning("open usage record not discarded: %s", exc, extra={"request_id": request_id})
+
+    async def _close_open(self, request_id: str, replica_id: str) -> None:
+        """Delete an open record and its entry in its replica's set, unbilled (raises redis errors)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._open_key(request_id))
+            pipe.srem(self._open_by_key(replica_id), request_id)
+            await pipe.execute()
 
     async def renew_liveness(self, ttl_s: float) -> None:
         """Mark this replica alive for ``ttl_s`` (its open records are not anyone else's to settle)."""
@@ -226,10 +231,7 @@ class UsageStore:
                         orphans.append(request_id)
                     if not fields or not int(fields.get("completion", 0)):
                         # Settled meanwhile, or died before its first token: that costs nothing.
-                        async with self._redis.pipeline(transaction=True) as pipe:
-                            pipe.delete(self._open_key(request_id))
-                            pipe.srem(self._open_by_key(replica), request_id)
-                            await pipe.execute()
+                        await self._close_open(request_id, replica)
                         continue
                 record = UsageRecord(
                     tenant_id=str(fields["tenant"]),
@@ -292,7 +294,7 @@ class UsageStore:
             f"{self._p}:_recorded:{record.request_id}" if record.request_id else "",
             self._open_key(record.request_id) if has_open else "",
             self._open_by_key(replica_id) if has_open else "",
-            f"{self._gw}:tenant:{record.tenant_id}" if record.tenant_salt else "",
+            tenant_record_key(self._key_prefix, record.tenant_id) if record.tenant_salt else "",
         ]
         args: list[str | int] = [
             record.model,
@@ -306,7 +308,7 @@ class UsageStore:
             if value:
                 args += [name, value]
         with redis_errors("usage record"):
-            await self._redis.eval(_RECORD_ONCE, len(keys), *keys, *args)
+            await self._record_once(keys=keys, args=args)
 
     async def tenant_usage(self, tenant_id: str, *, day: str | None = None) -> dict[str, Any]:
         """``{"tenant": id, "period": "all"|day, "data": [{"model", counters…}], "total": {counters…}}``."""

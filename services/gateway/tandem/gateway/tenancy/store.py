@@ -23,6 +23,26 @@ from tandem.gateway.tenancy.keys import hash_key, new_api_key
 from tandem.gateway.tenancy.models import ApiKeyRecord, Tenant, valid_tenant_id
 
 
+def tenant_record_key(key_prefix: str, tenant_id: str) -> str:
+    """Where the tenant's record (JSON, with its cache salt) lives."""
+    return f"{key_prefix}:gw:tenant:{tenant_id}"
+
+
+def tenant_salt_guard_lua(*, key: str, salt: str, refused: str) -> str:
+    """A Lua statement that returns ``refused`` from the script unless the tenant record at ``key`` (a
+    Lua expression, '' for no check) still holds the salt ``salt`` (a Lua expression). Writes on a
+    tenant's behalf run it first: a tenant deleted (or deleted and created again) since its request
+    was admitted, whose key a gateway may still have cached, gets nothing written."""
+    return (
+        f"if {key} ~= '' then\n"
+        f"  local raw = redis.call('GET', {key})\n"
+        f"  if not raw or cjson.decode(raw)['salt'] ~= {salt} then\n"
+        f"    return {refused}\n"
+        "  end\n"
+        "end\n"
+    )
+
+
 class TenantError(ValueError):
     """An admin operation that cannot be done (unknown tenant, bad id)."""
 
@@ -30,6 +50,7 @@ class TenantError(ValueError):
 class TenantStore:
     def __init__(self, client: aioredis.Redis, *, key_prefix: str) -> None:
         self._redis = client
+        self._key_prefix = key_prefix
         self._p = f"{key_prefix}:gw"
 
     def _k(self, *parts: str) -> str:
@@ -45,14 +66,14 @@ class TenantStore:
             tenant = tenant.model_copy(update={"created_unix_s": int(time.time())})
         with redis_errors("put tenant"):
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.set(self._k("tenant", tenant.id), tenant.model_dump_json())
+                pipe.set(tenant_record_key(self._key_prefix, tenant.id), tenant.model_dump_json())
                 pipe.sadd(self._k("tenants"), tenant.id)
                 await pipe.execute()
         return tenant
 
     async def get_tenant(self, tenant_id: str) -> Tenant | None:
         with redis_errors("get tenant"):
-            raw = await self._redis.get(self._k("tenant", tenant_id))
+            raw = await self._redis.get(tenant_record_key(self._key_prefix, tenant_id))
         return None if raw is None else await self._loaded(raw)
 
     async def _loaded(self, raw: str | bytes) -> Tenant:
@@ -60,7 +81,7 @@ class TenantStore:
         tenant = Tenant.model_validate_json(raw)
         if b'"salt"' in (raw if isinstance(raw, bytes) else raw.encode()):
             return tenant
-        key = self._k("tenant", tenant.id)
+        key = tenant_record_key(self._key_prefix, tenant.id)
         with redis_errors("salt tenant"):
             try:  # only if the record is still the one read: a concurrent writer's salt wins
                 async with self._redis.pipeline(transaction=True) as pipe:
@@ -85,7 +106,7 @@ class TenantStore:
     async def list_tenants(self) -> list[Tenant]:
         with redis_errors("list tenants"):
             ids = sorted(str(i) for i in await self._redis.smembers(self._k("tenants")))
-            raws = await self._redis.mget([self._k("tenant", i) for i in ids]) if ids else []
+            raws = await self._redis.mget([tenant_record_key(self._key_prefix, i) for i in ids]) if ids else []
         return [await self._loaded(raw) for raw in raws if raw is not None]
 
     async def delete_tenant(self, tenant_id: str) -> int:
@@ -99,7 +120,7 @@ class TenantStore:
         owned = [f"{self._p}:{space}:{tenant_id}:*" for space in ("conv", "usage", "quota")]
         with redis_errors("delete tenant"):
             doomed = [
-                self._k("tenant", tenant_id),
+                tenant_record_key(self._key_prefix, tenant_id),
                 self._k("tenant", tenant_id, "keys"),
                 self._k("usage", tenant_id),
                 self._k("conv", tenant_id),  # the index of its conversations
@@ -155,7 +176,7 @@ class TenantStore:
             if raw is None:
                 return None
             record = ApiKeyRecord.model_validate_json(raw)
-            tenant_raw = await self._redis.get(self._k("tenant", record.tenant_id))
+            tenant_raw = await self._redis.get(tenant_record_key(self._key_prefix, record.tenant_id))
         if tenant_raw is None:
             return None
         return record, await self._loaded(tenant_raw)
