@@ -23,7 +23,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
 from tandem.common.tls import TLSSettings, add_port
 from tandem.gateway.app import build_app
+from tandem.common.registry import WorkerRecord
 from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.prefix_hashes import PromptHasher
 from tandem.gateway.prompt import HfPromptTokenizer
 from tandem.gateway.settings import GatewaySettings
 from tandem.v1 import router_pb2, worker_pb2_grpc
@@ -37,6 +39,7 @@ from tests.kit.router import FakeRouterServicer, serving_router
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real Hugging Face tokenizer folder (word-level, with a chat template) that loads in milliseconds."""
     return make_tokenizer_dir(tmp_path_factory.mktemp("tokenizer"))
+
 
 @pytest.fixture(scope="session")
 def prompt_tokenizer(tokenizer_dir: Path) -> HfPromptTokenizer:
@@ -104,6 +107,28 @@ class Stack:
     metrics: GatewayMetrics
     readiness: FakeReadiness
     client: httpx.AsyncClient
+    hasher: CountingHasher
+
+
+class CountingHasher(PromptHasher):
+    """The real hasher over a static registry (one 4-token sha256 configuration), counting prompts hashed."""
+
+    def __init__(self) -> None:
+        record = WorkerRecord("prefill-0", "prefill", MODEL, "127.0.0.1:1", block_size_tokens=4, block_hash_seed="s")
+        super().__init__(_StaticRegistry([record]))
+        self.num_hashed = 0
+
+    async def hashes(self, model: str, prompt_token_ids: Any, cache_salt: str) -> list[router_pb2.PromptBlockHashes]:
+        self.num_hashed += 1
+        return await super().hashes(model, prompt_token_ids, cache_salt)
+
+
+class _StaticRegistry:
+    def __init__(self, records: list[WorkerRecord]) -> None:
+        self._records = records
+
+    async def list_workers(self, *, role: str | None = None, model: str | None = None) -> list[WorkerRecord]:
+        return list(self._records)
 
 
 def gateway_settings(**overrides: Any) -> GatewaySettings:
@@ -134,17 +159,19 @@ async def stack(
     fake_router.placements.append(placement(prefill, decode))
     metrics = GatewayMetrics()
     readiness = FakeReadiness()
+    hasher = CountingHasher()
     app = build_app(
         gateway_settings(),
         router=fake_router,
         tokenizer=prompt_tokenizer,
         readiness=readiness,
         metrics=metrics,
+        prompt_hasher=hasher,
     )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
         async with app.router.lifespan_context(app):
-            yield Stack(app, fake_router, prefill, decode, metrics, readiness, client)
+            yield Stack(app, fake_router, prefill, decode, metrics, readiness, client, hasher)
 
 
 @pytest_asyncio.fixture

@@ -97,6 +97,9 @@ async def test_prefill_unavailable_is_retried_once_elsewhere(
     assert first["exclude_worker_ids"] == []
     assert second["exclude_worker_ids"] == ["prefill-dead"]
     assert first["request_id"] == second["request_id"]
+    # The prompt was hashed once; the retry sends the same hashes.
+    assert first["prompt_block_hashes"] and first["prompt_block_hashes"] == second["prompt_block_hashes"]
+    assert stack.hasher.num_hashed == 1
     await wait(stack.router.released_event)
     for _ in range(100):
         if len(stack.router.released) == 2:

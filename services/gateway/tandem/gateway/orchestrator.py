@@ -103,6 +103,8 @@ class _Progress:
     placement: router_pb2.Placement | None = None
     completed: bool = False
     decode_call: grpc.aio.UnaryStreamCall | None = None  # type: ignore[type-arg]
+    #: The prompt's block hashes, computed for its first Schedule and sent again with any retry.
+    prompt_block_hashes: list[router_pb2.PromptBlockHashes] | None = None
 
 
 async def _logged(work: Coroutine[Any, Any, None]) -> None:
@@ -219,7 +221,7 @@ class Orchestrator:
         """The prefill worker's answer, or None when the router placed a local prefill."""
         excluded: list[str] = []
         for attempt in range(2):
-            placement = await self._place(job, excluded)
+            placement = await self._place(job, excluded, progress)
             progress.placement = placement
             job.clock.remark("scheduled")
             job.clock.worker["num_router_expected_decode_cached_tokens"] = placement.num_decode_cached_tokens
@@ -256,15 +258,23 @@ class Orchestrator:
             return response
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _place(self, job: GenerationJob, exclude_worker_ids: list[str]) -> router_pb2.Placement:
+    async def _place(
+        self, job: GenerationJob, exclude_worker_ids: list[str], progress: _Progress
+    ) -> router_pb2.Placement:
         """``Schedule`` on the router, asked again while the router is unreachable (a replica or the
         whole router restarting) for up to ``router_unavailable_wait_s``: the request waits (a stream
         sends its heartbeats) rather than failing at once, and fails with the router's
         error when the wait is over. Schedule is idempotent per request id."""
+        if progress.prompt_block_hashes is None:
+            progress.prompt_block_hashes = (
+                await self._prompt_hasher.hashes(job.model, job.prompt_token_ids, job.cache_salt)
+                if self._prompt_hasher is not None
+                else []
+            )
         delays = backoff_delays(within_s=self._router_unavailable_wait_s)
         while True:
             try:
-                return await self._schedule_once(job, exclude_worker_ids)
+                return await self._schedule_once(job, exclude_worker_ids, progress.prompt_block_hashes)
             except BackendUnavailableError:
                 delay_s = next(delays, None)
                 if delay_s is None:
@@ -272,15 +282,12 @@ class Orchestrator:
                 self._metrics.router_unavailable_retries_total.inc()
                 await asyncio.sleep(delay_s)
 
-    async def _schedule_once(self, job: GenerationJob, exclude_worker_ids: list[str]) -> router_pb2.Placement:
+    async def _schedule_once(
+        self, job: GenerationJob, exclude_worker_ids: list[str], hashes: list[router_pb2.PromptBlockHashes]
+    ) -> router_pb2.Placement:
         """One ``Schedule``. If the request is cancelled meanwhile (the client left), the call
         is not cancelled with it: the router may already have reserved a pair, so the call runs to its
         end in the background and what it reserved is released, rather than held until its lease ends."""
-        hashes = (
-            await self._prompt_hasher.hashes(job.model, job.prompt_token_ids, job.cache_salt)
-            if self._prompt_hasher is not None
-            else []
-        )
         schedule = asyncio.ensure_future(
             self._router.schedule(
                 request_id=job.request_id,
@@ -318,7 +325,7 @@ class Orchestrator:
         previous = progress.placement
         await self._release(job.request_id)
         progress.placement = None
-        placement = await self._place(job, [dead.worker_id])
+        placement = await self._place(job, [dead.worker_id], progress)
         # The new placement's prefill worker is not used: the KV stays where it was computed, and a
         # local prefill stays local (nothing was streamed; the new decode worker prefills the prompt).
         replaced = router_pb2.Placement()
