@@ -21,9 +21,9 @@ import pytest_asyncio
 # Heavy imports at collection time, outside the per-test timeouts (seconds on a busy machine).
 from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
 
+from tandem.common.registry import WorkerRecord
 from tandem.common.tls import TLSSettings, add_port
 from tandem.gateway.app import build_app
-from tandem.common.registry import WorkerRecord
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.prefix_hashes import PromptHasher
 from tandem.gateway.prompt import HfPromptTokenizer
