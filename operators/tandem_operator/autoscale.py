@@ -10,10 +10,16 @@ Each pool scales on its own signal:
 
 * **prefill** — requests waiting in the router for prefill budget per replica,
   uncached prompt tokens in flight on prefill workers (and queued for them) per
-  replica, TTFT p90 against its SLO;
-* **decode** — average KV-cache usage against a target, requests waiting for
-  decode (in the router for decode budget, or in the decode engines' queues)
-  per replica, ITL p90 against its SLO.
+  replica, TTFT p90 against its SLO (only while prefill is short: TTFT also
+  holds the wait for decode budget, which prefill replicas cannot shorten);
+* **decode** — the router's decode budget in use and average KV-cache usage
+  against targets, requests waiting for decode (in the router for decode
+  budget, or in the decode engines' queues) per replica, ITL p90 against its SLO.
+
+Both pools also vote on **demand**: while requests wait for a pool's budget,
+the pool is full, and it is sized to hold what it holds now plus what waits
+(``ceil(ready × (in_flight + waiting) / in_flight)``), in one decision rather
+than a step per window.
 
 The raw recommendation is the largest count any signal asks for. As in the
 Kubernetes HPA, a scale-up takes the *smallest* recommendation seen within the
@@ -49,6 +55,10 @@ class PoolSignals:
     uncached_tokens: float | None = None
     #: Time to first token, p90 over the last minute, seconds (prefill).
     ttft_p90_s: float | None = None
+    #: Requests the router has placed on the pool's workers and not yet released (both pools).
+    in_flight: float | None = None
+    #: Average over the decode workers of the router's token budget in use, 0..1 (decode).
+    budget_usage: float | None = None
     #: Average KV-cache usage of the decode workers, 0..1 (decode).
     kv_usage: float | None = None
     #: Requests waiting for decode: in the router for decode budget, or in the decode engines' queues (decode).
@@ -103,6 +113,18 @@ def _total_vote(total: float, per_replica: float) -> int:
     return math.ceil(total / per_replica) if total > 0 else 0
 
 
+def _demand_vote(current: int, in_flight: float | None, waiting: float) -> int | None:
+    """Requests wait for the pool's budget, so the pool is full: grow it in proportion to the demand
+    (placed + waiting) over what it holds now, in one decision, not one step per window. None
+    (no vote) when nothing waits, or the requests in flight are unknown: how far below full the
+    pool is, other signals tell."""
+    if waiting <= 0 or in_flight is None:
+        return None
+    if in_flight <= 0:
+        return current + 1
+    return max(current + 1, math.ceil(max(current, 1) * (in_flight + waiting) / in_flight))
+
+
 def _latency_vote(current: int, p90_s: float, slo_s: float, scale_down_fraction: float) -> int:
     if p90_s > slo_s:
         # Over the SLO: grow in proportion, and by at least one.
@@ -119,13 +141,30 @@ def votes_for(role: Role, current: int, signals: PoolSignals, policy: Autoscalin
         targets = policy.prefill
         if signals.queue_depth is not None:
             votes["queue_depth"] = _total_vote(signals.queue_depth, targets.queue_depth_per_replica)
+            demand = _demand_vote(current, signals.in_flight, signals.queue_depth)
+            if demand is not None:
+                votes["demand"] = demand
         if signals.uncached_tokens is not None:
             votes["uncached_tokens"] = _total_vote(signals.uncached_tokens, targets.uncached_tokens_per_replica)
         if signals.ttft_p90_s is not None:
-            votes["ttft_p90"] = _latency_vote(
-                current, signals.ttft_p90_s, slo.ttft_p90_seconds, policy.scale_down_slo_fraction
+            ttft = _latency_vote(current, signals.ttft_p90_s, slo.ttft_p90_seconds, policy.scale_down_slo_fraction)
+            # TTFT is both pools' (a request waits for decode budget before its prefill too): it grows
+            # prefill only where prefill is short, requests waiting for its budget or its backlog over
+            # target. Otherwise a breach holds prefill (no shrinking) and decode's own votes act.
+            prefill_short = (signals.queue_depth or 0) > 0 or (
+                signals.uncached_tokens is not None
+                and signals.uncached_tokens > current * targets.uncached_tokens_per_replica
             )
+            votes["ttft_p90"] = ttft if prefill_short else min(ttft, current)
     else:
+        if signals.budget_usage is not None:
+            votes["budget_usage"] = _ratio_vote(
+                current, signals.budget_usage, policy.decode.budget_usage, policy.tolerance
+            )
+        if signals.waiting is not None:
+            demand = _demand_vote(current, signals.in_flight, signals.waiting)
+            if demand is not None:
+                votes["demand"] = demand
         if signals.kv_usage is not None:
             votes["kv_usage"] = _ratio_vote(current, signals.kv_usage, policy.decode.kv_usage, policy.tolerance)
         if signals.waiting is not None:

@@ -14,9 +14,11 @@ autoscaling tick. Two implementations:
 Names are the real exported ones: Ray prefixes the router's application
 metrics with ``ray_`` (a test reads them from a real Ray Serve router and
 parses them here). Each pool reads its own quantities: prefill the uncached
-prompt tokens on prefill workers and the requests waiting for prefill budget;
-decode the requests waiting for decode budget or in the decode engines' own
-queues, and their KV usage. Nothing of one pool feeds the other's vote.
+prompt tokens on prefill workers, the requests placed on them and those waiting
+for prefill budget; decode the budget in use on decode workers (what the
+router's admission check counts), the requests placed on them, those waiting for
+decode budget or in the decode engines' own queues, and their KV usage. Nothing
+of one pool feeds the other's vote.
 
 A signal that cannot be read is ``None``; the decision then rests on the
 others (and holds when none is left). Network errors are logged here, not
@@ -44,6 +46,8 @@ _TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 PREFILL_TOKENS_IN_FLIGHT = "ray_tandem_router_prefill_tokens_in_flight"
 QUEUED_REQUESTS = "ray_tandem_router_queued_requests"
 QUEUED_UNCACHED_TOKENS = "ray_tandem_router_queued_uncached_tokens"
+POOL_BUDGET_USED = "ray_tandem_router_pool_budget_used_fraction"
+POOL_IN_FLIGHT = "ray_tandem_router_pool_in_flight_requests"
 
 
 class SignalSource(Protocol):
@@ -63,9 +67,13 @@ class QueryScope:
         ns = f'namespace="{self.namespace}"'
         pods = f'pod=~"{self.deployment_name}-{role}-.*"'
         waiting = f'{QUEUED_REQUESTS}{{{ns},waiting_for="{role}"}}'
+        # Every router replica sees the whole pool's budget (its own and the others' reservations): the
+        # average over replicas; each counts only the requests it placed itself: the sum.
+        in_flight = f'sum({POOL_IN_FLIGHT}{{{ns},role="{role}"}})'
         if role == "prefill":
             return {
                 "queue_depth": f"sum({waiting})",
+                "in_flight": in_flight,
                 # A router at rest publishes zeros, so the in-flight sum exists whenever a router runs.
                 "uncached_tokens": (
                     f"sum({PREFILL_TOKENS_IN_FLIGHT}{{{ns}}}) "
@@ -77,6 +85,8 @@ class QueryScope:
                 ),
             }
         return {
+            "budget_usage": f'avg({POOL_BUDGET_USED}{{{ns},role="decode"}})',
+            "in_flight": in_flight,
             "kv_usage": f"avg(vllm:kv_cache_usage_perc{{{ns},{pods}}})",
             "waiting": f"sum({waiting}) + (sum(vllm:num_requests_waiting{{{ns},{pods}}}) or vector(0))",
             "itl_p90_s": (
@@ -130,22 +140,35 @@ class PrometheusSource:
 def parse_router_metrics(text: str, role: Role) -> PoolSignals:
     """``role``'s signals from the router's Prometheus text (Ray's export; summed over replicas)."""
     totals: dict[str, float] = {}
+    budget_used: list[float] = []  # one per router replica: averaged, as the PromQL does
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
             if name in (QUEUED_REQUESTS, QUEUED_UNCACHED_TOKENS):
                 name = f"{name}/{sample.labels.get('waiting_for', '')}"
+            elif name in (POOL_BUDGET_USED, POOL_IN_FLIGHT):
+                if sample.labels.get("role") != role:
+                    continue
+                if name == POOL_BUDGET_USED:
+                    budget_used.append(sample.value)
+                    continue
             elif name != PREFILL_TOKENS_IN_FLIGHT:
                 continue
             totals[name] = totals.get(name, 0.0) + sample.value
     waiting = totals.get(f"{QUEUED_REQUESTS}/{role}")
+    requests_in_flight = totals.get(POOL_IN_FLIGHT)
     if role == "decode":
-        return PoolSignals(waiting=waiting)
-    in_flight = totals.get(PREFILL_TOKENS_IN_FLIGHT)
+        return PoolSignals(
+            waiting=waiting,
+            in_flight=requests_in_flight,
+            budget_usage=sum(budget_used) / len(budget_used) if budget_used else None,
+        )
+    tokens_in_flight = totals.get(PREFILL_TOKENS_IN_FLIGHT)
     queued_tokens = totals.get(f"{QUEUED_UNCACHED_TOKENS}/prefill", 0.0)
     return PoolSignals(
         queue_depth=waiting,
-        uncached_tokens=None if in_flight is None else in_flight + queued_tokens,
+        uncached_tokens=None if tokens_in_flight is None else tokens_in_flight + queued_tokens,
+        in_flight=requests_in_flight,
     )
 
 

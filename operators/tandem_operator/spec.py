@@ -161,6 +161,8 @@ class PrefillTargets(_Model):
 
 
 class DecodeTargets(_Model):
+    #: Average share (0..1) of the router's decode budget in use to hold (what its admission check counts).
+    budget_usage: float = Field(default=0.8, gt=0, le=1)
     #: Average KV-cache usage (0..1) of the decode pool to hold.
     kv_usage: float = Field(default=0.7, gt=0, le=1)
     #: Requests waiting for decode (router queue for decode budget, engines' queues) per decode replica.

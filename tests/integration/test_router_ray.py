@@ -248,6 +248,8 @@ async def test_metrics_reach_rays_prometheus_endpoint(
                 f'worker_id="{placement.decode.worker_id}"' in text
                 and "tandem_router_schedule_seconds" in text
                 and "tandem_router_queued_requests" in text
+                and "ray_tandem_router_pool_in_flight_requests{" in text
+                and parse_router_metrics(text, "decode").in_flight == 1
             ):
                 break
             await asyncio.sleep(1)
@@ -274,3 +276,7 @@ async def test_metrics_reach_rays_prometheus_endpoint(
     assert prefill.uncached_tokens == 300 and prefill.queue_depth == 0, prefill
     decode = parse_router_metrics(text, "decode")
     assert decode.waiting == 0 and decode.uncached_tokens is None, decode
+    # One request placed on each pool; the prefill budget in use is its 300 uncached tokens (these
+    # registry records carry no KV size, so decode's budget is unbounded and reads 0).
+    assert prefill.in_flight == 1 and decode.in_flight == 1, (prefill, decode)
+    assert decode.budget_usage == 0.0, decode

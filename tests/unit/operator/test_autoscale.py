@@ -14,10 +14,19 @@ def policy(**kw: float) -> AutoscalingSpec:
     return AutoscalingSpec.model_validate({**base, **kw})
 
 
-def once(role: Role, current: int, signals: PoolSignals, pol: AutoscalingSpec | None = None,
-         pool: PoolSpec = POOL) -> Decision:
-    decision, _ = decide(role=role, current_replicas=current, signals=signals, pool=pool,
-                         policy=pol or policy(), slo=SLO, history=(), now_s=100.0)
+def once(
+    role: Role, current: int, signals: PoolSignals, pol: AutoscalingSpec | None = None, pool: PoolSpec = POOL
+) -> Decision:
+    decision, _ = decide(
+        role=role,
+        current_replicas=current,
+        signals=signals,
+        pool=pool,
+        policy=pol or policy(),
+        slo=SLO,
+        history=(),
+        now_s=100.0,
+    )
     return decision
 
 
@@ -40,11 +49,40 @@ def test_decode_scales_on_kv_usage_with_tolerance() -> None:
 
 
 def test_latency_over_slo_scales_up_and_near_slo_vetoes_scale_down() -> None:
-    assert once("prefill", 2, PoolSignals(queue_depth=0, ttft_p90_s=3.0)).desired_replicas == 3
+    assert once("prefill", 2, PoolSignals(queue_depth=1, ttft_p90_s=3.0)).desired_replicas == 3
     assert once("decode", 2, PoolSignals(kv_usage=0.1, itl_p90_s=0.25)).desired_replicas == 4  # 2.5×, step 2
     # Little load but ITL at 90 % of its SLO: hold, never shrink.
     assert once("decode", 3, PoolSignals(kv_usage=0.1, itl_p90_s=0.09)).desired_replicas == 3
     assert once("decode", 3, PoolSignals(kv_usage=0.1, itl_p90_s=0.05)).desired_replicas == 2
+
+
+def test_a_ttft_breach_grows_prefill_only_where_prefill_is_short() -> None:
+    # Nothing waits for prefill and its backlog is under target: the breach is the wait for decode
+    # budget (the demo's decision log: prefill went 3 → 6 and TTFT did not move). Prefill holds.
+    held = once("prefill", 2, PoolSignals(queue_depth=0, uncached_tokens=1000, ttft_p90_s=7.0))
+    assert held.desired_replicas == 2 and held.votes["ttft_p90"] == 2
+    # Its backlog over target: prefill is short, the breach grows it.
+    short = once("prefill", 2, PoolSignals(queue_depth=0, uncached_tokens=3 * 8192, ttft_p90_s=7.0))
+    assert short.votes["ttft_p90"] == 7 and short.desired_replicas == 4  # step 2
+
+
+def test_requests_waiting_for_a_full_pool_size_it_for_the_demand_at_once() -> None:
+    # 4 decode replicas hold 8 requests and 8 more wait: 8 replicas asked in one decision.
+    decision = once("decode", 4, PoolSignals(waiting=8, in_flight=8), pool=PoolSpec(max_replicas=10))
+    assert decision.votes["demand"] == 8 and decision.votes["waiting"] == 2
+    assert decision.desired_replicas == 6  # step 2
+    # Nothing waits: no demand vote (it neither grows nor holds the pool).
+    assert "demand" not in once("decode", 4, PoolSignals(waiting=0, in_flight=8)).votes
+    # Requests wait and nothing is in flight (the pool's workers just went away): one more.
+    assert once("prefill", 1, PoolSignals(queue_depth=1, in_flight=0)).votes["demand"] == 2
+
+
+def test_decode_budget_in_use_holds_its_target() -> None:
+    assert once("decode", 2, PoolSignals(budget_usage=0.94)).desired_replicas == 3  # ceil(2 × 0.94 / 0.8)
+    assert once("decode", 2, PoolSignals(budget_usage=0.8)).desired_replicas == 2
+    # Fewer only if the same load would sit under the band's lower edge at the smaller size.
+    assert once("decode", 3, PoolSignals(budget_usage=0.5)).desired_replicas == 3
+    assert once("decode", 3, PoolSignals(budget_usage=0.2)).desired_replicas == 2  # step 1
 
 
 def test_bounds() -> None:
@@ -58,8 +96,16 @@ def test_scale_up_waits_for_its_window() -> None:
     history: tuple[Recommendation, ...] = ()
     desired = []
     for t in range(0, 50, 10):
-        decision, history = decide(role="prefill", current_replicas=1, signals=PoolSignals(queue_depth=12),
-                                   pool=POOL, policy=pol, slo=SLO, history=history, now_s=float(t))
+        decision, history = decide(
+            role="prefill",
+            current_replicas=1,
+            signals=PoolSignals(queue_depth=12),
+            pool=POOL,
+            policy=pol,
+            slo=SLO,
+            history=history,
+            now_s=float(t),
+        )
         desired.append(decision.desired_replicas)
     # The seed (1 replica at t=0) holds the scale-up back for the 30 s window.
     assert desired == [1, 1, 1, 3, 3]
@@ -71,8 +117,16 @@ def test_scale_down_waits_for_its_window_and_a_spike_resets_it() -> None:
     current = 4
     trace = []
     for t, queue in [(10, 0), (30, 0), (50, 16), (70, 0), (100, 0), (115, 0)]:
-        decision, history = decide(role="prefill", current_replicas=current, signals=PoolSignals(queue_depth=queue),
-                                   pool=POOL, policy=pol, slo=SLO, history=history, now_s=float(t))
+        decision, history = decide(
+            role="prefill",
+            current_replicas=current,
+            signals=PoolSignals(queue_depth=queue),
+            pool=POOL,
+            policy=pol,
+            slo=SLO,
+            history=history,
+            now_s=float(t),
+        )
         current = decision.desired_replicas
         trace.append(current)
     # The 4 at t=50 keeps replicas up until it leaves the window (t=110).

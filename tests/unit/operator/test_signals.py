@@ -16,10 +16,11 @@ def test_instant_values() -> None:
 def test_queries_are_scoped_to_the_namespace_and_pool() -> None:
     queries = QueryScope("ns1", "chat").queries("decode")
     assert 'namespace="ns1"' in queries["kv_usage"] and 'pod=~"chat-decode-.*"' in queries["kv_usage"]
-    assert set(queries) == {"kv_usage", "waiting", "itl_p90_s"}
+    assert set(queries) == {"budget_usage", "in_flight", "kv_usage", "waiting", "itl_p90_s"}
+    assert 'role="decode"' in queries["budget_usage"] and 'role="decode"' in queries["in_flight"]
     assert 'waiting_for="decode"' in queries["waiting"]
     prefill = QueryScope("ns1", "chat").queries("prefill")
-    assert set(prefill) == {"queue_depth", "uncached_tokens", "ttft_p90_s"}
+    assert set(prefill) == {"queue_depth", "in_flight", "uncached_tokens", "ttft_p90_s"}
     assert 'waiting_for="prefill"' in prefill["queue_depth"]
     # No decode quantity in a prefill query, nor the reverse.
     assert not any("decode" in q for q in prefill.values())
@@ -42,6 +43,14 @@ ray_tandem_router_queued_requests{replica="a",waiting_for="decode"} 2.0
 # TYPE ray_tandem_router_queued_uncached_tokens gauge
 ray_tandem_router_queued_uncached_tokens{replica="a",waiting_for="prefill"} 700.0
 ray_tandem_router_queued_uncached_tokens{replica="a",waiting_for="decode"} 9000.0
+# TYPE ray_tandem_router_pool_budget_used_fraction gauge
+ray_tandem_router_pool_budget_used_fraction{replica="a",role="prefill"} 0.1
+ray_tandem_router_pool_budget_used_fraction{replica="a",role="decode"} 0.9
+ray_tandem_router_pool_budget_used_fraction{replica="b",role="decode"} 0.7
+# TYPE ray_tandem_router_pool_in_flight_requests gauge
+ray_tandem_router_pool_in_flight_requests{replica="a",role="prefill"} 1.0
+ray_tandem_router_pool_in_flight_requests{replica="a",role="decode"} 5.0
+ray_tandem_router_pool_in_flight_requests{replica="b",role="decode"} 6.0
 """
 
 
@@ -51,6 +60,9 @@ def test_router_metrics_sum_over_replicas_and_keep_the_pools_apart() -> None:
     assert prefill.kv_usage is None and prefill.waiting is None
     decode = parse_router_metrics(RAY_TEXT, "decode")
     assert decode.waiting == 2 and decode.queue_depth is None and decode.uncached_tokens is None
+    # Requests in flight are each replica's own (summed); the budget in use is the pool's (averaged).
+    assert prefill.in_flight == 1 and prefill.budget_usage is None
+    assert decode.in_flight == 11 and decode.budget_usage == 0.8
 
 
 def test_unprefixed_names_are_not_read() -> None:

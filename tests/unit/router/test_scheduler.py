@@ -158,3 +158,26 @@ async def test_tick_sweeps_without_traffic_and_refreshes_gauges() -> None:
     h.scheduler.tick()
     # Known workers' zeros are refreshed too: a pool at rest reads 0 to the autoscaler, not "no data".
     assert h.metrics.in_flight == {"p0": 0, "d0": 0}
+
+
+async def test_tick_publishes_each_pools_budget_in_use_and_requests_in_flight() -> None:
+    import dataclasses
+
+    pool = [
+        dataclasses.replace(w, block_size_tokens=128, num_kv_blocks=10) if w.role == "decode" else w
+        for w in make_pool(1, 2)
+    ]
+    h = Harness(pool)
+    published: dict[str, tuple[float, int]] = {}
+    h.metrics.set_pool = lambda role, used, n: published.__setitem__(role, (used, n))  # type: ignore[method-assign]
+    h.scheduler.tick()  # no request yet; and the registry not read: an empty pool reads zeros
+    assert published == {"prefill": (0.0, 0), "decode": (0.0, 0)}
+    await h.schedule("r1", num_prompt_tokens=100, max_tokens=44)  # 144 tokens on one decode worker of 1,152
+    h.scheduler.tick()
+    used, num_in_flight = published["decode"]
+    assert used == pytest.approx(144 / 1152 / 2) and num_in_flight == 1
+    used, num_in_flight = published["prefill"]
+    assert used == pytest.approx(100 / 16_384) and num_in_flight == 1
+    h.scheduler.release("r1")
+    h.scheduler.tick()
+    assert published == {"prefill": (0.0, 0), "decode": (0.0, 0)}

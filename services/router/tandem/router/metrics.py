@@ -38,6 +38,12 @@ class RouterMetrics(Protocol):
         """Requests of ``priority`` waiting for budget in this replica."""
         ...
 
+    def set_pool(self, role: str, budget_used_fraction: float, num_in_flight: int) -> None:
+        """The pool ``role`` as this replica sees it: the average over its workers of the budget in use
+        (every replica's reservations, as the admission check counts them; 0..1), and the requests
+        this replica has placed on it."""
+        ...
+
     def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
         """Requests waiting in this replica's queue for ``waiting_for``'s budget (prefill or decode),
         and their prompt tokens no worker holds."""
@@ -63,6 +69,9 @@ class NullRouterMetrics:
         pass
 
     def set_queue_depth(self, priority: str, depth: int) -> None:
+        pass
+
+    def set_pool(self, role: str, budget_used_fraction: float, num_in_flight: int) -> None:
         pass
 
     def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
@@ -111,6 +120,17 @@ class RayRouterMetrics:
             description="Requests waiting in this replica's admission queue for token budget.",
             tag_keys=("priority",),
         )
+        self._pool_budget_used = serve_metrics.Gauge(
+            "tandem_router_pool_budget_used_fraction",
+            description="Average over the pool's workers of the token budget in use (0..1), all router "
+            "replicas' reservations counted, as the admission check counts them.",
+            tag_keys=("role",),
+        )
+        self._pool_in_flight = serve_metrics.Gauge(
+            "tandem_router_pool_in_flight_requests",
+            description="Requests this router replica has placed on the pool's workers and not yet released.",
+            tag_keys=("role",),
+        )
         self._queued_requests = serve_metrics.Gauge(
             "tandem_router_queued_requests",
             description="Requests waiting in this replica's admission queue, by the pool whose budget they "
@@ -147,6 +167,10 @@ class RayRouterMetrics:
 
     def set_queue_depth(self, priority: str, depth: int) -> None:
         self._queue_depth.set(depth, tags={"priority": priority})
+
+    def set_pool(self, role: str, budget_used_fraction: float, num_in_flight: int) -> None:
+        self._pool_budget_used.set(budget_used_fraction, tags={"role": role})
+        self._pool_in_flight.set(num_in_flight, tags={"role": role})
 
     def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
         self._queued_requests.set(num_requests, tags={"waiting_for": waiting_for})

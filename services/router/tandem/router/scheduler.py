@@ -416,6 +416,26 @@ class Scheduler:
         for priority in self._queue.priority_classes:
             self._metrics.set_queue_depth(priority, self._queue.depth(priority))
         self._publish_queue()
+        self._publish_pools()
+
+    def pools(self) -> dict[str, tuple[float, int]]:
+        """Per role, the average budget fraction in use over its registered workers (every replica's
+        reservations, as :meth:`BudgetView.fits` counts them) and the requests this replica placed on it."""
+        workers = self._last_workers or ()
+        view = BudgetView(self._reservations, self._budget, self._replica_sync)
+        pools: dict[str, tuple[float, int]] = {}
+        for role in (ROLE_PREFILL, ROLE_DECODE):
+            members = [w for w in workers if w.role == role]
+            fractions = [view.load_fraction(w) for w in members if view.capacity_tokens(w) > 0]
+            pools[role] = (
+                sum(fractions) / len(fractions) if fractions else 0.0,
+                sum(self._reservations.num_in_flight(w.worker_id) for w in members),
+            )
+        return pools
+
+    def _publish_pools(self) -> None:
+        for role, (used_fraction, num_in_flight) in self.pools().items():
+            self._metrics.set_pool(role, used_fraction, num_in_flight)
 
     async def sync_replicas(self) -> None:
         """Share budgets with the other replicas and apply Releases they forwarded here."""
