@@ -51,9 +51,19 @@ REPORT_DIR = Path("reports") / "autoscale-demo"
 #: A simulated worker is ready this long after the actuator starts it (a CPU engine loads in ~30 s).
 STARTUP_S = 20.0
 #: Decode KV blocks per simulated decode worker: with 128-token blocks, the router's decode budget
-#: (90 % of them, 460 tokens) holds one or two of the demo's requests (~230 tokens reserved each), so
-#: the decode pool fills as the load grows.
-DECODE_KV_BLOCKS = 4
+#: (90 % of them, 691 tokens) holds two of the demo's requests (~260 tokens reserved each), so the
+#: decode pool fills as the load grows.
+DECODE_KV_BLOCKS = 6
+#: The router's prefill budget per worker, in uncached prompt tokens: two of the demo's prompts (~244
+#: tokens), what a simulated CPU prefill worker (one prompt at a time, ~1.7 s each) gets through
+#: within the TTFT SLO. Beyond it requests wait in the router's queue, where the autoscaler sees them;
+#: with the default (16,384, sized for a GPU) they would queue unseen inside the prefill workers.
+PREFILL_BUDGET_TOKENS = 600
+#: How long a request may wait in the router's queue for budget (the default, 5 s, is a TTFT SLO's
+#: worth; here requests wait out a scale-up, so that their TTFT shows it instead of a 503), and the
+#: gateway's deadline for that Schedule call, above it.
+ROUTER_QUEUE_TIMEOUT_S = 30
+GATEWAY_ROUTER_TIMEOUT_S = 40
 #: The load: 10x ramp up, a plateau, the ramp down, then quiet (seconds, requests per second).
 LOW_RPS, HIGH_RPS = 0.15, 1.5
 #: The tail is long enough for the pools to step down to their minimum, one step per scale-down window.
@@ -293,6 +303,24 @@ def summary(spec: TandemSpec, ticks: list[Tick], decisions: list[tuple[float, De
     )
 
 
+def load_summary(load_dir: Path) -> str:
+    """What the clients got over the three phases (from ``tandem-loadtest``'s reports): a request the
+    router refused, or that timed out, has no TTFT, so the breach fraction alone would hide it."""
+    total = ok = 0
+    parts = []
+    for report_path in sorted(load_dir.glob("*/report.json")):
+        phase = json.loads(report_path.read_text())["summary"]
+        total += phase["num_requests"]
+        ok += phase["num_ok"]
+        ttft = phase.get("ttft_ms") or {}
+        p90 = ttft.get("p90")
+        parts.append(
+            f"{report_path.parent.name}:ok={phase['num_ok']}/{phase['num_requests']}:ttft_p90_ms="
+            + (f"{p90:.0f}" if p90 is not None else "-")
+        )
+    return f"autoscale-load: requests={total} ok={ok} failed={total - ok} " + " ".join(parts)
+
+
 def plot(spec: TandemSpec, ticks: list[Tick], load_started_s: float, path: Path) -> None:
     import matplotlib
 
@@ -331,6 +359,11 @@ async def demo(out: Path) -> str:
         log_dir=out / "logs",
         start_workers=False,
         router_metrics_port=free_port(),  # scraped by the demo's Prometheus
+        extra_env={
+            "TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT": str(PREFILL_BUDGET_TOKENS),
+            "TANDEM_ROUTER_QUEUE__TIMEOUT_S": str(ROUTER_QUEUE_TIMEOUT_S),
+            "TANDEM_GATEWAY_ROUTER_TIMEOUT_S": str(GATEWAY_ROUTER_TIMEOUT_S),
+        },
     )
     stack = LocalStack(config, progress=lambda msg: print(f"[autoscale-demo] {msg}", flush=True))
     prometheus = LocalPrometheus(out / "prometheus", stack_targets(config, NAMESPACE, DEPLOYMENT))
@@ -360,6 +393,7 @@ async def demo(out: Path) -> str:
                 stop.set()
                 await loop
         plot(spec, ticks, load_started_s, out / "autoscale.png")
+        print(f"[autoscale-demo] {load_summary(out / 'load')}", flush=True)
         return summary(spec, ticks, decisions, load_end_s)
     finally:
         stop.set()

@@ -211,6 +211,21 @@ async def test_the_queue_says_which_pools_budget_its_requests_wait_for() -> None
         task.cancel()
 
 
+async def test_a_request_both_pools_are_too_full_for_waits_for_both() -> None:
+    # Room for one 900-token prompt on prefill and one 904-token request on decode: the next lacks both,
+    # and both pools must grow before it can go (counting it for decode alone hid prefill's shortage
+    # from the autoscaler until decode had grown: make autoscale-demo's decision log).
+    scheduler, metrics = _pool_scheduler(BudgetConfig(prefill_tokens_in_flight=1000, decode_kv_fraction=0.0065))
+    await scheduler.schedule(req("first", tokens=900))
+    waiting = [asyncio.create_task(scheduler.schedule(req(f"w{i}", tokens=900))) for i in range(2)]
+    await asyncio.sleep(0.05)
+    assert scheduler.queued() == {"prefill": (2, 1800), "decode": (2, 1800)}
+    scheduler.tick()
+    assert metrics.queued == {"prefill": (2, 1800), "decode": (2, 1800)}
+    for task in waiting:
+        task.cancel()
+
+
 async def test_a_quiet_pool_reads_zero_not_no_data() -> None:
     scheduler, metrics = _pool_scheduler(BudgetConfig())
     await scheduler.refresh_workers()

@@ -93,18 +93,19 @@ class _Pending:
 
     request: ScheduleRequest
     hashes: dict[tuple[int, str], list[int]] = field(default_factory=dict)
-    #: The role whose budget it lacked at its last try ("" if not tried yet), and its prompt tokens
-    #: that no worker holds (the whole prompt until the KV index was asked).
-    waiting_for: str = ""
+    #: The roles whose budget it lacked at its last try (empty if not tried yet; both when both pools
+    #: are full: each must grow before it can go), and its prompt tokens that no worker holds (the
+    #: whole prompt until the KV index was asked).
+    waiting_for: tuple[str, ...] = ()
     num_uncached_tokens: int = -1
 
 
 class _NoBudget(Exception):
     """Workers of the role exist, but none has budget left: wait in the queue."""
 
-    def __init__(self, role: str) -> None:
-        super().__init__(role)
-        self.role = role
+    def __init__(self, roles: tuple[str, ...]) -> None:
+        super().__init__(*roles)
+        self.roles = roles
 
 
 class Scheduler:
@@ -146,7 +147,7 @@ class Scheduler:
         self._published_worker_ids: set[str] = set()
         self._worker_roles: dict[str, str] = {}
         #: What the queue's head lacked at its last try: everyone behind it waits for the same.
-        self._blocked_on = ROLE_PREFILL
+        self._blocked_on: tuple[str, ...] = (ROLE_PREFILL,)
 
     @property
     def reservations(self) -> ReservationTable:
@@ -198,7 +199,7 @@ class Scheduler:
             try:
                 return self._place(pending, workers)
             except _NoBudget as exc:
-                pending.waiting_for = self._blocked_on = exc.role
+                pending.waiting_for = self._blocked_on = exc.roles
         else:
             self._check_servable(request, workers)
         return await self._wait_in_queue(pending)
@@ -240,7 +241,15 @@ class Scheduler:
         )
         decode = self._policy.choose(request, ROLE_DECODE, workers, view)
         if decode is None:
-            self._no_worker(request, workers, ROLE_DECODE)
+            # Would prefill take it? If not, it waits for both pools (and both must grow for it to go).
+            also = (
+                (ROLE_PREFILL,)
+                if pending.num_uncached_tokens >= self._min_uncached_tokens_to_disaggregate
+                and self._num_candidates(request, workers, ROLE_PREFILL)
+                and self._policy.choose(request, ROLE_PREFILL, workers, view) is None
+                else ()
+            )
+            self._no_worker(request, workers, ROLE_DECODE, also_lacking=also)
         num_tokens = request.num_tokens
         num_decode_cached = cached.get(decode.worker.worker_id, 0)
         # A request that does not say how long its prompt is is not known to be short.
@@ -270,11 +279,13 @@ class Scheduler:
             num_decode_cached_tokens=num_decode_cached,
         )
 
-    def _no_worker(self, request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> NoReturn:
-        """Raise for a role without a worker to take the request: wait for budget (_NoBudget) when
-        some exist, else the error that names what is missing."""
+    def _no_worker(
+        self, request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str, also_lacking: tuple[str, ...] = ()
+    ) -> NoReturn:
+        """Raise for a role without a worker to take the request: wait for budget (_NoBudget, with any
+        other role found short too) when some exist, else the error that names what is missing."""
         if self._num_candidates(request, workers, role):
-            raise _NoBudget(role)
+            raise _NoBudget((role, *also_lacking))
         raise self._no_worker_error(request, workers, role)
 
     def _cached_tokens(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> dict[str, int]:
@@ -370,7 +381,7 @@ class Scheduler:
             try:
                 decision = self._place(waiter.item, workers)
             except _NoBudget as exc:
-                waiter.item.waiting_for = self._blocked_on = exc.role
+                waiter.item.waiting_for = self._blocked_on = exc.roles
                 return
             except TandemError as exc:
                 self._queue.remove(waiter)
@@ -460,13 +471,17 @@ class Scheduler:
 
     def queued(self) -> dict[str, tuple[int, int]]:
         """Per role, (requests, prompt tokens no worker holds) waiting for that role's budget. A
-        request not tried yet waits behind the head, for what the head lacks."""
+        request not tried yet waits behind the head, for what the head lacks; a request that both
+        pools lack budget for counts in both."""
         queued = {ROLE_PREFILL: [0, 0], ROLE_DECODE: [0, 0]}
         for waiter in self._queue.waiters():
             pending = waiter.item
-            counts = queued[pending.waiting_for or self._blocked_on]
-            counts[0] += 1
-            counts[1] += pending.num_uncached_tokens if pending.num_uncached_tokens >= 0 else pending.request.num_tokens
+            for role in pending.waiting_for or self._blocked_on:
+                counts = queued[role]
+                counts[0] += 1
+                counts[1] += (
+                    pending.num_uncached_tokens if pending.num_uncached_tokens >= 0 else pending.request.num_tokens
+                )
         return {role: (n, tokens) for role, (n, tokens) in queued.items()}
 
     def _publish_queue(self) -> None:
