@@ -234,6 +234,7 @@ def test_the_router_reads_its_placement_settings_from_the_chart(
     assert {n for n in literal if n.startswith("TANDEM_ROUTER_")} >= {
         "TANDEM_ROUTER_POLICY",
         "TANDEM_ROUTER_DISAGGREGATION__MIN_UNCACHED_TOKENS",
+        "TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT",
     }
     for name in [n for n in os.environ if n.startswith("TANDEM_ROUTER_")]:
         monkeypatch.delenv(name)
@@ -242,6 +243,8 @@ def test_the_router_reads_its_placement_settings_from_the_chart(
     parsed = settings.TandemRouterSettings()
     expected = settings.DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE if threshold is None else threshold
     assert parsed.disaggregation.min_uncached_tokens == expected
+    # The chart's default prefill budget is the router's own.
+    assert parsed.budget.prefill_tokens_in_flight == settings.BudgetSettings().prefill_tokens_in_flight
     assert parsed.policy == yaml.safe_load(run_helm("show", "values", str(CHART)).stdout)["router"]["policy"]
     # Day one routes by prefix-cache locality, as the router does when nothing is set.
     assert parsed.policy == "cache_aware" == settings.TandemRouterSettings.model_fields["policy"].default

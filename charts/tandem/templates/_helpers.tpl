@@ -144,6 +144,8 @@ env:
     value: {{ .ctx.Values.router.policy | quote }}
   - name: TANDEM_ROUTER_DISAGGREGATION__MIN_UNCACHED_TOKENS
     value: {{ .ctx.Values.router.minUncachedTokensToDisaggregate | quote }}
+  - name: TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT
+    value: {{ .ctx.Values.router.prefillTokensInFlight | quote }}
   - name: TANDEM_ROUTER_GRPC_PORT
     value: {{ .ctx.Values.router.grpcPort | quote }}
   - name: HOME
