@@ -66,9 +66,8 @@ def _now() -> str:
 
 
 def _owner(name: str, namespace: str, uid: str, labels: Any, meta: Any) -> Owner:
-    return Owner(
-        name=name, namespace=namespace, uid=uid, labels=dict(labels), generation=int(meta.get("generation") or 0)
-    )
+    return Owner(name=name, namespace=namespace, uid=uid, labels=dict(labels),
+                 generation=int(meta.get("generation") or 0))
 
 
 @kopf.on.login()
@@ -115,18 +114,8 @@ async def _current_replicas(kube: KubeClient, owner: Owner) -> dict[Role, int | 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 async def reconcile_handler(
-    *,
-    name: str,
-    namespace: str | None,
-    uid: str,
-    labels: Any,
-    meta: Any,
-    spec: Any,
-    status: Any,
-    patch: kopf.Patch,
-    memo: Any,
-    logger: _Logger,
-    **_: Any,
+    *, name: str, namespace: str | None, uid: str, labels: Any, meta: Any, spec: Any, status: Any,
+    patch: kopf.Patch, memo: Any, logger: _Logger, **_: Any,
 ) -> None:
     assert namespace is not None  # the resource is namespaced
     owner = _owner(name, namespace, uid, labels, meta)
@@ -158,16 +147,8 @@ def _source(td: TandemSpec, namespace: str, name: str, http: aiohttp.ClientSessi
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=_TICK_S, idle=0)
 async def autoscale_handler(
-    *,
-    name: str,
-    namespace: str | None,
-    meta: Any,
-    spec: Any,
-    status: Any,
-    patch: kopf.Patch,
-    memo: Any,
-    logger: _Logger,
-    **_: Any,
+    *, name: str, namespace: str | None, meta: Any, spec: Any, status: Any, patch: kopf.Patch, memo: Any,
+    logger: _Logger, **_: Any,
 ) -> None:
     assert namespace is not None
     try:
@@ -200,47 +181,24 @@ async def autoscale_handler(
             signals = await source.read(role)
             history: tuple[Recommendation, ...] = memo.history.get((namespace, name, role), ())
             decision, history = decide(
-                role=role,
-                current_replicas=current,
-                signals=signals,
-                pool=td.pools.get(role),
-                policy=td.autoscaling,
-                slo=td.slo,
-                history=history,
-                now_s=now_s,
-                ready_replicas=ready,
+                role=role, current_replicas=current, signals=signals, pool=td.pools.get(role),
+                policy=td.autoscaling, slo=td.slo, history=history, now_s=now_s, ready_replicas=ready,
             )
             memo.history[(namespace, name, role)] = history
             num_with_metrics += bool(decision.votes)
             if not decision.votes:
                 without_metrics.append(role)
-            decision_logger.info(
-                json.dumps(
-                    {
-                        "event": "autoscale_decision",
-                        "namespace": namespace,
-                        "name": name,
-                        "role": role,
-                        "current": decision.current_replicas,
-                        "desired": decision.desired_replicas,
-                        "raw": decision.raw_replicas,
-                        "votes": decision.votes,
-                        "reason": decision.reason,
-                        "signals": {k: v for k, v in vars(signals).items() if v is not None},
-                    }
-                )
-            )
+            decision_logger.info(json.dumps({
+                "event": "autoscale_decision", "namespace": namespace, "name": name, "role": role,
+                "current": decision.current_replicas, "desired": decision.desired_replicas,
+                "raw": decision.raw_replicas, "votes": decision.votes, "reason": decision.reason,
+                "signals": {k: v for k, v in vars(signals).items() if v is not None},
+            }))
             if decision.changed:
-                await kube.patch(
-                    "apps/v1", "Deployment", namespace, dep_name, {"spec": {"replicas": decision.desired_replicas}}
-                )
-                logger.info(
-                    "%s pool %s → %s replicas: %s",
-                    role,
-                    decision.current_replicas,
-                    decision.desired_replicas,
-                    decision.reason,
-                )
+                await kube.patch("apps/v1", "Deployment", namespace, dep_name,
+                                 {"spec": {"replicas": decision.desired_replicas}})
+                logger.info("%s pool %s → %s replicas: %s", role, decision.current_replicas,
+                            decision.desired_replicas, decision.reason)
             previous = (status.get("autoscaling") or {}).get(role) or {}
             entry = decision_status(decision, _now())
             if all(previous.get(k) == entry[k] for k in ("currentReplicas", "desiredReplicas", "reason")):
@@ -260,9 +218,8 @@ async def _refresh_status(
 ) -> None:
     """Write status.pools and the Ready condition when what is ready has changed."""
     try:
-        deployments = {
-            role: await kube.get("apps/v1", "Deployment", namespace, pool_name(name, role)) for role in ROLES
-        }
+        deployments = {role: await kube.get("apps/v1", "Deployment", namespace, pool_name(name, role))
+                       for role in ROLES}
     except KubeError:
         return  # the next tick tries again; the autoscaler below reports API trouble
     if any(dep is None for dep in deployments.values()):
@@ -306,13 +263,8 @@ def _set_metrics_condition(
     if current.get("status") == ("True" if available else "False") and current.get("message") == message:
         return
     patch.status["conditions"] = set_condition(
-        conditions,
-        type_="MetricsAvailable",
-        status=available,
-        reason="SignalsRead" if available else "NoSignals",
-        message=message,
-        now=_now(),
-        generation=generation,
+        conditions, type_="MetricsAvailable", status=available,
+        reason="SignalsRead" if available else "NoSignals", message=message, now=_now(), generation=generation,
     )
 
 

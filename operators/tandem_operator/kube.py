@@ -39,13 +39,12 @@ def collection_path(api_version: str, kind: str, namespace: str) -> str:
 
 
 class KubeClient:
-    def __init__(
-        self, server: str, *, token: str | None = None, ca_path: Path | None = None, insecure: bool = False
-    ) -> None:
+    def __init__(self, server: str, *, token: str | None = None, ca_path: Path | None = None,
+                 insecure: bool = False) -> None:
         self._server = server.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        ssl_ctx: ssl.SSLContext | bool = (
-            False if insecure else ssl.create_default_context(cafile=str(ca_path) if ca_path else None)
+        ssl_ctx: ssl.SSLContext | bool = False if insecure else ssl.create_default_context(
+            cafile=str(ca_path) if ca_path else None
         )
         self._session = aiohttp.ClientSession(
             headers=headers, connector=aiohttp.TCPConnector(ssl=ssl_ctx), timeout=aiohttp.ClientTimeout(total=30)
@@ -84,9 +83,8 @@ class KubeClient:
         )
         return list((body or {}).get("items", []))
 
-    async def patch(
-        self, api_version: str, kind: str, namespace: str, name: str, changes: dict[str, Any]
-    ) -> dict[str, Any] | None:
+    async def patch(self, api_version: str, kind: str, namespace: str, name: str,
+                    changes: dict[str, Any]) -> dict[str, Any] | None:
         path = f"{collection_path(api_version, kind, namespace)}/{name}"
         return await self._request("PATCH", path, json=changes, headers=_MERGE_PATCH)
 

@@ -25,7 +25,9 @@ class Owner:
     generation: int
 
 
-def replicas_to_apply(pool: PoolSpec, *, autoscaling_enabled: bool, current: int | None, external: bool = False) -> int:
+def replicas_to_apply(
+    pool: PoolSpec, *, autoscaling_enabled: bool, current: int | None, external: bool = False
+) -> int:
     """With autoscaling on, the autoscaler owns the count (kept within min/max); with an external
     autoscaler (HPA, KEDA), whatever it set; otherwise the spec does."""
     if current is None:
@@ -47,22 +49,10 @@ def desired_objects(owner: Owner, spec: TandemSpec, current_replicas: dict[Role,
             current=current_replicas.get(role),
             external=spec.autoscaling.external,
         )
-        objects.append(
-            build_pool_deployment(
-                name=owner.name,
-                namespace=owner.namespace,
-                uid=owner.uid,
-                cr_labels=owner.labels,
-                spec=spec,
-                role=role,
-                replicas=replicas,
-            )
-        )
-        objects.append(
-            build_pool_service(
-                name=owner.name, namespace=owner.namespace, uid=owner.uid, cr_labels=owner.labels, spec=spec, role=role
-            )
-        )
+        objects.append(build_pool_deployment(name=owner.name, namespace=owner.namespace, uid=owner.uid,
+                                             cr_labels=owner.labels, spec=spec, role=role, replicas=replicas))
+        objects.append(build_pool_service(name=owner.name, namespace=owner.namespace, uid=owner.uid,
+                                          cr_labels=owner.labels, spec=spec, role=role))
     return objects
 
 
@@ -115,18 +105,11 @@ def reconciled_status(
     owner: Owner, deployments: dict[Role, dict[str, Any] | None], conditions: list[dict[str, Any]], now: str
 ) -> dict[str, Any]:
     pools = {role: observed_pool(deployments.get(role)) for role in ROLES}
-    conditions = set_condition(
-        conditions, type_="SpecValid", status=True, reason="Valid", message="", now=now, generation=owner.generation
-    )
-    conditions = set_condition(
-        conditions,
-        type_="Reconciled",
-        status=True,
-        reason="Applied",
-        message="Deployments and Services of both pools applied",
-        now=now,
-        generation=owner.generation,
-    )
+    conditions = set_condition(conditions, type_="SpecValid", status=True, reason="Valid", message="",
+                               now=now, generation=owner.generation)
+    conditions = set_condition(conditions, type_="Reconciled", status=True, reason="Applied",
+                               message="Deployments and Services of both pools applied", now=now,
+                               generation=owner.generation)
     conditions = ready_condition(conditions, pools, now, owner.generation)
     return {"observedGeneration": owner.generation, "pools": pools, "conditions": conditions}
 
@@ -137,36 +120,18 @@ def ready_condition(
     """``conditions`` with Ready set from the pools: every pool has a ready replica."""
     ready = all(p["readyReplicas"] > 0 for p in pools.values())
     return set_condition(
-        conditions,
-        type_="Ready",
-        status=ready,
-        reason="PoolsReady" if ready else "PoolsNotReady",
+        conditions, type_="Ready", status=ready, reason="PoolsReady" if ready else "PoolsNotReady",
         message=", ".join(f"{r}: {p['readyReplicas']}/{p['desiredReplicas']} ready" for r, p in pools.items()),
-        now=now,
-        generation=generation,
+        now=now, generation=generation,
     )
 
 
 def invalid_status(owner: Owner, message: str, conditions: list[dict[str, Any]], now: str) -> dict[str, Any]:
     """Status for a resource the operator will not act on until it is fixed."""
-    conditions = set_condition(
-        conditions,
-        type_="SpecValid",
-        status=False,
-        reason="InvalidSpec",
-        message=message,
-        now=now,
-        generation=owner.generation,
-    )
-    conditions = set_condition(
-        conditions,
-        type_="Ready",
-        status=False,
-        reason="InvalidSpec",
-        message=message,
-        now=now,
-        generation=owner.generation,
-    )
+    conditions = set_condition(conditions, type_="SpecValid", status=False, reason="InvalidSpec", message=message,
+                               now=now, generation=owner.generation)
+    conditions = set_condition(conditions, type_="Ready", status=False, reason="InvalidSpec", message=message,
+                               now=now, generation=owner.generation)
     return {"observedGeneration": owner.generation, "conditions": conditions}
 
 

@@ -174,13 +174,8 @@ def build_pool_deployment(
         "volumeMounts": mounts,
     }
     pod_spec: dict[str, Any] = {
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 10001,
-            "runAsGroup": 10001,
-            "fsGroup": 10001,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": pool.drain_timeout_seconds + GRACE_MARGIN_S,
         "containers": [container],

@@ -18,5 +18,9 @@ class OperatorSettings(BaseSettings):
     tick_s: float = Field(default=1.0, gt=0)
     #: Seconds kopf waits before retrying a reconcile that hit an API error.
     retry_delay_s: float = Field(default=10.0, gt=0)
-    kubernetes_service_host: str = Field(default="", validation_alias=AliasChoices("KUBERNETES_SERVICE_HOST"))
-    kubernetes_service_port: str = Field(default="443", validation_alias=AliasChoices("KUBERNETES_SERVICE_PORT"))
+    kubernetes_service_host: str = Field(
+        default="", validation_alias=AliasChoices("KUBERNETES_SERVICE_HOST")
+    )
+    kubernetes_service_port: str = Field(
+        default="443", validation_alias=AliasChoices("KUBERNETES_SERVICE_PORT")
+    )

@@ -49,9 +49,8 @@ def values_args(values: str | None, extra: tuple[str, ...] = ()) -> list[str]:
 
 @functools.cache
 def render(values: str | None, extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], ...]:
-    out = run_helm(
-        "template", RELEASE, str(CHART), "--namespace", "tandem", "--include-crds", *values_args(values, extra)
-    ).stdout
+    out = run_helm("template", RELEASE, str(CHART), "--namespace", "tandem", "--include-crds",
+                   *values_args(values, extra)).stdout
     return tuple(doc for doc in yaml.safe_load_all(out) if doc)
 
 

@@ -69,13 +69,8 @@ def test_validation_catches_a_broken_manifest() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [
-        "gateway.replcas=2",
-        "accelerator=tpu",
-        "tandemDeployment.pools.decode.maxReplicas=0",
-        "monitoring.prometheusRules.objective=1.5",
-        "podSecurityContext.runAsNonRoot=false",
-    ],
+    ["gateway.replcas=2", "accelerator=tpu", "tandemDeployment.pools.decode.maxReplicas=0",
+     "monitoring.prometheusRules.objective=1.5", "podSecurityContext.runAsNonRoot=false"],
 )
 def test_values_schema_rejects(bad: str) -> None:
     proc = run_helm("template", RELEASE, str(CHART), "--set", bad, check=False)
@@ -103,17 +98,9 @@ def _walk_values(node: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]
         for key, value in node.items():
             paths.append((*path, key))
             # Free-form maps (resources, selectors, labels) are typed as maps, not key by key.
-            if isinstance(value, dict) and key not in {
-                "requests",
-                "limits",
-                "labels",
-                "nodeSelector",
-                "monitoringNamespaceSelector",
-                "kuberayNamespaceSelector",
-                "kuberayPodSelector",
-                "extraEnv",
-                "annotations",
-            }:
+            if isinstance(value, dict) and key not in {"requests", "limits", "labels", "nodeSelector",
+                                                       "monitoringNamespaceSelector", "kuberayNamespaceSelector",
+                                                       "kuberayPodSelector", "extraEnv", "annotations"}:
                 paths.extend(_walk_values(value, (*path, key)))
     return paths
 
@@ -149,29 +136,24 @@ def _pod_specs(docs: tuple[dict[str, Any], ...]) -> list[tuple[str, dict[str, An
     for ray in find(docs, "RayService"):
         cluster = ray["spec"]["rayClusterConfig"]
         specs.append((f"{ray['metadata']['name']}-head", cluster["headGroupSpec"]["template"]["spec"]))
-        specs += [
-            (f"{ray['metadata']['name']}-{g['groupName']}", g["template"]["spec"]) for g in cluster["workerGroupSpecs"]
-        ]
+        specs += [(f"{ray['metadata']['name']}-{g['groupName']}", g["template"]["spec"])
+                  for g in cluster["workerGroupSpecs"]]
     return specs
 
 
 def _operator_pools(docs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
     """What the operator would create for the chart's TandemDeployment (same code as in the cluster)."""
     (td,) = find(docs, "TandemDeployment")
-    owner = Owner(
-        name=td["metadata"]["name"], namespace="tandem", uid="uid-1", labels=td["metadata"]["labels"], generation=1
-    )
+    owner = Owner(name=td["metadata"]["name"], namespace="tandem", uid="uid-1",
+                  labels=td["metadata"]["labels"], generation=1)
     return desired_objects(owner, parse_spec(td["spec"]), {"prefill": None, "decode": None})
 
 
 @pytest.mark.parametrize("values", VALUES_MATRIX, ids=_ids)
 def test_secure_pod_defaults(values: str | None) -> None:
     docs = render(values)
-    pods = _pod_specs(docs) + [
-        (d["metadata"]["name"], d["spec"]["template"]["spec"])
-        for d in _operator_pools(docs)
-        if d["kind"] == "Deployment"
-    ]
+    pods = _pod_specs(docs) + [(d["metadata"]["name"], d["spec"]["template"]["spec"])
+                               for d in _operator_pools(docs) if d["kind"] == "Deployment"]
     assert len(pods) >= 6
     for name, pod in pods:
         assert pod["securityContext"]["runAsNonRoot"] is True, name
@@ -205,10 +187,8 @@ def test_probes_point_at_the_service_endpoints() -> None:
 
 def test_gateway_reaches_the_router_service() -> None:
     docs = render(None)
-    env = {
-        e["name"]: e
-        for e in one(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
+    env = {e["name"]: e for e in one(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]
+           ["containers"][0]["env"]}
     router_svc = one(docs, "Service", f"{FULL}-router")
     assert env["TANDEM_GATEWAY_ROUTER_ADDRESS"]["value"] == f"{FULL}-router:{router_svc['spec']['ports'][0]['port']}"
     assert env["TANDEM_GATEWAY_REDIS__URL"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULL}-redis"
@@ -296,15 +276,12 @@ def test_network_policies_isolate_the_workers() -> None:
     # Workers: each peer on its own ports only (gateway → gRPC, workers → KV, router → KV events),
     # Prometheus on the metrics port only.
     workers = policies[f"{FULL}-workers"]
-    assert all(
-        _selects(workers["podSelector"]["matchLabels"], p["spec"]["template"]["metadata"]["labels"]) for p in pools
-    )
+    assert all(_selects(workers["podSelector"]["matchLabels"], p["spec"]["template"]["metadata"]["labels"])
+               for p in pools)
     assert all(rule.get("ports") for rule in workers["ingress"])
-    by_peer = {
-        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: sorted(str(q["port"]) for q in r["ports"])
-        for r in workers["ingress"][:3]
-        for p in _peers(r)
-    }
+    by_peer = {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: sorted(str(q["port"])
+                                                                                     for q in r["ports"])
+               for r in workers["ingress"][:3] for p in _peers(r)}
     assert by_peer == {"gateway": ["grpc"], "worker": ["kv"], "router": ["5557", "6557"]}
     assert _selects(_peers(workers["ingress"][0])[0]["podSelector"]["matchLabels"], gateway_labels)
     worker_ports = {p["name"] for p in pools[0]["spec"]["template"]["spec"]["containers"][0]["ports"]}
@@ -312,10 +289,8 @@ def test_network_policies_isolate_the_workers() -> None:
     monitoring = workers["ingress"][3]
     assert monitoring["ports"] == [{"port": 9101, "protocol": "TCP"}] and "namespaceSelector" in _peers(monitoring)[0]
     # Redis: only Tandem components.
-    redis_from = [
-        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
-        for p in _peers(policies[f"{FULL}-redis"]["ingress"][0])
-    ]
+    redis_from = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                  for p in _peers(policies[f"{FULL}-redis"]["ingress"][0])]
     assert sorted(redis_from) == ["gateway", "router", "worker"]
 
 
@@ -353,13 +328,9 @@ def test_gpu_values_request_gpus_with_selectors_and_tolerations() -> None:
 def test_operator_rbac_is_least_privilege() -> None:
     docs = render("ci/values-everything.yaml")
     (cluster_role,) = find(docs, "ClusterRole")
-    assert cluster_role["rules"] == [
-        {
-            "apiGroups": ["apiextensions.k8s.io"],
-            "resources": ["customresourcedefinitions"],
-            "verbs": ["get", "list", "watch"],
-        }
-    ]
+    assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"],
+                                      "resources": ["customresourcedefinitions"],
+                                      "verbs": ["get", "list", "watch"]}]
     roles = find(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["tandem", "tandem-b"]
     for role in roles:
@@ -377,12 +348,8 @@ def test_monitoring_objects() -> None:
     assert pod_monitor["spec"]["selector"]["matchLabels"] == {"tandem.dev/deployment": FULL}
     (rule,) = find(docs, "PrometheusRule")
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
-    assert {
-        "TandemTTFTBudgetBurnFast",
-        "TandemITLBudgetBurnFast",
-        "TandemTTFTBudgetBurnSlow",
-        "TandemITLBudgetBurnSlow",
-    } <= alerts
+    assert {"TandemTTFTBudgetBurnFast", "TandemITLBudgetBurnFast", "TandemTTFTBudgetBurnSlow",
+            "TandemITLBudgetBurnSlow"} <= alerts
     recorded = " ".join(r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r)
     assert 'le="2"' in recorded or 'le="2.0"' in recorded  # the TTFT SLO threshold from values
     (dashboard_cm,) = find(docs, "ConfigMap")
@@ -396,11 +363,8 @@ def test_monitoring_objects() -> None:
 
 def test_image_pull_secrets_reach_every_pod_the_operator_creates_too() -> None:
     docs = render(None, ("imagePullSecrets[0].name=registry-cred",))
-    pods = _pod_specs(docs) + [
-        (d["metadata"]["name"], d["spec"]["template"]["spec"])
-        for d in _operator_pools(docs)
-        if d["kind"] == "Deployment"
-    ]
+    pods = _pod_specs(docs) + [(d["metadata"]["name"], d["spec"]["template"]["spec"])
+                               for d in _operator_pools(docs) if d["kind"] == "Deployment"]
     assert {n for n, _ in pods} >= {f"{FULL}-prefill", f"{FULL}-decode"}, [n for n, _ in pods]
     for name, pod in pods:
         assert pod.get("imagePullSecrets") == [{"name": "registry-cred"}], name

@@ -127,30 +127,17 @@ class SimulatedCluster:
                 for role in ROLES:
                     pool = self.pools[role]
                     decision, self.history[role] = decide(
-                        role=role,
-                        current_replicas=pool.replicas,
-                        signals=signals[role],
-                        pool=self.spec.pools.get(role),
-                        policy=policy,
-                        slo=slo,
-                        history=self.history.get(role, ()),
-                        now_s=t,
-                        ready_replicas=pool.num_ready(t),
+                        role=role, current_replicas=pool.replicas, signals=signals[role],
+                        pool=self.spec.pools.get(role), policy=policy, slo=slo,
+                        history=self.history.get(role, ()), now_s=t, ready_replicas=pool.num_ready(t),
                     )
                     self.decisions.append((t, decision))
                     if decision.changed:
                         pool.apply(decision.desired_replicas, t)
-            self.samples.append(
-                Sample(
-                    t,
-                    rate,
-                    self.pools["prefill"].replicas,
-                    self.pools["prefill"].num_ready(t),
-                    self.pools["decode"].replicas,
-                    self.pools["decode"].num_ready(t),
-                    signals,
-                )
-            )
+            self.samples.append(Sample(
+                t, rate, self.pools["prefill"].replicas, self.pools["prefill"].num_ready(t),
+                self.pools["decode"].replicas, self.pools["decode"].num_ready(t), signals,
+            ))
             itl = signals["decode"].itl_p90_s or SIMULATED_ITL_BASE_S
             self._step_load(t, rate, itl / 1.15)
             t += self.dt_s

@@ -14,19 +14,10 @@ def policy(**kw: float) -> AutoscalingSpec:
     return AutoscalingSpec.model_validate({**base, **kw})
 
 
-def once(
-    role: Role, current: int, signals: PoolSignals, pol: AutoscalingSpec | None = None, pool: PoolSpec = POOL
-) -> Decision:
-    decision, _ = decide(
-        role=role,
-        current_replicas=current,
-        signals=signals,
-        pool=pool,
-        policy=pol or policy(),
-        slo=SLO,
-        history=(),
-        now_s=100.0,
-    )
+def once(role: Role, current: int, signals: PoolSignals, pol: AutoscalingSpec | None = None,
+         pool: PoolSpec = POOL) -> Decision:
+    decision, _ = decide(role=role, current_replicas=current, signals=signals, pool=pool,
+                         policy=pol or policy(), slo=SLO, history=(), now_s=100.0)
     return decision
 
 
@@ -96,16 +87,8 @@ def test_scale_up_waits_for_its_window() -> None:
     history: tuple[Recommendation, ...] = ()
     desired = []
     for t in range(0, 50, 10):
-        decision, history = decide(
-            role="prefill",
-            current_replicas=1,
-            signals=PoolSignals(queue_depth=12),
-            pool=POOL,
-            policy=pol,
-            slo=SLO,
-            history=history,
-            now_s=float(t),
-        )
+        decision, history = decide(role="prefill", current_replicas=1, signals=PoolSignals(queue_depth=12),
+                                   pool=POOL, policy=pol, slo=SLO, history=history, now_s=float(t))
         desired.append(decision.desired_replicas)
     # The seed (1 replica at t=0) holds the scale-up back for the 30 s window.
     assert desired == [1, 1, 1, 3, 3]
@@ -117,16 +100,8 @@ def test_scale_down_waits_for_its_window_and_a_spike_resets_it() -> None:
     current = 4
     trace = []
     for t, queue in [(10, 0), (30, 0), (50, 16), (70, 0), (100, 0), (115, 0)]:
-        decision, history = decide(
-            role="prefill",
-            current_replicas=current,
-            signals=PoolSignals(queue_depth=queue),
-            pool=POOL,
-            policy=pol,
-            slo=SLO,
-            history=history,
-            now_s=float(t),
-        )
+        decision, history = decide(role="prefill", current_replicas=current, signals=PoolSignals(queue_depth=queue),
+                                   pool=POOL, policy=pol, slo=SLO, history=history, now_s=float(t))
         current = decision.desired_replicas
         trace.append(current)
     # The 4 at t=50 keeps replicas up until it leaves the window (t=110).

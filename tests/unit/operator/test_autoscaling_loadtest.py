@@ -44,27 +44,18 @@ def rate_per_s(t: float) -> float:
 
 
 def spec() -> TandemSpec:
-    return parse_spec(
-        {
-            "model": {"servedModelName": "simulated", "pvc": {"claimName": "none"}},
-            "image": {"repository": "simulated", "tag": "0"},
-            "redis": {"url": "redis://simulated:6379/0"},
-            "pools": {
-                "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 8},
-                "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 8},
-            },
-            "slo": {"ttftP90Seconds": 2.0, "itlP90Seconds": 0.1},
-            "autoscaling": {
-                "intervalSeconds": DECIDE_EVERY_S,
-                "scaleUpStabilizationSeconds": 30,
-                "scaleDownStabilizationSeconds": 300,
-                "maxScaleUpStep": 2,
-                "maxScaleDownStep": 1,
-                "prefill": {"queueDepthPerReplica": 4, "uncachedTokensPerReplica": 600},
-                "decode": {"kvUsage": 0.7},
-            },
-        }
-    )
+    return parse_spec({
+        "model": {"servedModelName": "simulated", "pvc": {"claimName": "none"}},
+        "image": {"repository": "simulated", "tag": "0"},
+        "redis": {"url": "redis://simulated:6379/0"},
+        "pools": {"prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 8},
+                  "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 8}},
+        "slo": {"ttftP90Seconds": 2.0, "itlP90Seconds": 0.1},
+        "autoscaling": {"intervalSeconds": DECIDE_EVERY_S, "scaleUpStabilizationSeconds": 30,
+                        "scaleDownStabilizationSeconds": 300, "maxScaleUpStep": 2, "maxScaleDownStep": 1,
+                        "prefill": {"queueDepthPerReplica": 4, "uncachedTokensPerReplica": 600},
+                        "decode": {"kvUsage": 0.7}},
+    })
 
 
 def _fraction_over(samples: list[Sample], attr: str, slo: float, start_s: float, end_s: float) -> float:
@@ -78,20 +69,9 @@ def _report(cluster: SimulatedCluster, fixed: SimulatedCluster) -> None:
     with (REPORT_DIR / "decisions.jsonl").open("w") as out:
         for t, d in cluster.decisions:
             if d.changed or d.reason.startswith(("scale up pending", "scale down pending")):
-                out.write(
-                    json.dumps(
-                        {
-                            "t_s": t,
-                            "role": d.role,
-                            "current": d.current_replicas,
-                            "desired": d.desired_replicas,
-                            "reason": d.reason,
-                            "votes": d.votes,
-                            "simulated": True,
-                        }
-                    )
-                    + "\n"
-                )
+                out.write(json.dumps({"t_s": t, "role": d.role, "current": d.current_replicas,
+                                      "desired": d.desired_replicas, "reason": d.reason, "votes": d.votes,
+                                      "simulated": True}) + "\n")
     t = [s.t_s / 60 for s in cluster.samples]
     fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
     fig.suptitle("Tandem autoscaler on SIMULATED workers (made-up capacities, not model speed)")
@@ -104,10 +84,8 @@ def _report(cluster: SimulatedCluster, fixed: SimulatedCluster) -> None:
     axes[1].set_ylabel("replicas")
     axes[1].legend(loc="upper right", fontsize=8)
     slo = cluster.spec.slo
-    for ax, role, attr, limit, label in [
-        (axes[2], "prefill", "ttft_p90_s", slo.ttft_p90_seconds, "TTFT p90 (s)"),
-        (axes[3], "decode", "itl_p90_s", slo.itl_p90_seconds, "ITL p90 (s)"),
-    ]:
+    for ax, role, attr, limit, label in [(axes[2], "prefill", "ttft_p90_s", slo.ttft_p90_seconds, "TTFT p90 (s)"),
+                                         (axes[3], "decode", "itl_p90_s", slo.itl_p90_seconds, "ITL p90 (s)")]:
         ax.plot(t, [getattr(s.signals[role], attr) for s in cluster.samples], label="autoscaled")
         ax.plot(t, [getattr(s.signals[role], attr) for s in fixed.samples], alpha=0.5, label="fixed at 1 replica")
         ax.axhline(limit, color="red", linestyle=":", label="SLO")

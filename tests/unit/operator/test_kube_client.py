@@ -30,13 +30,8 @@ class Recorder:
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.text()
         self.requests.append(
-            (
-                request.method,
-                request.path,
-                request.headers.get("Content-Type", ""),
-                dict(request.query),
-                json.loads(body) if body else None,
-            )
+            (request.method, request.path, request.headers.get("Content-Type", ""), dict(request.query),
+             json.loads(body) if body else None)
         )
         if request.method == "GET":
             return web.json_response(DEPLOYMENT) if self.exists else web.json_response({}, status=404)

@@ -20,12 +20,8 @@ from kopf.testing import KopfRunner
 NS = "tandem"
 NAME = "chat"
 TD_PATH = f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/tandemdeployments"
-_RESOURCE = {
-    "verbs": ["list", "watch", "get", "create", "patch", "update", "delete"],
-    "shortnames": [],
-    "categories": [],
-    "subresources": [],
-}
+_RESOURCE = {"verbs": ["list", "watch", "get", "create", "patch", "update", "delete"], "shortnames": [],
+             "categories": [], "subresources": []}
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,28 +30,16 @@ def td_body(**autoscaling: Any) -> dict[str, Any]:
     return {
         "apiVersion": "tandem.dev/v1alpha1",
         "kind": "TandemDeployment",
-        "metadata": {
-            "name": NAME,
-            "namespace": NS,
-            "uid": "uid-chat",
-            "generation": 1,
-            "resourceVersion": "1",
-            "labels": {"app.kubernetes.io/instance": "rel"},
-        },
+        "metadata": {"name": NAME, "namespace": NS, "uid": "uid-chat", "generation": 1, "resourceVersion": "1",
+                     "labels": {"app.kubernetes.io/instance": "rel"}},
         "spec": {
             "model": {"servedModelName": "smol", "pvc": {"claimName": "models"}},
             "image": {"repository": "ghcr.io/tandem-llm/tandem-worker-cpu", "tag": "0.1.0"},
             "redis": {"secretName": "rel-tandem-redis"},
-            "pools": {
-                "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
-                "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
-            },
-            "autoscaling": {
-                "intervalSeconds": 0.5,
-                "scaleUpStabilizationSeconds": 0,
-                "scaleDownStabilizationSeconds": 0,
-                **autoscaling,
-            },
+            "pools": {"prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
+                      "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4}},
+            "autoscaling": {"intervalSeconds": 0.5, "scaleUpStabilizationSeconds": 0,
+                            "scaleDownStabilizationSeconds": 0, **autoscaling},
         },
     }
 
@@ -76,12 +60,8 @@ class FakePrometheus:
         self.queries.append(query)
         for fragment, value in self.values.items():
             if fragment in query:
-                return web.json_response(
-                    {
-                        "status": "success",
-                        "data": {"resultType": "vector", "result": [{"metric": {}, "value": [0, str(value)]}]},
-                    }
-                )
+                return web.json_response({"status": "success", "data": {"resultType": "vector",
+                                          "result": [{"metric": {}, "value": [0, str(value)]}]}})
         return web.json_response({"status": "success", "data": {"resultType": "vector", "result": []}})
 
 
@@ -109,9 +89,8 @@ def cluster(kmock: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
         ("v1/services", "Service", True, []),
         ("v1/events", "Event", True, []),
     ]:
-        kmock.resources[key] = dict(
-            _RESOURCE, kind=kind, singular=kind.lower(), namespaced=namespaced, subresources=subresources
-        )
+        kmock.resources[key] = dict(_RESOURCE, kind=kind, singular=kind.lower(), namespaced=namespaced,
+                                    subresources=subresources)
     monkeypatch.setenv("TANDEM_OPERATOR_API_SERVER_URL", str(kmock.url).rstrip("/"))
     monkeypatch.setenv("TANDEM_OPERATOR_TICK_S", "0.2")
     monkeypatch.setenv("TANDEM_OPERATOR_RETRY_DELAY_S", "1")
@@ -179,33 +158,24 @@ async def test_create_scale_delete(cluster: Any, prometheus: tuple[FakePrometheu
             svc = await _until(lambda r=role: _obj(cluster, "v1/services", f"{NAME}-{r}"), f"{role} Service")
             assert svc["spec"]["clusterIP"] == "None"
         td = await _until(
-            lambda: (
-                (_obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) or {}).get("status", {}).get("conditions")
-            ),
-            "status conditions",
-        )
+            lambda: (_obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) or {}).get("status", {})
+            .get("conditions"), "status conditions")
         assert {c["type"]: c["status"] for c in td}["SpecValid"] == "True"
 
         # The status follows the pools as they become ready (a timer, not only on spec changes).
         def td_status() -> dict[str, Any]:
             return dict((_obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) or {}).get("status", {}))
 
-        await _until(
-            lambda: (
-                td_status().get("pools", {}).get("decode", {}).get("readyReplicas") == 1
-                and {c["type"]: c["status"] for c in td_status()["conditions"]}.get("Ready") == "True"
-            ),
-            "status to show the ready pools",
-            timeout_s=30,
-        )
+        await _until(lambda: td_status().get("pools", {}).get("decode", {}).get("readyReplicas") == 1
+                     and {c["type"]: c["status"] for c in td_status()["conditions"]}.get("Ready") == "True",
+                     "status to show the ready pools", timeout_s=30)
 
         # No series yet: the pools hold, and the resource says so.
         def metrics_condition() -> dict[str, Any]:
             return next((c for c in td_status().get("conditions", []) if c["type"] == "MetricsAvailable"), {})
 
-        missing = await _until(
-            lambda: metrics_condition().get("status") == "False" and metrics_condition(), "MetricsAvailable=False"
-        )
+        missing = await _until(lambda: metrics_condition().get("status") == "False" and metrics_condition(),
+                               "MetricsAvailable=False")
         assert "no signal for the prefill and decode pool" in missing["message"], missing
 
         # Prefill load rises (router queue of 12, 4 per replica) → only prefill scales (step cap 2).
@@ -218,10 +188,8 @@ async def test_create_scale_delete(cluster: Any, prometheus: tuple[FakePrometheu
             return dict(status.get("autoscaling", {}).get("prefill", {}))
 
         # The status is patched after the Deployment (and retried when the API drops a request).
-        decision = await _until(
-            lambda: "queue_depth" in prefill_decision().get("reason", "") and prefill_decision(),
-            "the prefill decision in status",
-        )
+        decision = await _until(lambda: "queue_depth" in prefill_decision().get("reason", "") and prefill_decision(),
+                                "the prefill decision in status")
         assert decision["desiredReplicas"] == 3, decision
         await _until(lambda: metrics_condition().get("status") == "True", "MetricsAvailable=True")
 
@@ -233,11 +201,12 @@ async def test_create_scale_delete(cluster: Any, prometheus: tuple[FakePrometheu
         # Delete → everything owned is gone.
         await cluster.delete(f"{TD_PATH}/{NAME}")
         for role in ("prefill", "decode"):
-            await _until(
-                lambda r=role: _obj(cluster, "apps/v1/deployments", f"{NAME}-{r}") is None, f"{role} Deployment deleted"
-            )
-            await _until(lambda r=role: _obj(cluster, "v1/services", f"{NAME}-{r}") is None, f"{role} Service deleted")
-        await _until(lambda: _obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) is None, "finalizer released")
+            await _until(lambda r=role: _obj(cluster, "apps/v1/deployments", f"{NAME}-{r}") is None,
+                         f"{role} Deployment deleted")
+            await _until(lambda r=role: _obj(cluster, "v1/services", f"{NAME}-{r}") is None,
+                         f"{role} Service deleted")
+        await _until(lambda: _obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) is None,
+                     "finalizer released")
     controller.cancel()
     assert runner.exception is None, runner.output[-3000:]
     assert any("histogram_quantile" in q for q in fake.queries)  # latency signals were asked for too
@@ -251,11 +220,8 @@ async def test_malformed_resource_gets_a_condition_not_a_crash(cluster: Any) -> 
         await asyncio.sleep(1.0)
         await cluster.post(TD_PATH, json=body)
         conditions = await _until(
-            lambda: (
-                (_obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) or {}).get("status", {}).get("conditions")
-            ),
-            "a status condition",
-        )
+            lambda: (_obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) or {}).get("status", {})
+            .get("conditions"), "a status condition")
         spec_valid = next(c for c in conditions if c["type"] == "SpecValid")
         assert spec_valid["status"] == "False" and spec_valid["reason"] == "InvalidSpec"
         assert "redis" in spec_valid["message"] and "replicas 9" in spec_valid["message"]

@@ -16,15 +16,9 @@ VALID: dict[str, Any] = {
     "model": {"servedModelName": "smol", "pvc": {"claimName": "models"}},
     "image": {"repository": "r", "tag": "t"},
     "redis": {"url": "redis://r:6379/0"},
-    "pools": {
-        "decode": {
-            "replicas": 2,
-            "minReplicas": 1,
-            "maxReplicas": 3,
-            "resources": {"limits": {"nvidia.com/gpu": 1}},
-            "engineArgs": {"extraEnv": {"TANDEM_WORKER_X": "1"}},
-        }
-    },
+    "pools": {"decode": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3,
+                         "resources": {"limits": {"nvidia.com/gpu": 1}},
+                         "engineArgs": {"extraEnv": {"TANDEM_WORKER_X": "1"}}}},
 }
 
 
@@ -55,9 +49,8 @@ def test_crd_and_model_have_the_same_fields() -> None:
 
 
 def test_valid_spec_passes_both() -> None:
-    validate_custom_resource(
-        {"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemDeployment", "metadata": {"name": "x"}, "spec": VALID}
-    )
+    validate_custom_resource({"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemDeployment",
+                              "metadata": {"name": "x"}, "spec": VALID})
     spec = parse_spec(VALID)
     assert spec.pools.decode.num_gpus == 1
     dep = build_pool_deployment(name="x", namespace="ns", uid="u", cr_labels={}, spec=spec, role="decode", replicas=2)
@@ -85,6 +78,5 @@ def test_malformed_specs_are_one_clear_error(patch: dict[str, Any], message: str
 def test_crd_schema_rejects_what_the_model_rejects() -> None:
     bad = {**VALID, "autoscaling": {"decode": {"kvUsage": 1.5}}}
     with pytest.raises(jsonschema.ValidationError):
-        validate_custom_resource(
-            {"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemDeployment", "metadata": {"name": "x"}, "spec": bad}
-        )
+        validate_custom_resource({"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemDeployment",
+                                  "metadata": {"name": "x"}, "spec": bad})

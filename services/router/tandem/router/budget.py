@@ -96,7 +96,9 @@ class BudgetView:
         own_young = self._young_tokens.get(worker_id, 0)
         others_young = self._others.others_young_tokens(worker_id)
         young = own_young + others_young
-        old = self._own_tokens.get(worker_id, 0) - own_young + self._others.others_tokens(worker_id) - others_young
+        old = (
+            self._own_tokens.get(worker_id, 0) - own_young + self._others.others_tokens(worker_id) - others_young
+        )
         if worker.role == ROLE_DECODE:
             reported = worker.load.num_kv_tokens_in_flight
             load = max(young + min(old, reported), reported)
