@@ -163,6 +163,8 @@ class FakeRouter:
     schedule_delay_s: float = 0.0
     #: Errors raised by the first Schedule calls, one each, before the scripted behaviour.
     fail_first: list[TandemError] = field(default_factory=list)
+    #: Every call in order, as ``("schedule" | "release", request_id)``: what came between two Schedules.
+    calls: list[tuple[str, str]] = field(default_factory=list)
 
     async def schedule(
         self,
@@ -174,7 +176,9 @@ class FakeRouter:
         tenant: str,
         exclude_worker_ids: Sequence[str],
         priority: str = "",
+        prefill_done_on_worker_id: str = "",
     ) -> router_pb2.Placement:
+        self.calls.append(("schedule", request_id))
         self.schedule_calls.append(
             {
                 "request_id": request_id,
@@ -185,6 +189,7 @@ class FakeRouter:
                 "exclude_worker_ids": list(exclude_worker_ids),
                 "tenant": tenant,
                 "priority": priority,
+                "prefill_done_on_worker_id": prefill_done_on_worker_id,
             }
         )
         if self.schedule_delay_s:
@@ -200,6 +205,7 @@ class FakeRouter:
         return placement
 
     async def release(self, request_id: str) -> None:
+        self.calls.append(("release", request_id))
         self.released.append(request_id)
         self.released_event.set()
 

@@ -37,10 +37,13 @@ DEFAULT_PLACEMENT = router_pb2.Placement(
 @dataclass
 class FakeRouterServicer(router_pb2_grpc.RouterServicer):
     """Answers like the deployment: one placement (its ``reason`` lists the excluded
-    workers), or the error scripted for the request's model, or for every request;
-    records what it was sent and the metadata that came with it."""
+    workers, then ``prefill_done_on=<id>`` for a decode-only Schedule, whose reply names that
+    prefill worker and is never a local prefill), or the error scripted for the request's model,
+    or for every request; records what it was sent and the metadata that came with it."""
 
     placement: router_pb2.Placement = field(default_factory=lambda: DEFAULT_PLACEMENT)
+    #: Handed out first, one per Schedule, before ``placement`` (e.g. a dead worker, then a live one).
+    first_placements: list[router_pb2.Placement] = field(default_factory=list)
     #: Errors by model name, sent with the trailers the real deployment would send.
     errors_by_model: dict[str, TandemError] = field(default_factory=dict)
     #: Raised for every Schedule while set.
@@ -60,9 +63,18 @@ class FakeRouterServicer(router_pb2_grpc.RouterServicer):
             context.set_trailing_metadata(trailers)
             await context.abort(code, str(error))
         reply = router_pb2.Placement()
-        reply.CopyFrom(self.placement)
+        reply.CopyFrom(self.first_placements.pop(0) if self.first_placements else self.placement)
         reply.request_id = request.request_id
         reply.reason = ",".join(request.exclude_worker_ids)
+        if request.prefill_done_on_worker_id:
+            # Decode-only: the prefill already ran there (the real router fills in its address from
+            # the registry; here, from the scripted placement when it names the same worker).
+            reply.reason += f";prefill_done_on={request.prefill_done_on_worker_id}"
+            reply.local_prefill = False
+            if reply.prefill.worker_id != request.prefill_done_on_worker_id:
+                reply.prefill.CopyFrom(
+                    router_pb2.WorkerRef(worker_id=request.prefill_done_on_worker_id, role="prefill")
+                )
         return reply
 
     async def Release(self, request: router_pb2.RouterReleaseRequest, context: Any) -> router_pb2.RouterReleaseResponse:

@@ -3,6 +3,7 @@ no KV handle), streams every token from the first, and is cleaned up like any de
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -65,21 +66,33 @@ async def test_a_dead_decode_worker_is_replaced_and_the_prefill_stays_local(
     stack: Any, free_dead_address: str, wait: Any
 ) -> None:
     """The replacement placement names a prefill worker (the router chose a pair for the new decode
-    worker), but nothing was streamed yet: the new decode worker prefills alone, no handoff starts."""
+    worker), but nothing was streamed yet: the new decode worker prefills alone, no handoff starts.
+    No prefill worker holds KV, so the second Schedule is a normal one (not decode-only); it replaces
+    the first one's reservation, with no Release between the two."""
     dead = router_pb2.WorkerRef(worker_id="decode-dead", role="decode", address=free_dead_address)
     stack.router.placements[:] = [
         router_pb2.Placement(decode=dead, lease_s=30.0, local_prefill=True),
         router_pb2.Placement(prefill=stack.prefill.ref("prefill"), decode=stack.decode.ref("decode"), lease_s=30.0),
     ]
+    stack.decode.decode_steps = STEPS
     response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
     assert response.status_code == 200
     assert '"error"' not in response.text and response.text.endswith("data: [DONE]\n\n")
-    _, second = stack.router.schedule_calls
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]) == "Bonjour 🌍 世界"
+    first, second = stack.router.schedule_calls
     assert second["exclude_worker_ids"] == ["decode-dead"]
+    assert second["prefill_done_on_worker_id"] == ""
+    assert second["prompt_block_hashes"] == first["prompt_block_hashes"]
+    assert stack.hasher.num_hashed == 1
     assert stack.prefill.prefill_requests == []
     (decode_request,) = stack.decode.decode_requests
     assert decode_request.local_prefill and not decode_request.HasField("kv_handle")
     await wait(stack.router.released_event)
+    await asyncio.sleep(0.05)
+    request_id = first["request_id"]
+    assert stack.router.calls == [("schedule", request_id), ("schedule", request_id), ("release", request_id)]
+    assert stack.metrics.registry.get_sample_value("tandem_gateway_worker_retries_total", {"role": "decode"}) == 1
 
 
 async def test_a_client_gone_mid_stream_aborts_the_decode_worker_only(stack: Any, live_url: str, wait: Any) -> None:

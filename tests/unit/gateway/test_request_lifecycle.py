@@ -14,6 +14,7 @@ import pytest
 
 from tandem.common.errors import BackendUnavailableError, NoCapacityError
 from tandem.v1 import router_pb2
+from tests.kit.gateway import DecodeStep
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -109,29 +110,93 @@ async def test_prefill_unavailable_is_retried_once_elsewhere(
     assert stack.router.released == [first["request_id"]] * 2
 
 
+#: A decoded tail of accents, an emoji and CJK, split across chunks as an engine streams them.
+NON_ASCII_STEPS = [
+    DecodeStep(" café", [102]),
+    DecodeStep(" 🌍", [103, 104]),
+    DecodeStep(" 世界", [105], "stop"),
+]
+
+
 async def test_decode_unavailable_before_its_first_token_is_placed_once_more(
     stack: Any, free_dead_address: str, wait: Any
 ) -> None:
     """A decode worker that died between requests (registration not yet expired): the prefill worker
-    still holds the KV, so the decode goes to another decode worker and the client sees nothing."""
+    still holds the KV, so the decode goes to another decode worker and the client sees nothing. The
+    second Schedule is decode-only (it names the prefill worker that holds the KV) and replaces the
+    first one's reservation: nothing is released between the two."""
     dead = router_pb2.WorkerRef(worker_id="decode-dead", role="decode", address=free_dead_address)
-    unused_prefill = router_pb2.WorkerRef(worker_id="prefill-other", role="prefill", address=free_dead_address)
+    other_prefill = router_pb2.WorkerRef(worker_id="prefill-other", role="prefill", address=free_dead_address)
     stack.router.placements[:] = [
         router_pb2.Placement(prefill=stack.prefill.ref("prefill"), decode=dead, lease_s=30.0),
-        router_pb2.Placement(prefill=unused_prefill, decode=stack.decode.ref("decode"), lease_s=30.0),
+        # Should the router name another prefill worker, the KV is still where it was computed.
+        router_pb2.Placement(prefill=other_prefill, decode=stack.decode.ref("decode"), lease_s=30.0),
     ]
+    stack.decode.decode_steps = NON_ASCII_STEPS
     response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
     assert response.status_code == 200
     body = response.content.decode()
     assert '"error"' not in body and body.endswith("data: [DONE]\n\n")
-    assert "Hello" in body
-    _, second = stack.router.schedule_calls
+    events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "Hello café 🌍 世界"
+
+    first, second = stack.router.schedule_calls
+    request_id = first["request_id"]
+    assert first["prefill_done_on_worker_id"] == "" and first["exclude_worker_ids"] == []
+    assert second["request_id"] == request_id
+    assert second["prefill_done_on_worker_id"] == "prefill-0"  # decode-only: the KV is there
     assert second["exclude_worker_ids"] == ["decode-dead"]
-    assert len(stack.prefill.prefill_requests) == 1  # the KV stays where it was computed
+    # The prompt was hashed once; the decode-only Schedule sends the same hashes.
+    assert first["prompt_block_hashes"] and second["prompt_block_hashes"] == first["prompt_block_hashes"]
+    assert stack.hasher.num_hashed == 1
+
+    (prefill_request,) = stack.prefill.prefill_requests  # the KV stays where it was computed
     (decode_request,) = stack.decode.decode_requests
-    assert decode_request.kv_handle.remote_request_id  # the handle the first prefill returned
+    assert decode_request.request_id == request_id
+    # The handle the first (and only) prefill returned.
+    assert decode_request.kv_handle.engine_id == "prefill-0"
+    assert decode_request.kv_handle.remote_request_id == request_id
+    assert list(decode_request.kv_handle.block_ids) == [7, 8]
+    assert decode_request.kv_handle.num_tokens == len(prefill_request.prompt_token_ids)
+    assert (decode_request.first_token_id, decode_request.first_text) == (101, "Hello")
+    assert not decode_request.local_prefill
+
     await wait(stack.router.released_event)
+    await asyncio.sleep(0.05)  # a second Release, were there one, would have come by now
+    # No Release between the two Schedules; exactly one, at the end.
+    assert stack.router.calls == [("schedule", request_id), ("schedule", request_id), ("release", request_id)]
     assert stack.prefill.aborted == []  # completed: nothing to abort
+    sample = stack.metrics.registry.get_sample_value
+    assert sample("tandem_gateway_worker_retries_total", {"role": "decode"}) == 1
+    assert not sample("tandem_gateway_worker_retries_total", {"role": "prefill"})
+
+
+async def test_a_refused_decode_replacement_releases_once_and_frees_the_kv(
+    stack: Any, free_dead_address: str, wait: Any
+) -> None:
+    """The decode-only Schedule is refused (no decode worker has budget): the request ends with an
+    error event, its reservation is released once, and the prefill worker is told to drop the KV it
+    holds rather than keep it until its lease runs out."""
+    dead = router_pb2.WorkerRef(worker_id="decode-dead", role="decode", address=free_dead_address)
+    stack.router.placements[:] = [router_pb2.Placement(prefill=stack.prefill.ref("prefill"), decode=dead)]
+    schedule = stack.router.schedule
+
+    async def refuse_the_second(*args: Any, **kwargs: Any) -> router_pb2.Placement:
+        placement: router_pb2.Placement = await schedule(*args, **kwargs)
+        if len(stack.router.schedule_calls) > 1:
+            raise NoCapacityError("no decode worker has budget", retry_after_s=1)
+        return placement
+
+    stack.router.schedule = refuse_the_second
+    response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert response.status_code == 200  # the first token was already sent
+    assert '"no_capacity"' in response.text and response.text.endswith("data: [DONE]\n\n")
+    await wait(stack.prefill.aborted_event)
+    await wait(stack.router.released_event)
+    await asyncio.sleep(0.05)
+    (request_id,) = stack.prefill.aborted
+    assert stack.router.schedule_calls[1]["prefill_done_on_worker_id"] == "prefill-0"
+    assert stack.router.calls == [("schedule", request_id), ("schedule", request_id), ("release", request_id)]
 
 
 async def test_decode_unavailable_twice_is_a_final_error_event(stack: Any, free_dead_address: str) -> None:
@@ -141,6 +206,7 @@ async def test_decode_unavailable_twice_is_a_final_error_event(stack: Any, free_
     assert response.status_code == 200  # the first token was already sent
     assert '"worker_unavailable"' in response.text and response.text.endswith("data: [DONE]\n\n")
     assert len(stack.router.schedule_calls) == 2
+    assert stack.router.schedule_calls[1]["prefill_done_on_worker_id"] == "prefill-0"
 
 
 async def test_client_gone_while_the_router_places_releases_the_placement(stack: Any, live_url: str, wait: Any) -> None:

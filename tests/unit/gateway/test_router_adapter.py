@@ -15,6 +15,8 @@ from tandem.common.errors import NoCapacityError
 from tandem.gateway.app import build_app
 from tandem.gateway.router import connect_router
 from tandem.gateway.settings import GatewaySettings
+from tandem.v1 import router_pb2
+from tests.kit.gateway import DecodeStep
 from tests.kit.router import FakeRouterServicer, serving_router
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -76,3 +78,32 @@ async def test_router_saturation_is_503(routed: Any) -> None:
     assert "retry-after" in response.headers
     assert response.json()["error"]["code"] == "no_capacity"
     assert prefill.prefill_requests == []
+
+
+async def test_a_dead_decode_worker_is_replaced_by_a_decode_only_schedule(routed: Any, free_dead_address: str) -> None:
+    """Through the real client: the second Schedule reaches the router with
+    ``prefill_done_on_worker_id``, nothing is released in between, and the decode gets the KV handle
+    of the one prefill."""
+    client, router, prefill, decode = routed
+    dead = router_pb2.WorkerRef(worker_id="decode-dead", role="decode", address=free_dead_address)
+    router.first_placements.append(router_pb2.Placement(prefill=prefill.ref("prefill"), decode=dead, lease_s=30.0))
+    decode.decode_steps = [DecodeStep(" crème", [102]), DecodeStep(" 🚀 東京", [103, 104], "stop")]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello crème 🚀 東京"
+    first, second = router.scheduled
+    assert first.prefill_done_on_worker_id == "" and list(first.exclude_worker_ids) == []
+    assert second.request_id == first.request_id
+    assert second.prefill_done_on_worker_id == "prefill-0"
+    assert list(second.exclude_worker_ids) == ["decode-dead"]
+    assert len(prefill.prefill_requests) == 1
+    (decode_request,) = decode.decode_requests
+    assert decode_request.kv_handle.engine_id == "prefill-0"
+    assert decode_request.kv_handle.remote_request_id == first.request_id
+    for _ in range(200):
+        if router.released:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert router.released == [first.request_id]  # once, at the end: none between the Schedules

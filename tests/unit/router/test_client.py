@@ -38,6 +38,26 @@ async def test_schedule_returns_placement_and_sends_serve_metadata(fake: tuple[F
     assert servicer.metadata[0]["session_id"] == "req-1"
 
 
+async def test_a_decode_only_schedule_sends_the_prefill_worker_that_holds_the_kv(
+    fake: tuple[FakeRouterServicer, str],
+) -> None:
+    servicer, address = fake
+    async with RouterClient(address, timeout_s=2) as client:
+        normal = await client.schedule("req-1", "m", num_prompt_tokens=5)
+        placement = await client.schedule(
+            "req-1", "m", num_prompt_tokens=5, exclude_worker_ids=["d9"], prefill_done_on_worker_id="p7"
+        )
+    first, second = servicer.scheduled
+    assert first.prefill_done_on_worker_id == ""  # the default: a normal Schedule
+    assert second.prefill_done_on_worker_id == "p7"
+    assert list(second.exclude_worker_ids) == ["d9"]
+    assert second.request_id == "req-1" and second.num_prompt_tokens == 5
+    assert normal.reason == ""
+    assert placement.reason == "d9;prefill_done_on=p7"
+    assert placement.prefill.worker_id == "p7" and not placement.local_prefill
+    assert servicer.metadata[1]["session_id"] == "req-1"  # the same replica as the first Schedule
+
+
 async def test_release_reports_found_and_sticks_to_the_same_session(fake: tuple[FakeRouterServicer, str]) -> None:
     servicer, address = fake
     async with RouterClient(address, timeout_s=2) as client:

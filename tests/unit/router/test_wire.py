@@ -11,6 +11,8 @@ from tandem.common.errors import (
     WorkerUnavailableError,
 )
 from tandem.common.router_wire import TRAILER_ERROR, RouterInternalError, error_from_status, status_for_error
+from tandem.router.deployment import schedule_request_from_proto
+from tandem.v1 import router_pb2
 
 
 @pytest.mark.parametrize(
@@ -73,3 +75,16 @@ def test_internal_from_the_router_itself_stays_permanent() -> None:
     """The same words in an INTERNAL the router's own code raised (with its trailer) are not a lost replica."""
     err = error_from_status(grpc.StatusCode.INTERNAL, "The actor died unexpectedly", [(TRAILER_ERROR, "internal")])
     assert isinstance(err, RouterInternalError)
+
+
+def test_schedule_request_decodes_prefill_done_on_worker_id() -> None:
+    """The deployment hands the scheduler a decode-only request as the gateway sent it."""
+    proto = router_pb2.ScheduleRequest(
+        request_id="r1", model="m", num_prompt_tokens=9, exclude_worker_ids=["d0"], prefill_done_on_worker_id="p0"
+    )
+    request = schedule_request_from_proto(proto, priority="batch")
+    assert request.prefill_done_on_worker_id == "p0"
+    assert request.exclude_worker_ids == frozenset({"d0"})
+    assert (request.request_id, request.num_tokens, request.priority) == ("r1", 9, "batch")
+    normal = schedule_request_from_proto(router_pb2.ScheduleRequest(request_id="r2", model="m"))
+    assert normal.prefill_done_on_worker_id == ""

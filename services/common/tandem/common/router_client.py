@@ -64,6 +64,7 @@ class RouterClient:
         exclude_worker_ids: Iterable[str] = (),
         priority: int | str = 0,
         prompt_block_hashes: Iterable[router_pb2.PromptBlockHashes] = (),
+        prefill_done_on_worker_id: str = "",
     ) -> router_pb2.Placement:
         """A (prefill, decode) pair for the request, reserved until :meth:`release` or the lease ends.
 
@@ -71,7 +72,10 @@ class RouterClient:
         ``prompt_block_hashes`` and no token ids (prompts do not travel to the router). ``priority``
         is the admission priority: an int (larger is served first, 1 = lowest
         class; 0 = not set) or a class name; it travels as ``tandem-priority``
-        metadata.
+        metadata. ``prefill_done_on_worker_id`` asks for a decode worker only (a dead decode worker's
+        replacement): the prefill already ran on that worker, which holds the KV; the router reserves
+        decode budget only and the placement's prefill names that worker. A second Schedule of one
+        request id replaces its earlier reservation.
 
         Raises NoCapacityError (no worker now; retry later), InvalidRequestError
         (``code="model_not_found"`` for a model no worker serves) or
@@ -88,6 +92,7 @@ class RouterClient:
             cache_salt=cache_salt,
             exclude_worker_ids=list(exclude_worker_ids),
             prompt_block_hashes=list(prompt_block_hashes),
+            prefill_done_on_worker_id=prefill_done_on_worker_id,
         )
         try:
             placement: router_pb2.Placement = await self._stub.Schedule(

@@ -12,7 +12,8 @@ through :class:`~tandem.gateway.workers.WorkerChannels`:
 3. ``Decode`` stream on the decode worker → the remaining tokens (all of them
    for a local prefill), unless the first token already finished the request
    (placed once more on another decode worker when the first one is
-   UNAVAILABLE before it sent anything; a decode worker that dies mid-stream
+   UNAVAILABLE before it sent anything: a decode-only ``Schedule`` that keeps
+   the prefill worker holding the KV; a decode worker that dies mid-stream
    ends the stream with an error);
 4. always: ``Release`` on the router, and ``Abort`` on both workers when the
    generation did not complete (error, timeout, client gone), so that held KV
@@ -259,12 +260,19 @@ class Orchestrator:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _place(
-        self, job: GenerationJob, exclude_worker_ids: list[str], progress: _Progress
+        self,
+        job: GenerationJob,
+        exclude_worker_ids: list[str],
+        progress: _Progress,
+        *,
+        prefill_done_on_worker_id: str = "",
     ) -> router_pb2.Placement:
         """``Schedule`` on the router, asked again while the router is unreachable (a replica or the
         whole router restarting) for up to ``router_unavailable_wait_s``: the request waits (a stream
         sends its heartbeats) rather than failing at once, and fails with the router's
-        error when the wait is over. Schedule is idempotent per request id."""
+        error when the wait is over. Schedule is idempotent per request id (a second one replaces the
+        first one's reservation). ``prefill_done_on_worker_id``: a decode-only Schedule (see
+        :meth:`_replace_decode_worker`)."""
         if progress.prompt_block_hashes is None:
             progress.prompt_block_hashes = (
                 await self._prompt_hasher.hashes(job.model, job.prompt_token_ids, job.cache_salt)
@@ -274,7 +282,9 @@ class Orchestrator:
         delays = backoff_delays(within_s=self._router_unavailable_wait_s)
         while True:
             try:
-                return await self._schedule_once(job, exclude_worker_ids, progress.prompt_block_hashes)
+                return await self._schedule_once(
+                    job, exclude_worker_ids, progress.prompt_block_hashes, prefill_done_on_worker_id
+                )
             except BackendUnavailableError:
                 delay_s = next(delays, None)
                 if delay_s is None:
@@ -283,7 +293,11 @@ class Orchestrator:
                 await asyncio.sleep(delay_s)
 
     async def _schedule_once(
-        self, job: GenerationJob, exclude_worker_ids: list[str], hashes: list[router_pb2.PromptBlockHashes]
+        self,
+        job: GenerationJob,
+        exclude_worker_ids: list[str],
+        hashes: list[router_pb2.PromptBlockHashes],
+        prefill_done_on_worker_id: str = "",
     ) -> router_pb2.Placement:
         """One ``Schedule``. If the request is cancelled meanwhile (the client left), the call
         is not cancelled with it: the router may already have reserved a pair, so the call runs to its
@@ -298,6 +312,7 @@ class Orchestrator:
                 tenant=job.tenant,
                 exclude_worker_ids=list(exclude_worker_ids),
                 priority=job.priority,
+                prefill_done_on_worker_id=prefill_done_on_worker_id,
             )
         )
         try:
@@ -314,20 +329,33 @@ class Orchestrator:
         await self._release(request_id, retry_for_s=_RELEASE_RETRY_S)
 
     async def _replace_decode_worker(self, job: GenerationJob, progress: _Progress) -> None:
-        """Ask the router for another decode worker, keeping the prefill worker that holds the KV."""
+        """Ask the router for another decode worker, keeping the prefill worker that holds the KV.
+
+        A disaggregated placement is placed again decode-only (``prefill_done_on_worker_id`` names the
+        prefill worker): the router reserves decode budget alone, none on a prefill worker that would
+        do nothing. Nothing is released first: a second Schedule of one request id replaces its
+        earlier reservation in the router in one step (the dead pair's budget released, the new one
+        reserved). Meanwhile ``progress.placement`` stays the previous one, so that if this Schedule
+        fails (or the client leaves) cleanup still releases the reservation and aborts the prefill
+        worker's held KV rather than leaving it to its lease.
+        """
         assert progress.placement is not None
-        dead = progress.placement.decode
+        previous = progress.placement
+        dead = previous.decode
+        prefill_done_on = "" if previous.local_prefill else previous.prefill.worker_id
         logger.warning(
             "decode worker unavailable before its first token; placing the decode once more",
-            extra={"request_id": job.request_id, "worker_id": dead.worker_id},
+            extra={
+                "request_id": job.request_id,
+                "worker_id": dead.worker_id,
+                "prefill_worker_id": prefill_done_on,
+                "local_prefill": previous.local_prefill,
+            },
         )
         self._metrics.worker_retries_total.labels(role="decode").inc()
-        previous = progress.placement
-        await self._release(job.request_id)
-        progress.placement = None
-        placement = await self._place(job, [dead.worker_id], progress)
-        # The new placement's prefill worker is not used: the KV stays where it was computed, and a
-        # local prefill stays local (nothing was streamed; the new decode worker prefills the prompt).
+        placement = await self._place(job, [dead.worker_id], progress, prefill_done_on_worker_id=prefill_done_on)
+        # The KV stays where it was computed (even should the router name another prefill worker), and
+        # a local prefill stays local (nothing was streamed; the new decode worker prefills the prompt).
         replaced = router_pb2.Placement()
         replaced.CopyFrom(placement)
         replaced.local_prefill = previous.local_prefill

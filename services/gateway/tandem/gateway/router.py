@@ -24,6 +24,11 @@ class Router(Protocol):
     (:mod:`tandem.gateway.prefix_hashes`). ``release`` ends the reservation; it is idempotent and the gateway calls it
     once per placement, however the request ended (a prefill retry makes a
     second placement under the same request id, after releasing the first).
+
+    ``prefill_done_on_worker_id`` (a dead decode worker's replacement) asks for a decode worker
+    only: the prefill already ran on that worker, which holds the KV. The gateway sends it without
+    releasing first: a second Schedule of one request id replaces its earlier reservation in the
+    router (the old pair's budget released, decode budget alone reserved, in one step).
     """
 
     async def schedule(
@@ -37,6 +42,7 @@ class Router(Protocol):
         tenant: str,
         exclude_worker_ids: Iterable[str],
         priority: int | str,
+        prefill_done_on_worker_id: str = "",
     ) -> router_pb2.Placement: ...
 
     async def release(self, request_id: str) -> object: ...

@@ -180,6 +180,7 @@ def schedule_request_from_proto(request: router_pb2.ScheduleRequest, *, priority
         prompt_block_hashes={(h.block_size_tokens, h.hash_seed): tuple(h.hashes) for h in request.prompt_block_hashes},
         exclude_worker_ids=frozenset(request.exclude_worker_ids),
         priority=priority,
+        prefill_done_on_worker_id=request.prefill_done_on_worker_id,
     )
 
 

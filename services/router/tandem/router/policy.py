@@ -48,6 +48,10 @@ class ScheduleRequest:
     exclude_worker_ids: frozenset[str] = frozenset()
     #: Admission priority class ("" = the tenant's or the default class).
     priority: str = ""
+    #: Place a decode worker only: the prefill already ran on this worker, which holds the KV (a dead
+    #: decode worker's replacement); decode budget only, and the placement's prefill names this worker.
+    #: "": a normal Schedule.
+    prefill_done_on_worker_id: str = ""
 
     @property
     def num_tokens(self) -> int:
