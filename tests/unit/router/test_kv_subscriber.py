@@ -4,6 +4,7 @@ wire protocol: PUB + replay ROUTER), registered in the real Redis."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -11,10 +12,17 @@ import pytest
 import pytest_asyncio
 
 from tandem.common.block_hash import BlockHasher
-from tandem.common.registry import WorkerRegistry
-from tandem.local.simulated_worker import SimulatedCluster, SimulatedLatencyModel, SimulatedWorkerConfig
+from tandem.common.kv_events import BlockStored
+from tandem.common.registry import WorkerRecord, WorkerRegistry
+from tandem.local.simulated_worker import (
+    SimulatedCluster,
+    SimulatedKVEventPublisher,
+    SimulatedLatencyModel,
+    SimulatedWorkerConfig,
+)
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
+from tests.kit.net import dead_address
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 BLOCK = 16
@@ -106,6 +114,89 @@ async def test_a_worker_leaving_the_registry_loses_its_entries_and_a_new_replica
     assert gone.config.worker_id not in subscriber.index.workers()
     await subscriber.aclose()
     await registry.aclose()
+
+
+async def test_a_lost_last_batch_is_repaired_by_the_periodic_catch_up(cluster: SimulatedCluster) -> None:
+    w0 = cluster.workers[0]
+    subscriber = KVEventSubscriber(KVIndex(), catch_up_interval_s=0.3)
+    subscriber.sync([w0.record()])
+    await eventually(lambda: subscriber.stats.num_replays >= 1)
+    await asyncio.sleep(0.2)
+    await w0.cache_prompt(prompt(1))
+    await w0.cache_prompt(prompt(2), lose_event=True)  # the last batch of the burst: no later seq reveals it
+    h2 = BlockHasher(BLOCK).block_hashes(prompt(2))
+    await eventually(lambda: subscriber.index.match(h2) == {w0.config.worker_id: 3})
+    # no gap was seen: only a catch-up could have found it (and prompt 1 too, had the slow joiner lost it)
+    assert subscriber.stats.num_gaps == 0 and subscriber.stats.num_catch_ups >= 1
+    assert subscriber.stats.num_recovered_batches >= 1
+    await subscriber.aclose()
+
+
+async def test_a_replay_socket_that_does_not_answer_leaves_the_live_stream_followed() -> None:
+    publisher = SimulatedKVEventPublisher("127.0.0.1", 0, 0)
+    publisher.start()
+    record = WorkerRecord(
+        worker_id="simulated-prefill-0",
+        role="prefill",
+        model="m",
+        address="127.0.0.1:1",
+        kv_events_endpoint=publisher.endpoint,
+        kv_events_replay_endpoint=f"tcp://{dead_address()}",
+    )
+    subscriber = KVEventSubscriber(KVIndex(), replay_timeout_s=0.2, catch_up_interval_s=5.0)
+    try:
+        subscriber.sync([record])
+        await eventually(lambda: subscriber.stats.num_replays >= 1)
+        await asyncio.sleep(0.4)  # the first replay timed out; the SUB is connected
+        await publisher.publish([BlockStored((1,))], block_size=BLOCK)
+        await publisher.publish([BlockStored((2,))], block_size=BLOCK, lose=True)
+        await publisher.publish([BlockStored((3,))], block_size=BLOCK)
+        await eventually(lambda: subscriber.index.match([3]) != {})
+        assert subscriber.index.match([1]) != {} and subscriber.index.match([2]) == {}
+        assert subscriber.stats.num_gaps == subscriber.stats.num_unrepaired_batches == 1
+        # the gap came while the replay socket was known down: no replay for it (catch-ups still ask)
+        assert subscriber.stats.num_replays == 1 + subscriber.stats.num_catch_ups
+    finally:
+        await subscriber.aclose()
+        await publisher.aclose()
+
+
+def test_drop_fraction_is_a_fraction() -> None:
+    with pytest.raises(ValueError):
+        KVEventSubscriber(KVIndex(), drop_fraction=1.0)
+
+
+async def test_following_more_workers_than_zmqs_default_socket_limit() -> None:
+    """650 publishers (1,300 sockets in the simulated workers' shared context) followed by one
+    subscriber (a SUB and a DEALER each: 1,300 in its own): ZMQ's default limit is 1,023 per context."""
+    num_workers = 650
+    publishers = [SimulatedKVEventPublisher("127.0.0.1", 0, 0) for _ in range(num_workers)]
+    subscriber = KVEventSubscriber(KVIndex())
+    try:
+        for p in publishers:
+            p.start()
+        started_s = time.perf_counter()
+        subscriber.sync(
+            WorkerRecord(
+                worker_id=f"simulated-prefill-{i}",
+                role="prefill",
+                model="m",
+                address="127.0.0.1:1",
+                kv_events_endpoint=p.endpoint,
+                kv_events_replay_endpoint=p.replay_endpoint,
+            )
+            for i, p in enumerate(publishers)
+        )
+        await eventually(lambda: subscriber.stats.num_replays >= num_workers, timeout_s=10)
+        for i, p in enumerate(publishers):  # lost or not, the catch-up delivers each within ~2 s
+            await p.publish([BlockStored((i,))], block_size=BLOCK)
+        await eventually(lambda: subscriber.index.num_block_entries == num_workers, timeout_s=10)
+        assert subscriber.index.match([7]) == {"simulated-prefill-7": 1}
+        assert subscriber.stats.num_decode_errors == 0, time.perf_counter() - started_s
+    finally:
+        await subscriber.aclose()
+        for p in publishers:
+            await p.aclose()
 
 
 def test_simulated_ids_are_marked() -> None:

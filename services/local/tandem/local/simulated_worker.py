@@ -109,15 +109,35 @@ class SimulatedPrefixCache:
         return num_hit, stored, evicted
 
 
+#: Sockets the simulated publishers of one process may hold (two each): ZMQ's default of 1,023
+#: stops a benchmark at ~500 simulated workers with "Too many open files".
+MAX_SOCKETS = 65_536
+_zmq_context: Any = None
+
+
+def _publisher_context() -> Any:
+    """The ZMQ context every simulated publisher in this process shares, created on first use with
+    ``MAX_SOCKETS`` raised. Process-wide and never terminated, like ``zmq.Context.instance()``: each
+    publisher closes its own sockets, and the context's I/O thread lives as long as the process."""
+    global _zmq_context
+    if _zmq_context is None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        ctx.set(zmq.MAX_SOCKETS, min(MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT)))  # before any socket
+        _zmq_context = ctx
+    return _zmq_context
+
+
 class SimulatedKVEventPublisher:
     """vLLM's ``ZmqEventPublisher`` protocol: PUB ``(topic, seq, payload)`` plus a
     ROUTER replay socket that streams buffered batches from a start seq, then END_SEQ."""
 
     def __init__(self, host: str, port: int, replay_port: int, *, buffer_steps: int = 10_000) -> None:
         import zmq
-        import zmq.asyncio
 
-        self._ctx = zmq.asyncio.Context.instance()
+        self._ctx = _publisher_context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
@@ -246,6 +266,13 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
         """Put a prompt's blocks in the cache and publish the events; returns cached prompt tokens.
         ``lose_event`` simulates a dropped PUB message (the batch is only in the replay buffer)."""
         hashes = self._hasher.block_hashes(token_ids, cache_salt=cache_salt)
+        num_hit = await self.cache_blocks(hashes, lose_event=lose_event)
+        num_cached = min(num_hit * self.config.block_size_tokens, max(0, len(token_ids) - 1))
+        return num_cached
+
+    async def cache_blocks(self, hashes: Sequence[int], *, lose_event: bool = False) -> int:
+        """Put a prompt's block hashes (vLLM's, as the gateway sends them) in the cache and publish the
+        events, without any token ids; returns how many leading blocks hit."""
         num_hit, stored, evicted = self.cache.admit(hashes)
         events: list[KVEvent] = []
         if evicted:
@@ -256,8 +283,7 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
             events.append(BlockStored(tuple(stored), parent, block_size=self.config.block_size_tokens))
         assert self._publisher is not None
         await self._publisher.publish(events, block_size=self.config.block_size_tokens, lose=lose_event)
-        num_cached = min(num_hit * self.config.block_size_tokens, max(0, len(token_ids) - 1))
-        return num_cached
+        return num_hit
 
     async def _compute_prompt(self, prompt: list[int], cache_salt: str) -> int:
         """Prefill ``prompt`` (one at a time, like one CPU engine): cache it, take the simulated time of
@@ -365,6 +391,9 @@ class SimulatedCluster:
         self._registry = WorkerRegistry(redis_url, key_prefix=key_prefix, ttl_s=ttl_s)
         self._interval_s = heartbeat_interval_s
         self._heartbeat: asyncio.Task[None] | None = None
+        # redis-py can swallow a CancelledError that lands inside a command (the heartbeat then went on
+        # beating and aclose() waited for it forever, ~1 run in 10 of the 64-worker test): it stops on this too.
+        self._closed = False
         self._started_unix_s: dict[str, float] = {}
 
     async def start(self) -> None:
@@ -382,7 +411,7 @@ class SimulatedCluster:
             await self._registry.heartbeat(record)
 
     async def _beat_forever(self) -> None:
-        while True:
+        while not self._closed:
             await asyncio.sleep(self._interval_s)
             try:
                 await self.heartbeat_once()
@@ -415,6 +444,7 @@ class SimulatedCluster:
         await worker.aclose()
 
     async def aclose(self) -> None:
+        self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -5,12 +5,34 @@ with the registry's worker list whenever it changes; the subscriber starts one
 task per worker that has a ``kv_events_endpoint`` and stops the tasks (and
 drops the index entries) of workers that left. Each task:
 
-1. connects a ZMQ SUB socket to the worker's publisher;
+1. connects a ZMQ SUB socket to the worker's publisher and a DEALER to its
+   replay socket;
 2. asks the replay socket for every batch the publisher still buffers (from
    sequence 0), so a new or restarted router replica rebuilds the worker's
    blocks instead of waiting for them to be stored again;
 3. applies live batches in sequence order; a gap (a dropped message) triggers
-   a replay from the first missing sequence number.
+   a replay from the first missing sequence number;
+4. catches up: once ``catch_up_interval_s`` has passed without a live batch or
+   a replay, it asks for the batches after the last one it applied, so a batch
+   lost at the end of a burst (no later message reveals the gap) is repaired
+   too. An up-to-date publisher answers with its end marker alone, and a busy
+   worker is never asked (its next batch reveals any gap). An idle worker is
+   asked less and less often (the wait doubles after each catch-up that found
+   nothing, up to 16 x the interval, and is back to the interval after its next
+   batch): a batch lost after a long silence is repaired within that longest wait.
+
+Replies are applied in sequence order as well: vLLM's replay ROUTER drops what
+exceeds its high-water mark (1,000 messages) while it streams a large buffer,
+often the end marker with it, so at a gap inside a reply, or when a reply
+stops short (``STREAM_SILENCE_S``), the task reconnects and asks again from the
+first missing batch (each round gets the first thousand or more). Batches the
+publisher no longer buffers, and those lost while its replay socket does not
+answer, are skipped and counted (``num_unrepaired_batches``): their blocks
+stay unknown until stored again.
+
+Scale: each subscriber has a ZMQ context of its own with ``MAX_SOCKETS``
+raised (the shared default context allows 1,023 sockets, and a router holds
+two per worker), created on first use and terminated by :meth:`aclose`.
 
 A worker that restarted registers with a new ``started_unix_s``: its entries
 are dropped and followed afresh. Wire format: :mod:`tandem.common.kv_events`.
@@ -21,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +53,16 @@ from tandem.common.registry import WorkerRecord
 from tandem.router.kv_index import KVIndex
 
 logger = logging.getLogger(__name__)
+
+#: Upper bound on the sockets of one subscriber's ZMQ context (two per followed worker, clipped to
+#: libzmq's own limit). ZMQ's default, 1,023, stops a router at ~500 workers with "Too many open
+#: files"; raising it costs nothing until sockets exist. Each socket also takes about two file
+#: descriptors (its mailbox and its TCP connection), so the process's open-file limit must allow
+#: ~4 per worker.
+MAX_SOCKETS = 65_536
+#: Silence that ends a reply already streaming without its end marker: vLLM sends a whole reply
+#: from one loop, so a pause this long means the replay socket dropped the rest (ask again).
+STREAM_SILENCE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -42,22 +75,86 @@ class _Source:
 
 @dataclass
 class SubscriberStats:
+    #: Batches applied (live or replayed) and the events in them.
     num_batches: int = 0
     num_events: int = 0
+    #: Replay requests sent: one when a worker is first followed, one per gap, the catch-ups, and
+    #: a retry whenever the replay socket dropped part of its answer.
     num_replays: int = 0
+    #: Of those, periodic catch-ups (step 4 in the module docstring).
+    num_catch_ups: int = 0
+    #: Batches applied from a replay other than a worker's first: lost on the live stream, repaired.
+    num_recovered_batches: int = 0
+    #: Lost batches given up on: the publisher no longer buffered them, or its replay socket did not
+    #: answer (their blocks stay unknown until stored again).
+    num_unrepaired_batches: int = 0
     num_decode_errors: int = 0
+    #: Live batches whose sequence number skipped ahead of the last one applied.
     num_gaps: int = 0
+    #: Live messages discarded by ``drop_fraction`` (fault injection; 0 in production).
+    num_dropped: int = 0
+
+
+#: An idle worker's catch-ups back off to at most this many times ``catch_up_interval_s``: at 1,000
+#: idle workers, asking each every 2 s cost 15-18 % of a core (~0.3 ms per ask).
+_MAX_CATCH_UP_BACKOFF = 16
+
+
+class _Follower:
+    """One worker's replay socket and progress; owned by that worker's task."""
+
+    def __init__(self, source: _Source) -> None:
+        self.source = source
+        #: Sequence number of the last batch applied (-1: none yet).
+        self.last_seq = -1
+        #: Loop time of the last live batch or replay: a catch-up is due ``catch_up_interval_s`` later.
+        self.last_heard_s = 0.0
+        #: After a replay timed out, gaps are skipped without asking until then (catch-ups still ask).
+        self.replay_down_until_s = 0.0
+        #: The wait before the next catch-up: the subscriber's interval after a live batch, doubled after
+        #: each catch-up that found nothing, up to 16 times it.
+        self.catch_up_wait_s = 0.0
+        self.dealer: Any = None
+
+    def close_dealer(self) -> None:
+        """Forget the replay connection, and with it whatever is left of an answer."""
+        if self.dealer is not None:
+            self.dealer.close(linger=0)
+            self.dealer = None
 
 
 class KVEventSubscriber:
-    def __init__(self, index: KVIndex, *, replay_timeout_s: float = 2.0) -> None:
-        import zmq.asyncio  # the router's own dependency; not needed by the pure index
+    def __init__(
+        self,
+        index: KVIndex,
+        *,
+        replay_timeout_s: float = 2.0,
+        catch_up_interval_s: float = 2.0,
+        drop_fraction: float = 0.0,
+        drop_seed: int = 0,
+    ) -> None:
+        """``replay_timeout_s``: the longest silence while waiting for a replay's next message.
+        ``catch_up_interval_s``: an idle worker is asked for what it published since the last batch
+        applied this long after its last live batch or replay (step 4 in the module docstring).
 
+        ``drop_fraction`` is a fault-injection knob for tests and benchmarks only: that fraction of
+        live PUB messages is discarded on receipt, as if the network had lost them (counted in
+        ``stats.num_dropped``), so that the repair paths run. The decision takes one draw of
+        ``random.Random(drop_seed)`` per live message, in the order they arrive."""
+        if not 0.0 <= drop_fraction < 1.0:
+            raise ValueError("drop_fraction must be in [0, 1)")
+        if catch_up_interval_s <= 0 or replay_timeout_s <= 0:
+            raise ValueError("catch_up_interval_s and replay_timeout_s must be positive")
         self._index = index
-        self._ctx = zmq.asyncio.Context.instance()
+        self._ctx: Any = None  # zmq.asyncio.Context, created by the first follow
         self._replay_timeout_s = replay_timeout_s
+        self._catch_up_interval_s = catch_up_interval_s
+        self._drop_fraction = drop_fraction
+        self._drop_rng = random.Random(drop_seed)
+        # Spreads the workers' catch-ups over the interval (a fleet followed at once would otherwise
+        # ask all together); separate from the drop draws so that those stay reproducible.
+        self._phase_rng = random.Random()
         self._tasks: dict[str, tuple[_Source, asyncio.Task[None]]] = {}
-        self._last_seq: dict[str, int] = {}
         self.stats = SubscriberStats()
 
     @property
@@ -76,7 +173,6 @@ class KVEventSubscriber:
             if wanted.get(worker_id) != source:
                 task.cancel()
                 del self._tasks[worker_id]
-                self._last_seq.pop(worker_id, None)
                 self._index.remove_worker(worker_id)
                 logger.info("stopped following KV events", extra={"worker_id": worker_id})
         loop = asyncio.get_running_loop()
@@ -90,75 +186,167 @@ class KVEventSubscriber:
         return len(self._tasks)
 
     async def aclose(self) -> None:
+        """Stop following every worker and terminate this subscriber's ZMQ context (a later
+        :meth:`sync` starts a new one)."""
         for _, task in self._tasks.values():
             task.cancel()
         for _, task in self._tasks.values():
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def _context(self) -> Any:
+        if self._ctx is None:
+            import zmq
+            import zmq.asyncio  # the router's own dependency; not needed by the pure index
+
+            ctx = zmq.asyncio.Context()
+            # Before the first socket: libzmq sizes its socket table then.
+            ctx.set(zmq.MAX_SOCKETS, min(MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT)))
+            self._ctx = ctx
+        return self._ctx
 
     # -- one worker --------------------------------------------------------------
 
     async def _follow(self, source: _Source) -> None:
         import zmq
 
-        sub = self._ctx.socket(zmq.SUB)
+        sub = self._context().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(source.endpoint)
         logger.info("following KV events", extra={"worker_id": source.worker_id, "endpoint": source.endpoint})
+        follower = _Follower(source)
+        loop = asyncio.get_running_loop()
+        live: asyncio.Future[list[bytes]] | None = None
         try:
-            await self._replay(source, 0)
+            await self._replay(follower, first=True)
+            follower.catch_up_wait_s = self._catch_up_interval_s
+            follower.last_heard_s -= self._phase_rng.random() * self._catch_up_interval_s
             while True:
-                frames = await sub.recv_multipart()
-                if len(frames) != 3:
-                    self.stats.num_decode_errors += 1
-                    continue
-                seq = decode_seq(frames[1])
-                last = self._last_seq.get(source.worker_id, -1)
-                if seq <= last:
-                    continue  # already applied from a replay
-                if seq > last + 1 and source.replay_endpoint:
-                    self.stats.num_gaps += 1
-                    await self._replay(source, last + 1)
-                    if seq <= self._last_seq.get(source.worker_id, -1):
+                if live is None:
+                    live = sub.recv_multipart()
+                if source.replay_endpoint:
+                    # The receive stays pending across catch-ups: re-arming it for every wait would
+                    # make pyzmq register and unregister the socket with the loop each time.
+                    wait_s = follower.last_heard_s + follower.catch_up_wait_s - loop.time()
+                    if wait_s <= 0 or not (await asyncio.wait((live,), timeout=wait_s))[0]:
+                        self.stats.num_catch_ups += 1
+                        last_seq = follower.last_seq
+                        await self._replay(follower)
+                        if follower.last_seq == last_seq:  # nothing was lost: ask an idle worker less often
+                            follower.catch_up_wait_s = min(
+                                2 * follower.catch_up_wait_s, _MAX_CATCH_UP_BACKOFF * self._catch_up_interval_s
+                            )
                         continue
-                self._apply(source.worker_id, seq, frames[2])
+                frames = await live
+                live = None
+                await self._receive_live(follower, frames)
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("KV event subscription failed", extra={"worker_id": source.worker_id})
         finally:
+            if live is not None:
+                live.cancel()
             sub.close(linger=0)
+            follower.close_dealer()
 
-    async def _replay(self, source: _Source, start_seq: int) -> None:
-        """Apply the publisher's buffered batches from ``start_seq`` on; no-op without a replay endpoint."""
-        if not source.replay_endpoint:
+    async def _receive_live(self, follower: _Follower, frames: list[bytes]) -> None:
+        if self._drop_fraction and self._drop_rng.random() < self._drop_fraction:
+            self.stats.num_dropped += 1
             return
+        if len(frames) != 3:
+            self.stats.num_decode_errors += 1
+            return
+        seq = decode_seq(frames[1])
+        if seq <= follower.last_seq:
+            return  # already applied from a replay
+        loop = asyncio.get_running_loop()
+        follower.last_heard_s = loop.time()
+        follower.catch_up_wait_s = self._catch_up_interval_s
+        if seq > follower.last_seq + 1:
+            self.stats.num_gaps += 1
+            if follower.source.replay_endpoint and loop.time() >= follower.replay_down_until_s:
+                await self._replay(follower)
+                if seq <= follower.last_seq:
+                    return
+            # Not replayed (no longer buffered, or the replay socket does not answer): skip the missing
+            # batches rather than stall the live stream behind them.
+            self.stats.num_unrepaired_batches += seq - follower.last_seq - 1
+        self._apply(follower, seq, frames[2])
+
+    async def _replay(self, follower: _Follower, *, first: bool = False) -> None:
+        """Apply the publisher's buffered batches after ``follower.last_seq`` (no-op without a replay
+        endpoint); ``first``: the rebuild when a worker is first followed."""
+        if not follower.source.replay_endpoint:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            while (answered := await self._replay_round(follower, first=first)) is None:
+                pass  # the replay socket dropped part of its answer: ask again from the first missing batch
+            if not answered:
+                follower.replay_down_until_s = loop.time() + self._catch_up_interval_s
+        finally:
+            follower.last_heard_s = loop.time()
+
+    async def _replay_round(self, follower: _Follower, *, first: bool) -> bool | None:
+        """One replay request: True when read to the end marker, False when the publisher did not
+        answer, None when its answer skipped batches or stopped short (ask again from there)."""
         import zmq
 
         self.stats.num_replays += 1
-        dealer: Any = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(source.replay_endpoint)
-        try:
-            await dealer.send_multipart((b"", encode_seq(start_seq)))
-            while True:
-                if not await dealer.poll(self._replay_timeout_s * 1000):
-                    logger.warning("KV event replay timed out", extra={"worker_id": source.worker_id})
-                    return
+        if follower.dealer is None:
+            follower.dealer = self._context().socket(zmq.DEALER)
+            follower.dealer.setsockopt(zmq.LINGER, 0)
+            follower.dealer.connect(follower.source.replay_endpoint)
+        dealer = follower.dealer
+        start_seq = follower.last_seq + 1
+        await dealer.send_multipart((b"", encode_seq(start_seq)))
+        dealer.setsockopt(zmq.RCVTIMEO, int(self._replay_timeout_s * 1000))
+        streaming = False
+        while True:
+            try:
                 frames = await dealer.recv_multipart()
-                # (b"", topic, seq, payload); the end marker is (b"", b"", END_SEQ, b"")
-                if len(frames) != 4 or frames[2] == END_SEQ:
-                    return
-                seq = decode_seq(frames[2])
-                if seq > self._last_seq.get(source.worker_id, -1):
-                    self._apply(source.worker_id, seq, frames[3])
-        finally:
-            dealer.close(linger=0)
+            except zmq.Again:
+                follower.close_dealer()  # a late answer must not be read as the next request's
+                if follower.last_seq >= start_seq:
+                    return None  # the answer stopped short: its tail (and end marker) was dropped
+                logger.warning("KV event replay timed out", extra={"worker_id": follower.source.worker_id})
+                return False
+            if not streaming:
+                streaming = True
+                dealer.setsockopt(zmq.RCVTIMEO, int(min(self._replay_timeout_s, STREAM_SILENCE_S) * 1000))
+            # (b"", topic, seq, payload); the end marker is (b"", b"", END_SEQ, b"")
+            if len(frames) != 4:
+                self.stats.num_decode_errors += 1
+                continue
+            if frames[2] == END_SEQ:
+                return True
+            seq = decode_seq(frames[2])
+            if seq <= follower.last_seq:
+                continue
+            if seq > follower.last_seq + 1:
+                if follower.last_seq + 1 != start_seq:
+                    follower.close_dealer()
+                    return None
+                # The answer starts past what was asked: the publisher's buffer no longer reaches back
+                # (normal for a first replay from a long-running publisher; a loss otherwise).
+                if not first:
+                    self.stats.num_unrepaired_batches += seq - start_seq
+                    logger.warning(
+                        "lost KV event batches no longer buffered by the publisher",
+                        extra={"worker_id": follower.source.worker_id, "from_seq": start_seq, "to_seq": seq - 1},
+                    )
+            if not first:
+                self.stats.num_recovered_batches += 1
+            self._apply(follower, seq, frames[3])
 
-    def _apply(self, worker_id: str, seq: int, payload: bytes) -> None:
-        self._last_seq[worker_id] = seq
+    def _apply(self, follower: _Follower, seq: int, payload: bytes) -> None:
+        follower.last_seq = seq
         try:
             batch = decode_batch(payload)
         except KVEventDecodeError:
@@ -166,5 +354,6 @@ class KVEventSubscriber:
             return
         self.stats.num_batches += 1
         self.stats.num_events += len(batch.events)
+        worker_id = follower.source.worker_id
         for event in batch.events:
             self._index.apply(worker_id, event)
