@@ -53,3 +53,41 @@ async def test_fails_when_registry_is_down_from_the_start() -> None:
     registry.fail = True
     with pytest.raises(BackendUnavailableError):
         await make_view(registry, FakeClock()).workers()
+
+
+class RawRegistry(FakeRegistry):
+    """A registry that offers its records as stored (JSON), as WorkerRegistry does."""
+
+    async def list_raw_records(self) -> list[bytes]:
+        self.num_calls += 1
+        if self.fail:
+            raise BackendUnavailableError("redis down")
+        await asyncio.sleep(0.01)  # a Redis round trip
+        return [w.to_json().encode() for w in self.workers]
+
+
+async def test_in_the_background_no_caller_waits_for_a_refresh_and_unchanged_records_are_kept() -> None:
+    clock, registry = FakeClock(), RawRegistry(make_pool(2, 1))
+    view = CachedWorkerView(registry, refresh_interval_s=0.5, max_stale_s=5.0, clock=clock, refresh_in_background=True)
+    first = await view.workers()  # the first call waits: there is nothing to serve yet
+    assert len(first) == 3 and registry.num_calls == 1
+    registry.workers = make_pool(3, 1)
+    clock.advance(0.6)
+    assert await view.workers() is first  # stale: served at once, a refresh starts
+    await asyncio.sleep(0.05)
+    refreshed = await view.workers()
+    assert len(refreshed) == 4 and registry.num_calls == 2
+    clock.advance(0.6)
+    await view.workers()
+    await asyncio.sleep(0.05)
+    again = await view.workers()
+    assert again is not refreshed and registry.num_calls == 3
+    # the same JSON: the same record objects, not parsed again
+    assert all(a is b for a, b in zip(again, refreshed, strict=True))
+    registry.fail = True
+    clock.advance(1.0)
+    assert await view.workers() is again  # the registry is down: the last list, for up to max_stale_s
+    await asyncio.sleep(0.05)
+    clock.advance(5.0)
+    with pytest.raises(BackendUnavailableError):
+        await view.workers()

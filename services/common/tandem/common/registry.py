@@ -81,11 +81,14 @@ class WorkerRecord:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WorkerRecord:
+        """Fields this version does not know are skipped (a newer worker may send more)."""
         data: dict[str, Any] = json.loads(raw)
-        known = {f.name for f in dataclasses.fields(cls)}
-        load = WorkerLoad(**{k: v for k, v in (data.get("load") or {}).items()
-                             if k in {f.name for f in dataclasses.fields(WorkerLoad)}})
-        return cls(**{k: v for k, v in data.items() if k in known and k != "load"}, load=load)
+        load = WorkerLoad(**{k: v for k, v in (data.get("load") or {}).items() if k in _LOAD_FIELDS})
+        return cls(**{k: v for k, v in data.items() if k in _RECORD_FIELDS}, load=load)
+
+
+_RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerRecord)) - {"load"}
+_LOAD_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerLoad))
 
 
 class WorkerRegistry:
@@ -129,8 +132,8 @@ class WorkerRegistry:
         except (RedisError, OSError) as exc:
             raise BackendUnavailableError(f"worker registry unreachable: {exc}") from exc
 
-    async def list_workers(self, *, role: str | None = None, model: str | None = None) -> list[WorkerRecord]:
-        """Live workers, optionally filtered by role and model, sorted by id."""
+    async def list_raw_records(self) -> list[bytes]:
+        """Every live worker's record as stored (JSON), for readers that parse them themselves."""
         try:
             ids = [i.decode() if isinstance(i, bytes) else str(i)
                    for i in await self._redis.zrange(self._set_key(), 0, -1)]
@@ -143,7 +146,11 @@ class WorkerRegistry:
                 await self._redis.zrem(self._set_key(), *expired_ids)
         except (RedisError, OSError) as exc:
             raise BackendUnavailableError(f"worker registry unreachable: {exc}") from exc
-        records = [WorkerRecord.from_json(raw) for raw in raws if raw is not None]
+        return [raw if isinstance(raw, bytes) else str(raw).encode() for raw in raws if raw is not None]
+
+    async def list_workers(self, *, role: str | None = None, model: str | None = None) -> list[WorkerRecord]:
+        """Live workers, optionally filtered by role and model, sorted by id."""
+        records = [WorkerRecord.from_json(raw) for raw in await self.list_raw_records()]
         return sorted(
             (r for r in records
              if (role is None or r.role == role) and (model is None or r.model == model)),
