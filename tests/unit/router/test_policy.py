@@ -66,10 +66,22 @@ def test_scores_are_in_unit_interval() -> None:
             assert 0.0 < policy.score(request(), worker, StaticLoad({worker.worker_id: n})) <= 1.0
 
 
-def test_least_loaded_rotates_among_equal_workers() -> None:
-    policy = LeastLoadedPolicy()
-    picks = [policy.choose(request(), "decode", make_pool(0, 3), StaticLoad()) for _ in range(6)]
-    assert Counter(p.worker.worker_id for p in picks if p is not None) == {"d0": 2, "d1": 2, "d2": 2}
+def test_equal_workers_share_the_traffic_and_every_replica_picks_alike() -> None:
+    pool = make_pool(0, 3)
+    replica_a, replica_b = LeastLoadedPolicy(), LeastLoadedPolicy()
+    picks_a = [replica_a.choose(request_id(f"r{i}"), "decode", pool, StaticLoad()) for i in range(600)]
+    picks_b = [replica_b.choose(request_id(f"r{i}"), "decode", pool, StaticLoad()) for i in range(600)]
+    ids_a = [p.worker.worker_id for p in picks_a if p is not None]
+    assert ids_a == [p.worker.worker_id for p in picks_b if p is not None]  # no shared state, same answers
+    counts = Counter(ids_a)
+    assert set(counts) == {"d0", "d1", "d2"} and all(150 <= n <= 250 for n in counts.values()), counts
+    # the same request id lands on the same worker every time
+    again = replica_a.choose(request_id("r7"), "decode", pool, StaticLoad())
+    assert again is not None and again.worker.worker_id == ids_a[7]
+
+
+def request_id(value: str) -> ScheduleRequest:
+    return ScheduleRequest(request_id=value, model="m")
 
 
 def test_round_robin_cycles_regardless_of_load() -> None:

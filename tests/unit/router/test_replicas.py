@@ -1,98 +1,214 @@
-"""Active-active replicas: two Schedulers sharing budgets through the real Redis
-(127.0.0.1:6379, a private key prefix), and what happens when one dies."""
+"""Active-active replicas: Schedulers sharing one view through their ledgers over the real Redis
+(127.0.0.1:6379, a private key prefix): reservations within milliseconds, a dead replica forgotten,
+forwarded Releases, repair after a lost message, and the fair-share order across replicas."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
 from tandem.common.errors import NoCapacityError
+from tandem.common.registry import WorkerRecord
 from tandem.router.budget import BudgetConfig
+from tandem.router.ledger import Ledger
 from tandem.router.policy import ScheduleRequest, create_policy
-from tandem.router.replica_sync import ReplicaSync
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import QueueConfig, Scheduler
 from tests.kit.redis import delete_prefix
 from tests.kit.workers import StaticView
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-INTERVAL_S = 0.05
+SNAPSHOT_S = 0.05
+TTL_S = 1.0
 
 
-def req(request_id: str, tokens: int = 60) -> ScheduleRequest:
-    return ScheduleRequest(request_id=request_id, model="m", num_prompt_tokens=tokens, max_tokens=4)
+def req(request_id: str, tokens: int = 60, tenant: str = "t") -> ScheduleRequest:
+    return ScheduleRequest(request_id=request_id, model="m", num_prompt_tokens=tokens, max_tokens=4, tenant=tenant)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)
 
 
 @pytest_asyncio.fixture
-async def prefix() -> AsyncIterator[str]:
+async def replicas() -> AsyncIterator[Callable[..., tuple[Scheduler, Ledger]]]:
     key_prefix = f"tandem-test-replicas-{uuid.uuid4().hex[:8]}"
-    yield key_prefix
+    made: list[Ledger] = []
+
+    def make(
+        name: str, *, workers: list[WorkerRecord] | None = None, prefill_budget: int = 100, timeout_s: float = 0.3
+    ) -> tuple[Scheduler, Ledger]:
+        ledger = Ledger(
+            REDIS_URL,
+            key_prefix=key_prefix,
+            replica_id=name,
+            lease_s=60,
+            young_s=5.0,
+            snapshot_interval_s=SNAPSHOT_S,
+            ttl_s=TTL_S,
+        )
+        scheduler = Scheduler(
+            StaticView(workers),
+            create_policy("cache_aware"),
+            ReservationTable(lease_s=60, young_s=5.0),
+            budget=BudgetConfig(prefill_tokens_in_flight=prefill_budget),
+            ledger=ledger,
+            queue=QueueConfig(timeout_s=timeout_s, poll_interval_s=0.02),
+        )
+        ledger.start()
+        made.append(ledger)
+        return scheduler, ledger
+
+    yield make
+    for ledger in made:
+        await ledger.aclose()
     client = aioredis.Redis.from_url(REDIS_URL)
     await delete_prefix(client, key_prefix)
     await client.aclose()
 
 
-def replica(prefix: str, name: str) -> tuple[Scheduler, ReplicaSync]:
-    sync = ReplicaSync(REDIS_URL, key_prefix=prefix, replica_id=name, interval_s=INTERVAL_S, lease_s=60)
-    scheduler = Scheduler(
-        StaticView(),
-        create_policy("cache_aware"),
-        ReservationTable(lease_s=60, young_s=5.0),
-        budget=BudgetConfig(prefill_tokens_in_flight=100),
-        replica_sync=sync,
-        queue=QueueConfig(timeout_s=0.2, poll_interval_s=0.02),
-    )
-    return scheduler, sync
-
-
-async def test_replicas_share_budgets_and_a_dead_ones_budget_expires(prefix: str) -> None:
-    a, sync_a = replica(prefix, "a")
-    b, sync_b = replica(prefix, "b")
+async def test_a_reservation_counts_in_the_other_replica_within_milliseconds(replicas) -> None:  # type: ignore[no-untyped-def]
+    a, ledger_a = replicas("a")
+    b, ledger_b = replicas("b")
+    await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
+    started = time.monotonic()
     await a.schedule(req("r1", 60))
-    await a.sync_replicas()
-    await b.sync_replicas()
-    assert sync_b.others_tokens("p0") == 60 and sync_b.num_live_replicas == 2
+    await until(lambda: ledger_b.others_tokens("p0") == 60)
+    # well inside one snapshot round: the change itself travelled, not a periodic copy
+    assert time.monotonic() - started < 0.5
+    assert ledger_b.others_in_flight("p0") == 1 and ledger_b.others_young_tokens("p0") == 60
     # 60 held by A + 60 would exceed the 100-token budget: B queues, then gives up.
-    # (The worker reports nothing in flight yet: A's reservation is too recent to be capped by it.)
     with pytest.raises(NoCapacityError):
         await b.schedule(req("r2", 60))
-    # A dies without a word: its key expires after a few intervals, then B has the budget again
-    await asyncio.sleep(1.2)  # the key TTL: 8 intervals, at least 1 s
-    await b.sync_replicas()
-    assert sync_b.others_tokens("p0") == 0 and sync_b.num_live_replicas == 1
-    placement = await b.schedule(req("r2", 60))
-    assert placement.prefill.worker_id == "p0"
-    await sync_a.aclose()
-    await sync_b.aclose()
+    a.release("r1")
+    await until(lambda: ledger_b.others_tokens("p0") == 0)
+    assert (await b.schedule(req("r2", 60))).prefill is not None
 
 
-async def test_release_reaching_another_replica_is_forwarded_to_the_owner(prefix: str) -> None:
-    a, sync_a = replica(prefix, "a")
-    b, sync_b = replica(prefix, "b")
+async def test_a_dead_replicas_requests_keep_counting_until_their_release_reaches_a_survivor(replicas) -> None:  # type: ignore[no-untyped-def]
+    """A replica that dies does not take its requests with it (their gateways stream on): the
+    survivors adopt its reservations, and the Release that Serve now routes to a survivor frees them."""
+    a, ledger_a = replicas("a")
+    b, ledger_b = replicas("b")
+    await until(lambda: ledger_b.num_live_replicas == 2)
     await a.schedule(req("r1", 60))
-    await a.sync_replicas()  # writes r1's owner
-    assert await b.release_anywhere("r1") is True  # B does not hold it: forwarded
-    assert a.reservations.num_in_flight("p0") == 1
-    await a.sync_replicas()  # A takes the forwarded release
-    assert a.reservations.num_in_flight("p0") == 0
+    await until(lambda: ledger_b.others_tokens("p0") == 60)
+    await ledger_a.aclose()  # A dies without a word: its liveness key expires
+    await until(lambda: ledger_b.num_live_replicas == 1, timeout_s=TTL_S + 2)
+    assert ledger_b.stats.num_replicas_forgotten == 1
+    assert ledger_b.others_tokens("p0") == 60  # r1 still runs on p0
+    with pytest.raises(NoCapacityError):
+        await b.schedule(req("r2", 60))
+    assert await b.release_anywhere("r1") is True  # its Release reaches B now
+    assert ledger_b.others_tokens("p0") == 0
+    placement = await b.schedule(req("r2", 60))
+    assert placement.prefill is not None and placement.prefill.worker_id == "p0"
+
+
+async def test_a_release_forwarded_to_a_replica_that_dies_before_acting_on_it_still_frees_the_budget(replicas) -> None:  # type: ignore[no-untyped-def]
+    a, ledger_a = replicas("a")
+    b, ledger_b = replicas("b")
+    _, ledger_c = replicas("c")
+    await until(lambda: all(ledger.num_live_replicas == 3 for ledger in (ledger_a, ledger_b, ledger_c)))
+    await a.schedule(req("r1", 60))
+    await until(lambda: ledger_b.others_tokens("p0") == 60 and ledger_c.others_tokens("p0") == 60)
+    await ledger_a.aclose()  # A is gone, but nobody knows yet
+    assert await b.release_anywhere("r1") is True  # forwarded to A, which will never act on it
+    await until(lambda: ledger_c.num_live_replicas == 2 and ledger_b.num_live_replicas == 2, timeout_s=TTL_S + 2)
+    assert ledger_b.others_tokens("p0") == 0 and ledger_c.others_tokens("p0") == 0
+
+
+async def test_a_release_reaching_another_replica_is_forwarded_to_the_owner(replicas) -> None:  # type: ignore[no-untyped-def]
+    a, _ = replicas("a")
+    b, ledger_b = replicas("b")
+    await until(lambda: ledger_b.num_live_replicas == 2)
+    await a.schedule(req("r1", 60))
+    await until(lambda: ledger_b.others_tokens("p0") == 60)
+    assert await b.release_anywhere("r1") is True  # B does not hold it: forwarded to A
+    await until(lambda: a.reservations.num_in_flight("p0") == 0)
+    await until(lambda: ledger_b.others_tokens("p0") == 0)
     assert await b.release_anywhere("never-scheduled") is False
-    await sync_a.aclose()
-    await sync_b.aclose()
 
 
-async def test_a_retry_on_the_surviving_replica_is_placed(prefix: str) -> None:
-    """The gateway retries a Schedule whose replica died; the survivor places it afresh."""
-    a, sync_a = replica(prefix, "a")
-    b, sync_b = replica(prefix, "b")
+async def test_a_retry_on_another_replica_releases_the_first_placement(replicas) -> None:  # type: ignore[no-untyped-def]
+    """The gateway retries a Schedule elsewhere (its replica was moved or restarting): the new
+    replica places it afresh and the old reservation does not linger until its lease ends."""
+    a, _ = replicas("a")
+    b, ledger_b = replicas("b")
+    await until(lambda: ledger_b.num_live_replicas == 2)
     await a.schedule(req("r1", 30))
-    await a.sync_replicas()
-    await sync_a.aclose()  # A is gone (its key lingers until it expires)
-    await b.sync_replicas()
+    await until(lambda: ledger_b.others_tokens("p0") == 30)
     placement = await b.schedule(req("r1", 30))  # same request id, placed again by B
     assert placement.request_id == "r1" and b.reservations.num_in_flight("p0") == 1
-    await sync_b.aclose()
+    await until(lambda: a.reservations.num_in_flight("p0") == 0)
+
+
+async def test_a_lost_message_is_repaired_from_the_snapshot(replicas) -> None:  # type: ignore[no-untyped-def]
+    a, _ = replicas("a")
+    _, ledger_b = replicas("b")
+    await until(lambda: ledger_b.num_live_replicas == 2)
+    await a.schedule(req("r1", 40))
+    await until(lambda: ledger_b.others_tokens("p0") == 40)
+    # A message of A's that B never gets: A reserves r2 while B is deaf to it.
+    receive = ledger_b.receive
+    ledger_b.receive = lambda payload: None  # type: ignore[method-assign]
+    await a.schedule(req("r2", 20))
+    await asyncio.sleep(0.05)
+    ledger_b.receive = receive  # type: ignore[method-assign]
+    a.release("r1")  # the next message B hears shows a gap in A's seqs
+    await until(lambda: ledger_b.others_tokens("p0") == 20, timeout_s=2)
+    assert ledger_b.stats.num_gaps + ledger_b.stats.num_snapshots_applied >= 2
+
+
+async def test_the_router_wide_fair_share_lets_the_other_replicas_better_waiter_go_first(replicas) -> None:  # type: ignore[no-untyped-def]
+    """Budget frees on replica A, whose queue holds a noisy tenant; replica B holds a request of a
+    tenant served less: A leaves the budget to B's waiter."""
+    a, ledger_a = replicas("a", timeout_s=3.0)
+    b, ledger_b = replicas("b", timeout_s=3.0)
+    await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
+    await a.schedule(req("hold", 100, tenant="noisy"))
+    noisy = [asyncio.create_task(a.schedule(req(f"n{i}", 100, tenant="noisy"))) for i in range(3)]
+    await asyncio.sleep(0.05)
+    victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
+    await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()))
+    a.release("hold")
+    placement = await asyncio.wait_for(victim, 2)
+    assert placement.request_id == "v" and not any(t.done() for t in noisy)
+    b.release("v")
+    done, _ = await asyncio.wait(noisy, timeout=2, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1
+    for task in noisy:
+        task.cancel()
+
+
+def _two_cold_pools() -> list[WorkerRecord]:
+    return [
+        *(WorkerRecord(f"p{i}", "prefill", "m", f"p{i}:1", block_size_tokens=16, num_kv_blocks=100) for i in range(8)),
+        *(
+            WorkerRecord(f"d{i}", "decode", "m", f"d{i}:1", block_size_tokens=16, num_kv_blocks=10_000)
+            for i in range(4)
+        ),
+    ]
+
+
+async def test_replicas_with_the_same_view_choose_alike(replicas) -> None:  # type: ignore[no-untyped-def]
+    """Ties between equal workers are broken by the request id, not by a replica's own rotation."""
+    workers = _two_cold_pools()
+    a, _ = replicas("a", workers=workers, prefill_budget=10_000)
+    b, _ = replicas("b", workers=workers, prefill_budget=10_000)
+    for i in range(40):
+        ra = a.place_now(req(f"r{i}", 50), workers)
+        rb = b.place_now(req(f"r{i}", 50), workers)
+        assert (ra.prefill, ra.decode) == (rb.prefill, rb.decode)
+        a.release(f"r{i}")
+        b.release(f"r{i}")

@@ -6,11 +6,16 @@ budget may have come free (a release, an expired lease, a fresh registry
 read, a poll), asks :meth:`AdmissionQueue.next` which waiter to try first:
 
 * priority classes strictly in order (``priority_classes``, highest first);
-* within a class, per-tenant fair share: the tenant with the fewest requests
-  in flight in this replica goes first, then the one admitted least often
-  since the queue was last empty, then the one waiting longest; so a tenant
-  with a burst cannot starve one with a single request;
+* within a class, per-tenant fair share in uncached prompt tokens: the tenant
+  the whole router served least lately (:class:`tandem.router.fair_share.TenantShares`,
+  every replica's placements counted) goes first, then the one waiting
+  longest; so a tenant with a burst of long prompts cannot starve one with a
+  few short ones, whichever replicas their requests reach;
 * within a tenant, first in, first out.
+
+:meth:`AdmissionQueue.rank` is the order as a sortable key, so that the
+scheduler can compare its head with the other replicas' waiting requests
+(:mod:`tandem.router.ledger`) and let a better one go first.
 
 A waiter whose timeout passes is removed and answered "no capacity" with a
 Retry-After, which the gateway turns into a 503. Pure bookkeeping, no I/O.
@@ -37,6 +42,8 @@ class Waiter(Generic[T]):
     priority: str
     enqueued_at_s: float
     future: asyncio.Future[object] = field(repr=False)
+    #: Wall-clock enqueue time: comparable with the other replicas' waiters.
+    enqueued_at_unix: float = 0.0
 
 
 class QueueFullError(Exception):
@@ -51,6 +58,7 @@ class AdmissionQueue(Generic[T]):
         default_priority: str,
         max_depth: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if default_priority not in priority_classes:
             raise ValueError(f"default priority {default_priority!r} is not one of {list(priority_classes)}")
@@ -58,15 +66,18 @@ class AdmissionQueue(Generic[T]):
         self._default = default_priority
         self._max_depth = max_depth
         self._clock = clock
+        self._wall = wall_clock
         # priority → tenant → FIFO of waiters
         self._queues: dict[str, dict[str, deque[Waiter[T]]]] = {p: {} for p in self._classes}
         self._depth = 0
-        # Admissions per tenant since the queue was last empty (fair-share tiebreak).
-        self._num_admitted: dict[str, int] = {}
 
     @property
     def priority_classes(self) -> list[str]:
         return list(self._classes)
+
+    def priority_index(self, priority: str) -> int:
+        """0 for the highest class."""
+        return self._classes.index(priority)
 
     def priority_of(self, requested: str) -> str:
         """A known priority class for ``requested``: a class name, or a number
@@ -94,27 +105,33 @@ class AdmissionQueue(Generic[T]):
         if self._depth >= self._max_depth:
             raise QueueFullError(f"admission queue full ({self._max_depth} waiting)")
         waiter: Waiter[T] = Waiter(
-            item, tenant, self.priority_of(priority), self._clock(), asyncio.get_running_loop().create_future()
+            item,
+            tenant,
+            self.priority_of(priority),
+            self._clock(),
+            asyncio.get_running_loop().create_future(),
+            self._wall(),
         )
         self._queues[waiter.priority].setdefault(tenant, deque()).append(waiter)
         self._depth += 1
         return waiter
 
-    def next(self, num_in_flight_for_tenant: Callable[[str], int]) -> Waiter[T] | None:
-        """The waiter to try first (it stays queued until :meth:`remove`)."""
+    def rank(self, priority_index: int, service: float, enqueued_at_unix: float) -> tuple[int, float, float]:
+        """The admission order as a key (smaller goes first): class, the tenant's service, age."""
+        return (priority_index, service, enqueued_at_unix)
+
+    def next(self, service: Callable[[str], float]) -> Waiter[T] | None:
+        """The waiter to try first (it stays queued until :meth:`remove`); ``service`` gives each
+        tenant's recent service (uncached prompt tokens over its weight)."""
         for priority in self._classes:
             tenants = self._queues[priority]
             if not tenants:
                 continue
-            admitted = self._num_admitted
-            tenant = min(
-                tenants,
-                key=lambda t: (num_in_flight_for_tenant(t), admitted.get(t, 0), tenants[t][0].enqueued_at_s),
-            )
+            tenant = min(tenants, key=lambda t: (service(t), tenants[t][0].enqueued_at_unix))
             return tenants[tenant][0]
         return None
 
-    def remove(self, waiter: Waiter[T], *, admitted: bool = False) -> bool:
+    def remove(self, waiter: Waiter[T]) -> bool:
         """Take ``waiter`` out (admitted or timed out); False when it was not queued."""
         tenants = self._queues[waiter.priority]
         fifo = tenants.get(waiter.tenant)
@@ -127,8 +144,4 @@ class AdmissionQueue(Generic[T]):
         if not fifo:
             del tenants[waiter.tenant]
         self._depth -= 1
-        if admitted:
-            self._num_admitted[waiter.tenant] = self._num_admitted.get(waiter.tenant, 0) + 1
-        if not self._depth:
-            self._num_admitted.clear()
         return True

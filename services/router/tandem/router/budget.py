@@ -14,22 +14,34 @@ requests in flight (least-loaded).
   a request holds prompt plus ``max_tokens``.
 
 Load on a worker = this replica's reservations (exact) + the other replicas'
-(:mod:`tandem.router.replica_sync`, a sync interval old), corrected by what
+(:mod:`tandem.router.ledger`, a few milliseconds old), corrected by what
 the worker itself reported at its last heartbeat: reservations older than a
 heartbeat should appear in the report, so where the worker reports less the
 difference is drift (a finished prefill, a caller that never released) and
 is not counted; on decode a report above the ledger (requests placed by a
 replica that died) counts in full.
+
+The formulas are numpy expressions (:func:`load_tokens`, :func:`fits`,
+:func:`busy_fraction`, :func:`kv_fullness`) that take one worker's numbers or
+a whole pool's arrays alike: :class:`BudgetView` applies them to one worker,
+:class:`tandem.router.fleet.FleetTable` to every worker of a pool at once, so
+the two can never disagree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from tandem.common.registry import ROLE_DECODE, WorkerRecord
 from tandem.router.reservations import ReservationTable
+
+#: A number or an array of them (one per worker of a pool).
+Num = TypeVar("Num", float, npt.NDArray[np.float64])
 
 
 class OtherReplicas(Protocol):
@@ -58,8 +70,73 @@ class BudgetConfig:
     decode_kv_fraction: float = 0.9
 
 
+# -- the formulas, for one worker or a whole pool ---------------------------------------------
+
+
+def load_tokens(*, decode: bool, own: Num, own_young: Num, others: Num, others_young: Num, reported: Num) -> Num:
+    """Budget tokens in use on a worker: reservations (this replica's and the others'), where those
+    older than a heartbeat are capped by what the worker reported; on decode a report above the
+    ledger counts in full (requests of a replica that died). Prefill reports prompt tokens,
+    cached ones included, so there the report is only a cap."""
+    young = own_young + others_young
+    old = own + others - young
+    capped = young + np.minimum(old, reported)
+    return np.maximum(capped, reported) if decode else capped  # type: ignore[no-any-return]
+
+
+def fits(capacity_tokens: Num, load: Num, need_tokens: Num) -> Num:
+    """1 where ``need_tokens`` more fit (an idle worker takes any request, so a prompt larger than the
+    budget is not refused forever; capacity 0 means unknown: no limit), else 0."""
+    ok = (capacity_tokens <= 0) | (load == 0) | (load + need_tokens <= capacity_tokens)
+    return ok  # type: ignore[no-any-return]
+
+
+def load_fraction(capacity_tokens: Num, load: Num) -> Num:
+    """Share of the budget in use, in [0, 1] (0 when the capacity is unknown)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fraction = np.where(capacity_tokens > 0, np.minimum(1.0, np.divide(load, capacity_tokens)), 0.0)
+    return fraction  # type: ignore[return-value]
+
+
+def busy_fraction(capacity_tokens: Num, load: Num, recent_tokens: Num) -> Num:
+    """:func:`load_fraction` plus the work placed on the worker lately (decayed), in [0, 1]: between
+    requests nothing is in flight, and this still tells a worker that just computed a long prompt
+    from one that sat idle, so cold prompts spread out."""
+    return load_fraction(capacity_tokens, load + recent_tokens)
+
+
+def kv_fullness(
+    *, decode: bool, load_fraction_: Num, kv_usage: Num, num_indexed_blocks: Num | None, num_kv_blocks: Num
+) -> Num:
+    """How full the worker's KV cache is, in [0, 1]: decode from its reservations and its report,
+    prefill from the blocks its KV events say it holds (its report when that is unknown)."""
+    if decode:
+        return np.minimum(1.0, np.maximum(load_fraction_, kv_usage))  # type: ignore[no-any-return]
+    reported = np.minimum(1.0, np.maximum(0.0, kv_usage))
+    if num_indexed_blocks is None:
+        return reported  # type: ignore[no-any-return]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        indexed = np.minimum(1.0, np.divide(num_indexed_blocks, num_kv_blocks))
+    return np.where(num_kv_blocks > 0, indexed, reported)  # type: ignore[return-value]
+
+
+def capacity_tokens(worker: WorkerRecord, config: BudgetConfig) -> int:
+    """The worker's budget; 0 means unknown (no limit)."""
+    if worker.role == ROLE_DECODE:
+        return int(worker.capacity_tokens * config.decode_kv_fraction)
+    return config.prefill_tokens_in_flight
+
+
+def reported_tokens(worker: WorkerRecord) -> int:
+    """What the worker says it has in flight, in its role's budget unit."""
+    if worker.role == ROLE_DECODE:
+        return worker.load.num_kv_tokens_in_flight
+    return worker.load.num_prompt_tokens_in_flight
+
+
 class BudgetView:
-    """Budgets of one decision (reads the reservation table and the other replicas' loads)."""
+    """Budgets of one decision, one worker at a time (reads the reservation table and the other
+    replicas' loads). The scheduler's fleet table computes the same for whole pools."""
 
     def __init__(
         self,
@@ -82,30 +159,27 @@ class BudgetView:
     def num_in_flight(self, worker_id: str) -> int:
         return self._reservations.num_in_flight(worker_id)
 
+    def recent_tokens(self, worker_id: str) -> float:
+        return self._reservations.recent_tokens(worker_id)
+
     def capacity_tokens(self, worker: WorkerRecord) -> int:
         """The worker's budget; 0 means unknown (no limit)."""
-        if worker.role == ROLE_DECODE:
-            return int(worker.capacity_tokens * self._config.decode_kv_fraction)
-        return self._config.prefill_tokens_in_flight
+        return capacity_tokens(worker, self._config)
 
     def load_tokens(self, worker: WorkerRecord) -> int:
         worker_id = worker.worker_id
         load = self._load_tokens.get(worker_id)
-        if load is not None:
-            return load
-        own_young = self._young_tokens.get(worker_id, 0)
-        others_young = self._others.others_young_tokens(worker_id)
-        young = own_young + others_young
-        old = (
-            self._own_tokens.get(worker_id, 0) - own_young + self._others.others_tokens(worker_id) - others_young
-        )
-        if worker.role == ROLE_DECODE:
-            reported = worker.load.num_kv_tokens_in_flight
-            load = max(young + min(old, reported), reported)
-        else:
-            # Prefill reports prompt tokens, cached ones included: only a cap on old reservations.
-            load = young + min(old, worker.load.num_prompt_tokens_in_flight)
-        self._load_tokens[worker_id] = load
+        if load is None:
+            load = self._load_tokens[worker_id] = int(
+                load_tokens(
+                    decode=worker.role == ROLE_DECODE,
+                    own=float(self._own_tokens.get(worker_id, 0)),
+                    own_young=float(self._young_tokens.get(worker_id, 0)),
+                    others=float(self._others.others_tokens(worker_id)),
+                    others_young=float(self._others.others_young_tokens(worker_id)),
+                    reported=float(reported_tokens(worker)),
+                )
+            )
         return load
 
     def need_tokens(self, worker: WorkerRecord, num_prompt_tokens: int, max_tokens: int) -> int:
@@ -115,35 +189,31 @@ class BudgetView:
         return max(0, num_prompt_tokens - self.cached_tokens.get(worker.worker_id, 0))
 
     def fits(self, worker: WorkerRecord, num_tokens: int) -> bool:
-        """Budget left for ``num_tokens`` more; an idle worker takes any request, so a
-        prompt larger than the budget is not refused forever."""
-        capacity = self.capacity_tokens(worker)
-        if capacity <= 0:
-            return True
-        load = self.load_tokens(worker)
-        return load == 0 or load + num_tokens <= capacity
+        """Budget left for ``num_tokens`` more (see :func:`fits`)."""
+        return bool(fits(float(self.capacity_tokens(worker)), float(self.load_tokens(worker)), float(num_tokens)))
 
     def load_fraction(self, worker: WorkerRecord) -> float:
-        capacity = self.capacity_tokens(worker)
-        if capacity <= 0:
-            return 0.0
-        return min(1.0, self.load_tokens(worker) / capacity)
+        return float(load_fraction(float(self.capacity_tokens(worker)), float(self.load_tokens(worker))))
 
     def busy_fraction(self, worker: WorkerRecord) -> float:
-        """:meth:`load_fraction` plus the work placed on the worker lately (decayed), in [0, 1]:
-        between requests nothing is in flight, and this still tells a worker that just
-        computed a long prompt from one that sat idle, so cold prompts spread out."""
-        capacity = self.capacity_tokens(worker)
-        if capacity <= 0:
-            return 0.0
-        recent = self._reservations.recent_tokens(worker.worker_id)
-        return min(1.0, (self.load_tokens(worker) + recent) / capacity)
+        """See :func:`busy_fraction`."""
+        return float(
+            busy_fraction(
+                float(self.capacity_tokens(worker)),
+                float(self.load_tokens(worker)),
+                self._reservations.recent_tokens(worker.worker_id),
+            )
+        )
 
     def kv_fullness(self, worker: WorkerRecord) -> float:
-        """How full the worker's KV cache is, in [0, 1]: decode from its reservations
-        and its report, prefill from the blocks its KV events say it holds."""
-        if worker.role == ROLE_DECODE:
-            return min(1.0, max(self.load_fraction(worker), worker.load.kv_usage))
-        if worker.num_kv_blocks <= 0 or self._num_indexed_blocks is None:
-            return min(1.0, max(0.0, worker.load.kv_usage))
-        return min(1.0, self._num_indexed_blocks(worker.worker_id) / worker.num_kv_blocks)
+        """See :func:`kv_fullness`."""
+        indexed = None if self._num_indexed_blocks is None else float(self._num_indexed_blocks(worker.worker_id))
+        return float(
+            kv_fullness(
+                decode=worker.role == ROLE_DECODE,
+                load_fraction_=self.load_fraction(worker),
+                kv_usage=float(worker.load.kv_usage),
+                num_indexed_blocks=indexed,
+                num_kv_blocks=float(worker.num_kv_blocks),
+            )
+        )

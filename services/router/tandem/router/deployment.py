@@ -12,8 +12,9 @@ logged as a crash for an expected "no capacity").
 Each replica follows every worker's KV events (its own
 :class:`tandem.router.kv_subscriber.KVEventSubscriber` and index, rebuilt
 from the publishers' replay when the replica starts) and shares its budgets
-with the other replicas through Redis (:mod:`tandem.router.replica_sync`), so
-replicas are active-active: any of them can place any request.
+with the other replicas through Redis as they change (:mod:`tandem.router.ledger`), so
+replicas are active-active with one view: any of them can place any request, and the
+tenants' fair share is the router's, not one replica's.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from tandem.common.errors import BackendUnavailableError, TandemError
 from tandem.common.registry import WorkerRecord, WorkerRegistry
 from tandem.common.router_wire import METADATA_PRIORITY, status_for_error
 from tandem.router.budget import BudgetConfig
+from tandem.router.fair_share import TenantShares
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
+from tandem.router.ledger import Ledger
 from tandem.router.metrics import RayRouterMetrics
 from tandem.router.policy import ScheduleRequest, create_policy
-from tandem.router.replica_sync import ReplicaSync
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import PlacementDecision, QueueConfig, Scheduler
 from tandem.router.settings import RouterConfig
@@ -63,26 +65,32 @@ class RouterDeployment:
             refresh_interval_s=cfg.registry_refresh_interval_s,
             max_stale_s=cfg.registry.ttl_s,
         )
-        self._replica_sync = ReplicaSync(
+        q = cfg.queue
+        young_s = 2 * cfg.registry.heartbeat_interval_s + 1.0
+        self._ledger = Ledger(
             cfg.redis.url,
             key_prefix=cfg.registry.key_prefix,
             replica_id=uuid.uuid4().hex[:12],
-            interval_s=cfg.replica_sync_interval_s,
             lease_s=cfg.lease_s,
+            young_s=young_s,
+            flush_interval_s=cfg.ledger.flush_interval_s,
+            snapshot_interval_s=cfg.replica_sync_interval_s,
+            ttl_s=cfg.ledger.replica_ttl_s,
+            shares=TenantShares(half_life_s=q.fair_share_half_life_s, weights=dict(q.tenant_weights)),
         )
         self._subscriber = KVEventSubscriber(
             KVIndex(max_blocks_per_worker=cfg.kv_index.max_blocks_per_worker),
             replay_timeout_s=cfg.kv_index.replay_timeout_s,
+            catch_up_interval_s=cfg.kv_index.catch_up_interval_s,
         )
-        q = cfg.queue
         self._scheduler = Scheduler(
             view,
             create_policy(cfg.policy, cfg.weights),
-            ReservationTable(lease_s=cfg.lease_s, young_s=2 * cfg.registry.heartbeat_interval_s + 1.0),
+            ReservationTable(lease_s=cfg.lease_s, young_s=young_s),
             RayRouterMetrics(),
             budget=BudgetConfig(cfg.budget.prefill_tokens_in_flight, cfg.budget.decode_kv_fraction),
             subscriber=self._subscriber,
-            replica_sync=self._replica_sync,
+            ledger=self._ledger,
             queue=QueueConfig(
                 priority_classes=tuple(q.priority_classes),
                 default_priority=q.default_priority,
@@ -90,6 +98,9 @@ class RouterDeployment:
                 timeout_s=q.timeout_s,
                 poll_interval_s=q.poll_interval_s,
                 max_depth=q.max_depth,
+                tenant_weights=dict(q.tenant_weights),
+                fair_share_half_life_s=q.fair_share_half_life_s,
+                max_yield_s=q.max_yield_s,
             ),
             min_uncached_tokens_to_disaggregate=cfg.disaggregation.min_uncached_tokens,
         )
@@ -104,6 +115,7 @@ class RouterDeployment:
             self._ticker = loop.create_task(self._tick_forever())
         if self._syncer is None or self._syncer.done():
             self._syncer = loop.create_task(self._sync_forever())
+        self._ledger.start()
 
     async def _sync_forever(self) -> None:
         """Share budgets with the other replicas and keep following the registered workers' KV events."""
@@ -115,7 +127,7 @@ class RouterDeployment:
                 pass  # Redis is down: the view and the sync log it; Schedule answers for itself
             except Exception:
                 logger.exception("router replica sync failed")
-            await asyncio.sleep(self._replica_sync.interval_s)
+            await asyncio.sleep(self._ledger.snapshot_interval_s)
 
     async def _tick_forever(self) -> None:
         while True:
@@ -215,6 +227,6 @@ def build_app(config: RouterConfig, *, num_replicas: int = 1) -> Application:
     }
     if num_replicas > 1:
         # Reservations live in the replica that made them: Release should reach
-        # it (one that does not is forwarded through Redis, see replica_sync).
+        # it (one that does not is forwarded through Redis, see ledger).
         options["request_router_config"] = {"request_router_class": _STICKY_REQUEST_ROUTER}
     return serve.deployment(**options)(RouterDeployment).bind(config.model_dump(mode="json"))

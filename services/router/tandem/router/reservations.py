@@ -66,6 +66,8 @@ class ReservationTable:
         # (expires_at_s, request_id); may hold stale entries of released or
         # replaced reservations, which sweep() recognises and skips.
         self._expiry_heap: list[tuple[float, str]] = []
+        # Workers whose counters changed since drain_changed() was last called.
+        self._changed: set[str] = set()
 
     @property
     def lease_s(self) -> float:
@@ -87,12 +89,30 @@ class ReservationTable:
         self._age()
         return self._num_tokens, self._num_young_tokens
 
+    def now_s(self) -> float:
+        """The table's clock (the decisions that read it use the same time)."""
+        return self._clock()
+
+    @property
+    def recent_half_life_s(self) -> float:
+        return self._recent_half_life_s
+
     def recent_tokens(self, worker_id: str) -> float:
         """Budget tokens placed on ``worker_id`` lately (exponentially decayed)."""
         value, at_s = self._recent.get(worker_id, (0.0, 0.0))
         if not value:
             return 0.0
         return float(value * 0.5 ** ((self._clock() - at_s) / self._recent_half_life_s))
+
+    def recent_tokens_at(self, worker_id: str) -> tuple[float, float]:
+        """(recent tokens, as of this clock time): :meth:`recent_tokens` without the decay since then."""
+        return self._recent.get(worker_id, (0.0, 0.0))
+
+    def drain_changed(self) -> set[str]:
+        """Workers whose tokens, young tokens, requests or recent tokens changed since the last call."""
+        self._age()
+        changed, self._changed = self._changed, set()
+        return changed
 
     def tokens_by_worker(self) -> dict[str, int]:
         return {w: n for w, n in self._num_tokens.items() if n > 0}
@@ -112,6 +132,7 @@ class ReservationTable:
             if current is not None and current.reserved_at_s == reserved_at_s and request_id in self._young_ids:
                 self._young_ids.discard(request_id)
                 self._num_young_tokens.subtract(current.tokens_by_worker)
+                self._changed.update(current.tokens_by_worker)
 
     def in_flight_by_worker(self) -> dict[str, int]:
         """Workers with at least one reservation and their counts."""
@@ -124,13 +145,15 @@ class ReservationTable:
         tokens_by_worker: Mapping[str, int] | None = None,
         *,
         tenant: str = "",
+        reserved_at_s: float | None = None,
     ) -> Reservation:
         """Hold ``worker_ids`` (and their budget tokens) for ``request_id``; a
         second Schedule of the same request (a retry elsewhere) replaces its
-        earlier reservation."""
+        earlier reservation. ``reserved_at_s`` (this table's clock) backdates it:
+        a mirror of another replica's reservation made a moment ago."""
         self.release(request_id)
         self._age()
-        now_s = self._clock()
+        now_s = self._clock() if reserved_at_s is None else reserved_at_s
         tokens = {w: n for w, n in (tokens_by_worker or {}).items() if n > 0}
         reservation = Reservation(request_id, worker_ids, now_s + self._lease_s, tokens, tenant, now_s)
         self._by_request_id[request_id] = reservation
@@ -138,12 +161,21 @@ class ReservationTable:
         self._num_tokens.update(tokens)
         self._num_young_tokens.update(tokens)
         for worker_id, n in tokens.items():
-            self._recent[worker_id] = (self.recent_tokens(worker_id) + n, now_s)
+            value, at_s = self._recent.get(worker_id, (0.0, now_s))
+            self._recent[worker_id] = (value * 0.5 ** ((now_s - at_s) / self._recent_half_life_s) + n, now_s)
         self._num_by_tenant[tenant] += 1
+        self._changed.update(worker_ids)
         self._young.append((now_s, request_id))
         self._young_ids.add(request_id)
         heapq.heappush(self._expiry_heap, (reservation.expires_at_s, request_id))
         return reservation
+
+    def get(self, request_id: str) -> Reservation | None:
+        return self._by_request_id.get(request_id)
+
+    def reservations(self) -> list[Reservation]:
+        """Every live reservation (snapshots for the other replicas)."""
+        return list(self._by_request_id.values())
 
     def release(self, request_id: str) -> Reservation | None:
         """Drop ``request_id``'s reservation; None when there is none (idempotent)."""
@@ -166,6 +198,7 @@ class ReservationTable:
             self._num_by_tenant[reservation.tenant] -= 1
             if self._num_by_tenant[reservation.tenant] <= 0:
                 del self._num_by_tenant[reservation.tenant]
+            self._changed.update(reservation.worker_ids)
             self._maybe_compact()
         return reservation
 

@@ -28,22 +28,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
 
-from tandem.common.block_hash import HASH_ALGO_SHA256, BlockHasher
+import numpy as np
+import numpy.typing as npt
+
+from tandem.common.block_hash import BlockHasher
 from tandem.common.errors import InvalidRequestError, NoCapacityError, TandemError
 from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
 from tandem.router.admission import AdmissionQueue, QueueFullError, Waiter
 from tandem.router.budget import BudgetConfig, BudgetView
+from tandem.router.fair_share import TenantShares
+from tandem.router.fleet import CachedPrefix, FleetTable
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
+from tandem.router.ledger import Ledger
 from tandem.router.metrics import NullRouterMetrics, RouterMetrics
 from tandem.router.policy import RoutingPolicy, ScheduleRequest, ScoredWorker
-from tandem.router.replica_sync import ReplicaSync
 from tandem.router.reservations import Reservation, ReservationTable
+
+logger = logging.getLogger(__name__)
 
 #: How long a caller told "no capacity" should wait before trying again.
 NO_CAPACITY_RETRY_AFTER_S = 1.0
@@ -85,6 +93,13 @@ class QueueConfig:
     #: How often a waiting request re-reads the budget (other replicas free budget too).
     poll_interval_s: float = 0.05
     max_depth: int = 10_000
+    #: Tenant → weight of its fair share (1 unless listed).
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    #: Half-life of a tenant's service (uncached prompt tokens placed) in the fair-share order.
+    fair_share_half_life_s: float = 60.0
+    #: Longest a replica lets another replica's better-ranked waiter take freed budget before it
+    #: admits its own (the other may not fit, or its replica may be gone).
+    max_yield_s: float = 0.025
 
 
 @dataclass
@@ -98,6 +113,33 @@ class _Pending:
     #: whole prompt until the KV index was asked).
     waiting_for: tuple[str, ...] = ()
     num_uncached_tokens: int = -1
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """A placement decided and not reserved yet."""
+
+    request: ScheduleRequest
+    prefill: ScoredWorker | None
+    decode: ScoredWorker
+    #: The prefill worker of the placement: the chosen one, the one named by a decode-only request, or
+    #: None for a local prefill.
+    prefill_worker: WorkerRecord | None
+    local: bool
+    num_cached_tokens: int
+    num_decode_cached_tokens: int
+    #: Prompt tokens this placement makes a worker compute (the tenant's fair-share cost).
+    num_uncached_tokens: int
+    tokens: dict[str, int]
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """Where a request stands in the fair-share order (its tenant's service is read when compared)."""
+
+    priority_index: int
+    tenant: str
+    enqueued_at_unix: float
 
 
 class _NoBudget(Exception):
@@ -121,7 +163,7 @@ class Scheduler:
         budget: BudgetConfig | None = None,
         index: KVIndex | None = None,
         subscriber: KVEventSubscriber | None = None,
-        replica_sync: ReplicaSync | None = None,
+        ledger: Ledger | None = None,
         queue: QueueConfig | None = None,
         min_uncached_tokens_to_disaggregate: int = 0,
     ) -> None:
@@ -134,8 +176,24 @@ class Scheduler:
         self._budget = budget or BudgetConfig()
         self._index = index if index is not None else (subscriber.index if subscriber else KVIndex())
         self._subscriber = subscriber
-        self._replica_sync = replica_sync
+        self._ledger = ledger
         self._queue_config = queue or QueueConfig()
+        #: Every tenant's recent service in uncached prompt tokens: this replica's placements, plus the
+        #: other replicas' through the ledger (which then shares this object).
+        self._shares = (
+            ledger.shares
+            if ledger is not None
+            else TenantShares(
+                half_life_s=self._queue_config.fair_share_half_life_s, weights=self._queue_config.tenant_weights
+            )
+        )
+        if ledger is not None:
+            ledger.on_change = self._on_ledger_change
+        #: The better-ranked waiting request of another replica that this replica leaves budget fitting
+        #: its own queue's head to, and since when (None: it is not doing so).
+        self._yielding: tuple[str, float] | None = None
+        self._drain_soon: asyncio.Handle | None = None
+        self._poller: asyncio.Task[None] | None = None
         self._queue: AdmissionQueue[_Pending] = AdmissionQueue(
             priority_classes=self._queue_config.priority_classes,
             default_priority=self._queue_config.default_priority,
@@ -143,6 +201,8 @@ class Scheduler:
         )
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
         self._last_workers: list[WorkerRecord] | None = None
+        #: The last worker list as arrays (rebuilt when the list changes).
+        self._fleet: FleetTable | None = None
         # Workers whose gauges are non-zero, so tick() can refresh them, and every placed worker's role.
         self._published_worker_ids: set[str] = set()
         self._worker_roles: dict[str, str] = {}
@@ -164,6 +224,10 @@ class Scheduler:
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    @property
+    def shares(self) -> TenantShares:
+        return self._shares
 
     # -- Schedule ----------------------------------------------------------------
 
@@ -193,9 +257,10 @@ class Scheduler:
         workers = await self._workers()
         # A repeated Schedule of one request is a retry elsewhere: its earlier
         # pair must not count as load while choosing the new one.
-        self._publish(self._reservations.release(request.request_id))
+        if not self._released(self._reservations.release(request.request_id)) and self._ledger is not None:
+            await self._ledger.forward_release(request.request_id)  # it was placed by another replica
         pending = _Pending(request)
-        if not self._queue:
+        if not self._queue and self._remote_waiter_ahead(self._rank_of_new(request)) is None:
             try:
                 return self._place(pending, workers)
             except _NoBudget as exc:
@@ -212,6 +277,9 @@ class Scheduler:
         workers = await self._view.workers()
         if workers is not self._last_workers:
             self._last_workers = workers
+            if self._fleet is not None and self._fleet.update(workers):
+                return workers  # only loads changed: the same workers, the same KV-event publishers
+            self._fleet = self._build_fleet(workers)
             if self._subscriber is not None:
                 self._subscriber.sync(workers)
             else:
@@ -221,6 +289,20 @@ class Scheduler:
                         self._index.remove_worker(worker_id)
         return workers
 
+    def _build_fleet(self, workers: Sequence[WorkerRecord]) -> FleetTable:
+        return FleetTable.build(workers, self._budget, self._reservations, self._ledger)
+
+    def _fleet_for(self, workers: Sequence[WorkerRecord]) -> FleetTable:
+        """The fleet table of ``workers``, brought up to date with every reservation change since the
+        last decision (this replica's and the other replicas')."""
+        fleet = self._fleet
+        if fleet is None or fleet.workers is not workers:
+            fleet = self._fleet = self._build_fleet(workers)
+        fleet.refresh_own(self._reservations.drain_changed(), self._reservations)
+        if self._ledger is not None:
+            fleet.refresh_others(self._ledger.drain_changed(), self._ledger)
+        return fleet
+
     def place_now(self, request: ScheduleRequest, workers: Sequence[WorkerRecord]) -> PlacementDecision:
         """One placement decision without queueing or I/O (benchmarks, tests); NoCapacityError when no budget."""
         try:
@@ -228,55 +310,111 @@ class Scheduler:
         except _NoBudget:
             raise NoCapacityError("no worker has budget", retry_after_s=NO_CAPACITY_RETRY_AFTER_S) from None
 
+    def decide(self, request: ScheduleRequest, workers: Sequence[WorkerRecord]) -> PlacementDecision:
+        """Where :meth:`place_now` would place ``request`` now, reserving nothing (a dry run: the
+        replica-agreement benchmark asks an oracle); NoCapacityError when no budget."""
+        try:
+            return self._decision(self._decide(_Pending(request), workers))
+        except _NoBudget:
+            raise NoCapacityError("no worker has budget", retry_after_s=NO_CAPACITY_RETRY_AFTER_S) from None
+
     def _place(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> PlacementDecision:
+        return self._commit(self._decide(pending, workers))
+
+    def _decide(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> _Choice:
+        """The placement for ``pending`` (raises _NoBudget or the error naming what is missing); no side
+        effects but the policy's own rotation."""
         request = pending.request
-        cached = self._cached_tokens(pending, workers)
-        pending.num_uncached_tokens = max(0, request.num_tokens - max(cached.values(), default=0))
-        view = BudgetView(
-            self._reservations,
-            self._budget,
-            self._replica_sync,
-            cached_tokens=cached,
-            num_indexed_blocks=self._index.num_blocks,
+        fleet = self._fleet_for(workers)
+        cached = self._lookup(pending, fleet)
+        now_s = self._reservations.now_s()
+        decode_pool = fleet.arrays(ROLE_DECODE, request.model, cached, now_s)
+        prefill_pool = fleet.arrays(ROLE_PREFILL, request.model, cached, now_s, self._index)
+        num_most_cached = max(
+            (float(p.cached_tokens.max()) for p in (decode_pool, prefill_pool) if p is not None and len(p)),
+            default=0.0,
         )
-        decode = self._policy.choose(request, ROLE_DECODE, workers, view)
+        pending.num_uncached_tokens = max(0, request.num_tokens - int(num_most_cached))
+        decode = None if decode_pool is None else self._policy.choose_in(request, decode_pool)
+        decode_only = bool(request.prefill_done_on_worker_id)
         if decode is None:
             # Would prefill take it? If not, it waits for both pools (and both must grow for it to go).
             also = (
                 (ROLE_PREFILL,)
-                if pending.num_uncached_tokens >= self._min_uncached_tokens_to_disaggregate
+                if not decode_only
+                and pending.num_uncached_tokens >= self._min_uncached_tokens_to_disaggregate
                 and self._num_candidates(request, workers, ROLE_PREFILL)
-                and self._policy.choose(request, ROLE_PREFILL, workers, view) is None
+                and (prefill_pool is None or self._policy.choose_in(request, prefill_pool) is None)
                 else ()
             )
             self._no_worker(request, workers, ROLE_DECODE, also_lacking=also)
         num_tokens = request.num_tokens
-        num_decode_cached = cached.get(decode.worker.worker_id, 0)
+        assert decode_pool is not None
+        num_decode_cached = int(decode_pool.cached_tokens[decode.position])
         # A request that does not say how long its prompt is is not known to be short.
-        local = num_tokens > 0 and num_tokens - num_decode_cached < self._min_uncached_tokens_to_disaggregate
-        prefill = None if local else self._policy.choose(request, ROLE_PREFILL, workers, view)
-        if prefill is None and not local:
-            self._no_worker(request, workers, ROLE_PREFILL)
-        chosen = [decode] if prefill is None else [prefill, decode]
+        local = (
+            not decode_only
+            and num_tokens > 0
+            and num_tokens - num_decode_cached < self._min_uncached_tokens_to_disaggregate
+        )
+        prefill: ScoredWorker | None = None
+        prefill_worker: WorkerRecord | None = None
+        if decode_only:
+            # The prefill ran already (a dead decode worker's replacement): its worker holds the KV and
+            # is named back; nothing more is computed there, so no prefill budget is booked.
+            prefill_worker = next(
+                (w for w in workers if w.worker_id == request.prefill_done_on_worker_id), None
+            ) or WorkerRecord(request.prefill_done_on_worker_id, ROLE_PREFILL, request.model, "")
+        elif not local:
+            prefill = None if prefill_pool is None else self._policy.choose_in(request, prefill_pool)
+            if prefill is None:
+                self._no_worker(request, workers, ROLE_PREFILL)
+            prefill_worker = prefill.worker
+        tokens = {decode.worker.worker_id: num_tokens + request.max_tokens}
+        num_cached = 0
+        num_uncached = 0
+        if prefill is not None:
+            assert prefill_pool is not None
+            num_cached = int(prefill_pool.cached_tokens[prefill.position])
+            num_uncached = tokens[prefill.worker.worker_id] = max(0, num_tokens - num_cached)
+        elif local:
+            num_uncached = max(0, num_tokens - num_decode_cached)
+        return _Choice(
+            request, prefill, decode, prefill_worker, local, num_cached, num_decode_cached, num_uncached, tokens
+        )
+
+    def _commit(self, choice: _Choice) -> PlacementDecision:
+        """Reserve ``choice`` and tell everyone who counts it."""
+        request = choice.request
+        chosen = [choice.decode] if choice.prefill is None else [choice.prefill, choice.decode]
         for scored in chosen:
             self._worker_roles[scored.worker.worker_id] = scored.worker.role
-        tokens = {s.worker.worker_id: view.need_tokens(s.worker, num_tokens, request.max_tokens) for s in chosen}
         reservation = self._reservations.reserve(
-            request.request_id, tuple(s.worker.worker_id for s in chosen), tokens, tenant=request.tenant
+            request.request_id, tuple(s.worker.worker_id for s in chosen), choice.tokens, tenant=request.tenant
         )
-        if self._replica_sync is not None:
-            self._replica_sync.placed(request.request_id)
+        # Service in the fair share: what this placement makes a worker compute.
+        self._shares.add(request.tenant, choice.num_uncached_tokens)
+        if self._ledger is not None:
+            self._ledger.reserved(reservation, choice.num_uncached_tokens)
         self._publish(reservation)
-        self._metrics.count_placement(local_prefill=local)
-        num_cached = 0 if prefill is None else cached.get(prefill.worker.worker_id, 0)
+        self._metrics.count_placement(local_prefill=choice.local)
+        return self._decision(choice)
+
+    def _decision(self, choice: _Choice) -> PlacementDecision:
         return PlacementDecision(
-            request_id=request.request_id,
-            prefill=None if prefill is None else prefill.worker,
-            decode=decode.worker,
+            request_id=choice.request.request_id,
+            prefill=choice.prefill_worker,
+            decode=choice.decode.worker,
             lease_s=self._reservations.lease_s,
-            num_cached_tokens=num_cached,
-            reason=self._reason(prefill, decode, num_cached, num_decode_cached),
-            num_decode_cached_tokens=num_decode_cached,
+            num_cached_tokens=choice.num_cached_tokens,
+            reason=self._reason(
+                choice.prefill,
+                choice.decode,
+                choice.num_cached_tokens,
+                choice.num_decode_cached_tokens,
+                decode_only_for=choice.prefill_worker,
+            ),
+            num_decode_cached_tokens=choice.num_decode_cached_tokens,
         )
 
     def _no_worker(
@@ -288,19 +426,16 @@ class Scheduler:
             raise _NoBudget((role, *also_lacking))
         raise self._no_worker_error(request, workers, role)
 
-    def _cached_tokens(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> dict[str, int]:
-        """Prompt tokens each worker holds in its prefix cache, from the KV index."""
+    def _lookup(self, pending: _Pending, fleet: FleetTable) -> CachedPrefix | None:
+        """How much of the prompt each worker holds, from the KV index: one lookup per hashing
+        configuration of the model's workers (None: nothing to look up)."""
         request = pending.request
         if not (request.prompt_block_hashes or request.prompt_token_ids) or not self._index.num_workers:
-            return {}
-        cached: dict[str, int] = {}
-        num_tokens = request.num_tokens
-        for worker in workers:
-            if worker.model != request.model or worker.block_size_tokens <= 0:
-                continue
-            if worker.block_hash_algo != HASH_ALGO_SHA256:
-                continue  # not reproducible here: treated as cold
-            key = (worker.block_size_tokens, worker.block_hash_seed)
+            return None
+        fleet.sync_index_slots(self._index)
+        by_config: dict[tuple[int, str], npt.NDArray[np.int64]] = {}
+        for group in fleet.hash_groups.get(request.model, ()):
+            key = group.config
             if key not in pending.hashes:
                 if request.prompt_block_hashes:
                     # The gateway's hashes (it sends no token ids); a configuration it did not know is cold.
@@ -310,12 +445,8 @@ class Scheduler:
                     if hasher is None:
                         hasher = self._hashers[key] = BlockHasher(*key)
                     pending.hashes[key] = hasher.block_hashes(request.prompt_token_ids, cache_salt=request.cache_salt)
-                # one lookup per configuration, shared by its workers
-                matched = self._index.match(pending.hashes[key])
-                for worker_id, num_blocks in matched.items():
-                    # vLLM recomputes at least the last prompt token even on a full hit.
-                    cached[worker_id] = min(num_blocks * key[0], num_tokens - 1)
-        return cached
+            by_config[key] = self._index.match_by_slot(pending.hashes[key])
+        return CachedPrefix(by_config, request.num_tokens)
 
     def _num_candidates(self, request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> int:
         return sum(
@@ -339,20 +470,19 @@ class Scheduler:
             waiter = self._queue.push(pending, tenant=request.tenant, priority=priority)
         except QueueFullError as exc:
             raise NoCapacityError(str(exc), retry_after_s=NO_CAPACITY_RETRY_AFTER_S) from None
+        if self._ledger is not None:
+            self._ledger.queued(
+                request.request_id, request.tenant, self._queue.priority_index(waiter.priority), waiter.enqueued_at_unix
+            )
         self._metrics.set_queue_depth(waiter.priority, self._queue.depth(waiter.priority))
         started_s = time.monotonic()
         outcome = "timeout"
         try:
             self._drain(self._last_workers or [])
-            while True:
-                remaining_s = started_s + cfg.timeout_s - time.monotonic()
-                if waiter.future.done() or remaining_s <= 0:
-                    break
+            self._ensure_poller()
+            if not waiter.future.done():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(waiter.future), min(cfg.poll_interval_s, remaining_s))
-                if not waiter.future.done():
-                    self._sweep()
-                    self._drain(await self._workers())
+                    await asyncio.wait_for(asyncio.shield(waiter.future), cfg.timeout_s)
             if waiter.future.done():
                 outcome = "admitted" if waiter.future.exception() is None else "error"
                 result = waiter.future.result()
@@ -363,32 +493,114 @@ class Scheduler:
                 retry_after_s=max(NO_CAPACITY_RETRY_AFTER_S, cfg.timeout_s),
             )
         finally:
-            self._queue.remove(waiter)
+            self._dequeue(waiter)
             if not waiter.future.done():
                 waiter.future.cancel()
             self._metrics.set_queue_depth(waiter.priority, self._queue.depth(waiter.priority))
             self._metrics.observe_queue_wait(time.monotonic() - started_s, outcome=outcome)
 
+    def _ensure_poller(self) -> None:
+        """One task re-tries the queue every ``poll_interval_s`` while it holds anyone (budget also
+        frees without an event here: leases expire, worker reports age reservations, the registry
+        changes); releases and the ledger's changes drain it at once. One poller, not one per waiter:
+        each try is a placement decision, and a waiter each polling made the work grow with the queue."""
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_while_queued())
+
+    async def _poll_while_queued(self) -> None:
+        while self._queue:
+            await asyncio.sleep(self._queue_config.poll_interval_s)
+            try:
+                self._sweep()
+                self._drain(await self._workers())
+            except TandemError as exc:  # the registry is down: the waiters time out on their own
+                logger.warning("admission queue poll failed: %s", exc)
+
+    def _dequeue(self, waiter: Waiter[_Pending]) -> None:
+        if self._queue.remove(waiter) and self._ledger is not None:
+            self._ledger.dequeued(waiter.item.request.request_id)
+
+    # -- the fair-share order across replicas ------------------------------------------------------
+
+    def _rank(self, waiter: Waiter[_Pending]) -> _Rank:
+        return _Rank(self._queue.priority_index(waiter.priority), waiter.tenant, waiter.enqueued_at_unix)
+
+    def _rank_of_new(self, request: ScheduleRequest) -> _Rank:
+        priority = self._queue.priority_of(
+            request.priority or self._queue_config.tenant_priorities.get(request.tenant, "")
+        )
+        return _Rank(self._queue.priority_index(priority), request.tenant, time.time())
+
+    def _remote_waiter_ahead(self, rank: _Rank) -> str | None:
+        """The best-ranked waiting request of another replica that goes before one of ``rank`` (a
+        higher class, or the same class and a tenant served less, or the same service and waiting
+        longer), or None. Each tenant's service is read once per call (it decays as time passes:
+        read twice, a tenant would rank before itself)."""
+        if self._ledger is None:
+            return None
+        served: dict[str, float] = {rank.tenant: self._shares.served(rank.tenant)}
+
+        def key(priority_index: int, tenant: str, enqueued_at_unix: float) -> tuple[int, float, float]:
+            service = served.get(tenant)
+            if service is None:
+                service = served[tenant] = self._shares.served(tenant)
+            return self._queue.rank(priority_index, service, enqueued_at_unix)
+
+        best_key = key(rank.priority_index, rank.tenant, rank.enqueued_at_unix)
+        best: str | None = None
+        for remote in self._ledger.remote_waiters():
+            remote_key = key(remote.priority_index, remote.tenant, remote.enqueued_at_unix)
+            if remote_key < best_key:
+                best_key, best = remote_key, remote.request_id
+        return best
+
     def _drain(self, workers: Sequence[WorkerRecord]) -> None:
-        """Admit waiters in priority / fair-share order while the head one fits."""
+        """Admit waiters in priority / fair-share order while the head one fits. When another
+        replica's waiter goes before the head, budget that would fit the head is left to it, for at
+        most ``max_yield_s`` per such request (it may fit nowhere, or its replica may be gone); then
+        the head goes. Admitting in the same loop iteration as the release that freed the budget
+        puts both in one ledger message: no other replica ever sees that budget free."""
         while True:
-            waiter: Waiter[_Pending] | None = self._queue.next(self._reservations.num_in_flight_for_tenant)
+            waiter: Waiter[_Pending] | None = self._queue.next(self._shares.served)
             if waiter is None:
+                self._yielding = None
                 return
             if waiter.future.done():
-                self._queue.remove(waiter)
+                self._dequeue(waiter)
                 continue
             try:
-                decision = self._place(waiter.item, workers)
+                choice = self._decide(waiter.item, workers)
             except _NoBudget as exc:
                 waiter.item.waiting_for = self._blocked_on = exc.roles
                 return
             except TandemError as exc:
-                self._queue.remove(waiter)
+                self._dequeue(waiter)
                 waiter.future.set_exception(exc)
                 continue
-            self._queue.remove(waiter, admitted=True)
-            waiter.future.set_result(decision)
+            ahead = self._remote_waiter_ahead(self._rank(waiter))
+            if ahead is not None:
+                now_s = time.monotonic()
+                if self._yielding is None or self._yielding[0] != ahead:
+                    self._yielding = (ahead, now_s)  # a new request to leave budget to: its own time
+                if now_s - self._yielding[1] < self._queue_config.max_yield_s:
+                    return
+            self._yielding = None
+            self._dequeue(waiter)
+            waiter.future.set_result(self._commit(choice))
+
+    def _on_ledger_change(self) -> None:
+        """Another replica freed budget, forwarded a Release or changed its queue: drain soon (not
+        inside the ledger's receive)."""
+        if self._drain_soon is None:
+            self._drain_soon = asyncio.get_running_loop().call_soon(self._drain_now)
+
+    def _drain_now(self) -> None:
+        self._drain_soon = None
+        if self._ledger is not None:
+            for request_id in self._ledger.take_forwarded():
+                self._released(self._reservations.release(request_id))
+        if self._queue and self._last_workers is not None:
+            self._drain(self._last_workers)
 
     # -- Release and upkeep ------------------------------------------------------------
 
@@ -396,7 +608,7 @@ class Scheduler:
         """Drop ``request_id``'s reservation held here; False when there was none (idempotent)."""
         self._sweep()
         reservation = self._reservations.release(request_id)
-        self._publish(reservation)
+        self._released(reservation)
         if reservation is not None and self._queue and self._last_workers is not None:
             self._drain(self._last_workers)
         return reservation is not None
@@ -405,8 +617,8 @@ class Scheduler:
         """Release here, or forward to the replica that holds the reservation."""
         if self.release(request_id):
             return True
-        if self._replica_sync is not None:
-            return await self._replica_sync.forward_release(request_id)
+        if self._ledger is not None:
+            return await self._ledger.forward_release(request_id)
         return False
 
     def tick(self) -> None:
@@ -415,6 +627,7 @@ class Scheduler:
         forgets a gauge that is not set for a couple of export intervals; the
         autoscaler must see a quiet pool's zeros)."""
         self._sweep()
+        self._shares.forget_idle()
         # Every known worker's gauges, zeros included: a pool at rest must read 0, not "no data".
         for worker in self._last_workers or ():
             self._worker_roles.setdefault(worker.worker_id, worker.role)
@@ -433,7 +646,7 @@ class Scheduler:
         """Per role, the average budget fraction in use over its registered workers (every replica's
         reservations, as :meth:`BudgetView.fits` counts them) and the requests this replica placed on it."""
         workers = self._last_workers or ()
-        view = BudgetView(self._reservations, self._budget, self._replica_sync)
+        view = BudgetView(self._reservations, self._budget, self._ledger)
         pools: dict[str, tuple[float, int]] = {}
         for role in (ROLE_PREFILL, ROLE_DECODE):
             members = [w for w in workers if w.role == role]
@@ -449,20 +662,22 @@ class Scheduler:
             self._metrics.set_pool(role, used_fraction, num_in_flight)
 
     async def sync_replicas(self) -> None:
-        """Share budgets with the other replicas and apply Releases they forwarded here."""
-        if self._replica_sync is None:
-            return
-        forwarded = await self._replica_sync.sync(
-            self._reservations.tokens_by_worker(), self._reservations.young_tokens_by_worker()
-        )
-        for request_id in forwarded:
-            self.release(request_id)
-        if self._queue and self._last_workers is not None:
-            self._drain(self._last_workers)
+        """Apply the Releases other replicas forwarded here, and retry the queue (budget may have come
+        free elsewhere). The ledger shares everything else as it happens."""
+        self._drain_now()
 
     def _sweep(self) -> None:
         for reservation in self._reservations.sweep():
-            self._publish(reservation)
+            self._released(reservation)
+
+    def _released(self, reservation: Reservation | None) -> bool:
+        """A reservation of this replica ended (released, expired or replaced): gauges and the ledger."""
+        if reservation is None:
+            return False
+        self._publish(reservation)
+        if self._ledger is not None:
+            self._ledger.released(reservation)
+        return True
 
     def _publish(self, reservation: Reservation | None) -> None:
         if reservation is not None:
@@ -503,9 +718,17 @@ class Scheduler:
             self._published_worker_ids.discard(worker_id)
 
     def _reason(
-        self, prefill: ScoredWorker | None, decode: ScoredWorker, num_cached_tokens: int, num_decode_cached: int
+        self,
+        prefill: ScoredWorker | None,
+        decode: ScoredWorker,
+        num_cached_tokens: int,
+        num_decode_cached: int,
+        *,
+        decode_only_for: WorkerRecord | None = None,
     ) -> str:
         decode_part = f"decode={decode.worker.worker_id}:{decode.score:.3f} decode_cached={num_decode_cached}"
+        if prefill is None and decode_only_for is not None:
+            return f"{self._policy.name} decode_only prefill_done_on={decode_only_for.worker_id} {decode_part}"
         if prefill is None:
             return f"{self._policy.name} local_prefill {decode_part}"
         return (

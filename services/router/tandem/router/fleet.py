@@ -1,0 +1,345 @@
+"""The registered workers as arrays, so that a placement costs the same at 10 workers or 1,000.
+
+:class:`tandem.router.scheduler.Scheduler` builds a :class:`FleetTable` whenever the registry's
+worker list changes (at most once per registry refresh) and, for every decision, first hands it
+the workers whose reservations changed since the last one (this replica's
+:meth:`~tandem.router.reservations.ReservationTable.drain_changed` and the other replicas'), then
+asks :meth:`FleetTable.arrays` for each role's :class:`~tandem.router.pool.PoolArrays`. Keeping
+the per-worker numbers in arrays, updated in place for the few workers a change touches, turns
+the filter and the scorers into a handful of numpy operations over the pool instead of a Python
+call per worker (the profile at 1,000 workers: 14.6 ms per decision, 87 % of it in per-worker
+``score``/``fits`` calls). The budget formulas are :mod:`tandem.router.budget`'s, applied to whole
+arrays. Pure data, no I/O.
+
+Layout: one :class:`_Pool` per (role, model), workers in id order; per worker the registry's
+numbers (capacity, reported load, KV usage), this replica's reservations (tokens, the young part,
+requests, recently placed tokens) and the other replicas' (the same, from
+:mod:`tandem.router.ledger`). Workers are grouped by how their engine hashes prompt blocks, so a
+request is looked up in the KV index once per hashing configuration, not once per worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from tandem.common.block_hash import HASH_ALGO_SHA256
+from tandem.common.registry import ROLE_DECODE, WorkerRecord
+from tandem.router import budget as formulas
+from tandem.router.budget import BudgetConfig
+from tandem.router.pool import F64, PoolArrays, worker_key
+from tandem.router.reservations import ReservationTable
+
+#: (block size in tokens, hash seed): how an engine hashes its prefix-cache blocks.
+HashConfig = tuple[int, str]
+
+
+class IndexSlots(Protocol):
+    """What the fleet reads of the KV index (:class:`tandem.router.kv_index.KVIndex`)."""
+
+    @property
+    def slots_version(self) -> int: ...
+
+    def slot_of(self, worker_id: str) -> int: ...
+
+    def num_blocks_by_slot(self) -> npt.NDArray[np.int64]: ...
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """How much of one request's prompt each worker holds: per hashing configuration, the leading
+    blocks held by every index slot (:meth:`~tandem.router.kv_index.KVIndex.match_by_slot`)."""
+
+    blocks_by_config: Mapping[HashConfig, npt.NDArray[np.int64]]
+    num_prompt_tokens: int
+
+
+class OtherReplicaLoads(Protocol):
+    """What the other live router replicas hold, per worker (see :mod:`tandem.router.ledger`)."""
+
+    def others_tokens(self, worker_id: str) -> int: ...
+
+    def others_young_tokens(self, worker_id: str) -> int: ...
+
+    def others_in_flight(self, worker_id: str) -> int: ...
+
+    def others_recent_tokens_at(self, worker_id: str) -> tuple[float, float]:
+        """Budget tokens the others placed on ``worker_id`` lately, decayed as of the second returned."""
+        ...
+
+    def drain_changed(self) -> set[str]:
+        """Workers whose numbers changed since the last call (all of them after a full refresh)."""
+        ...
+
+
+@dataclass
+class _Pool:
+    role: str
+    workers: list[WorkerRecord]
+    positions: dict[str, int]
+    capacity_tokens: F64
+    reported_tokens: F64
+    kv_usage: F64
+    num_kv_blocks: F64
+    num_reported_requests: F64
+    worker_keys: np.ndarray
+    own_tokens: F64
+    own_young_tokens: F64
+    own_in_flight: F64
+    recent_tokens: F64
+    recent_at_s: F64
+    others_tokens: F64
+    others_young_tokens: F64
+    others_in_flight: F64
+    others_recent_tokens: F64
+    others_recent_at_s: F64
+    #: Each worker's slot in the KV index (0: none yet), and per hashing configuration the positions of
+    #: the workers that hash that way.
+    index_slots: npt.NDArray[np.int64]
+    positions_by_config: dict[HashConfig, npt.NDArray[np.intp]]
+
+    @classmethod
+    def build(cls, role: str, workers: list[WorkerRecord], config: BudgetConfig) -> _Pool:
+        n = len(workers)
+
+        def column(values: Iterable[float]) -> F64:
+            return np.fromiter(values, dtype=np.float64, count=n)
+
+        return cls(
+            role=role,
+            workers=workers,
+            positions={w.worker_id: i for i, w in enumerate(workers)},
+            capacity_tokens=column(formulas.capacity_tokens(w, config) for w in workers),
+            reported_tokens=column(formulas.reported_tokens(w) for w in workers),
+            kv_usage=column(w.load.kv_usage for w in workers),
+            num_kv_blocks=column(w.num_kv_blocks for w in workers),
+            num_reported_requests=column(
+                w.load.num_running_requests + w.load.num_waiting_requests for w in workers
+            ),
+            worker_keys=np.fromiter((worker_key(w.worker_id) for w in workers), dtype=np.uint64, count=n),
+            own_tokens=np.zeros(n),
+            own_young_tokens=np.zeros(n),
+            own_in_flight=np.zeros(n),
+            recent_tokens=np.zeros(n),
+            recent_at_s=np.zeros(n),
+            others_tokens=np.zeros(n),
+            others_young_tokens=np.zeros(n),
+            others_in_flight=np.zeros(n),
+            others_recent_tokens=np.zeros(n),
+            others_recent_at_s=np.zeros(n),
+            index_slots=np.zeros(n, np.int64),
+            positions_by_config=_positions_by_config(workers),
+        )
+
+
+def _positions_by_config(workers: Sequence[WorkerRecord]) -> dict[HashConfig, npt.NDArray[np.intp]]:
+    """Workers whose engines hash prompt blocks alike (sha256 with a block size only: others are cold)."""
+    by_config: dict[HashConfig, list[int]] = {}
+    for i, w in enumerate(workers):
+        if w.block_size_tokens > 0 and w.block_hash_algo == HASH_ALGO_SHA256:
+            by_config.setdefault((w.block_size_tokens, w.block_hash_seed), []).append(i)
+    return {config: np.asarray(positions, np.intp) for config, positions in by_config.items()}
+
+
+def _identity(worker: WorkerRecord) -> tuple[object, ...]:
+    """What a worker is, as opposed to how loaded it is: a change here rebuilds the table."""
+    return (
+        worker.worker_id,
+        worker.role,
+        worker.model,
+        worker.address,
+        worker.kv_events_endpoint,
+        worker.kv_events_replay_endpoint,
+        worker.block_hash_algo,
+        worker.block_hash_seed,
+        worker.block_size_tokens,
+        worker.num_kv_blocks,
+        worker.started_unix_s,
+    )
+
+
+@dataclass(frozen=True)
+class HashGroup:
+    """Workers of one model whose engines hash prompt blocks alike: one index lookup serves them all."""
+
+    config: HashConfig
+    members: frozenset[str]
+
+
+@dataclass
+class FleetTable:
+    """Pools of one registry list; see the module docstring."""
+
+    workers: Sequence[WorkerRecord]
+    config: BudgetConfig
+    recent_half_life_s: float
+    pools: dict[tuple[str, str], _Pool] = field(default_factory=dict)
+    #: Per model, its hashing configurations (sha256 engines with a block size only: others are cold).
+    hash_groups: dict[str, list[HashGroup]] = field(default_factory=dict)
+    _where: dict[str, tuple[_Pool, int]] = field(default_factory=dict)
+    #: The KV index's slots_version when the pools' index slots were read (-1: never).
+    _index_version: int = -1
+
+    @classmethod
+    def build(
+        cls,
+        workers: Sequence[WorkerRecord],
+        config: BudgetConfig,
+        reservations: ReservationTable,
+        others: OtherReplicaLoads | None = None,
+    ) -> FleetTable:
+        table = cls(workers, config, reservations.recent_half_life_s)
+        members: dict[tuple[str, str], list[WorkerRecord]] = {}
+        groups: dict[str, dict[HashConfig, list[str]]] = {}
+        for w in workers:
+            members.setdefault((w.role, w.model), []).append(w)
+            if w.block_size_tokens > 0 and w.block_hash_algo == HASH_ALGO_SHA256:
+                key = (w.block_size_tokens, w.block_hash_seed)
+                groups.setdefault(w.model, {}).setdefault(key, []).append(w.worker_id)
+        for (role, model), pool_workers in members.items():
+            pool = _Pool.build(role, sorted(pool_workers, key=lambda w: w.worker_id), config)
+            table.pools[(role, model)] = pool
+            for worker_id, i in pool.positions.items():
+                table._where[worker_id] = (pool, i)
+        table.hash_groups = {
+            model: [HashGroup(key, frozenset(ids)) for key, ids in by_key.items()] for model, by_key in groups.items()
+        }
+        table.refresh_own(table._where, reservations)
+        if others is not None:
+            others.drain_changed()
+            table.refresh_others(table._where, others)
+        return table
+
+    # -- kept in step ---------------------------------------------------------------------------
+
+    def update(self, workers: Sequence[WorkerRecord]) -> bool:
+        """Take a newer registry list in place when only the workers' reported loads changed (the
+        usual heartbeat), touching only the records that are new objects; False when a worker came,
+        went or changed what it is (then build a new table)."""
+        if len(workers) != len(self.workers):
+            return False
+        changed: list[tuple[WorkerRecord, _Pool, int]] = []
+        for old, new in zip(self.workers, workers, strict=True):
+            if new is old:
+                continue
+            if _identity(new) != _identity(old):
+                return False
+            pool, i = self._where[new.worker_id]
+            changed.append((new, pool, i))
+        for new, pool, i in changed:
+            pool.workers[i] = new
+            pool.capacity_tokens[i] = formulas.capacity_tokens(new, self.config)
+            pool.reported_tokens[i] = formulas.reported_tokens(new)
+            pool.kv_usage[i] = new.load.kv_usage
+            pool.num_reported_requests[i] = new.load.num_running_requests + new.load.num_waiting_requests
+        self.workers = workers
+        return True
+
+    def refresh_own(self, worker_ids: Iterable[str], reservations: ReservationTable) -> None:
+        """Re-read this replica's reservations on ``worker_ids`` (the ones that changed)."""
+        tokens, young = reservations.token_snapshot()
+        for worker_id in worker_ids:
+            where = self._where.get(worker_id)
+            if where is None:
+                continue  # not registered (any more)
+            pool, i = where
+            pool.own_tokens[i] = tokens.get(worker_id, 0)
+            pool.own_young_tokens[i] = young.get(worker_id, 0)
+            pool.own_in_flight[i] = reservations.num_in_flight(worker_id)
+            pool.recent_tokens[i], pool.recent_at_s[i] = reservations.recent_tokens_at(worker_id)
+
+    def refresh_others(self, worker_ids: Iterable[str], others: OtherReplicaLoads) -> None:
+        """Re-read the other replicas' holds on ``worker_ids``."""
+        for worker_id in worker_ids:
+            where = self._where.get(worker_id)
+            if where is None:
+                continue
+            pool, i = where
+            pool.others_tokens[i] = others.others_tokens(worker_id)
+            pool.others_young_tokens[i] = others.others_young_tokens(worker_id)
+            pool.others_in_flight[i] = others.others_in_flight(worker_id)
+            pool.others_recent_tokens[i], pool.others_recent_at_s[i] = others.others_recent_tokens_at(worker_id)
+
+    def sync_index_slots(self, index: IndexSlots) -> None:
+        """Read each worker's KV-index slot again when the index gave or took any."""
+        if index.slots_version == self._index_version:
+            return
+        self._index_version = index.slots_version
+        for pool in self.pools.values():
+            pool.index_slots = np.fromiter(
+                (index.slot_of(w.worker_id) for w in pool.workers), dtype=np.int64, count=len(pool.workers)
+            )
+
+    # -- one decision -------------------------------------------------------------------------
+
+    def arrays(
+        self,
+        role: str,
+        model: str,
+        cached: CachedPrefix | Mapping[str, int] | None,
+        now_s: float,
+        index: IndexSlots | None = None,
+    ) -> PoolArrays | None:
+        """The pool of ``role`` serving ``model`` as this decision sees it; None when there is none.
+        ``cached``: the request's prefix lookup (or prompt tokens cached per worker id); ``index``:
+        where prefill workers' KV fullness comes from (the blocks their events say they hold)."""
+        pool = self.pools.get((role, model))
+        if pool is None:
+            return None
+        decode = role == ROLE_DECODE
+        load = formulas.load_tokens(
+            decode=decode,
+            own=pool.own_tokens,
+            own_young=pool.own_young_tokens,
+            others=pool.others_tokens,
+            others_young=pool.others_young_tokens,
+            reported=pool.reported_tokens,
+        )
+        half_life_s = self.recent_half_life_s
+        recent = pool.recent_tokens * np.exp2((pool.recent_at_s - now_s) / half_life_s)
+        recent += pool.others_recent_tokens * np.exp2((pool.others_recent_at_s - now_s) / half_life_s)
+        indexed = None
+        if not decode and index is not None:
+            indexed = index.num_blocks_by_slot()[pool.index_slots].astype(np.float64)
+        kv_fullness = formulas.kv_fullness(
+            decode=decode,
+            load_fraction_=formulas.load_fraction(pool.capacity_tokens, load),
+            kv_usage=pool.kv_usage,
+            num_indexed_blocks=indexed,
+            num_kv_blocks=pool.num_kv_blocks,
+        )
+        return PoolArrays(
+            role=role,
+            workers=pool.workers,
+            has_budget=True,
+            capacity_tokens=pool.capacity_tokens,
+            load_tokens=load,
+            recent_tokens=recent,
+            kv_fullness=kv_fullness,
+            num_in_flight=pool.own_in_flight + pool.others_in_flight,
+            num_reported_requests=pool.num_reported_requests,
+            cached_tokens=self._cached(pool, cached),
+            worker_keys=pool.worker_keys,
+            positions=pool.positions,
+        )
+
+    @staticmethod
+    def _cached(pool: _Pool, cached: CachedPrefix | Mapping[str, int] | None) -> F64:
+        out = np.zeros(len(pool.workers))
+        if isinstance(cached, CachedPrefix):
+            for config, blocks_by_slot in cached.blocks_by_config.items():
+                positions = pool.positions_by_config.get(config)
+                if positions is not None and positions.size:
+                    out[positions] = blocks_by_slot[pool.index_slots[positions]] * config[0]
+            # vLLM recomputes at least the last prompt token even on a full hit.
+            np.minimum(out, max(0, cached.num_prompt_tokens - 1), out=out)
+        elif cached:
+            for worker_id, num_tokens in cached.items():
+                i = pool.positions.get(worker_id)
+                if i is not None:
+                    out[i] = num_tokens
+        return out

@@ -1,0 +1,556 @@
+"""What router replicas share, so that they are active-active with one view: every replica's
+reservations, waiting requests and the tokens each tenant was served.
+
+The :class:`tandem.router.scheduler.Scheduler` of each replica tells its :class:`Ledger` about
+every change as it happens (:meth:`Ledger.reserved`, :meth:`Ledger.released`,
+:meth:`Ledger.queued`, :meth:`Ledger.dequeued`: no I/O, they append to an outbox). The ledger:
+
+* **publishes** the outbox on one Redis pub/sub channel as a numbered message ``[replica id,
+  seq, events]``: at the end of the event-loop iteration that made the changes (or every
+  ``flush_interval_s``, to batch more), one publish in flight at a time;
+* **mirrors** every other replica from the same channel: their reservations in a
+  :class:`~tandem.router.reservations.ReservationTable` each (so their tokens, young tokens,
+  requests in flight and recently placed tokens per worker come out of the same code as this
+  replica's own), and their waiting requests. The scheduler reads the sums through
+  :class:`tandem.router.fleet.OtherReplicaLoads` and the admission order through
+  :meth:`Ledger.remote_waiters` and :meth:`Ledger.served_tokens`: a replica's view is the whole
+  router's, a few milliseconds old;
+* **repairs**: every ``snapshot_interval_s`` it writes its full state, numbered with the seq of
+  its last message, to ``<prefix>:router:ledger:<replica id>`` (TTL ``ttl_s``), and publishes a
+  heartbeat. A receiver that sees a gap in a replica's seqs (or that is new, or resubscribed)
+  rebuilds that mirror from the snapshot, then applies the messages after it;
+* **adopts** a replica whose liveness key ``<prefix>:router:alive:<replica id>`` expired (it
+  died): its waiters leave the order (their Schedules failed with it), but its reservations keep
+  counting, because the requests they hold are still running on the workers (their gateways
+  stream on). They end as they would have: the request's Release reaches a surviving replica
+  (Serve's consistent hashing moved it), which publishes it for everyone; or the reservation ages
+  past a heartbeat and the worker's own report caps it; or its lease runs out. A dead replica's
+  mirror is dropped once it holds nothing;
+* **counts** the other replicas' placements in the tenants' shares
+  (:class:`tandem.router.fair_share.TenantShares`, which the scheduler feeds with its own): every
+  replica orders its queue by the same global service in uncached prompt tokens.
+
+A Release that reaches a replica not holding the reservation is published to the owner
+(:meth:`forward_release`; :meth:`take_forwarded` on the owner). Nothing a retry needs lives only
+in one replica: a Schedule retried on another replica is placed afresh.
+
+Wire: msgpack. Event tuples: ``("+", request_id, worker_ids, tokens, tenant, uncached_tokens,
+reserved_at_unix)``, ``("-", request_id)``, ``("q", request_id, tenant, priority_index,
+enqueued_at_unix)``, ``("d", request_id)``, ``("r", request_id, owner_replica_id)`` (a forwarded
+Release).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from tandem.common import redis_retry
+from tandem.router.fair_share import TenantShares
+from tandem.router.reservations import Reservation, ReservationTable
+
+logger = logging.getLogger(__name__)
+
+_RESERVED, _RELEASED, _QUEUED, _DEQUEUED, _FORWARD = "+", "-", "q", "d", "r"
+#: Messages kept per mirror while it waits for a snapshot to repair a gap.
+_MAX_BUFFERED = 10_000
+
+
+@dataclass(frozen=True)
+class RemoteWaiter:
+    """A request waiting for budget in another replica's queue."""
+
+    request_id: str
+    tenant: str
+    #: Index into the priority classes (0 = highest).
+    priority_index: int
+    enqueued_at_unix: float
+    replica_id: str
+
+
+@dataclass
+class _Mirror:
+    """What this replica knows of one other replica."""
+
+    replica_id: str
+    table: ReservationTable
+    waiters: dict[str, RemoteWaiter] = field(default_factory=dict)
+    applied_seq: int = -1
+    #: No snapshot applied yet, or a gap: messages wait in ``buffered`` until the next snapshot.
+    needs_snapshot: bool = True
+    buffered: deque[tuple[int, list[Any]]] = field(default_factory=lambda: deque(maxlen=_MAX_BUFFERED))
+    #: Its liveness key expired: nothing more will come from it (see the module docstring).
+    dead: bool = False
+
+
+@dataclass
+class LedgerStats:
+    num_published: int = 0
+    num_publish_errors: int = 0
+    num_received: int = 0
+    num_gaps: int = 0
+    num_snapshots_applied: int = 0
+    num_replicas_forgotten: int = 0
+
+
+class Ledger:
+    """One replica's side of the shared ledger; see the module docstring."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        key_prefix: str,
+        replica_id: str,
+        lease_s: float,
+        young_s: float,
+        recent_half_life_s: float = 30.0,
+        flush_interval_s: float = 0.0,
+        snapshot_interval_s: float = 0.5,
+        ttl_s: float = 3.0,
+        shares: TenantShares | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.replica_id = replica_id
+        self._redis_url = redis_url
+        self._redis: aioredis.Redis = redis_retry.connect(redis_url, timeout_s=1.0)
+        self._prefix = f"{key_prefix}:router"
+        self._channel = f"{self._prefix}:ledger"
+        self._lease_s = lease_s
+        self._young_s = young_s
+        self._recent_half_life_s = recent_half_life_s
+        self.flush_interval_s = flush_interval_s
+        self.snapshot_interval_s = snapshot_interval_s
+        self._ttl_ms = max(1000, int(ttl_s * 1000))
+        #: The tenants' service, which this ledger adds the other replicas' placements to.
+        self.shares = shares or TenantShares(wall_clock=wall_clock)
+        self._clock = clock
+        self._wall = wall_clock
+        # Ours: what the snapshot holds (reservations come from the scheduler's table at snapshot time).
+        self._own_reservations: dict[str, tuple[Any, ...]] = {}
+        self._own_waiters: dict[str, tuple[Any, ...]] = {}
+        self._outbox: list[tuple[Any, ...]] = []
+        self._seq = -1
+        self._flush_handle: asyncio.Handle | None = None
+        self._mirrors: dict[str, _Mirror] = {}
+        self._changed: set[str] = set()
+        self._forwarded: list[str] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._flush_task: asyncio.Task[None] | None = None
+        # redis-py can swallow a CancelledError that lands inside a command: the loops also stop on this.
+        self._closed = False
+        self.stats = LedgerStats()
+        #: Seconds from another replica's placement to its arrival here (the last 10,000).
+        self.lag_s: deque[float] = deque(maxlen=10_000)
+        #: Called (synchronously) when another replica freed budget, forwarded a Release here, or its
+        #: queue changed: the scheduler drains its queue at once instead of at its next poll.
+        self.on_change: Callable[[], None] | None = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder()
+
+    # -- keys --------------------------------------------------------------------------------
+
+    def _alive_key(self, replica_id: str) -> str:
+        return f"{self._prefix}:alive:{replica_id}"
+
+    def _snapshot_key(self, replica_id: str) -> str:
+        return f"{self._prefix}:ledger:{replica_id}"
+
+    def _replicas_key(self) -> str:
+        return f"{self._prefix}:replicas"
+
+    # -- this replica's changes (called by the scheduler; no I/O) -----------------------------
+
+    def reserved(self, reservation: Reservation, num_uncached_tokens: int) -> None:
+        now_unix = self._wall()
+        reserved_at_unix = now_unix - (self._clock() - reservation.reserved_at_s)
+        event = (
+            _RESERVED,
+            reservation.request_id,
+            list(reservation.worker_ids),
+            [int(reservation.tokens_by_worker.get(w, 0)) for w in reservation.worker_ids],
+            reservation.tenant,
+            int(num_uncached_tokens),
+            reserved_at_unix,
+        )
+        self._own_reservations[reservation.request_id] = event
+        self._emit(event)
+
+    def released(self, reservation: Reservation) -> None:
+        if self._own_reservations.pop(reservation.request_id, None) is not None:
+            self._emit((_RELEASED, reservation.request_id))
+
+    def queued(self, request_id: str, tenant: str, priority_index: int, enqueued_at_unix: float) -> None:
+        event = (_QUEUED, request_id, tenant, int(priority_index), enqueued_at_unix)
+        self._own_waiters[request_id] = event
+        self._emit(event)
+
+    def dequeued(self, request_id: str) -> None:
+        if self._own_waiters.pop(request_id, None) is not None:
+            self._emit((_DEQUEUED, request_id))
+
+    def _emit(self, event: tuple[Any, ...]) -> None:
+        self._outbox.append(event)
+        if self._flush_handle is None and self._tasks:
+            loop = asyncio.get_running_loop()
+            if self.flush_interval_s > 0:
+                self._flush_handle = loop.call_later(self.flush_interval_s, self._start_flush)
+            else:  # at the end of this loop iteration: every change made in it goes in one message
+                self._flush_handle = loop.call_soon(self._start_flush)
+
+    def _start_flush(self) -> None:
+        self._flush_handle = None
+        if self._flush_task is None or self._flush_task.done():
+            self._flush_task = asyncio.get_running_loop().create_task(self._flush())
+        else:  # a publish is in flight: try again after it
+            self._flush_handle = asyncio.get_running_loop().call_later(
+                max(self.flush_interval_s, 0.0005), self._start_flush
+            )
+
+    async def _flush(self) -> None:
+        if not self._outbox:
+            return
+        events, self._outbox = self._outbox, []
+        self._seq += 1
+        try:
+            await self._redis.publish(self._channel, self._encoder.encode([self.replica_id, self._seq, events]))
+            self.stats.num_published += 1
+        except (RedisError, OSError) as exc:
+            # Lost: the receivers see a gap in our seqs and repair from the next snapshot.
+            self.stats.num_publish_errors += 1
+            logger.warning("ledger publish failed: %s", exc)
+
+    # -- the other replicas, as the scheduler reads them ---------------------------------------
+
+    def others_tokens(self, worker_id: str) -> int:
+        return sum(m.table.num_tokens_in_flight(worker_id) for m in self._mirrors.values())
+
+    def others_young_tokens(self, worker_id: str) -> int:
+        total = 0
+        for mirror in self._mirrors.values():
+            total += mirror.table.token_snapshot()[1].get(worker_id, 0)
+        return total
+
+    def others_in_flight(self, worker_id: str) -> int:
+        return sum(m.table.num_in_flight(worker_id) for m in self._mirrors.values())
+
+    def others_recent_tokens_at(self, worker_id: str) -> tuple[float, float]:
+        now_s = self._clock()
+        return sum(m.table.recent_tokens(worker_id) for m in self._mirrors.values()), now_s
+
+    def others_in_flight_for_tenant(self, tenant: str) -> int:
+        return sum(m.table.num_in_flight_for_tenant(tenant) for m in self._mirrors.values())
+
+    def drain_changed(self) -> set[str]:
+        changed = self._changed
+        for mirror in self._mirrors.values():
+            changed |= mirror.table.drain_changed()
+        self._changed = set()
+        return changed
+
+    def remote_waiters(self) -> Iterator[RemoteWaiter]:
+        for mirror in self._mirrors.values():
+            yield from mirror.waiters.values()
+
+    @property
+    def num_live_replicas(self) -> int:
+        return 1 + sum(1 for m in self._mirrors.values() if not m.dead)
+
+    # -- forwarded Releases --------------------------------------------------------------------
+
+    async def forward_release(self, request_id: str) -> bool:
+        """Ask the replica holding ``request_id`` to release it; False when no live replica holds it."""
+        owner = next((m for m in self._mirrors.values() if m.table.get(request_id) is not None), None)
+        if owner is None:
+            return False
+        self._emit((_FORWARD, request_id, owner.replica_id))
+        self._released_elsewhere(owner, request_id)
+        return True
+
+    def _released_elsewhere(self, owner: _Mirror, request_id: str) -> None:
+        """``request_id`` of ``owner`` was released through another replica: its request ended, so it
+        stops counting here at once (the owner's own release, when it comes, finds nothing more to
+        do; an owner that died never sends one)."""
+        if owner.table.release(request_id) is not None and self.on_change is not None:
+            self.on_change()
+
+    def take_forwarded(self) -> list[str]:
+        """Request ids other replicas asked this one to release."""
+        forwarded, self._forwarded = self._forwarded, []
+        return forwarded
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def _mirror(self, replica_id: str) -> _Mirror:
+        mirror = self._mirrors.get(replica_id)
+        if mirror is None:
+            table = ReservationTable(
+                lease_s=self._lease_s,
+                clock=self._clock,
+                young_s=self._young_s,
+                recent_half_life_s=self._recent_half_life_s,
+            )
+            mirror = self._mirrors[replica_id] = _Mirror(replica_id, table)
+        return mirror
+
+    def receive(self, payload: bytes) -> None:
+        """Apply one message from the channel (ours are ignored)."""
+        try:
+            replica_id, seq, events = self._decoder.decode(payload)
+        except (msgspec.DecodeError, ValueError, TypeError):
+            logger.warning("ledger: undecodable message")
+            return
+        if replica_id == self.replica_id:
+            return
+        self.stats.num_received += 1
+        # Forwarded Releases are requests, not state (no snapshot carries them): act on them at once,
+        # whatever the state of the sender's mirror.
+        forwarded = [e[1] for e in events if e[0] == _FORWARD and e[2] == self.replica_id]
+        if forwarded:
+            self._forwarded.extend(forwarded)
+            if self.on_change is not None:
+                self.on_change()
+        for event in events:
+            if event[0] == _FORWARD and event[2] != self.replica_id and event[2] in self._mirrors:
+                self._released_elsewhere(self._mirrors[event[2]], event[1])
+        mirror = self._mirror(replica_id)
+        if mirror.dead and seq > mirror.applied_seq:  # it speaks again (a partition healed): follow it afresh
+            mirror.dead = False
+            mirror.needs_snapshot = True
+        if mirror.needs_snapshot:
+            mirror.buffered.append((seq, events))
+            return
+        if seq <= mirror.applied_seq:
+            return
+        if seq > mirror.applied_seq + 1:
+            self.stats.num_gaps += 1
+            mirror.needs_snapshot = True
+            mirror.buffered.append((seq, events))
+            return
+        self._apply(mirror, seq, events)
+
+    def _apply(self, mirror: _Mirror, seq: int, events: Iterable[list[Any]]) -> None:
+        mirror.applied_seq = seq
+        notify = False
+        for event in events:
+            kind = event[0]
+            if kind == _RESERVED:
+                _, request_id, worker_ids, tokens, tenant, uncached, reserved_at_unix = event
+                self.lag_s.append(self._wall() - float(reserved_at_unix))
+                self._mirror_reserve(mirror, request_id, worker_ids, tokens, tenant, reserved_at_unix)
+                self.shares.add(tenant, int(uncached), float(reserved_at_unix))
+            elif kind == _RELEASED:
+                notify |= mirror.table.release(event[1]) is not None
+            elif kind == _QUEUED:
+                _, request_id, tenant, priority_index, enqueued_at_unix = event
+                mirror.waiters[request_id] = RemoteWaiter(
+                    request_id, tenant, int(priority_index), float(enqueued_at_unix), mirror.replica_id
+                )
+                notify = True
+            elif kind == _DEQUEUED:
+                notify |= mirror.waiters.pop(event[1], None) is not None
+        if notify and self.on_change is not None:
+            self.on_change()
+
+    def _mirror_reserve(
+        self,
+        mirror: _Mirror,
+        request_id: str,
+        worker_ids: list[str],
+        tokens: list[int],
+        tenant: str,
+        reserved_at_unix: float,
+    ) -> None:
+        age_s = max(0.0, self._wall() - float(reserved_at_unix))
+        mirror.table.reserve(
+            request_id,
+            tuple(worker_ids),
+            dict(zip(worker_ids, tokens, strict=False)),
+            tenant=tenant,
+            reserved_at_s=self._clock() - age_s,
+        )
+
+    def apply_snapshot(self, replica_id: str, payload: bytes) -> None:
+        """Rebuild the mirror of ``replica_id`` from its snapshot, then the messages buffered after it."""
+        try:
+            snapshot = self._decoder.decode(payload)
+            seq = int(snapshot["seq"])
+        except (msgspec.DecodeError, ValueError, TypeError, KeyError):
+            logger.warning("ledger: undecodable snapshot of %s", replica_id)
+            return
+        old = self._mirrors.pop(replica_id, None)
+        if old is not None:
+            self._changed.update(w for r in old.table.reservations() for w in r.worker_ids)
+        mirror = self._mirror(replica_id)
+        for event in snapshot.get("reservations", ()):
+            _, request_id, worker_ids, tokens, tenant, _uncached, reserved_at_unix = event
+            self._mirror_reserve(mirror, request_id, worker_ids, tokens, tenant, reserved_at_unix)
+        for event in snapshot.get("waiters", ()):
+            _, request_id, tenant, priority_index, enqueued_at_unix = event
+            mirror.waiters[request_id] = RemoteWaiter(
+                request_id, tenant, int(priority_index), float(enqueued_at_unix), replica_id
+            )
+        for tenant, (value, at_unix) in snapshot.get("served", {}).items():
+            self.shares.learn(tenant, float(value), float(at_unix))  # a new replica learns the history
+        mirror.applied_seq = seq
+        mirror.needs_snapshot = False
+        buffered = sorted((m for m in (old.buffered if old else ()) if m[0] > seq), key=lambda m: m[0])
+        for message_seq, events in buffered:
+            if message_seq != mirror.applied_seq + 1:
+                mirror.needs_snapshot = True  # still a hole: wait for the next snapshot
+                mirror.buffered.extend(m for m in buffered if m[0] >= message_seq)
+                break
+            self._apply(mirror, message_seq, events)
+        self.stats.num_snapshots_applied += 1
+        if self.on_change is not None:
+            self.on_change()
+
+    def declare_dead(self, replica_id: str) -> None:
+        """``replica_id`` died: its waiters leave the order; its reservations are adopted (see the
+        module docstring)."""
+        mirror = self._mirrors.get(replica_id)
+        if mirror is None or mirror.dead:
+            return
+        mirror.dead = True
+        mirror.waiters.clear()
+        self.stats.num_replicas_forgotten += 1
+        self._drop_if_empty(mirror)
+        if self.on_change is not None:
+            self.on_change()
+
+    def _drop_if_empty(self, mirror: _Mirror) -> None:
+        for reservation in mirror.table.sweep():
+            self._changed.update(reservation.worker_ids)
+        if mirror.dead and not len(mirror.table):
+            self._changed |= mirror.table.drain_changed()
+            del self._mirrors[mirror.replica_id]
+
+    # -- snapshots, liveness -------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """Our state as of our last seq (call right after numbering the outbox's events)."""
+        return self._encoder.encode(
+            {
+                "seq": self._seq,
+                "reservations": list(self._own_reservations.values()),
+                "waiters": list(self._own_waiters.values()),
+                "served": self.shares.snapshot(),
+            }
+        )
+
+    async def tick(self) -> None:
+        """One snapshot round: publish what is pending with a heartbeat, write our snapshot and
+        liveness, forget dead replicas, repair mirrors that need it."""
+        events, self._outbox = self._outbox, []
+        self._seq += 1
+        message = self._encoder.encode([self.replica_id, self._seq, events])
+        snapshot = self.snapshot()  # no await since the outbox was taken: it matches seq exactly
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.publish(self._channel, message)
+                pipe.set(self._snapshot_key(self.replica_id), snapshot, px=self._ttl_ms)
+                pipe.set(self._alive_key(self.replica_id), b"1", px=self._ttl_ms)
+                pipe.zadd(self._replicas_key(), {self.replica_id: 0})
+                pipe.zrange(self._replicas_key(), 0, -1)
+                results = await pipe.execute()
+            self.stats.num_published += 1
+            members = [m.decode() if isinstance(m, bytes) else str(m) for m in results[-1]]
+            others = [m for m in members if m != self.replica_id]
+            alive = await self._redis.mget([self._alive_key(m) for m in others]) if others else []
+        except (RedisError, OSError) as exc:
+            self.stats.num_publish_errors += 1
+            logger.warning("ledger snapshot failed: %s", exc)
+            return
+        live = {m for m, flag in zip(others, alive, strict=True) if flag is not None}
+        dead = [m for m in others if m not in live]
+        for replica_id in [r for r in self._mirrors if r not in live]:
+            self.declare_dead(replica_id)
+        for mirror in [m for m in self._mirrors.values() if m.dead]:
+            self._drop_if_empty(mirror)
+        try:
+            if dead:
+                await self._redis.zrem(self._replicas_key(), *dead)
+            repair = [r for r in live if r not in self._mirrors or self._mirrors[r].needs_snapshot]
+            # (a replica seen for the first time is mirrored from its snapshot)
+            if repair:
+                payloads = await self._redis.mget([self._snapshot_key(r) for r in repair])
+                for replica_id, payload in zip(repair, payloads, strict=True):
+                    if payload is not None:
+                        self.apply_snapshot(replica_id, payload if isinstance(payload, bytes) else payload.encode())
+        except (RedisError, OSError) as exc:
+            logger.warning("ledger repair failed: %s", exc)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start publishing, listening and the snapshot rounds on the running loop."""
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._listen_forever()), loop.create_task(self._tick_forever())]
+        if self._outbox:
+            self._flush_handle = loop.call_later(self.flush_interval_s, self._start_flush)
+
+    async def _tick_forever(self) -> None:
+        while not self._closed:
+            try:
+                await self.tick()
+            except Exception:
+                logger.exception("ledger tick failed")
+            await asyncio.sleep(self.snapshot_interval_s)
+
+    async def _listen_forever(self) -> None:
+        while not self._closed:
+            client: aioredis.Redis = aioredis.Redis.from_url(self._redis_url, socket_connect_timeout=1.0)
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._channel)
+                # Anything published before we listened is in the others' snapshots.
+                for mirror in self._mirrors.values():
+                    mirror.needs_snapshot = True
+                while not self._closed:
+                    message = await pubsub.get_message(timeout=0.2)
+                    if message is not None and message.get("type") == "message":
+                        self.receive(message["data"])
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                logger.warning("ledger subscription lost: %s", exc)
+                await asyncio.sleep(0.5)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+
+    async def leave(self) -> None:
+        """Clean shutdown: our keys go at once, so the others adopt what we hold without waiting for
+        our liveness to expire."""
+        with contextlib.suppress(RedisError, OSError):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self._alive_key(self.replica_id), self._snapshot_key(self.replica_id))
+                pipe.zrem(self._replicas_key(), self.replica_id)
+                await pipe.execute()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+        tasks = [*self._tasks, *([self._flush_task] if self._flush_task else [])]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+        self._tasks = []
+        await self._redis.aclose()

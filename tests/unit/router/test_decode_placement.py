@@ -1,0 +1,107 @@
+"""Decode placement as its own decision: a decode-only Schedule for a dead decode worker's
+replacement, and decode scoring that counts the KV a decode worker already holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.common.block_hash import BlockHasher
+from tandem.common.errors import NoCapacityError
+from tandem.common.registry import WorkerRecord
+from tandem.router.budget import BudgetConfig
+from tandem.router.kv_index import KVIndex
+from tandem.router.policy import CacheAwareWeights, ScheduleRequest, create_policy
+from tandem.router.reservations import ReservationTable
+from tandem.router.scheduler import Scheduler
+from tests.kit.workers import StaticView
+
+BLOCK = 16
+DOC = list(range(5000, 5000 + 8 * BLOCK))  # 8 full blocks
+
+
+def worker(worker_id: str, role: str, num_kv_blocks: int = 1000) -> WorkerRecord:
+    return WorkerRecord(worker_id, role, "m", f"{worker_id}:1", block_size_tokens=BLOCK, num_kv_blocks=num_kv_blocks)
+
+
+WORKERS = [worker("p0", "prefill"), worker("p1", "prefill"), worker("d0", "decode"), worker("d1", "decode")]
+
+
+def scheduler(
+    workers: list[WorkerRecord] = WORKERS, weights: CacheAwareWeights | None = None
+) -> tuple[Scheduler, KVIndex]:
+    index = KVIndex()
+    return (
+        Scheduler(
+            StaticView(workers),
+            create_policy("cache_aware", weights),
+            ReservationTable(lease_s=60),
+            budget=BudgetConfig(prefill_tokens_in_flight=10_000),
+            index=index,
+        ),
+        index,
+    )
+
+
+def request(request_id: str, prompt: list[int], **kwargs: object) -> ScheduleRequest:
+    return ScheduleRequest(
+        request_id=request_id,
+        model="m",
+        num_prompt_tokens=len(prompt),
+        max_tokens=16,
+        prompt_token_ids=tuple(prompt),
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+async def test_a_decode_only_schedule_keeps_the_prefill_worker_and_books_decode_budget_only() -> None:
+    s, _ = scheduler()
+    prompt = [*DOC, 1, 2, 3]
+    first = await s.schedule(request("r", prompt))
+    assert first.prefill is not None
+    dead = first.decode.worker_id
+    replaced = await s.schedule(
+        request("r", prompt, prefill_done_on_worker_id=first.prefill.worker_id, exclude_worker_ids=frozenset({dead}))
+    )
+    assert replaced.decode.worker_id != dead and replaced.decode.role == "decode"
+    # the prefill worker that holds the KV is named back, and nothing is reserved on any prefill worker
+    assert replaced.prefill == first.prefill and not replaced.local_prefill
+    assert "decode_only" in replaced.reason
+    tokens = s.reservations.tokens_by_worker()
+    assert tokens == {replaced.decode.worker_id: len(prompt) + 16}
+    assert s.reservations.num_in_flight(first.prefill.worker_id) == 0
+    assert s.reservations.num_in_flight(dead) == 0  # the old pair's reservation was replaced
+    # its cost in the tenant's fair share is nothing new to compute
+    served_after_first = s.shares.served("")
+    assert served_after_first == pytest.approx(len(prompt), rel=1e-3)
+
+
+async def test_a_decode_only_schedule_without_a_decode_worker_left_is_no_capacity() -> None:
+    s, _ = scheduler([worker("p0", "prefill"), worker("d0", "decode")])
+    first = await s.schedule(request("r", DOC))
+    with pytest.raises(NoCapacityError):
+        await s.schedule(request("r", DOC, prefill_done_on_worker_id="p0", exclude_worker_ids=frozenset({"d0"})))
+    assert first.prefill is not None
+
+
+async def test_decode_goes_where_its_prefix_is_held_unless_that_worker_is_much_busier() -> None:
+    s, index = scheduler()
+    index.store("d1", BlockHasher(BLOCK).block_hashes(DOC))
+    prompt = [*DOC, 9, 9, 9]
+    placements = [await s.schedule(request(f"r{i}", prompt)) for i in range(3)]
+    assert [p.decode.worker_id for p in placements] == ["d1", "d1", "d1"]
+    assert all(p.num_decode_cached_tokens == 8 * BLOCK for p in placements)
+    # with decode locality weighed at nothing, the same prompts spread for balance
+    s2, index2 = scheduler(weights=CacheAwareWeights(decode_prefix_locality=0))
+    index2.store("d1", BlockHasher(BLOCK).block_hashes(DOC))
+    spread = {(await s2.schedule(request(f"r{i}", prompt))).decode.worker_id for i in range(4)}
+    assert spread == {"d0", "d1"}
+
+
+async def test_a_full_decode_worker_is_left_even_when_it_holds_the_prefix() -> None:
+    small = [worker("p0", "prefill"), worker("d0", "decode"), worker("d1", "decode", num_kv_blocks=20)]
+    s, index = scheduler(small)
+    index.store("d1", BlockHasher(BLOCK).block_hashes(DOC))
+    prompt = [*DOC, 9]
+    # d1's budget: 0.9 x 20 blocks x 16 = 288 tokens; one 145-token request fits, a second does not
+    chosen = [(await s.schedule(request(f"r{i}", prompt))).decode.worker_id for i in range(2)]
+    assert chosen == ["d1", "d0"]
