@@ -177,3 +177,22 @@ async def test_cold_prompts_spread_over_workers_that_just_computed_others() -> N
         scheduler.release(placement.request_id)
         chosen.append(placement.prefill.worker_id)
     assert sorted(chosen) == ["p0", "p0", "p1", "p1"]
+
+
+async def test_requests_without_a_token_count_spread_by_requests_in_flight() -> None:
+    """The tie tolerance absorbs token-score noise between replicas; a request without a token
+    count has no token score, and the in-flight count (a difference below the tolerance) decides
+    exactly: four such requests on two workers of each role land two and two, and a freed slot
+    takes the next one."""
+    workers = [worker("p0", "prefill"), worker("p1", "prefill"), worker("d0", "decode"), worker("d1", "decode")]
+    scheduler, _, _ = make_scheduler(workers)
+    placements = [
+        await scheduler.schedule(ScheduleRequest(request_id=f"r{i}", model="m"))
+        for i in range(4)
+    ]
+    assert sorted(p.prefill.worker_id for p in placements) == ["p0", "p0", "p1", "p1"]
+    assert sorted(p.decode.worker_id for p in placements) == ["d0", "d0", "d1", "d1"]
+    freed = next(p for p in placements if p.prefill.worker_id == "p1")
+    scheduler.release(freed.request_id)
+    follow_up = await scheduler.schedule(ScheduleRequest(request_id="r-next", model="m"))
+    assert follow_up.prefill.worker_id == "p1"

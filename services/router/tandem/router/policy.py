@@ -125,11 +125,15 @@ class RoutingPolicy(ABC):
     #: Scores closer than this to the best count as a tie (0: only equal scores).
     tie_tolerance: ClassVar[float] = 0.0
 
+    def tolerance(self, request: ScheduleRequest, pool: PoolArrays) -> float:
+        """How close to the best score counts as a tie for this decision (:attr:`tie_tolerance`)."""
+        return self.tie_tolerance
+
     def pick(self, request: ScheduleRequest, pool: PoolArrays, scores: F64, candidates: npt.NDArray[np.intp]) -> int:
-        """The best-scored candidate; a tie (within :attr:`tie_tolerance`) goes to the highest
+        """The best-scored candidate; a tie (within :meth:`tolerance`) goes to the highest
         rendezvous hash of the request and worker ids, the same in every replica."""
         candidate_scores = scores[candidates]
-        tied = candidates[candidate_scores >= candidate_scores.max() - self.tie_tolerance]
+        tied = candidates[candidate_scores >= candidate_scores.max() - self.tolerance(request, pool)]
         if tied.size == 1:
             return int(tied[0])
         return int(tied[np.argmax(tie_order(pool.worker_keys[tied], request.request_id))])
@@ -232,6 +236,14 @@ class CacheAwarePolicy(RoutingPolicy):
     #: 0.02). Near-equal workers then share the traffic by the rendezvous tie-break.
     tie_tolerance: ClassVar[float] = 0.02
 
+    def tolerance(self, request: ScheduleRequest, pool: PoolArrays) -> float:
+        """:attr:`tie_tolerance` where token scores say something; 0 where they cannot (a request
+        without a token count, a pool without budgets): there only the in-flight counts differ, by
+        less than the tolerance, and they decide exactly (fewest in flight wins)."""
+        if request.num_tokens == 0 or not pool.has_budget:
+            return 0.0
+        return self.tie_tolerance
+
     def __init__(self, weights: CacheAwareWeights | None = None) -> None:
         super().__init__()
         self.weights = weights or CacheAwareWeights()
@@ -252,7 +264,8 @@ class CacheAwarePolicy(RoutingPolicy):
         return locality, 1.0 - pool.busy_fraction(), 1.0 - pool.kv_fullness
 
     #: Share of the score given to fewer requests in flight: breaks ties between workers
-    #: whose token scores are equal (e.g. requests without prompt tokens), never more.
+    #: whose token scores are equal (requests without prompt tokens, pools without budgets:
+    #: :meth:`tolerance` is 0 there), never more.
     _TIEBREAK = 0.01
 
     def scores(self, request: ScheduleRequest, pool: PoolArrays) -> F64:
