@@ -115,6 +115,23 @@ async def test_a_dead_replicas_requests_keep_counting_until_their_release_reache
     assert placement.prefill is not None and placement.prefill.worker_id == "p0"
 
 
+async def test_the_work_a_dead_replica_placed_keeps_counting_after_its_requests_end(replicas) -> None:  # type: ignore[no-untyped-def]
+    """Its requests ran on the workers all the same: the survivors' recent-work view keeps them (a
+    survivor that forgot them at once would see p0 as idle as a worker nobody used)."""
+    a, ledger_a = replicas("a")
+    b, ledger_b = replicas("b")
+    await until(lambda: ledger_b.num_live_replicas == 2)
+    await a.schedule(req("r1", 60))
+    await until(lambda: ledger_b.others_tokens("p0") == 60)
+    await ledger_a.aclose()
+    await until(lambda: ledger_b.num_live_replicas == 1, timeout_s=TTL_S + 2)
+    assert await b.release_anywhere("r1") is True
+    await asyncio.sleep(3 * SNAPSHOT_S)  # a few ticks, where an empty dead mirror used to be dropped
+    assert ledger_b.others_tokens("p0") == 0
+    recent, _ = ledger_b.others_recent_tokens_at("p0")
+    assert 55 < recent <= 60
+
+
 async def test_a_release_forwarded_to_a_replica_that_dies_before_acting_on_it_still_frees_the_budget(replicas) -> None:  # type: ignore[no-untyped-def]
     a, ledger_a = replicas("a")
     b, ledger_b = replicas("b")

@@ -108,6 +108,18 @@ class ReservationTable:
         """(recent tokens, as of this clock time): :meth:`recent_tokens` without the decay since then."""
         return self._recent.get(worker_id, (0.0, 0.0))
 
+    def max_recent_tokens(self) -> float:
+        """The largest :meth:`recent_tokens` of any worker (0 when nothing was placed lately)."""
+        now_s = self._clock()
+        return max(
+            (value * 0.5 ** ((now_s - at_s) / self._recent_half_life_s) for value, at_s in self._recent.values()),
+            default=0.0,
+        )
+
+    def recent_worker_ids(self) -> set[str]:
+        """Workers with tokens placed on them at some time (see :meth:`recent_tokens`)."""
+        return set(self._recent)
+
     def drain_changed(self) -> set[str]:
         """Workers whose tokens, young tokens, requests or recent tokens changed since the last call."""
         self._age()
