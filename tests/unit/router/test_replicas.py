@@ -5,6 +5,7 @@ forwarded Releases, repair after a lost message, and the fair-share order across
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -189,7 +190,8 @@ async def test_a_lost_message_is_repaired_from_the_snapshot(replicas) -> None:  
 
 async def test_the_router_wide_fair_share_lets_the_other_replicas_better_waiter_go_first(replicas) -> None:  # type: ignore[no-untyped-def]
     """Budget frees on replica A, whose queue holds a noisy tenant; replica B holds a request of a
-    tenant served less: A leaves the budget to B's waiter."""
+    tenant served less: A places B's waiter on the spot (in the message of the release, so the
+    budget is never free for anyone else) and B adopts the placement as its own."""
     a, ledger_a = replicas("a", timeout_s=3.0)
     b, ledger_b = replicas("b", timeout_s=3.0)
     await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
@@ -199,8 +201,14 @@ async def test_the_router_wide_fair_share_lets_the_other_replicas_better_waiter_
     victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
     await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()))
     a.release("hold")
+    assert a.reservations.get("v") is not None  # placed by A at once, in the release's own iteration
     placement = await asyncio.wait_for(victim, 2)
-    assert placement.request_id == "v" and not any(t.done() for t in noisy)
+    assert placement.request_id == "v" and placement.prefill is not None and placement.prefill.worker_id == "p0"
+    assert not any(t.done() for t in noisy)
+    # B holds it now, A's copy is gone, and every replica counts it once.
+    assert b.reservations.get("v") is not None
+    await until(lambda: a.reservations.get("v") is None)
+    await until(lambda: ledger_a.others_tokens("p0") == 100 and ledger_b.others_tokens("p0") == 0)
     b.release("v")
     done, _ = await asyncio.wait(noisy, timeout=2, return_when=asyncio.FIRST_COMPLETED)
     assert len(done) == 1
@@ -229,3 +237,45 @@ async def test_replicas_with_the_same_view_choose_alike(replicas) -> None:  # ty
         assert (ra.prefill, ra.decode) == (rb.prefill, rb.decode)
         a.release(f"r{i}")
         b.release(f"r{i}")
+
+
+async def test_a_handoff_for_a_request_that_no_longer_waits_is_refused_and_frees_the_budget(replicas) -> None:  # type: ignore[no-untyped-def]
+    """B's waiter gave up (its queue timeout) after A placed it, before the hand-off arrived: B
+    refuses it, and A's budget comes back to A's own waiter."""
+    a, ledger_a = replicas("a", timeout_s=3.0)
+    b, ledger_b = replicas("b", timeout_s=0.3)
+    await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
+    await a.schedule(req("hold", 100, tenant="noisy"))
+    await until(lambda: ledger_b.others_tokens("p0") == 100)
+    victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
+    await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()))
+    noisy = asyncio.create_task(a.schedule(req("n0", 100, tenant="noisy")))
+    await asyncio.sleep(0.02)
+    b._waiters_by_id.clear()  # as if v's Schedule had ended in the instant before the hand-off arrived
+    a.release("hold")
+    assert a.reservations.get("v") is not None
+    await until(lambda: a.reservations.get("v") is None)  # refused: released on A
+    assert (await asyncio.wait_for(noisy, 2)).prefill is not None  # and the budget went on to n0
+    with pytest.raises(NoCapacityError):
+        await victim
+    assert b.reservations.get("v") is None
+
+
+async def test_a_handoff_nobody_answers_gives_its_budget_back(replicas) -> None:  # type: ignore[no-untyped-def]
+    """The waiter's replica died before answering: the placement's budget comes back after the
+    hand-off timeout, not at the lease's end."""
+    a, ledger_a = replicas("a", timeout_s=3.0)
+    b, ledger_b = replicas("b", timeout_s=3.0)
+    a._queue_config = dataclasses.replace(a._queue_config, handoff_timeout_s=0.2)
+    await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
+    await a.schedule(req("hold", 100, tenant="noisy"))
+    await until(lambda: ledger_b.others_tokens("p0") == 100)
+    victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
+    await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()))
+    ledger_b.on_change = None  # B stops answering (its process hangs, then dies)
+    a.release("hold")
+    assert a.reservations.get("v") is not None
+    await asyncio.sleep(0.3)
+    a.tick()
+    assert a.reservations.get("v") is None
+    victim.cancel()

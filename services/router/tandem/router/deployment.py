@@ -100,7 +100,7 @@ class RouterDeployment:
                 max_depth=q.max_depth,
                 tenant_weights=dict(q.tenant_weights),
                 fair_share_half_life_s=q.fair_share_half_life_s,
-                max_yield_s=q.max_yield_s,
+                handoff_timeout_s=q.handoff_timeout_s,
             ),
             min_uncached_tokens_to_disaggregate=cfg.disaggregation.min_uncached_tokens,
         )

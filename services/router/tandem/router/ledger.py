@@ -35,10 +35,21 @@ A Release that reaches a replica not holding the reservation is published to the
 (:meth:`forward_release`; :meth:`take_forwarded` on the owner). Nothing a retry needs lives only
 in one replica: a Schedule retried on another replica is placed afresh.
 
+**Hand-offs.** A queued request travels with what a placement needs (its model, sizes, block
+hashes, exclusions: ``payload``), so the replica where budget frees places the best-ranked waiter
+of the whole router on the spot, wherever it waits: it reserves the placement as its own and
+publishes it to the waiter's replica (:meth:`handed_off`) in the same message as the release that
+freed the budget, so no replica ever sees that budget free. The waiter's replica adopts it
+(reserves it as its own and forwards the release of the placer's copy, in one message) or, when
+the request is no longer waiting, refuses it (forwards the release alone). Before: the replica
+left freed budget to the other's waiter, and every replica saw it free until the other's
+placement arrived; a request arriving meanwhile elsewhere took it too (the fleet benchmark: ~10 %
+of a victim tenant's requests landed on a worker already computing a noisy tenant's prompt).
+
 Wire: msgpack. Event tuples: ``("+", request_id, worker_ids, tokens, tenant, uncached_tokens,
 reserved_at_unix)``, ``("-", request_id)``, ``("q", request_id, tenant, priority_index,
-enqueued_at_unix)``, ``("d", request_id)``, ``("r", request_id, owner_replica_id)`` (a forwarded
-Release).
+enqueued_at_unix, payload)``, ``("d", request_id)``, ``("r", request_id, owner_replica_id)`` (a
+forwarded Release), ``("p", request_id, target_replica_id, placement)`` (a hand-off).
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ from tandem.router.reservations import Reservation, ReservationTable
 
 logger = logging.getLogger(__name__)
 
-_RESERVED, _RELEASED, _QUEUED, _DEQUEUED, _FORWARD = "+", "-", "q", "d", "r"
+_RESERVED, _RELEASED, _QUEUED, _DEQUEUED, _FORWARD, _HANDOFF = "+", "-", "q", "d", "r", "p"
 #: Messages kept per mirror while it waits for a snapshot to repair a gap.
 _MAX_BUFFERED = 10_000
 
@@ -77,6 +88,19 @@ class RemoteWaiter:
     priority_index: int
     enqueued_at_unix: float
     replica_id: str
+    #: What a placement of it needs (the scheduler's encoding; None: not sent, it cannot be placed here).
+    payload: Any = None
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """A placement another replica made for a request waiting in this replica's queue."""
+
+    request_id: str
+    #: The replica that placed it and holds the reservation until this one adopts or refuses it.
+    placer_id: str
+    #: The scheduler's encoding of the placement.
+    placement: Any
 
 
 @dataclass
@@ -86,12 +110,34 @@ class _Mirror:
     replica_id: str
     table: ReservationTable
     waiters: dict[str, RemoteWaiter] = field(default_factory=dict)
+    #: The same waiters by (priority index, tenant), each in the order they were queued: only the
+    #: first of each can rank first in the router's order.
+    groups: dict[tuple[int, str], dict[str, RemoteWaiter]] = field(default_factory=dict)
     applied_seq: int = -1
     #: No snapshot applied yet, or a gap: messages wait in ``buffered`` until the next snapshot.
     needs_snapshot: bool = True
     buffered: deque[tuple[int, list[Any]]] = field(default_factory=lambda: deque(maxlen=_MAX_BUFFERED))
     #: Its liveness key expired: nothing more will come from it (see the module docstring).
     dead: bool = False
+
+    def add_waiter(self, waiter: RemoteWaiter) -> None:
+        self.pop_waiter(waiter.request_id)
+        self.waiters[waiter.request_id] = waiter
+        self.groups.setdefault((waiter.priority_index, waiter.tenant), {})[waiter.request_id] = waiter
+
+    def pop_waiter(self, request_id: str) -> RemoteWaiter | None:
+        waiter = self.waiters.pop(request_id, None)
+        if waiter is not None:
+            key = (waiter.priority_index, waiter.tenant)
+            group = self.groups[key]
+            del group[request_id]
+            if not group:
+                del self.groups[key]
+        return waiter
+
+    def clear_waiters(self) -> None:
+        self.waiters.clear()
+        self.groups.clear()
 
 
 @dataclass
@@ -147,6 +193,11 @@ class Ledger:
         self._mirrors: dict[str, _Mirror] = {}
         self._changed: set[str] = set()
         self._forwarded: list[str] = []
+        self._handoffs: list[HandOff] = []
+        #: Counts every change here that may have freed budget (a reservation of another replica
+        #: released or expired, a mirror rebuilt): a scheduler retries a request that did not fit only
+        #: once this moved (or time passed).
+        self.num_frees = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._flush_task: asyncio.Task[None] | None = None
         # redis-py can swallow a CancelledError that lands inside a command: the loops also stop on this.
@@ -192,14 +243,34 @@ class Ledger:
         if self._own_reservations.pop(reservation.request_id, None) is not None:
             self._emit((_RELEASED, reservation.request_id))
 
-    def queued(self, request_id: str, tenant: str, priority_index: int, enqueued_at_unix: float) -> None:
-        event = (_QUEUED, request_id, tenant, int(priority_index), enqueued_at_unix)
+    def queued(
+        self, request_id: str, tenant: str, priority_index: int, enqueued_at_unix: float, payload: Any = None
+    ) -> None:
+        event = (_QUEUED, request_id, tenant, int(priority_index), enqueued_at_unix, payload)
         self._own_waiters[request_id] = event
         self._emit(event)
 
     def dequeued(self, request_id: str) -> None:
         if self._own_waiters.pop(request_id, None) is not None:
             self._emit((_DEQUEUED, request_id))
+
+    def handed_off(self, target_replica_id: str, request_id: str, placement: Any) -> None:
+        """This replica placed ``request_id``, which waits in ``target_replica_id``'s queue; publish it
+        there (in the same message as the reservation, made just before)."""
+        self._emit((_HANDOFF, request_id, target_replica_id, placement))
+
+    def take_handoffs(self) -> list[HandOff]:
+        """Placements other replicas made for this replica's waiters."""
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
+    def forward_release_to(self, owner_replica_id: str, request_id: str) -> None:
+        """Ask ``owner_replica_id`` to release ``request_id`` (a hand-off adopted or refused); it stops
+        counting here at once."""
+        self._emit((_FORWARD, request_id, owner_replica_id))
+        owner = self._mirrors.get(owner_replica_id)
+        if owner is not None:
+            self._released_elsewhere(owner, request_id)
 
     def _emit(self, event: tuple[Any, ...]) -> None:
         self._outbox.append(event)
@@ -264,6 +335,17 @@ class Ledger:
         for mirror in self._mirrors.values():
             yield from mirror.waiters.values()
 
+    def remote_heads(self, skip: Callable[[str], bool]) -> Iterator[RemoteWaiter]:
+        """Per other replica and (class, tenant), its longest-waiting request for which ``skip`` is
+        false: the only ones that can rank first (a replica's waiters of one tenant and class are in
+        the order they were queued), without a pass over every waiter."""
+        for mirror in self._mirrors.values():
+            for group in mirror.groups.values():
+                for waiter in group.values():
+                    if not skip(waiter.request_id):
+                        yield waiter
+                        break
+
     @property
     def num_live_replicas(self) -> int:
         return 1 + sum(1 for m in self._mirrors.values() if not m.dead)
@@ -283,8 +365,10 @@ class Ledger:
         """``request_id`` of ``owner`` was released through another replica: its request ended, so it
         stops counting here at once (the owner's own release, when it comes, finds nothing more to
         do; an owner that died never sends one)."""
-        if owner.table.release(request_id) is not None and self.on_change is not None:
-            self.on_change()
+        if owner.table.release(request_id) is not None:
+            self.num_frees += 1
+            if self.on_change is not None:
+                self.on_change()
 
     def take_forwarded(self) -> list[str]:
         """Request ids other replicas asked this one to release."""
@@ -318,8 +402,10 @@ class Ledger:
         # Forwarded Releases are requests, not state (no snapshot carries them): act on them at once,
         # whatever the state of the sender's mirror.
         forwarded = [e[1] for e in events if e[0] == _FORWARD and e[2] == self.replica_id]
-        if forwarded:
+        handoffs = [HandOff(e[1], replica_id, e[3]) for e in events if e[0] == _HANDOFF and e[2] == self.replica_id]
+        if forwarded or handoffs:
             self._forwarded.extend(forwarded)
+            self._handoffs.extend(handoffs)
             if self.on_change is not None:
                 self.on_change()
         for event in events:
@@ -352,15 +438,14 @@ class Ledger:
                 self._mirror_reserve(mirror, request_id, worker_ids, tokens, tenant, reserved_at_unix)
                 self.shares.add(tenant, int(uncached), float(reserved_at_unix))
             elif kind == _RELEASED:
-                notify |= mirror.table.release(event[1]) is not None
+                if mirror.table.release(event[1]) is not None:
+                    notify = True
+                    self.num_frees += 1
             elif kind == _QUEUED:
-                _, request_id, tenant, priority_index, enqueued_at_unix = event
-                mirror.waiters[request_id] = RemoteWaiter(
-                    request_id, tenant, int(priority_index), float(enqueued_at_unix), mirror.replica_id
-                )
+                mirror.add_waiter(_remote_waiter(event, mirror.replica_id))
                 notify = True
             elif kind == _DEQUEUED:
-                notify |= mirror.waiters.pop(event[1], None) is not None
+                notify |= mirror.pop_waiter(event[1]) is not None
         if notify and self.on_change is not None:
             self.on_change()
 
@@ -390,6 +475,7 @@ class Ledger:
         except (msgspec.DecodeError, ValueError, TypeError, KeyError):
             logger.warning("ledger: undecodable snapshot of %s", replica_id)
             return
+        self.num_frees += 1
         old = self._mirrors.pop(replica_id, None)
         if old is not None:
             self._changed.update(w for r in old.table.reservations() for w in r.worker_ids)
@@ -398,10 +484,7 @@ class Ledger:
             _, request_id, worker_ids, tokens, tenant, _uncached, reserved_at_unix = event
             self._mirror_reserve(mirror, request_id, worker_ids, tokens, tenant, reserved_at_unix)
         for event in snapshot.get("waiters", ()):
-            _, request_id, tenant, priority_index, enqueued_at_unix = event
-            mirror.waiters[request_id] = RemoteWaiter(
-                request_id, tenant, int(priority_index), float(enqueued_at_unix), replica_id
-            )
+            mirror.add_waiter(_remote_waiter(event, replica_id))
         for tenant, (value, at_unix) in snapshot.get("served", {}).items():
             self.shares.learn(tenant, float(value), float(at_unix))  # a new replica learns the history
         mirror.applied_seq = seq
@@ -424,7 +507,7 @@ class Ledger:
         if mirror is None or mirror.dead:
             return
         mirror.dead = True
-        mirror.waiters.clear()
+        mirror.clear_waiters()
         self.stats.num_replicas_forgotten += 1
         self._drop_if_empty(mirror)
         if self.on_change is not None:
@@ -439,6 +522,7 @@ class Ledger:
     def _drop_if_empty(self, mirror: _Mirror) -> None:
         for reservation in mirror.table.sweep():
             self._changed.update(reservation.worker_ids)
+            self.num_frees += 1
         if (
             mirror.dead
             and not len(mirror.table)
@@ -447,6 +531,7 @@ class Ledger:
             self._changed |= mirror.table.drain_changed()
             self._changed.update(mirror.table.recent_worker_ids())
             del self._mirrors[mirror.replica_id]
+            self.num_frees += 1
 
     # -- snapshots, liveness -------------------------------------------------------------------
 
@@ -566,3 +651,11 @@ class Ledger:
             await asyncio.wait(tasks, timeout=2.0)
         self._tasks = []
         await self._redis.aclose()
+
+
+def _remote_waiter(event: list[Any], replica_id: str) -> RemoteWaiter:
+    """A ``("q", ...)`` event as a RemoteWaiter (one without a payload came from an older replica)."""
+    _, request_id, tenant, priority_index, enqueued_at_unix, *rest = event
+    return RemoteWaiter(
+        request_id, tenant, int(priority_index), float(enqueued_at_unix), replica_id, rest[0] if rest else None
+    )

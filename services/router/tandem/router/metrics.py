@@ -57,6 +57,11 @@ class RouterMetrics(Protocol):
         """A request was placed: on a decode worker alone (``local_prefill``) or on a (prefill, decode) pair."""
         ...
 
+    def count_handoff(self, outcome: str) -> None:
+        """A placement for another replica's waiter: ``placed`` here, ``adopted`` or ``refused`` by the
+        waiter's replica, ``expired`` unanswered (see tandem.router.ledger, hand-offs)."""
+        ...
+
 
 class NullRouterMetrics:
     def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
@@ -81,6 +86,9 @@ class NullRouterMetrics:
         pass
 
     def count_placement(self, *, local_prefill: bool) -> None:
+        pass
+
+    def count_handoff(self, outcome: str) -> None:
         pass
 
 
@@ -155,6 +163,12 @@ class RayRouterMetrics:
             "local_prefill (the decode worker alone, when little of the prompt is uncached there).",
             tag_keys=("path",),
         )
+        self._handoffs = serve_metrics.Counter(
+            "tandem_router_handoffs",  # exported as ray_tandem_router_handoffs_total
+            description="Placements made for another replica's waiting request, by outcome: placed (here), "
+            "adopted or refused (by the waiter's replica), expired (unanswered).",
+            tag_keys=("outcome",),
+        )
 
     def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
         self._schedule_seconds.observe(duration_s, tags={"outcome": outcome})
@@ -181,3 +195,6 @@ class RayRouterMetrics:
 
     def count_placement(self, *, local_prefill: bool) -> None:
         self._placements.inc(tags={"path": PATH_LOCAL_PREFILL if local_prefill else PATH_DISAGGREGATED})
+
+    def count_handoff(self, outcome: str) -> None:
+        self._handoffs.inc(tags={"outcome": outcome})

@@ -19,7 +19,10 @@ and :meth:`Scheduler.release_anywhere` for each RPC, and :meth:`Scheduler.tick`
    (:mod:`tandem.router.reservations`);
 4. when no worker of some role has budget, waits in the admission queue
    (:mod:`tandem.router.admission`) until budget frees up or the queue
-   timeout passes (then NoCapacityError with a Retry-After).
+   timeout passes (then NoCapacityError with a Retry-After). With several
+   replicas the queue is the router's: the replica where budget frees places
+   the best-ranked waiter of any replica there and then, and hands the
+   placement to the waiter's replica (:mod:`tandem.router.ledger`, hand-offs).
 
 Errors are tandem.common.errors; the deployment maps them to gRPC status codes.
 """
@@ -46,7 +49,7 @@ from tandem.router.fair_share import TenantShares
 from tandem.router.fleet import CachedPrefix, FleetTable
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
-from tandem.router.ledger import Ledger
+from tandem.router.ledger import HandOff, Ledger, RemoteWaiter
 from tandem.router.metrics import NullRouterMetrics, RouterMetrics
 from tandem.router.policy import RoutingPolicy, ScheduleRequest, ScoredWorker
 from tandem.router.reservations import Reservation, ReservationTable
@@ -97,9 +100,9 @@ class QueueConfig:
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     #: Half-life of a tenant's service (uncached prompt tokens placed) in the fair-share order.
     fair_share_half_life_s: float = 60.0
-    #: Longest a replica lets another replica's better-ranked waiter take freed budget before it
-    #: admits its own (the other may not fit, or its replica may be gone).
-    max_yield_s: float = 0.025
+    #: Longest a placement made for another replica's waiter holds its budget unanswered (that
+    #: replica adopts or refuses it within milliseconds; this covers a lost message or a dead replica).
+    handoff_timeout_s: float = 2.0
 
 
 @dataclass
@@ -189,9 +192,19 @@ class Scheduler:
         )
         if ledger is not None:
             ledger.on_change = self._on_ledger_change
-        #: The better-ranked waiting request of another replica that this replica leaves budget fitting
-        #: its own queue's head to, and since when (None: it is not doing so).
-        self._yielding: tuple[str, float] | None = None
+        #: Placements made here for other replicas' waiters, not adopted or refused yet: request id ->
+        #: (the waiter's replica, when).
+        self._handed_off: dict[str, tuple[str, float]] = {}
+        #: This replica's waiters by request id (a hand-off names one).
+        self._waiters_by_id: dict[str, Waiter[_Pending]] = {}
+        #: Other replicas' waiters decoded for a placement here (a bounded cache: cleared when full).
+        self._remote_pending: dict[str, _Pending] = {}
+        #: Moves whenever budget may have come free here (a release or expiry, a new worker list, a
+        #: poll of the queue: time passing ages reservations); see :meth:`_budget_epoch`.
+        self._num_frees = 0
+        #: The requests found not to fit at one budget epoch: not tried again until it moves (a drain
+        #: runs on every ledger message, and most add load, not free it).
+        self._misses: tuple[int, set[str]] = (-1, set())
         self._drain_soon: asyncio.Handle | None = None
         self._poller: asyncio.Task[None] | None = None
         self._queue: AdmissionQueue[_Pending] = AdmissionQueue(
@@ -277,6 +290,7 @@ class Scheduler:
         workers = await self._view.workers()
         if workers is not self._last_workers:
             self._last_workers = workers
+            self._num_frees += 1  # new reports, maybe new workers
             if self._fleet is not None and self._fleet.update(workers):
                 return workers  # only loads changed: the same workers, the same KV-event publishers
             self._fleet = self._build_fleet(workers)
@@ -470,9 +484,14 @@ class Scheduler:
             waiter = self._queue.push(pending, tenant=request.tenant, priority=priority)
         except QueueFullError as exc:
             raise NoCapacityError(str(exc), retry_after_s=NO_CAPACITY_RETRY_AFTER_S) from None
+        self._waiters_by_id[request.request_id] = waiter
         if self._ledger is not None:
             self._ledger.queued(
-                request.request_id, request.tenant, self._queue.priority_index(waiter.priority), waiter.enqueued_at_unix
+                request.request_id,
+                request.tenant,
+                self._queue.priority_index(waiter.priority),
+                waiter.enqueued_at_unix,
+                _encode_pending(pending, waiter.priority),
             )
         self._metrics.set_queue_depth(waiter.priority, self._queue.depth(waiter.priority))
         started_s = time.monotonic()
@@ -494,6 +513,8 @@ class Scheduler:
             )
         finally:
             self._dequeue(waiter)
+            if self._waiters_by_id.get(request.request_id) is waiter:
+                del self._waiters_by_id[request.request_id]
             if not waiter.future.done():
                 waiter.future.cancel()
             self._metrics.set_queue_depth(waiter.priority, self._queue.depth(waiter.priority))
@@ -510,6 +531,7 @@ class Scheduler:
     async def _poll_while_queued(self) -> None:
         while self._queue:
             await asyncio.sleep(self._queue_config.poll_interval_s)
+            self._num_frees += 1  # time passed: reservations aged, worker reports moved
             try:
                 self._sweep()
                 self._drain(await self._workers())
@@ -531,14 +553,15 @@ class Scheduler:
         )
         return _Rank(self._queue.priority_index(priority), request.tenant, time.time())
 
-    def _remote_waiter_ahead(self, rank: _Rank) -> str | None:
+    def _remote_waiter_ahead(self, rank: _Rank | None, skip: set[str] | None = None) -> RemoteWaiter | None:
         """The best-ranked waiting request of another replica that goes before one of ``rank`` (a
         higher class, or the same class and a tenant served less, or the same service and waiting
-        longer), or None. Each tenant's service is read once per call (it decays as time passes:
-        read twice, a tenant would rank before itself)."""
+        longer; any, when ``rank`` is None), or None. Requests handed off from here already, and those
+        in ``skip``, do not count. Each tenant's service is read once per call (it decays as time
+        passes: read twice, a tenant would rank before itself)."""
         if self._ledger is None:
             return None
-        served: dict[str, float] = {rank.tenant: self._shares.served(rank.tenant)}
+        served: dict[str, float] = {}
 
         def key(priority_index: int, tenant: str, enqueued_at_unix: float) -> tuple[int, float, float]:
             service = served.get(tenant)
@@ -546,47 +569,139 @@ class Scheduler:
                 service = served[tenant] = self._shares.served(tenant)
             return self._queue.rank(priority_index, service, enqueued_at_unix)
 
-        best_key = key(rank.priority_index, rank.tenant, rank.enqueued_at_unix)
-        best: str | None = None
-        for remote in self._ledger.remote_waiters():
+        best_key = (
+            key(rank.priority_index, rank.tenant, rank.enqueued_at_unix)
+            if rank is not None
+            else (float("inf"), float("inf"), float("inf"))
+        )
+        best: RemoteWaiter | None = None
+        handed_off = self._handed_off
+        skipped = skip or ()
+        for remote in self._ledger.remote_heads(lambda request_id: request_id in handed_off or request_id in skipped):
             remote_key = key(remote.priority_index, remote.tenant, remote.enqueued_at_unix)
             if remote_key < best_key:
-                best_key, best = remote_key, remote.request_id
+                best_key, best = remote_key, remote
         return best
 
+    def _budget_epoch(self) -> int:
+        return self._num_frees + (self._ledger.num_frees if self._ledger is not None else 0)
+
+    def _missed_now(self) -> set[str]:
+        """The requests that did not fit since budget last came free (a set to add to)."""
+        epoch = self._budget_epoch()
+        if self._misses[0] != epoch:
+            self._misses = (epoch, set())
+        return self._misses[1]
+
     def _drain(self, workers: Sequence[WorkerRecord]) -> None:
-        """Admit waiters in priority / fair-share order while the head one fits. When another
-        replica's waiter goes before the head, budget that would fit the head is left to it, for at
-        most ``max_yield_s`` per such request (it may fit nowhere, or its replica may be gone); then
-        the head goes. Admitting in the same loop iteration as the release that freed the budget
-        puts both in one ledger message: no other replica ever sees that budget free."""
+        """Admit waiters in the router's priority / fair-share order while the head one fits: this
+        replica's own, and other replicas' (placed here and handed off to their replica, see
+        :mod:`tandem.router.ledger`). Admitting in the same loop iteration as the release that freed
+        the budget puts both in one ledger message: no other replica ever sees that budget free.
+        Each request that did not fit is tried again only once budget may have come free."""
+        missed = self._missed_now()
+        num_remote_misses = 0
         while True:
             waiter: Waiter[_Pending] | None = self._queue.next(self._shares.served)
-            if waiter is None:
-                self._yielding = None
-                return
-            if waiter.future.done():
+            if waiter is not None and waiter.future.done():
                 self._dequeue(waiter)
                 continue
+            remote = None
+            if num_remote_misses < self._MAX_REMOTE_MISSES:
+                remote = self._remote_waiter_ahead(None if waiter is None else self._rank(waiter), missed)
+            if remote is not None:
+                choice = self._decide_remote(remote, workers)
+                if choice is None:
+                    # It does not fit now, or cannot be placed here: its own replica's queue holds it
+                    # (and blocks what would pass it there), this one goes on.
+                    missed.add(remote.request_id)
+                    num_remote_misses += 1
+                else:
+                    self._hand_off(remote, choice)
+                continue
+            if waiter is None or waiter.item.request.request_id in missed:
+                return
             try:
                 choice = self._decide(waiter.item, workers)
             except _NoBudget as exc:
                 waiter.item.waiting_for = self._blocked_on = exc.roles
+                missed.add(waiter.item.request.request_id)
                 return
             except TandemError as exc:
                 self._dequeue(waiter)
                 waiter.future.set_exception(exc)
                 continue
-            ahead = self._remote_waiter_ahead(self._rank(waiter))
-            if ahead is not None:
-                now_s = time.monotonic()
-                if self._yielding is None or self._yielding[0] != ahead:
-                    self._yielding = (ahead, now_s)  # a new request to leave budget to: its own time
-                if now_s - self._yielding[1] < self._queue_config.max_yield_s:
-                    return
-            self._yielding = None
             self._dequeue(waiter)
             waiter.future.set_result(self._commit(choice))
+
+    _MAX_REMOTE_PENDING = 10_000
+
+    #: Other replicas' waiters a drain tries and finds no budget for (or cannot place here) before it
+    #: turns to this replica's own head alone: each try is a placement decision.
+    _MAX_REMOTE_MISSES = 4
+
+    def _decide_remote(self, remote: RemoteWaiter, workers: Sequence[WorkerRecord]) -> _Choice | None:
+        """A placement here for another replica's waiter; None when it does not fit now, or cannot be
+        placed here at all (no payload: an older replica; a model or worker this replica does not
+        know): its own replica's queue still holds it."""
+        pending = self._remote_pending.get(remote.request_id)
+        if pending is None:
+            pending = _decode_pending(remote)
+            if pending is None:
+                return None
+            if len(self._remote_pending) >= self._MAX_REMOTE_PENDING:
+                self._remote_pending.clear()
+            self._remote_pending[remote.request_id] = pending
+        try:
+            return self._decide(pending, workers)
+        except (_NoBudget, TandemError):
+            return None
+
+    def _hand_off(self, remote: RemoteWaiter, choice: _Choice) -> None:
+        """Reserve ``choice`` for another replica's waiter here and publish it to that replica."""
+        assert self._ledger is not None
+        self._remote_pending.pop(remote.request_id, None)
+        decision = self._commit(choice)
+        reservation = self._reservations.get(remote.request_id)
+        assert reservation is not None
+        self._handed_off[remote.request_id] = (remote.replica_id, time.monotonic())
+        self._ledger.handed_off(remote.replica_id, remote.request_id, _encode_handoff(decision, reservation))
+        self._metrics.count_handoff("placed")
+
+    def _adopt(self, handoff: HandOff) -> None:
+        """Another replica placed one of this replica's waiters: hold the placement here (and the
+        placer's copy goes, in the same message), or refuse it when the request no longer waits."""
+        assert self._ledger is not None
+        waiter = self._waiters_by_id.get(handoff.request_id)
+        if waiter is None or waiter.future.done():
+            self._ledger.forward_release_to(handoff.placer_id, handoff.request_id)
+            self._metrics.count_handoff("refused")
+            return
+        decision, worker_ids, tokens, tenant, age_s = _decode_handoff(handoff, self._last_workers or ())
+        reservation = self._reservations.reserve(
+            handoff.request_id, worker_ids, tokens, tenant=tenant, reserved_at_s=self._reservations.now_s() - age_s
+        )
+        for worker in (decision.prefill, decision.decode):
+            if worker is not None and worker.worker_id in reservation.worker_ids:
+                self._worker_roles[worker.worker_id] = worker.role
+        # The tenant's service was counted once, by the placer's reservation: 0 here.
+        self._ledger.reserved(reservation, 0)
+        self._ledger.forward_release_to(handoff.placer_id, handoff.request_id)
+        self._publish(reservation)
+        self._dequeue(waiter)
+        waiter.future.set_result(decision)
+        self._metrics.count_handoff("adopted")
+
+    def _expire_handoffs(self) -> None:
+        """Release placements handed off and never answered (a lost message, a replica gone)."""
+        if not self._handed_off:
+            return
+        horizon_s = time.monotonic() - self._queue_config.handoff_timeout_s
+        for request_id, (_, at_s) in list(self._handed_off.items()):
+            if at_s <= horizon_s:
+                del self._handed_off[request_id]
+                if self._released(self._reservations.release(request_id)):
+                    self._metrics.count_handoff("expired")
 
     def _on_ledger_change(self) -> None:
         """Another replica freed budget, forwarded a Release or changed its queue: drain soon (not
@@ -598,9 +713,20 @@ class Scheduler:
         self._drain_soon = None
         if self._ledger is not None:
             for request_id in self._ledger.take_forwarded():
+                self._handed_off.pop(request_id, None)
                 self._released(self._reservations.release(request_id))
-        if self._queue and self._last_workers is not None:
+            for handoff in self._ledger.take_handoffs():
+                self._adopt(handoff)
+        if self._anyone_waiting() and self._last_workers is not None:
             self._drain(self._last_workers)
+
+    def _anyone_waiting(self) -> bool:
+        """This replica's queue, or another replica's that this one may place for, holds a request."""
+        if self._queue:
+            return True
+        return self._ledger is not None and any(
+            r.request_id not in self._handed_off for r in self._ledger.remote_waiters()
+        )
 
     # -- Release and upkeep ------------------------------------------------------------
 
@@ -609,7 +735,7 @@ class Scheduler:
         self._sweep()
         reservation = self._reservations.release(request_id)
         self._released(reservation)
-        if reservation is not None and self._queue and self._last_workers is not None:
+        if reservation is not None and self._last_workers is not None and self._anyone_waiting():
             self._drain(self._last_workers)
         return reservation is not None
 
@@ -669,11 +795,13 @@ class Scheduler:
     def _sweep(self) -> None:
         for reservation in self._reservations.sweep():
             self._released(reservation)
+        self._expire_handoffs()
 
     def _released(self, reservation: Reservation | None) -> bool:
         """A reservation of this replica ended (released, expired or replaced): gauges and the ledger."""
         if reservation is None:
             return False
+        self._num_frees += 1
         self._publish(reservation)
         if self._ledger is not None:
             self._ledger.released(reservation)
@@ -756,3 +884,90 @@ class Scheduler:
             f"({num_of_role} registered, {num_excluded} excluded by the caller)",
             retry_after_s=NO_CAPACITY_RETRY_AFTER_S,
         )
+
+
+# -- hand-offs on the wire (msgpack through the ledger) -----------------------------------------------
+
+
+def _encode_pending(pending: _Pending, priority: str) -> list[object]:
+    """What another replica needs to place a waiting request: sizes, exclusions and block hashes."""
+    request = pending.request
+    return [
+        request.model,
+        request.num_tokens,
+        request.max_tokens,
+        [[block_size, algo, hashes] for (block_size, algo), hashes in pending.hashes.items()],
+        sorted(request.exclude_worker_ids),
+        request.prefill_done_on_worker_id,
+        priority,
+    ]
+
+
+def _decode_pending(remote: RemoteWaiter) -> _Pending | None:
+    """:func:`_encode_pending` undone (None when the waiter came without one, or it is malformed)."""
+    if not isinstance(remote.payload, list | tuple):
+        return None
+    try:
+        model, num_tokens, max_tokens, by_config, exclude, prefill_done_on, priority = remote.payload
+        hashes = {(int(block_size), str(algo)): [int(h) for h in values] for block_size, algo, values in by_config}
+        request = ScheduleRequest(
+            request_id=remote.request_id,
+            model=str(model),
+            num_prompt_tokens=int(num_tokens),
+            max_tokens=int(max_tokens),
+            tenant=remote.tenant,
+            prompt_block_hashes=hashes,
+            exclude_worker_ids=frozenset(str(w) for w in exclude),
+            priority=str(priority),
+            prefill_done_on_worker_id=str(prefill_done_on),
+        )
+    except (TypeError, ValueError):
+        return None
+    return _Pending(request, hashes=dict(hashes))
+
+
+def _worker_fields(worker: WorkerRecord | None) -> list[str]:
+    return [] if worker is None else [worker.worker_id, worker.role, worker.model, worker.address]
+
+
+def _encode_handoff(decision: PlacementDecision, reservation: Reservation) -> list[object]:
+    return [
+        list(reservation.worker_ids),
+        [int(reservation.tokens_by_worker.get(w, 0)) for w in reservation.worker_ids],
+        reservation.tenant,
+        time.time(),
+        _worker_fields(decision.prefill),
+        _worker_fields(decision.decode),
+        decision.lease_s,
+        decision.num_cached_tokens,
+        decision.num_decode_cached_tokens,
+        decision.reason,
+    ]
+
+
+def _decode_handoff(
+    handoff: HandOff, known: Sequence[WorkerRecord]
+) -> tuple[PlacementDecision, tuple[str, ...], dict[str, int], str, float]:
+    """The placement, its reservation's workers and tokens, its tenant, and its age in seconds."""
+    (worker_ids, tokens, tenant, placed_at_unix, prefill, decode, lease_s, num_cached, num_decode_cached, reason) = (
+        handoff.placement
+    )
+    by_id = {w.worker_id: w for w in known}
+
+    def record(fields: list[str]) -> WorkerRecord:
+        worker_id, role, model, address = fields
+        return by_id.get(worker_id) or WorkerRecord(worker_id, role, model, address)
+
+    decision = PlacementDecision(
+        request_id=handoff.request_id,
+        prefill=record(prefill) if prefill else None,
+        decode=record(decode),
+        lease_s=float(lease_s),
+        num_cached_tokens=int(num_cached),
+        reason=str(reason),
+        num_decode_cached_tokens=int(num_decode_cached),
+    )
+    ids = tuple(str(w) for w in worker_ids)
+    return decision, ids, dict(zip(ids, (int(n) for n in tokens), strict=False)), str(tenant), max(
+        0.0, time.time() - float(placed_at_unix)
+    )

@@ -52,8 +52,8 @@ class QueueSettings(BaseModel):
     tenant_weights: dict[str, float] = Field(default_factory=dict)
     #: Half-life of a tenant's recent service in the fair-share order.
     fair_share_half_life_s: float = Field(60.0, gt=0)
-    #: Longest a replica leaves freed budget to another replica's better-ranked waiting request.
-    max_yield_s: float = Field(0.025, ge=0)
+    #: Longest a placement made for another replica's waiter holds its budget unanswered.
+    handoff_timeout_s: float = Field(2.0, gt=0)
 
 
 class KVIndexSettings(BaseModel):
