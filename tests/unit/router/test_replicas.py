@@ -279,3 +279,25 @@ async def test_a_handoff_nobody_answers_gives_its_budget_back(replicas) -> None:
     a.tick()
     assert a.reservations.get("v") is None
     victim.cancel()
+
+
+async def test_a_retry_placed_here_is_not_released_by_the_handoff_it_replaced(replicas) -> None:  # type: ignore[no-untyped-def]
+    """B died with A's hand-off unanswered, and the gateway retried the request on A: A's new
+    placement of it must outlive the hand-off's timeout."""
+    a, ledger_a = replicas("a", timeout_s=3.0)
+    b, ledger_b = replicas("b", timeout_s=3.0)
+    a._queue_config = dataclasses.replace(a._queue_config, handoff_timeout_s=0.2)
+    await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
+    await a.schedule(req("hold", 100, tenant="noisy"))
+    await until(lambda: ledger_b.others_tokens("p0") == 100)
+    victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
+    await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()))
+    ledger_b.on_change = None  # B stops answering
+    a.release("hold")
+    assert a.reservations.get("v") is not None  # the hand-off
+    retried = await a.schedule(req("v", 100, tenant="victim"))  # the gateway's retry, now on A
+    assert retried.prefill is not None
+    await asyncio.sleep(0.3)
+    a.tick()
+    assert a.reservations.get("v") is not None
+    victim.cancel()

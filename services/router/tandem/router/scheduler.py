@@ -575,9 +575,17 @@ class Scheduler:
             else (float("inf"), float("inf"), float("inf"))
         )
         best: RemoteWaiter | None = None
-        handed_off = self._handed_off
+        handed_off, own, held = self._handed_off, self._waiters_by_id, self._reservations
         skipped = skip or ()
-        for remote in self._ledger.remote_heads(lambda request_id: request_id in handed_off or request_id in skipped):
+
+        def passed_over(request_id: str) -> bool:
+            # Handed off from here already; or a request this replica waits for or holds itself (the
+            # gateway retried it here, and the other replica's copy is stale): never placed twice.
+            if request_id in handed_off or request_id in skipped or request_id in own:
+                return True
+            return held.get(request_id) is not None
+
+        for remote in self._ledger.remote_heads(passed_over):
             remote_key = key(remote.priority_index, remote.tenant, remote.enqueued_at_unix)
             if remote_key < best_key:
                 best_key, best = remote_key, remote
@@ -677,7 +685,13 @@ class Scheduler:
             self._ledger.forward_release_to(handoff.placer_id, handoff.request_id)
             self._metrics.count_handoff("refused")
             return
-        decision, worker_ids, tokens, tenant, age_s = _decode_handoff(handoff, self._last_workers or ())
+        try:
+            decision, worker_ids, tokens, tenant, age_s = _decode_handoff(handoff, self._last_workers or ())
+        except (TypeError, ValueError):
+            logger.warning("undecodable hand-off of %s from %s: refused", handoff.request_id, handoff.placer_id)
+            self._ledger.forward_release_to(handoff.placer_id, handoff.request_id)
+            self._metrics.count_handoff("refused")
+            return
         reservation = self._reservations.reserve(
             handoff.request_id, worker_ids, tokens, tenant=tenant, reserved_at_s=self._reservations.now_s() - age_s
         )
@@ -802,6 +816,9 @@ class Scheduler:
         if reservation is None:
             return False
         self._num_frees += 1
+        # A placement handed off and then released here (a retry of its request placed here afresh,
+        # its Release) is no longer the hand-off's: the timeout must not release what replaced it.
+        self._handed_off.pop(reservation.request_id, None)
         self._publish(reservation)
         if self._ledger is not None:
             self._ledger.released(reservation)
