@@ -20,7 +20,7 @@ from tandem.router.budget import BudgetConfig
 from tandem.router.ledger import Ledger
 from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import QueueConfig, Scheduler
+from tandem.router.scheduler import PlacementDecision, QueueConfig, Scheduler
 from tests.kit.redis import delete_prefix
 from tests.kit.workers import StaticView
 
@@ -239,16 +239,25 @@ async def test_replicas_with_the_same_view_choose_alike(replicas) -> None:  # ty
         b.release(f"r{i}")
 
 
+async def victim_waiting_on_b(
+    a: Scheduler, ledger_a: Ledger, b: Scheduler, ledger_b: Ledger
+) -> asyncio.Task[PlacementDecision]:
+    """A holds p0's whole budget ("hold", tenant noisy); B's request "v" (tenant victim) waits for it,
+    and A sees it waiting."""
+    await a.schedule(req("hold", 100, tenant="noisy"))
+    await until(lambda: ledger_b.others_tokens("p0") == 100)
+    victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
+    await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()))
+    return victim
+
+
 async def test_a_handoff_for_a_request_that_no_longer_waits_is_refused_and_frees_the_budget(replicas) -> None:  # type: ignore[no-untyped-def]
     """B's waiter gave up (its queue timeout) after A placed it, before the hand-off arrived: B
     refuses it, and A's budget comes back to A's own waiter."""
     a, ledger_a = replicas("a", timeout_s=3.0)
     b, ledger_b = replicas("b", timeout_s=0.3)
     await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
-    await a.schedule(req("hold", 100, tenant="noisy"))
-    await until(lambda: ledger_b.others_tokens("p0") == 100)
-    victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
-    await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()))
+    victim = await victim_waiting_on_b(a, ledger_a, b, ledger_b)
     noisy = asyncio.create_task(a.schedule(req("n0", 100, tenant="noisy")))
     await asyncio.sleep(0.02)
     b._waiters_by_id.clear()  # as if v's Schedule had ended in the instant before the hand-off arrived
@@ -268,10 +277,7 @@ async def test_a_handoff_nobody_answers_gives_its_budget_back(replicas) -> None:
     b, ledger_b = replicas("b", timeout_s=3.0)
     a._queue_config = dataclasses.replace(a._queue_config, handoff_timeout_s=0.2)
     await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
-    await a.schedule(req("hold", 100, tenant="noisy"))
-    await until(lambda: ledger_b.others_tokens("p0") == 100)
-    victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
-    await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()))
+    victim = await victim_waiting_on_b(a, ledger_a, b, ledger_b)
     ledger_b.on_change = None  # B stops answering (its process hangs, then dies)
     a.release("hold")
     assert a.reservations.get("v") is not None
@@ -288,10 +294,7 @@ async def test_a_retry_placed_here_is_not_released_by_the_handoff_it_replaced(re
     b, ledger_b = replicas("b", timeout_s=3.0)
     a._queue_config = dataclasses.replace(a._queue_config, handoff_timeout_s=0.2)
     await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
-    await a.schedule(req("hold", 100, tenant="noisy"))
-    await until(lambda: ledger_b.others_tokens("p0") == 100)
-    victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
-    await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()))
+    victim = await victim_waiting_on_b(a, ledger_a, b, ledger_b)
     ledger_b.on_change = None  # B stops answering
     a.release("hold")
     assert a.reservations.get("v") is not None  # the hand-off
