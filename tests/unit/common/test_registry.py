@@ -191,3 +191,23 @@ async def test_redis_down_is_backend_unavailable() -> None:
             await registry.unregister("p0")
     finally:
         await registry.aclose()
+
+
+async def test_raw_records_read_in_batches_are_the_whole_list_and_expired_ones_drop_out(
+    make_registry: RegistryFactory, redis_client: aioredis.Redis, key_prefix: str
+) -> None:
+    """The router's background refresh reads the records a few per MGET (its event loop then
+    parses small replies): the same records as one MGET, and a record that expired still leaves
+    the worker set, whichever batch it falls in."""
+    registry = make_registry()
+    for i in range(7):
+        await registry.heartbeat(make_record(f"w{i}", model="mødel-模型-🚀"))
+    await redis_client.delete(f"{key_prefix}:worker:w4")  # its TTL ran out
+
+    batched = await registry.list_raw_records(batch_size=3)  # w4 is in the second batch
+    assert await redis_client.zcard(f"{key_prefix}:workers") == 6
+    assert sorted(WorkerRecord.from_json(raw).worker_id for raw in batched) == ["w0", "w1", "w2", "w3", "w5", "w6"]
+    for batch_size in (0, 1, 2, 64):
+        assert await registry.list_raw_records(batch_size=batch_size) == batched
+    for i in (0, 1, 2, 3, 5, 6):
+        await registry.unregister(f"w{i}")

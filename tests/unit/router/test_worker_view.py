@@ -58,7 +58,7 @@ async def test_fails_when_registry_is_down_from_the_start() -> None:
 class RawRegistry(FakeRegistry):
     """A registry that offers its records as stored (JSON), as WorkerRegistry does."""
 
-    async def list_raw_records(self) -> list[bytes]:
+    async def list_raw_records(self, *, batch_size: int = 0) -> list[bytes]:
         self.num_calls += 1
         if self.fail:
             raise BackendUnavailableError("redis down")

@@ -132,12 +132,19 @@ class WorkerRegistry:
         except (RedisError, OSError) as exc:
             raise BackendUnavailableError(f"worker registry unreachable: {exc}") from exc
 
-    async def list_raw_records(self) -> list[bytes]:
-        """Every live worker's record as stored (JSON), for readers that parse them themselves."""
+    async def list_raw_records(self, *, batch_size: int = 0) -> list[bytes]:
+        """Every live worker's record as stored (JSON), for readers that parse them themselves.
+
+        ``batch_size`` > 0 reads the records that many per MGET: the reader's event loop then
+        parses one small reply at a time (at 1,000 workers one MGET reply took ~4 ms of the loop)."""
         try:
             ids = [i.decode() if isinstance(i, bytes) else str(i)
                    for i in await self._redis.zrange(self._set_key(), 0, -1)]
-            raws = await self._redis.mget([self._record_key(i) for i in ids]) if ids else []
+            keys = [self._record_key(i) for i in ids]
+            step = batch_size if batch_size > 0 else max(1, len(keys))
+            raws: list[Any] = []
+            for start in range(0, len(keys), step):
+                raws.extend(await self._redis.mget(keys[start:start + step]))
             # Not filtered by the set's scores: they come from the workers' clocks.
             expired_ids = [i for i, raw in zip(ids, raws, strict=True) if raw is None]
             if expired_ids:
