@@ -93,9 +93,11 @@ def fits(capacity_tokens: Num, load: Num, need_tokens: Num) -> Num:
 
 def load_fraction(capacity_tokens: Num, load: Num) -> Num:
     """Share of the budget in use, in [0, 1] (0 when the capacity is unknown)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        fraction = np.where(capacity_tokens > 0, np.minimum(1.0, np.divide(load, capacity_tokens)), 0.0)
-    return fraction  # type: ignore[return-value]
+    capacity = np.asarray(capacity_tokens, np.float64)
+    fraction = np.zeros(np.broadcast(capacity, load).shape)
+    # Divided only where the capacity is known (no errstate: entering it cost more than the division).
+    np.divide(load, capacity, out=fraction, where=capacity > 0)
+    return np.minimum(fraction, 1.0, out=fraction)  # type: ignore[return-value]
 
 
 def busy_fraction(capacity_tokens: Num, load: Num, recent_tokens: Num) -> Num:
