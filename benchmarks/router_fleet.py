@@ -185,6 +185,52 @@ def make_replica(
 # -- (1) speed ---------------------------------------------------------------------------------
 
 
+class LoopStalls:
+    """``FLEET_STALLS=1``: every event-loop callback that ran over 0.2 ms during the open-loop phase,
+    summed by what ran (a task's coroutine, or the callback), so a schedule's wait from its arrival
+    can be traced to what held the loop. Times each callback with two clock reads (~0.4 us)."""
+
+    _THRESHOLD_S = 0.0002
+
+    def __init__(self) -> None:
+        self._run = asyncio.events.Handle._run
+        self.total_s: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+        self.worst_s: dict[str, float] = {}
+
+    def __enter__(self) -> LoopStalls:
+        run, threshold_s = self._run, self._THRESHOLD_S
+
+        def timed(handle: asyncio.events.Handle) -> None:
+            started_s = time.perf_counter()
+            run(handle)
+            took_s = time.perf_counter() - started_s
+            if took_s > threshold_s:
+                name = self._name(handle)
+                self.total_s[name] = self.total_s.get(name, 0.0) + took_s
+                self.count[name] = self.count.get(name, 0) + 1
+                self.worst_s[name] = max(self.worst_s.get(name, 0.0), took_s)
+
+        asyncio.events.Handle._run = timed  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.events.Handle._run = self._run  # type: ignore[method-assign]
+
+    @staticmethod
+    def _name(handle: asyncio.events.Handle) -> str:
+        callback = handle._callback  # type: ignore[attr-defined]
+        task = getattr(callback, "__self__", None)
+        if isinstance(task, asyncio.Task):
+            return f"task {getattr(task.get_coro(), '__qualname__', '?')}"
+        return str(getattr(callback, "__qualname__", callback))[:80]
+
+    def report(self) -> None:
+        log("event-loop callbacks over 0.2 ms in the open-loop phase (total, count, worst):")
+        for name, total_s in sorted(self.total_s.items(), key=lambda kv: -kv[1])[:15]:
+            log(f"  {total_s * 1e3:8.1f} ms {self.count[name]:6d} x  worst {self.worst_s[name] * 1e3:6.2f} ms  {name}")
+
+
 @dataclass
 class SpeedResult:
     latency_s: list[float]
@@ -291,6 +337,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             at_s += rnd.expovariate(args.rate)
             offsets_s.append(at_s)
         prepared = [trace.request(f"fleet-{i}") for i in range(num_requests)]
+        stalls = LoopStalls().__enter__() if os.environ.get("FLEET_STALLS") else None
         t0 = time.perf_counter()
         for (request, hashes), offset_s in zip(prepared, offsets_s, strict=True):
             delay = t0 + offset_s - time.perf_counter()
@@ -307,11 +354,16 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks)
         elapsed_s = time.perf_counter() - t0 - args.warmup_s
+        if stalls is not None:
+            stalls.__exit__()
+            stalls.report()
         if profiler is not None:
             import pstats
 
             profiler.disable()
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+            stats = pstats.Stats(profiler)
+            stats.sort_stats("tottime").print_stats(30)
+            stats.sort_stats("cumulative").print_stats("router|policy|fleet|budget|kv_index|reservations|ledger", 40)
         num_events = replica.subscriber.stats.num_events - events_before
         log(
             f"schedule from its arrival: p50={pct(latencies, 0.5) * 1e3:.3f} ms "
