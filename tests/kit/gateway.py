@@ -177,6 +177,7 @@ class FakeRouter:
         exclude_worker_ids: Sequence[str],
         priority: str = "",
         prefill_done_on_worker_id: str = "",
+        local_prefill_only: bool = False,
     ) -> router_pb2.Placement:
         self.calls.append(("schedule", request_id))
         self.schedule_calls.append(
@@ -190,6 +191,7 @@ class FakeRouter:
                 "tenant": tenant,
                 "priority": priority,
                 "prefill_done_on_worker_id": prefill_done_on_worker_id,
+                "local_prefill_only": local_prefill_only,
             }
         )
         if self.schedule_delay_s:

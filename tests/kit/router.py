@@ -38,7 +38,8 @@ DEFAULT_PLACEMENT = router_pb2.Placement(
 class FakeRouterServicer(router_pb2_grpc.RouterServicer):
     """Answers like the deployment: one placement (its ``reason`` lists the excluded
     workers, then ``prefill_done_on=<id>`` for a decode-only Schedule, whose reply names that
-    prefill worker and is never a local prefill), or the error scripted for the request's model,
+    prefill worker and is never a local prefill, then ``local_prefill_only`` for a local prefill's
+    replacement, whose reply is a local prefill), or the error scripted for the request's model,
     or for every request; records what it was sent and the metadata that came with it."""
 
     placement: router_pb2.Placement = field(default_factory=lambda: DEFAULT_PLACEMENT)
@@ -75,6 +76,11 @@ class FakeRouterServicer(router_pb2_grpc.RouterServicer):
                 reply.prefill.CopyFrom(
                     router_pb2.WorkerRef(worker_id=request.prefill_done_on_worker_id, role="prefill")
                 )
+        if request.local_prefill_only:
+            # A local prefill's replacement: the decode worker alone, as the real router places it.
+            reply.reason += ";local_prefill_only"
+            reply.local_prefill = True
+            reply.ClearField("prefill")
         return reply
 
     async def Release(self, request: router_pb2.RouterReleaseRequest, context: Any) -> router_pb2.RouterReleaseResponse:

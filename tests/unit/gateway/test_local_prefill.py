@@ -65,10 +65,11 @@ async def test_a_complete_answer_counts_the_same_tokens(stack: Any) -> None:
 async def test_a_dead_decode_worker_is_replaced_and_the_prefill_stays_local(
     stack: Any, free_dead_address: str, wait: Any
 ) -> None:
-    """The replacement placement names a prefill worker (the router chose a pair for the new decode
-    worker), but nothing was streamed yet: the new decode worker prefills alone, no handoff starts.
-    No prefill worker holds KV, so the second Schedule is a normal one (not decode-only); it replaces
-    the first one's reservation, with no Release between the two."""
+    """Nothing was streamed yet: the second Schedule asks for a local prefill only (no prefill worker
+    holds KV, so it is not decode-only, and no prefill budget may be booked); it replaces the first
+    one's reservation, with no Release between the two. The scripted router still answers with a pair
+    (as a router of the version before would): the new decode worker prefills alone all the same, no
+    handoff starts."""
     dead = router_pb2.WorkerRef(worker_id="decode-dead", role="decode", address=free_dead_address)
     stack.router.placements[:] = [
         router_pb2.Placement(decode=dead, lease_s=30.0, local_prefill=True),
@@ -82,7 +83,8 @@ async def test_a_dead_decode_worker_is_replaced_and_the_prefill_stays_local(
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]) == "Bonjour 🌍 世界"
     first, second = stack.router.schedule_calls
     assert second["exclude_worker_ids"] == ["decode-dead"]
-    assert second["prefill_done_on_worker_id"] == ""
+    assert second["prefill_done_on_worker_id"] == "" and second["local_prefill_only"] is True
+    assert first["local_prefill_only"] is False
     assert second["prompt_block_hashes"] == first["prompt_block_hashes"]
     assert stack.hasher.num_hashed == 1
     assert stack.prefill.prefill_requests == []

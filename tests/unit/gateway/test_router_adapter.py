@@ -95,7 +95,7 @@ async def test_a_dead_decode_worker_is_replaced_by_a_decode_only_schedule(routed
     first, second = router.scheduled
     assert first.prefill_done_on_worker_id == "" and list(first.exclude_worker_ids) == []
     assert second.request_id == first.request_id
-    assert second.prefill_done_on_worker_id == "prefill-0"
+    assert second.prefill_done_on_worker_id == "prefill-0" and not second.local_prefill_only
     assert list(second.exclude_worker_ids) == ["decode-dead"]
     assert len(prefill.prefill_requests) == 1
     (decode_request,) = decode.decode_requests

@@ -54,8 +54,22 @@ async def test_a_decode_only_schedule_sends_the_prefill_worker_that_holds_the_kv
     assert second.request_id == "req-1" and second.num_prompt_tokens == 5
     assert normal.reason == ""
     assert placement.reason == "d9;prefill_done_on=p7"
+    assert not second.local_prefill_only
     assert placement.prefill.worker_id == "p7" and not placement.local_prefill
     assert servicer.metadata[1]["session_id"] == "req-1"  # the same replica as the first Schedule
+
+
+async def test_a_local_prefills_replacement_asks_for_a_local_prefill_only(
+    fake: tuple[FakeRouterServicer, str],
+) -> None:
+    servicer, address = fake
+    async with RouterClient(address, timeout_s=2) as client:
+        placement = await client.schedule(
+            "req-1", "m", num_prompt_tokens=5, exclude_worker_ids=["d9"], local_prefill_only=True
+        )
+    (sent,) = servicer.scheduled
+    assert sent.local_prefill_only and sent.prefill_done_on_worker_id == ""
+    assert placement.local_prefill and not placement.HasField("prefill")
 
 
 async def test_release_reports_found_and_sticks_to_the_same_session(fake: tuple[FakeRouterServicer, str]) -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 
 from tandem.common.block_hash import BlockHasher
-from tandem.common.errors import NoCapacityError
+from tandem.common.errors import InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord
 from tandem.router.budget import BudgetConfig
 from tandem.router.kv_index import KVIndex
+from tandem.router.ledger import RemoteWaiter
 from tandem.router.policy import CacheAwareWeights, ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import Scheduler
+from tandem.router.scheduler import Scheduler, _decode_pending, _encode_pending, _Pending
 from tests.kit.workers import StaticView
 
 BLOCK = 16
@@ -105,3 +106,39 @@ async def test_a_full_decode_worker_is_left_even_when_it_holds_the_prefix() -> N
     # d1's budget: 0.9 x 20 blocks x 16 = 288 tokens; one 145-token request fits, a second does not
     chosen = [(await s.schedule(request(f"r{i}", prompt))).decode.worker_id for i in range(2)]
     assert chosen == ["d1", "d0"]
+
+
+async def test_a_local_prefills_replacement_stays_local_and_books_decode_budget_only() -> None:
+    """A dead decode worker's replacement for a local prefill (nothing was streamed, no prefill worker
+    holds KV): the new decode worker prefills the prompt itself, even one long enough that a normal
+    Schedule would take a prefill worker, and no prefill worker's budget is booked for it."""
+    s, _ = scheduler()
+    prompt = [*DOC, 1, 2, 3]  # over the local-prefill threshold
+    assert (await s.schedule(request("normal", prompt))).prefill is not None
+    s.release("normal")
+    replaced = await s.schedule(request("r", prompt, local_prefill_only=True, exclude_worker_ids=frozenset({"d0"})))
+    assert replaced.local_prefill and replaced.prefill is None
+    assert replaced.decode.worker_id == "d1" and "local_prefill" in replaced.reason
+    assert s.reservations.tokens_by_worker() == {"d1": len(prompt) + 16}
+    assert s.reservations.num_in_flight("p0") == s.reservations.num_in_flight("p1") == 0
+
+
+async def test_local_prefill_only_and_a_prefill_done_elsewhere_exclude_each_other() -> None:
+    s, _ = scheduler()
+    with pytest.raises(InvalidRequestError, match="exclude each other"):
+        await s.schedule(request("r", DOC, local_prefill_only=True, prefill_done_on_worker_id="p0"))
+    assert s.reservations.tokens_by_worker() == {}
+
+
+def test_a_queued_local_prefills_replacement_travels_to_other_replicas_as_such() -> None:
+    """A waiter's hand-off payload carries local_prefill_only (another replica placing it must keep
+    it local), and a payload from a replica of the version before (seven fields) still decodes."""
+    waiting = _Pending(request("r", DOC, local_prefill_only=True, exclude_worker_ids=frozenset({"d0"})))
+    waiting.hashes[(BLOCK, "sha256")] = [11, 12]
+    payload = _encode_pending(waiting, "normal")
+    decoded = _decode_pending(RemoteWaiter("r", "t", 1, 0.0, "replica-b", payload))
+    assert decoded is not None
+    assert decoded.request.local_prefill_only and decoded.request.exclude_worker_ids == frozenset({"d0"})
+    assert decoded.hashes == {(BLOCK, "sha256"): [11, 12]}
+    older = _decode_pending(RemoteWaiter("r", "t", 1, 0.0, "replica-b", payload[:7]))
+    assert older is not None and not older.request.local_prefill_only

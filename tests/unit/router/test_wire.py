@@ -88,3 +88,6 @@ def test_schedule_request_decodes_prefill_done_on_worker_id() -> None:
     assert (request.request_id, request.num_tokens, request.priority) == ("r1", 9, "batch")
     normal = schedule_request_from_proto(router_pb2.ScheduleRequest(request_id="r2", model="m"))
     assert normal.prefill_done_on_worker_id == ""
+    assert not normal.local_prefill_only
+    local = schedule_request_from_proto(router_pb2.ScheduleRequest(request_id="r3", model="m", local_prefill_only=True))
+    assert local.local_prefill_only

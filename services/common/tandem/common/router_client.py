@@ -65,6 +65,7 @@ class RouterClient:
         priority: int | str = 0,
         prompt_block_hashes: Iterable[router_pb2.PromptBlockHashes] = (),
         prefill_done_on_worker_id: str = "",
+        local_prefill_only: bool = False,
     ) -> router_pb2.Placement:
         """A (prefill, decode) pair for the request, reserved until :meth:`release` or the lease ends.
 
@@ -74,8 +75,10 @@ class RouterClient:
         class; 0 = not set) or a class name; it travels as ``tandem-priority``
         metadata. ``prefill_done_on_worker_id`` asks for a decode worker only (a dead decode worker's
         replacement): the prefill already ran on that worker, which holds the KV; the router reserves
-        decode budget only and the placement's prefill names that worker. A second Schedule of one
-        request id replaces its earlier reservation.
+        decode budget only and the placement's prefill names that worker. ``local_prefill_only`` asks
+        for a decode worker that prefills the prompt itself (a local prefill's replacement): decode
+        budget only, and the placement is a local prefill. A second Schedule of one request id replaces
+        its earlier reservation.
 
         Raises NoCapacityError (no worker now; retry later), InvalidRequestError
         (``code="model_not_found"`` for a model no worker serves) or
@@ -93,6 +96,7 @@ class RouterClient:
             exclude_worker_ids=list(exclude_worker_ids),
             prompt_block_hashes=list(prompt_block_hashes),
             prefill_done_on_worker_id=prefill_done_on_worker_id,
+            local_prefill_only=local_prefill_only,
         )
         try:
             placement: router_pb2.Placement = await self._stub.Schedule(

@@ -266,13 +266,14 @@ class Orchestrator:
         progress: _Progress,
         *,
         prefill_done_on_worker_id: str = "",
+        local_prefill_only: bool = False,
     ) -> router_pb2.Placement:
         """``Schedule`` on the router, asked again while the router is unreachable (a replica or the
         whole router restarting) for up to ``router_unavailable_wait_s``: the request waits (a stream
         sends its heartbeats) rather than failing at once, and fails with the router's
         error when the wait is over. Schedule is idempotent per request id (a second one replaces the
-        first one's reservation). ``prefill_done_on_worker_id``: a decode-only Schedule (see
-        :meth:`_replace_decode_worker`)."""
+        first one's reservation). ``prefill_done_on_worker_id``, ``local_prefill_only``: a decode-only
+        Schedule (see :meth:`_replace_decode_worker`)."""
         if progress.prompt_block_hashes is None:
             progress.prompt_block_hashes = (
                 await self._prompt_hasher.hashes(job.model, job.prompt_token_ids, job.cache_salt)
@@ -283,7 +284,7 @@ class Orchestrator:
         while True:
             try:
                 return await self._schedule_once(
-                    job, exclude_worker_ids, progress.prompt_block_hashes, prefill_done_on_worker_id
+                    job, exclude_worker_ids, progress.prompt_block_hashes, prefill_done_on_worker_id, local_prefill_only
                 )
             except BackendUnavailableError:
                 delay_s = next(delays, None)
@@ -298,6 +299,7 @@ class Orchestrator:
         exclude_worker_ids: list[str],
         hashes: list[router_pb2.PromptBlockHashes],
         prefill_done_on_worker_id: str = "",
+        local_prefill_only: bool = False,
     ) -> router_pb2.Placement:
         """One ``Schedule``. If the request is cancelled meanwhile (the client left), the call
         is not cancelled with it: the router may already have reserved a pair, so the call runs to its
@@ -313,6 +315,7 @@ class Orchestrator:
                 exclude_worker_ids=list(exclude_worker_ids),
                 priority=job.priority,
                 prefill_done_on_worker_id=prefill_done_on_worker_id,
+                local_prefill_only=local_prefill_only,
             )
         )
         try:
@@ -332,12 +335,13 @@ class Orchestrator:
         """Ask the router for another decode worker, keeping the prefill worker that holds the KV.
 
         A disaggregated placement is placed again decode-only (``prefill_done_on_worker_id`` names the
-        prefill worker): the router reserves decode budget alone, none on a prefill worker that would
-        do nothing. Nothing is released first: a second Schedule of one request id replaces its
-        earlier reservation in the router in one step (the dead pair's budget released, the new one
-        reserved). Meanwhile ``progress.placement`` stays the previous one, so that if this Schedule
-        fails (or the client leaves) cleanup still releases the reservation and aborts the prefill
-        worker's held KV rather than leaving it to its lease.
+        prefill worker), a local prefill as a local prefill again (``local_prefill_only``: nothing was
+        streamed, the new decode worker prefills the prompt): either way the router reserves decode
+        budget alone, none on a prefill worker that would do nothing. Nothing is released first: a
+        second Schedule of one request id replaces its earlier reservation in the router in one step
+        (the dead pair's budget released, the new one reserved). Meanwhile ``progress.placement`` stays
+        the previous one, so that if this Schedule fails (or the client leaves) cleanup still releases
+        the reservation and aborts the prefill worker's held KV rather than leaving it to its lease.
         """
         assert progress.placement is not None
         previous = progress.placement
@@ -353,9 +357,15 @@ class Orchestrator:
             },
         )
         self._metrics.worker_retries_total.labels(role="decode").inc()
-        placement = await self._place(job, [dead.worker_id], progress, prefill_done_on_worker_id=prefill_done_on)
-        # The KV stays where it was computed (even should the router name another prefill worker), and
-        # a local prefill stays local (nothing was streamed; the new decode worker prefills the prompt).
+        placement = await self._place(
+            job,
+            [dead.worker_id],
+            progress,
+            prefill_done_on_worker_id=prefill_done_on,
+            local_prefill_only=previous.local_prefill,
+        )
+        # The KV stays where it was computed, and a local prefill stays local, even should a router of
+        # an older version name another prefill worker.
         replaced = router_pb2.Placement()
         replaced.CopyFrom(placement)
         replaced.local_prefill = previous.local_prefill

@@ -29,6 +29,8 @@ class Router(Protocol):
     only: the prefill already ran on that worker, which holds the KV. The gateway sends it without
     releasing first: a second Schedule of one request id replaces its earlier reservation in the
     router (the old pair's budget released, decode budget alone reserved, in one step).
+    ``local_prefill_only`` (a local prefill's replacement) asks for a decode worker that prefills the
+    prompt itself, with no prefill worker's budget booked.
     """
 
     async def schedule(
@@ -43,6 +45,7 @@ class Router(Protocol):
         exclude_worker_ids: Iterable[str],
         priority: int | str,
         prefill_done_on_worker_id: str = "",
+        local_prefill_only: bool = False,
     ) -> router_pb2.Placement: ...
 
     async def release(self, request_id: str) -> object: ...

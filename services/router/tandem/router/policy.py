@@ -58,6 +58,9 @@ class ScheduleRequest:
     #: decode worker's replacement); decode budget only, and the placement's prefill names this worker.
     #: "": a normal Schedule.
     prefill_done_on_worker_id: str = ""
+    #: Place a decode worker that prefills the prompt itself (a local prefill's replacement: nothing was
+    #: streamed, no prefill worker holds KV): decode budget only, a local prefill whatever the threshold.
+    local_prefill_only: bool = False
 
     @property
     def num_tokens(self) -> int:

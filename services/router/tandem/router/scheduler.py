@@ -266,6 +266,12 @@ class Scheduler:
             raise InvalidRequestError("request_id is required", param="request_id", code="invalid_request")
         if not request.model:
             raise InvalidRequestError("model is required", param="model", code="invalid_request")
+        if request.local_prefill_only and request.prefill_done_on_worker_id:
+            raise InvalidRequestError(
+                "local_prefill_only and prefill_done_on_worker_id exclude each other",
+                param="local_prefill_only",
+                code="invalid_request",
+            )
         self._sweep()
         workers = await self._workers()
         # A repeated Schedule of one request is a retry elsewhere: its earlier
@@ -351,11 +357,13 @@ class Scheduler:
         pending.num_uncached_tokens = max(0, request.num_tokens - int(num_most_cached))
         decode = None if decode_pool is None else self._policy.choose_in(request, decode_pool)
         decode_only = bool(request.prefill_done_on_worker_id)
+        local_only = request.local_prefill_only
         if decode is None:
             # Would prefill take it? If not, it waits for both pools (and both must grow for it to go).
             also = (
                 (ROLE_PREFILL,)
                 if not decode_only
+                and not local_only
                 and pending.num_uncached_tokens >= self._min_uncached_tokens_to_disaggregate
                 and self._num_candidates(request, workers, ROLE_PREFILL)
                 and (prefill_pool is None or self._policy.choose_in(request, prefill_pool) is None)
@@ -366,7 +374,7 @@ class Scheduler:
         assert decode_pool is not None
         num_decode_cached = int(decode_pool.cached_tokens[decode.position])
         # A request that does not say how long its prompt is is not known to be short.
-        local = (
+        local = local_only or (
             not decode_only
             and num_tokens > 0
             and num_tokens - num_decode_cached < self._min_uncached_tokens_to_disaggregate
@@ -917,6 +925,7 @@ def _encode_pending(pending: _Pending, priority: str) -> list[object]:
         sorted(request.exclude_worker_ids),
         request.prefill_done_on_worker_id,
         priority,
+        request.local_prefill_only,
     ]
 
 
@@ -925,7 +934,9 @@ def _decode_pending(remote: RemoteWaiter) -> _Pending | None:
     if not isinstance(remote.payload, list | tuple):
         return None
     try:
-        model, num_tokens, max_tokens, by_config, exclude, prefill_done_on, priority = remote.payload
+        # A replica of the version before local_prefill_only sends seven fields.
+        model, num_tokens, max_tokens, by_config, exclude, prefill_done_on, priority, *more = remote.payload
+        local_only = bool(more[0]) if more else False
         hashes = {(int(block_size), str(algo)): [int(h) for h in values] for block_size, algo, values in by_config}
         request = ScheduleRequest(
             request_id=remote.request_id,
@@ -937,6 +948,7 @@ def _decode_pending(remote: RemoteWaiter) -> _Pending | None:
             exclude_worker_ids=frozenset(str(w) for w in exclude),
             priority=str(priority),
             prefill_done_on_worker_id=str(prefill_done_on),
+            local_prefill_only=local_only,
         )
     except (TypeError, ValueError):
         return None
