@@ -200,7 +200,7 @@ class LoopStalls:
         self.worst_s: dict[str, float] = {}
         self.off_cpu_s: dict[str, float] = {}
 
-    def __enter__(self) -> LoopStalls:
+    def start(self) -> LoopStalls:
         run, threshold_s = self._run, self._THRESHOLD_S
 
         def timed(handle: asyncio.events.Handle) -> None:
@@ -218,7 +218,7 @@ class LoopStalls:
         asyncio.events.Handle._run = timed  # type: ignore[method-assign,assignment]
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         asyncio.events.Handle._run = self._run  # type: ignore[method-assign]
 
     @staticmethod
@@ -346,7 +346,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             at_s += rnd.expovariate(args.rate)
             offsets_s.append(at_s)
         prepared = [trace.request(f"fleet-{i}") for i in range(num_requests)]
-        stalls = LoopStalls().__enter__() if os.environ.get("FLEET_STALLS") else None
+        stalls = LoopStalls().start() if os.environ.get("FLEET_STALLS") else None
         t0 = time.perf_counter()
         for (request, hashes), offset_s in zip(prepared, offsets_s, strict=True):
             delay = t0 + offset_s - time.perf_counter()
@@ -364,7 +364,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
         await asyncio.gather(*tasks)
         elapsed_s = time.perf_counter() - t0 - args.warmup_s
         if stalls is not None:
-            stalls.__exit__()
+            stalls.stop()
             stalls.report()
         if profiler is not None:
             import pstats
