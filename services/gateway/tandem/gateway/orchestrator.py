@@ -284,7 +284,11 @@ class Orchestrator:
         while True:
             try:
                 return await self._schedule_once(
-                    job, exclude_worker_ids, progress.prompt_block_hashes, prefill_done_on_worker_id, local_prefill_only
+                    job,
+                    exclude_worker_ids,
+                    progress.prompt_block_hashes,
+                    prefill_done_on_worker_id=prefill_done_on_worker_id,
+                    local_prefill_only=local_prefill_only,
                 )
             except BackendUnavailableError:
                 delay_s = next(delays, None)
@@ -298,6 +302,7 @@ class Orchestrator:
         job: GenerationJob,
         exclude_worker_ids: list[str],
         hashes: list[router_pb2.PromptBlockHashes],
+        *,
         prefill_done_on_worker_id: str = "",
         local_prefill_only: bool = False,
     ) -> router_pb2.Placement:
