@@ -320,15 +320,16 @@ def breakdown_s(dtype_name: str, num_tokens: int, max_chunk_bytes: int) -> dict[
     side = _side(_free_port(), max_chunk_bytes)
     caches = _caches(dtype_name, SEED)
     side.register_kv_caches(caches)
+    assert side.layout is not None
     try:
         blocks = list(range(Size(num_tokens).num_blocks))
-        chunks = list(side.read_chunks(blocks, max_chunk_bytes))
+        chunks = list(side.server.read_chunks(blocks, max_chunk_bytes))
         started = time.perf_counter()
-        for _ in side.read_chunks(blocks, max_chunk_bytes):
+        for _ in side.server.read_chunks(blocks, max_chunk_bytes):
             pass
         read_s = time.perf_counter() - started
         started = time.perf_counter()
-        wire.write_chunks(list(caches.values()), side._block_dim, blocks, max_chunk_bytes, chunks)
+        wire.write_chunks(list(caches.values()), side.layout.block_dim, blocks, max_chunk_bytes, chunks)
         write_s = time.perf_counter() - started
     finally:
         side.shutdown()
