@@ -26,10 +26,7 @@ from tests.kit.workers import StaticView
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 SNAPSHOT_S = 0.05
-#: A replica is dead once its liveness key is unrefreshed this long. At 1 s a survivor on the loaded
-#: 2-core CI host once saw a live replica stall past it (one loop blocked a second), declared it
-#: dead, then saw it speak again: two deaths counted where the test kills one.
-TTL_S = 2.0
+TTL_S = 1.0
 
 
 def req(request_id: str, tokens: int = 60, tenant: str = "t") -> ScheduleRequest:

@@ -553,12 +553,18 @@ class Ledger:
         self._seq += 1
         message = self._encoder.encode([self.replica_id, self._seq, events])
         snapshot = self.snapshot()  # no await since the outbox was taken: it matches seq exactly
+        # Only replicas mirrored before this read can be found dead by it: a message received while
+        # it is in flight may come from a replica that joined after our ZRANGE ran (one CI run: B
+        # mirrored A from A's first message, found A missing from its older member list, declared
+        # it dead, then revived it at A's next message: two deaths counted for one kill).
+        known_before = set(self._mirrors)
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.publish(self._channel, message)
-                pipe.set(self._snapshot_key(self.replica_id), snapshot, px=self._ttl_ms)
+                # Membership and liveness before the message: whoever received it sees us listed.
                 pipe.set(self._alive_key(self.replica_id), b"1", px=self._ttl_ms)
                 pipe.zadd(self._replicas_key(), {self.replica_id: 0})
+                pipe.set(self._snapshot_key(self.replica_id), snapshot, px=self._ttl_ms)
+                pipe.publish(self._channel, message)
                 pipe.zrange(self._replicas_key(), 0, -1)
                 results = await pipe.execute()
             self.stats.num_published += 1
@@ -571,7 +577,7 @@ class Ledger:
             return
         live = {m for m, flag in zip(others, alive, strict=True) if flag is not None}
         dead = [m for m in others if m not in live]
-        for replica_id in [r for r in self._mirrors if r not in live]:
+        for replica_id in [r for r in self._mirrors if r in known_before and r not in live]:
             self.declare_dead(replica_id)
         for mirror in [m for m in self._mirrors.values() if m.dead]:
             self._drop_if_empty(mirror)
