@@ -59,11 +59,10 @@ def test_streamed_answer_is_paris_and_kv_came_over_grpc(stack: LocalStack) -> No
     received = decode_after.kv_bytes_received_total - decode_before.kv_bytes_received_total
     sent = prefill_after.kv_bytes_sent_total - prefill_before.kv_bytes_sent_total
     block_size = kv_stats(stack, "decode").layout.block_size_tokens
-    # The decode engine computed less than one KV block of the prompt itself ...
-    assert 0 < computed < block_size, (computed, block_size)
-    # ... and received the rest over gRPC from the prefill engine.
-    # The decode engine's prompt is the prompt alone: it replays prefill's first token as its first output.
-    assert loaded + computed == num_prompt
+    # Greedy, no stop string: decode takes prefill's first token as its last prompt token
+    # (tandem.worker.continuation), so it computes none of the prompt and loads all of it over gRPC
+    # from the prefill engine (a replayed first token would leave the last prompt position to compute).
+    assert computed == 0 and loaded == num_prompt, (computed, loaded, num_prompt, block_size)
     assert received > 0 and received == sent
     # Nothing stays held once the decode side released the blocks.
     assert kv_stats(stack, "prefill").num_held_blocks == 0

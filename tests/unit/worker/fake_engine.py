@@ -38,10 +38,13 @@ def layout() -> KVLayout:
     return KVLayout(model="m", dtype="float32", block_size_tokens=4, num_layers=2, block_shape=(2, 4, 1, 8))
 
 
-def decode_outputs(kv_transfer_params: dict[str, Any] | None = None, num_cached_tokens: int = 3) -> list[Output]:
-    """The replayed first token, then two more; the last output carries ``kv_transfer_params``."""
+def decode_outputs(
+    kv_transfer_params: dict[str, Any] | None = None, num_cached_tokens: int = 3, *, with_first_token: bool = False
+) -> list[Output]:
+    """Two tokens after the first (after the first token itself, with ``with_first_token``: a replay
+    or a local prefill); the last output carries ``kv_transfer_params``."""
     return [
-        Output([Completion([FIRST_TOKEN], FIRST_TEXT)]),
+        *([Output([Completion([FIRST_TOKEN], FIRST_TEXT)])] if with_first_token else []),
         Output([Completion([12], " there")]),
         Output(
             [Completion([13], "!", finish_reason="stop")],
@@ -59,11 +62,13 @@ class ScriptedEngine:
     held: set[str] = field(default_factory=set)
     kv_stats_delay_s: float = 0.0
     params: list[Any] = field(default_factory=list)
+    prompts: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
 
     async def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
         self.params.append(params)
+        self.prompts.append(prompt)
         for out in self.outputs:
             yield out
 

@@ -17,8 +17,11 @@ a matched stop string also ends the request, then
 * colocated: one engine generates the whole answer, streamed (DELTA);
 * prefill: the same request with ``max_tokens=1``, final output only, cut by
   :func:`first_streamed_text`;
-* decode: the request again (decode replays the first token, so its engine
-  sees the colocated request), streamed, through :class:`ReplaySkipper`.
+* decode: as the worker decides (:func:`appends_first_token`), either the
+  request again (decode replays the first token, so its engine sees the
+  colocated request), streamed, through :class:`ReplaySkipper`; or the first
+  token appended to the prompt, ``max_tokens`` and ``min_tokens`` one lower,
+  streamed as it comes.
 
 Prefill's text followed by decode's must be the colocated stream, delta for
 delta after the first, with the same finish.
@@ -36,7 +39,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.v1 import common_pb2
-from tandem.worker.continuation import ReplaySkipper, first_streamed_text
+from tandem.worker.continuation import ReplaySkipper, appended_options, appends_first_token, first_streamed_text
 from tandem.worker.sampling import sampling_kwargs
 
 MODEL_DIR = Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
@@ -68,11 +71,12 @@ class Run:
     num_tokens: int
 
 
-def engine_params(max_tokens: int, **sampling: Any) -> Any:
+def engine_params(max_tokens: int, options: common_pb2.SamplingOptions | None = None, **sampling: Any) -> Any:
     """vLLM ``SamplingParams`` as the worker builds them (tandem.worker.sampling) from the client's options."""
     from vllm import SamplingParams
 
-    return SamplingParams(**sampling_kwargs(common_pb2.SamplingOptions(**sampling), max_tokens=max_tokens))
+    options = options or common_pb2.SamplingOptions(**sampling)
+    return SamplingParams(**sampling_kwargs(options, max_tokens=max_tokens))
 
 
 def engine_run(tokenizer: Any, prompt_ids: list[int], output_ids: list[int], *, params: Any, delta: bool) -> Run:
@@ -120,6 +124,16 @@ def disaggregated_run(
     first_text = first_streamed_text(prefill.deltas[-1], finished=finished, stop_buffer_chars=buffer_chars)
     if finished:
         return Run([first_text], prefill.finish_reason, 1)
+    options = common_pb2.SamplingOptions(**sampling)
+    if appends_first_token(options, sampling_kwargs(options, max_tokens=max_tokens), first_text):
+        appended = engine_run(
+            tokenizer,
+            [*prompt_ids, output_ids[0]],
+            output_ids[1:],
+            params=engine_params(max_tokens - 1, appended_options(options)),
+            delta=True,
+        )
+        return Run([first_text, *appended.deltas], appended.finish_reason, appended.num_tokens + 1)
     decode = engine_run(tokenizer, prompt_ids, output_ids, params=engine_params(max_tokens, **sampling), delta=True)
     skipper = ReplaySkipper(output_ids[0], first_text)
     rest = []
@@ -256,3 +270,24 @@ def test_replay_skipper_flags_a_disagreement() -> None:
     assert skipper.tokens([7], ["lp7"]) == ([], [])
     assert skipper.tokens([8], ["lp8"]) == ([8], ["lp8"])
     assert skipper.text("abc") == "c" and not skipper.mismatch
+
+
+def test_the_first_token_is_appended_only_where_that_is_the_same_request() -> None:
+    def appends(first_text: str = "Hi", defaults: dict[str, Any] | None = None, **fields: Any) -> bool:
+        options = common_pb2.SamplingOptions(**fields)
+        return appends_first_token(options, sampling_kwargs(options, max_tokens=8, model_defaults=defaults), first_text)
+
+    assert appends() and appends(temperature=0.0) and appends(temperature=0.7)  # unseeded: any draw is the same draw
+    assert appends(temperature=0.0, seed=3)  # greedy: the seed draws nothing
+    assert appends(repetition_penalty=1.3, min_tokens=4, logit_bias={5: 2.0}, stop_token_ids=[9], logprobs=2)
+    assert not appends(temperature=0.7, seed=3)  # a seeded sampler would be one draw behind
+    assert not appends(defaults={"temperature": 0.2}, seed=3)  # the model's default temperature counts
+    assert not appends(stop=["x"])
+    assert not appends(presence_penalty=0.5) and not appends(frequency_penalty=0.5)
+    assert not appends(defaults={"frequency_penalty": 0.5})
+    assert not appends(structured_output=common_pb2.StructuredOutput(json_object=True))
+    assert not appends(first_text="")  # the first token ends inside a character: nothing was streamed
+    assert not appends(skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert appends(skip_special_tokens=False)
+    assert appended_options(common_pb2.SamplingOptions(min_tokens=3, max_tokens=9)).min_tokens == 2
+    assert appended_options(common_pb2.SamplingOptions(min_tokens=0)).min_tokens == 0

@@ -14,7 +14,7 @@ from tandem.v1 import common_pb2, worker_pb2
 from tandem.worker.first_token import REPLAY_TOKEN_ID
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
-from tests.unit.worker.fake_engine import FIRST_TEXT, FIRST_TOKEN, Context, Refused, ScriptedEngine
+from tests.unit.worker.fake_engine import FIRST_TEXT, FIRST_TOKEN, Context, Refused, ScriptedEngine, decode_outputs
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -38,7 +38,7 @@ def _request(**fields: Any) -> worker_pb2.DecodeRequest:
 
 
 async def test_every_token_is_streamed_and_nothing_is_replayed_or_pulled() -> None:
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(outputs=decode_outputs(with_first_token=True))
     service = await _service(engine)
     chunks = [chunk async for chunk in service.Decode(_request(), Context())]  # type: ignore[arg-type]
     assert "".join(c.text for c in chunks) == FIRST_TEXT + " there!"
@@ -55,7 +55,7 @@ async def test_every_token_is_streamed_and_nothing_is_replayed_or_pulled() -> No
 
 
 async def test_one_token_is_enough_for_a_local_prefill() -> None:
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(outputs=decode_outputs(with_first_token=True))
     service = await _service(engine)
     request = _request(sampling=common_pb2.SamplingOptions(max_tokens=1, temperature=0.0))
     chunks = [chunk async for chunk in service.Decode(request, Context())]  # type: ignore[arg-type]
@@ -73,7 +73,7 @@ async def test_one_token_is_enough_for_a_local_prefill() -> None:
     ids=["first_token_id", "first_text", "kv_handle"],
 )
 async def test_a_local_prefill_that_carries_a_prefill_workers_output_is_refused(fields: dict[str, Any]) -> None:
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(outputs=decode_outputs(with_first_token=True))
     service = await _service(engine)
     context = Context()
     with pytest.raises(Refused):

@@ -14,6 +14,7 @@ import pytest
 
 from tandem.common.tls import TLSSettings
 from tandem.v1 import common_pb2, worker_pb2
+from tandem.worker.first_token import REPLAY_TOKEN_ID
 from tandem.worker.kv_connector.params import HANDLE, KV_LOAD, KVHandleParams, LoadRecord
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
@@ -39,13 +40,13 @@ async def _service(role: str, engine: ScriptedEngine) -> WorkerService:
     return service
 
 
-def _handle() -> common_pb2.KVHandle:
+def _handle(num_tokens: int = 4) -> common_pb2.KVHandle:
     return common_pb2.KVHandle(
         engine_id="prefill-0",
         kv_address="127.0.0.1:1",
         remote_request_id="r1-abcdefgh",
-        block_ids=[0],
-        num_tokens=4,
+        block_ids=[0, 1],
+        num_tokens=num_tokens,
         layout=layout().to_proto(),
     )
 
@@ -68,18 +69,44 @@ async def _decode(service: WorkerService, request: worker_pb2.DecodeRequest) -> 
 
 
 async def test_decode_reports_the_load_the_engine_did_with_the_finished_request() -> None:
-    record = LoadRecord(num_kv_tokens_loaded=4, num_blocks_loaded=1, num_bytes=5_898_240, seconds=0.25)
-    engine = ScriptedEngine(outputs=decode_outputs({KV_LOAD: record.to_dict()}, num_cached_tokens=4))
-    chunks = await _decode(await _service("decode", engine), _decode_request())
-    assert "".join(c.text for c in chunks) == " there!"  # the replayed first token is not streamed again
+    """The first token is appended to the prompt (greedy, no stop string: the same request): the
+    engine's first step samples the second token, and its text streams as it comes."""
+    record = LoadRecord(num_kv_tokens_loaded=5, num_blocks_loaded=2, num_bytes=5_898_240, seconds=0.25)
+    engine = ScriptedEngine(outputs=decode_outputs({KV_LOAD: record.to_dict()}, num_cached_tokens=5))
+    service = await _service("decode", engine)
+    chunks = await _decode(service, _decode_request(kv_handle=_handle(num_tokens=5)))
+    assert "".join(c.text for c in chunks) == " there!"
     stats = chunks[-1].stats
     assert chunks[-1].finish_reason == "stop"
-    assert stats.num_kv_tokens_loaded == 4 and stats.num_local_cached_tokens == 0
-    assert stats.num_computed_prompt_tokens == 1  # the last prompt position is always computed
+    assert stats.num_kv_tokens_loaded == 5 and stats.num_local_cached_tokens == 0
+    assert stats.num_computed_prompt_tokens == 0 and stats.num_output_tokens == 2
     assert stats.kv_transfer_bytes == 5_898_240 and stats.kv_transfer_seconds == pytest.approx(0.25)
+    assert engine.prompts[0]["prompt_token_ids"] == [1, 2, 3, 4, 5, FIRST_TOKEN]
     (params,) = engine.params
+    assert params.max_tokens == 2  # the client's 3 counted the first token
     assert params.extra_args["kv_transfer_params"][HANDLE]["remote_request_id"] == "r1-abcdefgh"
+    assert REPLAY_TOKEN_ID not in params.extra_args
     assert params.temperature == 0.0  # the client's choice beats the model's default (0.6)
+    assert service.decodes_by_continuation == {"appended": 1}
+
+
+async def test_a_decode_with_a_stop_string_replays_the_first_token() -> None:
+    """A stop string may begin in the first token, which vLLM matches in output text only: decode
+    runs the colocated request, the first token forced as its first output and not streamed again."""
+    record = LoadRecord(num_kv_tokens_loaded=4, num_blocks_loaded=1, num_bytes=5_898_240, seconds=0.25)
+    outputs = decode_outputs({KV_LOAD: record.to_dict()}, num_cached_tokens=4, with_first_token=True)
+    engine = ScriptedEngine(outputs=outputs)
+    service = await _service("decode", engine)
+    sampling = common_pb2.SamplingOptions(max_tokens=3, temperature=0.0, stop=["\n\n"])
+    chunks = await _decode(service, _decode_request(sampling=sampling))
+    assert "".join(c.text for c in chunks) == " there!"  # the replayed first token is not streamed again
+    stats = chunks[-1].stats
+    assert stats.num_kv_tokens_loaded == 4 and stats.num_computed_prompt_tokens == 1  # the last position
+    assert stats.num_output_tokens == 2
+    assert engine.prompts[0]["prompt_token_ids"] == [1, 2, 3, 4, 5]
+    (params,) = engine.params
+    assert params.max_tokens == 3 and params.extra_args[REPLAY_TOKEN_ID] == FIRST_TOKEN
+    assert service.decodes_by_continuation == {"replayed": 1}
 
 
 async def test_a_failed_load_counts_as_computed_and_still_reports_its_time() -> None:
@@ -193,3 +220,16 @@ async def test_get_load_reports_the_engines_own_queue_and_kv_usage() -> None:
     service = await _service("decode", ScriptedEngine())
     report = await service.GetLoad(worker_pb2.LoadRequest(), Context())  # type: ignore[arg-type]
     assert (report.num_waiting_requests, report.kv_usage, report.num_kv_blocks_total) == (2, 0.25, 64)
+
+
+async def test_metrics_count_decodes_by_how_they_continued() -> None:
+    from tandem.worker.metrics import KVCollector
+
+    engine = ScriptedEngine()
+    service = await _service("decode", engine)
+    await _decode(service, _decode_request())
+    engine.outputs = decode_outputs(with_first_token=True)
+    await _decode(service, _decode_request(sampling=common_pb2.SamplingOptions(max_tokens=3, seed=1, temperature=1.0)))
+    (family,) = [m for m in KVCollector(service).collect() if m.name == "tandem_decode_continuations"]
+    by_mode = {s.labels["mode"]: s.value for s in family.samples if s.name.endswith("_total")}
+    assert by_mode == {"appended": 1.0, "replayed": 1.0, "local": 0.0}

@@ -15,15 +15,38 @@ in ``tests/unit/worker/test_continuation.py``.
   and exactly the characters prefill already streamed, and passes the rest.
 * A local prefill (the decode worker ran the whole request) streams all of it:
   :class:`StreamAll`.
+
+Replay costs one engine step at the boundary: the decode engine computes the
+last prompt position again only to sample the token it is told to. Where the
+request's parameters make the two forms the same request, decode instead takes
+the first token as the last prompt token (:func:`appends_first_token`): its
+first step samples the second token, the gap between the first and second
+token the client sees is one step shorter, and decode's text is streamed as it
+comes (:class:`StreamAll`). The conditions, each a place where the forms
+differ: stop strings (vLLM matches them in the output text only, and one may
+begin in the first token); a structured-output grammar (its state would not
+have advanced over the first token); presence and frequency penalties (they
+count output tokens only; repetition penalty counts prompt and output alike);
+a seed under random sampling (a seeded sampler would be one draw behind); the
+first token's text incomplete (part of a character: vLLM's detokenizer primed
+with a prompt that ends inside a character emits prompt text) or empty; and
+special tokens joined without spaces (the detokenizer would not know the
+first token was one). ``min_tokens`` and ``max_tokens`` count the first token
+in the colocated request and are one lower in the appended one.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+from tandem.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
+
+#: vLLM samples greedily below this temperature (``vllm.sampling_params._SAMPLING_EPS``).
+_GREEDY_TEMPERATURE = 1e-5
 
 T = TypeVar("T")
 
@@ -38,9 +61,35 @@ def first_streamed_text(text: str, *, finished: bool, stop_buffer_chars: int) ->
     return text[: max(0, len(text) - stop_buffer_chars)]
 
 
+def appends_first_token(options: common_pb2.SamplingOptions, effective: Mapping[str, Any], first_text: str) -> bool:
+    """Whether decode may take the first token as its last prompt token instead of replaying it (see
+    the module docstring). ``effective``: the ``SamplingParams`` keyword arguments the worker builds
+    from ``options`` (tandem.worker.sampling.sampling_kwargs: the model's defaults filled in)."""
+    if options.stop or (options.HasField("structured_output") and options.structured_output.WhichOneof("kind")):
+        return False
+    if effective.get("presence_penalty", 0.0) or effective.get("frequency_penalty", 0.0):
+        return False
+    if effective.get("seed") is not None and effective.get("temperature", 1.0) >= _GREEDY_TEMPERATURE:
+        return False
+    if not effective.get("skip_special_tokens", True) and not effective.get("spaces_between_special_tokens", True):
+        return False
+    # A first token that ends inside a character streams nothing (vLLM holds the partial bytes back).
+    return bool(first_text)
+
+
+def appended_options(options: common_pb2.SamplingOptions) -> common_pb2.SamplingOptions:
+    """``options`` for the appended decode request: ``min_tokens`` one lower (the first token, now
+    prompt, counted towards it); the caller lowers ``max_tokens`` the same way."""
+    appended = common_pb2.SamplingOptions()
+    appended.CopyFrom(options)
+    appended.min_tokens = max(0, options.min_tokens - 1)
+    return appended
+
+
 class StreamAll:
     """Passes decode's delta outputs as they are: a local prefill, where this engine sampled the first
-    token too and nothing was streamed before (same interface as :class:`ReplaySkipper`)."""
+    token too and nothing was streamed before, or an appended first token, which the engine does not
+    output (same interface as :class:`ReplaySkipper`)."""
 
     mismatch = False
 

@@ -1,5 +1,6 @@
 """The decode role: continue a request from a prefill worker's KV (pulled by
-the engine's KV connector, the first token replayed) or, for a local prefill,
+the engine's KV connector; the first token appended to the prompt where that
+is the same request, else replayed: tandem.worker.continuation) or, for a local prefill,
 run the whole request here; stream the new tokens, and end with what the
 request cost (prompt tokens loaded, computed and cached, the KV pull's time
 and bytes, from the finished request's own ``kv_transfer_params``)."""
@@ -13,12 +14,12 @@ from typing import Any
 import grpc
 
 from tandem.v1 import worker_pb2
-from tandem.worker.continuation import ReplaySkipper, StreamAll
+from tandem.worker.continuation import ReplaySkipper, StreamAll, appended_options, appends_first_token
 from tandem.worker.first_token import replay_args
 from tandem.worker.handling import Ctx, Role, engine_prompt, engine_refusals, sampling_params
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.params import KVHandleParams, decode_params, load_record_of
-from tandem.worker.sampling import logprobs_messages
+from tandem.worker.sampling import logprobs_messages, sampling_kwargs
 
 
 class DecodeRole(Role):
@@ -33,43 +34,57 @@ class DecodeRole(Role):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "a local prefill carries no kv_handle, first_token_id or first_text (no prefill worker ran)",
             )
-        # The first token is replayed, not appended to the prompt: see tandem.worker.first_token.
-        extra_args: dict[str, Any] = {} if local else replay_args(request.first_token_id)
-        if request.HasField("kv_handle"):
-            try:
-                self._layout.check_compatible(KVLayout.from_proto(request.kv_handle.layout))
-            except Exception as exc:  # KVLayoutMismatchError
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            extra_args["kv_transfer_params"] = decode_params(KVHandleParams.from_proto(request.kv_handle))
         max_tokens = request.sampling.max_tokens
         if max_tokens < (1 if local else 2):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "max_tokens must be at least 1"
                 if local
-                else "max_tokens must be at least 2 (the first token is replayed)",
+                else "max_tokens must be at least 2 (the first token came from the prefill worker)",
             )
+        # The first token is appended to the prompt where that is the same request, else replayed (see
+        # tandem.worker.continuation and tandem.worker.first_token).
+        options = request.sampling
+        append = not local and appends_first_token(
+            options,
+            sampling_kwargs(options, max_tokens=max_tokens, model_defaults=self._model_defaults),
+            request.first_text,
+        )
+        engine_prompt_ids = prompt_ids
+        extra_args: dict[str, Any] = {}
+        if append:
+            engine_prompt_ids = [*prompt_ids, request.first_token_id]
+            options, max_tokens = appended_options(options), max_tokens - 1
+        elif not local:
+            extra_args = replay_args(request.first_token_id)
+        if request.HasField("kv_handle"):
+            try:
+                self._layout.check_compatible(KVLayout.from_proto(request.kv_handle.layout))
+            except Exception as exc:  # KVLayoutMismatchError
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            extra_args["kv_transfer_params"] = decode_params(KVHandleParams.from_proto(request.kv_handle))
         params = await sampling_params(
             context,
-            request.sampling,
+            options,
             max_tokens=max_tokens,
             model_defaults=self._model_defaults,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args or None,
         )
         skipper: ReplaySkipper | StreamAll = (
-            StreamAll() if local else ReplaySkipper(request.first_token_id, request.first_text)
+            StreamAll() if local or append else ReplaySkipper(request.first_token_id, request.first_text)
         )
+        self._counters.decodes_by_continuation["local" if local else "appended" if append else "replayed"] += 1
         num_top_logprobs = params.logprobs or 0
         num_output = 0
         started = time.perf_counter()
         first_token_s = 0.0
-        num_kv_tokens = len(prompt_ids) + max_tokens
+        num_kv_tokens = len(engine_prompt_ids) + max_tokens
         self._counters.num_running += 1
         self._counters.num_kv_tokens_in_flight += num_kv_tokens
         try:
             async for out in self._engine.generate(
-                engine_prompt(prompt_ids, request.cache_salt), params, request.request_id
+                engine_prompt(engine_prompt_ids, request.cache_salt), params, request.request_id
             ):
                 completion = out.outputs[0]
                 token_ids, logprobs = skipper.tokens(completion.token_ids, completion.logprobs)

@@ -3,7 +3,8 @@ what cannot run, build the engine's prompt and ``SamplingParams``, count."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -29,6 +30,9 @@ class WorkerCounters:
     num_prompt_tokens_in_flight: int = 0
     num_kv_tokens_in_flight: int = 0
     prompt_tokens_computed: int = 0
+    #: Decodes by how they continued: ``appended`` (the first token as the last prompt token),
+    #: ``replayed`` (tandem.worker.first_token), ``local`` (a local prefill: the whole request here).
+    decodes_by_continuation: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass

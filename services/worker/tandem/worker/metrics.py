@@ -1,7 +1,8 @@
 """Prometheus endpoint of a worker: vLLM's own ``vllm:*`` metrics (registered
 by AsyncLLM in this process) plus ``tandem_kv_*`` counters of the engine's KV
 server, as the worker service last read them (through the engine: by GetLoad,
-and by the registry heartbeat at most every 30 s). Started by ``__main__``.
+and by the registry heartbeat at most every 30 s), and on a decode worker the
+service's own ``tandem_decode_continuations_total{mode}``. Started by ``__main__``.
 
 Always in Prometheus's text format: asked for OpenMetrics (as Prometheus
 asks first), prometheus_client escapes the colons of ``vllm:*`` names to
@@ -50,6 +51,16 @@ class KVCollector(Collector):
         g = GaugeMetricFamily("tandem_kv_held_blocks", "KV blocks held for decode engines", labels=labels)
         g.add_metric([role], float(s.num_held_blocks))
         yield g
+        if role == "decode":
+            c = CounterMetricFamily(
+                "tandem_decode_continuations",
+                "Decodes by how they continued the first token: appended to the prompt, replayed, or a local prefill",
+                labels=["mode"],
+            )
+            by_mode = self._service.decodes_by_continuation
+            for mode in ("appended", "replayed", "local"):
+                c.add_metric([mode], float(by_mode.get(mode, 0)))
+            yield c
 
 
 def metrics_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:

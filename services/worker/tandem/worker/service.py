@@ -90,6 +90,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Prompt plus max_tokens of the decodes running now."""
         return self._counters.num_kv_tokens_in_flight
 
+    @property
+    def decodes_by_continuation(self) -> dict[str, int]:
+        """Decodes so far by how they continued the prefill's first token (tandem.worker.continuation)."""
+        return dict(self._counters.decodes_by_continuation)
+
     def engine_load(self) -> EngineLoad:
         """The engine's own view of its queue and KV cache (zeros if it cannot say)."""
         try:
