@@ -74,7 +74,8 @@ class DecodeRole(Role):
         skipper: ReplaySkipper | StreamAll = (
             StreamAll() if local or append else ReplaySkipper(request.first_token_id, request.first_text)
         )
-        self._counters.decodes_by_continuation["local" if local else "appended" if append else "replayed"] += 1
+        mode = "local" if local else "appended" if append else "replayed"
+        self._counters.decodes_by_continuation[mode] += 1
         num_top_logprobs = params.logprobs or 0
         num_output = 0
         started = time.perf_counter()

@@ -24,14 +24,18 @@ def engine_refusals() -> tuple[type[Exception], ...]:
     return (ValueError, VLLMClientError)
 
 
+#: How a decode continued the prefill's first token: ``appended`` (as the last prompt token),
+#: ``replayed`` (tandem.worker.first_token), ``local`` (a local prefill: the whole request here).
+CONTINUATION_MODES = ("appended", "replayed", "local")
+
+
 @dataclass
 class WorkerCounters:
     num_running: int = 0
     num_prompt_tokens_in_flight: int = 0
     num_kv_tokens_in_flight: int = 0
     prompt_tokens_computed: int = 0
-    #: Decodes by how they continued: ``appended`` (the first token as the last prompt token),
-    #: ``replayed`` (tandem.worker.first_token), ``local`` (a local prefill: the whole request here).
+    #: Decodes by how they continued (one of CONTINUATION_MODES).
     decodes_by_continuation: Counter[str] = field(default_factory=Counter)
 
 

@@ -23,6 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tandem.worker.handling import CONTINUATION_MODES
+
 if TYPE_CHECKING:
     from tandem.worker.service import WorkerService
 
@@ -58,7 +60,7 @@ class KVCollector(Collector):
                 labels=["mode"],
             )
             by_mode = self._service.decodes_by_continuation
-            for mode in ("appended", "replayed", "local"):
+            for mode in CONTINUATION_MODES:
                 c.add_metric([mode], float(by_mode.get(mode, 0)))
             yield c
 
