@@ -106,9 +106,16 @@ def num_tokens(result: object) -> int:
 def test_worker_killed_between_requests(backend: BackendStack, ledger: FaultLedger, role: str) -> None:
     """Its registration outlives it by up to the TTL; requests placed on it meanwhile must not fail."""
     stack = backend.stack
-    # The router prefers the prefill worker that caches a prompt's prefix: kill the one that just
-    # served this prefix, and the next requests with it are placed on the dead worker.
-    prefix = "You are a careful assistant who answers in one short sentence. " * 12 if role == "prefill" else ""
+    # The router prefers the worker that holds a prompt's prefix (a prefill worker: in its prefix cache;
+    # a decode worker: the blocks it pulled, which its engine caches and announces too): kill the one that
+    # just served this prefix, and the next requests with it are placed on the dead worker. Without a
+    # shared prefix the two workers tie and the requests of a burst fall on either at random: one CI run
+    # saw none of them on the dead decode worker within its registration's last seconds. Each role has
+    # a prefix of its own, so that neither test's requests find the other's prefix already cached.
+    prefix = {
+        "prefill": "You are a careful assistant who answers in one short sentence. ",
+        "decode": "You are a patient tutor who always replies with one friendly line. ",
+    }[role] * 12
     with ledger.fault(f"{role} worker SIGKILLed between requests") as f:
         names = worker_names(stack, role)
         served_before = {n: gauge(stack, n, "vllm:request_success_total") for n in names}
