@@ -16,15 +16,21 @@ with the default model's real KV layout on CPU: 30 layers, blocks of
   client copying each message into a preallocated buffer;
 * where the pull's time goes: its two copies (the prefill side writing cache
   blocks out as wire bytes, the decode side copying wire bytes into its cache),
-  each timed alone, beside what gRPC alone needs for the same bytes.
+  each timed alone, beside what gRPC alone needs for the same bytes;
+* under concurrent load: four ~1k-token pulls from one prefill side at once,
+  against four loopback streams and four bare gRPC streams (over one channel,
+  as the puller keeps one per prefill worker) at once.
 
 Part 2, engines (``--engines``; real vLLM, real model): the gap between the first
 token (from prefill) and the second (from decode) for a ~2k-token prompt through
-the Tandem stack, next to plain vLLM's inter-token latency for the same prompt.
+the Tandem stack, next to plain vLLM's inter-token latency for the same prompt,
+and where the gap goes (the KV pull, the rest of decode up to its first token,
+and the gateway around them), from each request's own stage timings.
 
 Ends with ``bench-kv: pull_gbps=… loopback_gbps=… ratio=… grpc_ceiling_gbps=…
-second_token_gap_ratio=…`` (ratio: pull ÷ loopback at ~4k tokens; the gap ratio
-is ``n/a`` without ``--engines``). Nothing is simulated; the transport part
+min_ratio_vs_grpc=… concurrent_ratio=… second_token_gap_ratio=…`` (ratio: pull ÷
+loopback at ~4k tokens; concurrent_ratio: the same for the concurrent round; the
+gap ratio is ``n/a`` without ``--engines``). Nothing is simulated; the transport part
 does not run an engine's forward pass beside the KV server, so the GIL
 contention of a live engine is not in its figures (part 2 has it).
 """
@@ -36,7 +42,8 @@ import multiprocessing as mp
 import socket
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -48,6 +55,10 @@ BLOCK_SHAPE = (2, 3, BLOCK_TOKENS, 64)
 NUM_CACHE_BLOCKS = 40
 #: Prompt sizes in tokens: one block, ~1k, ~4k.
 SIZES_TOKENS = (BLOCK_TOKENS, 1024, 4096)
+#: Under concurrent load: this many ~1k-token pulls from one prefill worker at once (as a decode
+#: engine admitting a burst of long prompts), against as many loopback and bare gRPC streams at once.
+CONCURRENT_STREAMS = 4
+CONCURRENT_TOKENS = 1024
 SEED = 1234
 GRPC_METHOD = "/tandem.bench.Bytes/Stream"
 
@@ -113,20 +124,28 @@ def _prefill_server(conn: Connection, port: int, dtype_name: str, max_chunk_byte
 
 
 def _tcp_server(conn: Connection, largest_bytes: int) -> None:
-    """Sends the byte count each connection asks for (8 bytes, little-endian), from one buffer."""
+    """Sends the byte count each connection asks for (8 bytes, little-endian), from one buffer; each
+    connection on a thread of its own, so that concurrent streams run at once (0 bytes: stop)."""
+    import threading
+
     from tandem.worker.kv_connector import heap
 
     heap.keep_message_buffers(4 << 20)  # as the pull's processes: the same allocator for all three
     payload = memoryview(bytes(largest_bytes))
-    with socket.create_server(("127.0.0.1", 0)) as server:
+
+    def send(peer: socket.socket, wanted: int) -> None:
+        with peer:
+            peer.sendall(payload[:wanted])
+
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
         conn.send(server.getsockname()[1])
         while True:
             peer, _ = server.accept()
-            with peer:
-                wanted = int.from_bytes(peer.recv(8), "little")
-                if wanted == 0:
-                    return
-                peer.sendall(payload[:wanted])
+            wanted = int.from_bytes(peer.recv(8), "little")
+            if wanted == 0:
+                peer.close()
+                return
+            threading.Thread(target=send, args=(peer, wanted), daemon=True).start()
 
 
 def _grpc_server(conn: Connection, chunk_bytes: int) -> None:
@@ -187,23 +206,47 @@ class Transport:
         return num_bytes / statistics.median(times) / 1e9
 
 
+def _concurrently(num_streams: int, one: Callable[[int], object]) -> float:
+    """Seconds from the start of ``num_streams`` calls ``one(i)`` on threads of their own to the end of
+    the last one."""
+    with ThreadPoolExecutor(max_workers=num_streams) as pool:
+        started = time.perf_counter()
+        for future in [pool.submit(one, i) for i in range(num_streams)]:
+            future.result()
+        return time.perf_counter() - started
+
+
+def _buffer_sizes(largest_bytes: int, concurrent_bytes: int) -> list[int]:
+    """One buffer for the largest transfer (stream 0 of a concurrent round uses it too), one more
+    per further concurrent stream."""
+    return [largest_bytes] + [concurrent_bytes] * (CONCURRENT_STREAMS - 1)
+
+
 class _Loopback:
-    def __init__(self, largest_bytes: int) -> None:
+    def __init__(self, largest_bytes: int, concurrent_bytes: int) -> None:
         self._proc, conn = _start(_tcp_server, largest_bytes)
         self._port = conn.recv()
-        self._buf = memoryview(bytearray(largest_bytes))
+        self._bufs = [memoryview(bytearray(n)) for n in _buffer_sizes(largest_bytes, concurrent_bytes)]
 
     def seconds(self, num_bytes: int) -> float:
         started = time.perf_counter()
+        self._receive(num_bytes, 0)
+        return time.perf_counter() - started
+
+    def concurrent_seconds(self, num_bytes: int, num_streams: int) -> float:
+        """``num_streams`` streams of ``num_bytes`` each at once, one connection and buffer each."""
+        return _concurrently(num_streams, lambda i: self._receive(num_bytes, i))
+
+    def _receive(self, num_bytes: int, buffer_index: int) -> None:
+        buf = self._bufs[buffer_index]
         with socket.create_connection(("127.0.0.1", self._port)) as sock:
             sock.sendall(num_bytes.to_bytes(8, "little"))
             got = 0
             while got < num_bytes:
-                n = sock.recv_into(self._buf[got:num_bytes])
+                n = sock.recv_into(buf[got:num_bytes])
                 if n == 0:
                     raise RuntimeError("loopback server closed early")
                 got += n
-        return time.perf_counter() - started
 
     def close(self) -> None:
         with socket.create_connection(("127.0.0.1", self._port)) as sock:
@@ -212,29 +255,38 @@ class _Loopback:
 
 
 class _GrpcCeiling:
-    def __init__(self, largest_bytes: int, chunk_bytes: int) -> None:
+    def __init__(self, largest_bytes: int, chunk_bytes: int, concurrent_bytes: int) -> None:
         import grpc
 
         self._proc, self._conn = _start(_grpc_server, chunk_bytes)
         port = self._conn.recv()
+        # One channel, as the puller keeps one to each prefill worker.
         self._channel = grpc.insecure_channel(
             f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)]
         )
         self._call = self._channel.unary_stream(
             GRPC_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b
         )
-        self._buf = bytearray(largest_bytes)
+        self._bufs = [bytearray(n) for n in _buffer_sizes(largest_bytes, concurrent_bytes)]
         list(self._call((1).to_bytes(8, "little")))  # connect and warm up
 
     def seconds(self, num_bytes: int) -> float:
         started = time.perf_counter()
+        self._receive(num_bytes, 0)
+        return time.perf_counter() - started
+
+    def concurrent_seconds(self, num_bytes: int, num_streams: int) -> float:
+        """``num_streams`` streams of ``num_bytes`` each at once over the one channel (as the puller's
+        pulls from one prefill worker), a buffer each."""
+        return _concurrently(num_streams, lambda i: self._receive(num_bytes, i))
+
+    def _receive(self, num_bytes: int, buffer_index: int) -> None:
+        buf = self._bufs[buffer_index]
         offset = 0
         for message in self._call(num_bytes.to_bytes(8, "little")):
-            self._buf[offset : offset + len(message)] = message
+            buf[offset : offset + len(message)] = message
             offset += len(message)
-        elapsed = time.perf_counter() - started
         assert offset == num_bytes
-        return elapsed
 
     def close(self) -> None:
         self._channel.close()
@@ -242,13 +294,26 @@ class _GrpcCeiling:
         self._proc.join(timeout=10)
 
 
-def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> dict[int, Transport]:
+def _pull_all(decode: Any, specs: list[Any]) -> tuple[float, list[Any]]:
+    """(seconds, load records) of ``specs`` pulled at once, a thread each."""
+    records: list[Any] = [None] * len(specs)
+
+    def pull(i: int) -> None:
+        records[i] = decode.load(specs[i])
+
+    return _concurrently(len(specs), pull), records
+
+
+def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> tuple[dict[int, Transport], Transport]:
     """For each prompt size, ``repeats`` rounds of (pull, loopback TCP, gRPC ceiling) of its KV
     bytes, the three ways interleaved so that the machine's noise falls on all of them alike.
     A pull's time is the decode side's own record of its load (call, stream, copies into the
     cache; not the Release sent after it).
-    The first pull of each size lands in a zeroed cache and must then equal the prefill cache's
-    blocks byte for byte; it is not timed."""
+    Then as many rounds under concurrent load: ``CONCURRENT_STREAMS`` ~1k-token pulls at once
+    into distinct cache blocks (seconds from the first start to the last end), against as many
+    loopback and gRPC streams at once.
+    The first pull of each size (and the first concurrent round) lands in a zeroed cache and must
+    then equal the prefill cache's blocks byte for byte; it is not timed."""
     import torch
 
     from tandem.worker.kv_connector.metadata import LoadSpec
@@ -256,10 +321,13 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> di
 
     element_size = torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
     largest = Size(max(SIZES_TOKENS)).num_bytes(element_size)
+    concurrent_bytes = Size(CONCURRENT_TOKENS).num_bytes(element_size)
     port = _free_port()
     request_ids = [f"bench-{n}-{i}" for n in SIZES_TOKENS for i in range(repeats + 1)]
+    request_ids += [f"bench-c{j}-{i}" for j in range(CONCURRENT_STREAMS) for i in range(repeats + 1)]
     proc, conn = _start(_prefill_server, port, dtype_name, max_chunk_bytes, request_ids)
-    loopback, ceiling = _Loopback(largest), _GrpcCeiling(largest, max_chunk_bytes)
+    loopback = _Loopback(largest, concurrent_bytes)
+    ceiling = _GrpcCeiling(largest, max_chunk_bytes, concurrent_bytes)
     assert conn.recv() == "ready"
     expected = _caches(dtype_name, SEED)
     decode = _side(_free_port(), max_chunk_bytes)
@@ -287,13 +355,43 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> di
                 transport.pull.append(record.seconds)
                 transport.loopback.append(loopback.seconds(num_bytes))
                 transport.grpc.append(ceiling.seconds(num_bytes))
+        concurrent = Transport()
+        size = Size(CONCURRENT_TOKENS)
+        remote = tuple(range(size.num_blocks))
+        # Each stream lands in blocks of its own, from the end of the cache down.
+        locals_ = [
+            tuple(NUM_CACHE_BLOCKS - 1 - j * size.num_blocks - b for b in remote) for j in range(CONCURRENT_STREAMS)
+        ]
+        for i in range(repeats + 1):
+            handles = [
+                KVHandleParams(
+                    "prefill", f"127.0.0.1:{port}", f"bench-c{j}-{i}", remote, size.num_tokens, time.time() + 600
+                )
+                for j in range(CONCURRENT_STREAMS)
+            ]
+            specs = [
+                LoadSpec(f"{h.remote_request_id}-0123abcd", h, remote, local, size.num_tokens)
+                for h, local in zip(handles, locals_, strict=True)
+            ]
+            seconds, records = _pull_all(decode, specs)
+            for handle in handles:
+                decode.puller.release_remote(handle)
+            failed = [r.error for r in records if r.failed]
+            if failed:
+                raise RuntimeError(f"concurrent pulls failed: {failed}")
+            if i == 0:
+                _check_pulled(expected, caches, remote * CONCURRENT_STREAMS, sum(locals_, ()))
+                continue
+            concurrent.pull.append(seconds)
+            concurrent.loopback.append(loopback.concurrent_seconds(concurrent_bytes, CONCURRENT_STREAMS))
+            concurrent.grpc.append(ceiling.concurrent_seconds(concurrent_bytes, CONCURRENT_STREAMS))
     finally:
         conn.send("stop")
         proc.join(timeout=10)
         loopback.close()
         ceiling.close()
         decode.shutdown()
-    return results
+    return results, concurrent
 
 
 def _check_pulled(
@@ -339,9 +437,20 @@ def breakdown_s(dtype_name: str, num_tokens: int, max_chunk_bytes: int) -> dict[
 # --- part 2: engines ----------------------------------------------------------------------------------------
 
 
-def second_token_gaps(num_requests: int) -> tuple[list[float], list[float]]:
-    """(Tandem's first→second token gaps, plain vLLM's inter-token gaps) for ~2k-token prompts,
-    alternating between the two servers one request at a time."""
+@dataclass
+class GapParts:
+    """Where Tandem's first→second token gaps went, per request (seconds), from the gateway's stage
+    timings (``X-Tandem-Timings``): the decode worker's own figures of each request."""
+
+    #: The KV pull, as the decode engine's connector timed it.
+    pull: list[float] = field(default_factory=list)
+    #: From the Decode RPC's start in the worker to decode's first new token (the pull included).
+    decode_first_token: list[float] = field(default_factory=list)
+
+
+def second_token_gaps(num_requests: int, transfer_cpus: str) -> tuple[list[float], list[float], GapParts]:
+    """(Tandem's first→second token gaps, plain vLLM's inter-token gaps, where Tandem's gaps went) for
+    ~2k-token prompts, alternating between the two servers one request at a time."""
     import uuid
     from pathlib import Path
 
@@ -352,11 +461,16 @@ def second_token_gaps(num_requests: int) -> tuple[list[float], list[float]]:
 
     run_dir = Path(".run/bench-kv")
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = StackConfig.with_free_ports(key_prefix=f"tandem-bench-kv-{uuid.uuid4().hex[:6]}", log_dir=run_dir)
+    config = StackConfig.with_free_ports(
+        key_prefix=f"tandem-bench-kv-{uuid.uuid4().hex[:6]}",
+        log_dir=run_dir,
+        extra_env={"TANDEM_WORKER_KV__TRANSFER_CPUS": transfer_cpus} if transfer_cpus else {},
+    )
     stack = LocalStack(config, progress=lambda m: print(f"[bench-kv] {m}", flush=True))
     vllm_proc = None
     tandem_gaps: list[float] = []
     vllm_gaps: list[float] = []
+    parts = GapParts()
     try:
         stack.start()
         vllm_port = _free_port()
@@ -369,8 +483,12 @@ def second_token_gaps(num_requests: int) -> tuple[list[float], list[float]]:
             # Distinct documents: nothing is prefix-cached, every request moves its whole KV.
             doc = " ".join(f"Fact {i}-{j}: the number {j * 7 + i} is interesting." for j in range(150))
             prompt = doc + " Summarize."
-            _, gaps = stream_once(config.gateway_url, model, prompt, 8, stack.auth_headers)
+            timings: dict[str, Any] = {}
+            _, gaps = stream_once(config.gateway_url, model, prompt, 8, stack.auth_headers, timings_out=timings)
             tandem_gaps.append(gaps[0])
+            worker = timings.get("worker", {})
+            parts.pull.append(worker.get("kv_transfer_ms", 0.0) / 1e3)
+            parts.decode_first_token.append(worker.get("decode_first_token_ms", 0.0) / 1e3)
             _, gaps = stream_once(vllm_url, model, prompt + " ", 8, {})
             vllm_gaps.extend(gaps)
             print(f"[bench-kv] {i + 1}/{num_requests}", flush=True)
@@ -378,7 +496,7 @@ def second_token_gaps(num_requests: int) -> tuple[list[float], list[float]]:
         if vllm_proc is not None:
             stop_plain_vllm(vllm_proc)
         stack.stop()
-    return tandem_gaps, vllm_gaps
+    return tandem_gaps, vllm_gaps, parts
 
 
 def main() -> None:
@@ -388,12 +506,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engines", action="store_true", help="also measure the second-token gap on engines")
     parser.add_argument("--num-requests", type=int, default=6, help="~2k-token prompts per server (--engines)")
+    parser.add_argument(
+        "--transfer-cpus", choices=["engine", "any"], default="", help="the workers' kv.transfer_cpus (--engines)"
+    )
     args = parser.parse_args()
 
     import torch
 
     element_size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    results = measure_transport(args.dtype, args.max_chunk_bytes, args.repeats)
+    results, concurrent = measure_transport(args.dtype, args.max_chunk_bytes, args.repeats)
     largest = max(SIZES_TOKENS)
     steps = breakdown_s(args.dtype, largest, args.max_chunk_bytes)
 
@@ -410,6 +531,18 @@ def main() -> None:
             f"{num_tokens:>6} tokens {n / 1e6:>7.1f}MB {statistics.median(transport.pull) * 1e3:>8.1f} {pull:>6.2f}"
             f" {tcp:>9.2f} {grpc_:>6.2f} {pull / tcp:>10.2f} {pull / grpc_:>6.2f}"
         )
+    n = CONCURRENT_STREAMS * Size(CONCURRENT_TOKENS).num_bytes(element_size)
+    pull, tcp, grpc_ = (concurrent.gbps(n, way) for way in ("pull", "loopback", "grpc"))
+    concurrent_ratio = pull / tcp
+    print(
+        f"{CONCURRENT_STREAMS} x {CONCURRENT_TOKENS} at once {n / 1e6:>5.1f}MB"
+        f" {statistics.median(concurrent.pull) * 1e3:>8.1f} {pull:>6.2f} {tcp:>9.2f} {grpc_:>6.2f}"
+        f" {concurrent_ratio:>10.2f} {pull / grpc_:>6.2f}"
+    )
+    print(
+        f"  (concurrent: {CONCURRENT_STREAMS} pulls into distinct blocks, {CONCURRENT_STREAMS} loopback streams,"
+        f" {CONCURRENT_STREAMS} gRPC streams over one channel; GB/s of all bytes over the round's wall time)"
+    )
     num_bytes = Size(largest).num_bytes(element_size)
     pull_s = statistics.median(results[largest].pull)
     print(f"\nwhere the {largest}-token pull's {pull_s * 1e3:.0f} ms go (each copy timed alone):")
@@ -421,19 +554,27 @@ def main() -> None:
 
     gap_ratio = "n/a"
     if args.engines:
-        tandem_gaps, vllm_gaps = second_token_gaps(args.num_requests)
+        tandem_gaps, vllm_gaps, parts = second_token_gaps(args.num_requests, args.transfer_cpus)
         gap_p50, itl_p50 = statistics.median(tandem_gaps), statistics.median(vllm_gaps)
         print(
             f"\nsecond-token gap p50 (Tandem, ~2k tokens): {gap_p50 * 1e3:.0f} ms; "
             f"plain vLLM ITL p50: {itl_p50 * 1e3:.0f} ms"
         )
+        pull_p50 = statistics.median(parts.pull)
+        decode_p50 = statistics.median(parts.decode_first_token)
+        print("where the gap goes (p50 of each request's own figures):")
+        print(f"  {'KV pull (decode engine connector)':44} {pull_p50 * 1e3:8.1f} ms")
+        print(f"  {'rest of decode to its first token':44} {(decode_p50 - pull_p50) * 1e3:8.1f} ms")
+        print(f"  {'gateway, RPCs and streaming around them':44} {(gap_p50 - decode_p50) * 1e3:8.1f} ms")
+        print("  (the rest of decode: the request reaching the engine, scheduled after its load, one forward step)")
         gap_ratio = f"{gap_p50 / itl_p50:.2f}"
     largest_result = results[largest]
     print(
         f"bench-kv: pull_gbps={largest_result.gbps(num_bytes, 'pull'):.2f}"
         f" loopback_gbps={largest_result.gbps(num_bytes, 'loopback'):.2f}"
         f" ratio={ratios[largest][0]:.2f} grpc_ceiling_gbps={largest_result.gbps(num_bytes, 'grpc'):.2f}"
-        f" min_ratio_vs_grpc={min(r[1] for r in ratios.values()):.2f} second_token_gap_ratio={gap_ratio}"
+        f" min_ratio_vs_grpc={min(r[1] for r in ratios.values()):.2f} concurrent_ratio={concurrent_ratio:.2f}"
+        f" second_token_gap_ratio={gap_ratio}"
     )
 
 

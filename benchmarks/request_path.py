@@ -52,9 +52,20 @@ def pct(values: list[float], q: float) -> float:
 
 
 def stream_once(
-    base_url: str, model: str, prompt: str, max_tokens: int, headers: dict[str, str] | None = None
+    base_url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+    *,
+    timings_out: dict[str, Any] | None = None,
 ) -> tuple[float, list[float]]:
-    """(TTFT, inter-token gaps) as vllm bench serve defines them: first non-empty content delta."""
+    """(TTFT, inter-token gaps) as vllm bench serve defines them: first non-empty content delta.
+
+    ``timings_out`` (Tandem only): asks the gateway for the request's stage timings
+    (``X-Tandem-Timings``) and fills the dict with its ``tandem.timings`` event."""
+    if timings_out is not None:
+        headers = {**(headers or {}), "X-Tandem-Timings": "1"}
     body = {
         "model": model,
         "stream": True,
@@ -71,6 +82,9 @@ def stream_once(
             if not line.startswith("data:") or line.endswith("[DONE]"):
                 continue
             event = json.loads(line[5:])
+            if timings_out is not None and "stages_ms" in event:
+                timings_out.update(event)
+                continue
             if not event.get("choices") or not event["choices"][0].get("delta", {}).get("content"):
                 continue
             now = time.perf_counter()
