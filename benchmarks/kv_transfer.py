@@ -448,7 +448,7 @@ class GapParts:
     decode_first_token: list[float] = field(default_factory=list)
 
 
-def second_token_gaps(num_requests: int, transfer_cpus: str) -> tuple[list[float], list[float], GapParts]:
+def second_token_gaps(num_requests: int) -> tuple[list[float], list[float], GapParts]:
     """(Tandem's first→second token gaps, plain vLLM's inter-token gaps, where Tandem's gaps went) for
     ~2k-token prompts, alternating between the two servers one request at a time."""
     import uuid
@@ -461,11 +461,7 @@ def second_token_gaps(num_requests: int, transfer_cpus: str) -> tuple[list[float
 
     run_dir = Path(".run/bench-kv")
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = StackConfig.with_free_ports(
-        key_prefix=f"tandem-bench-kv-{uuid.uuid4().hex[:6]}",
-        log_dir=run_dir,
-        extra_env={"TANDEM_WORKER_KV__TRANSFER_CPUS": transfer_cpus} if transfer_cpus else {},
-    )
+    config = StackConfig.with_free_ports(key_prefix=f"tandem-bench-kv-{uuid.uuid4().hex[:6]}", log_dir=run_dir)
     stack = LocalStack(config, progress=lambda m: print(f"[bench-kv] {m}", flush=True))
     vllm_proc = None
     tandem_gaps: list[float] = []
@@ -506,9 +502,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engines", action="store_true", help="also measure the second-token gap on engines")
     parser.add_argument("--num-requests", type=int, default=6, help="~2k-token prompts per server (--engines)")
-    parser.add_argument(
-        "--transfer-cpus", choices=["engine", "any"], default="", help="the workers' kv.transfer_cpus (--engines)"
-    )
     args = parser.parse_args()
 
     import torch
@@ -554,7 +547,7 @@ def main() -> None:
 
     gap_ratio = "n/a"
     if args.engines:
-        tandem_gaps, vllm_gaps, parts = second_token_gaps(args.num_requests, args.transfer_cpus)
+        tandem_gaps, vllm_gaps, parts = second_token_gaps(args.num_requests)
         gap_p50, itl_p50 = statistics.median(tandem_gaps), statistics.median(vllm_gaps)
         print(
             f"\nsecond-token gap p50 (Tandem, ~2k tokens): {gap_p50 * 1e3:.0f} ms; "
