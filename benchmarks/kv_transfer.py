@@ -222,11 +222,12 @@ def _buffer_sizes(largest_bytes: int, concurrent_bytes: int) -> list[int]:
     return [largest_bytes] + [concurrent_bytes] * (CONCURRENT_STREAMS - 1)
 
 
-class _Loopback:
-    def __init__(self, largest_bytes: int, concurrent_bytes: int) -> None:
-        self._proc, conn = _start(_tcp_server, largest_bytes)
-        self._port = conn.recv()
-        self._bufs = [memoryview(bytearray(n)) for n in _buffer_sizes(largest_bytes, concurrent_bytes)]
+class _Baseline:
+    """A way of moving the same bytes as the pull, timed one stream at a time or several at once
+    (:meth:`_receive` moves one stream into buffer ``buffer_index``)."""
+
+    def _receive(self, num_bytes: int, buffer_index: int) -> None:
+        raise NotImplementedError
 
     def seconds(self, num_bytes: int) -> float:
         started = time.perf_counter()
@@ -234,8 +235,17 @@ class _Loopback:
         return time.perf_counter() - started
 
     def concurrent_seconds(self, num_bytes: int, num_streams: int) -> float:
-        """``num_streams`` streams of ``num_bytes`` each at once, one connection and buffer each."""
+        """``num_streams`` streams of ``num_bytes`` each at once, a buffer each."""
         return _concurrently(num_streams, lambda i: self._receive(num_bytes, i))
+
+
+class _Loopback(_Baseline):
+    """One-stream TCP copies; concurrent streams each on a connection of its own."""
+
+    def __init__(self, largest_bytes: int, concurrent_bytes: int) -> None:
+        self._proc, conn = _start(_tcp_server, largest_bytes)
+        self._port = conn.recv()
+        self._bufs = [memoryview(bytearray(n)) for n in _buffer_sizes(largest_bytes, concurrent_bytes)]
 
     def _receive(self, num_bytes: int, buffer_index: int) -> None:
         buf = self._bufs[buffer_index]
@@ -254,7 +264,10 @@ class _Loopback:
         self._proc.join(timeout=10)
 
 
-class _GrpcCeiling:
+class _GrpcCeiling(_Baseline):
+    """A bare raw-bytes gRPC stream; concurrent streams over the one channel (as the puller's pulls from
+    one prefill worker)."""
+
     def __init__(self, largest_bytes: int, chunk_bytes: int, concurrent_bytes: int) -> None:
         import grpc
 
@@ -269,16 +282,6 @@ class _GrpcCeiling:
         )
         self._bufs = [bytearray(n) for n in _buffer_sizes(largest_bytes, concurrent_bytes)]
         list(self._call((1).to_bytes(8, "little")))  # connect and warm up
-
-    def seconds(self, num_bytes: int) -> float:
-        started = time.perf_counter()
-        self._receive(num_bytes, 0)
-        return time.perf_counter() - started
-
-    def concurrent_seconds(self, num_bytes: int, num_streams: int) -> float:
-        """``num_streams`` streams of ``num_bytes`` each at once over the one channel (as the puller's
-        pulls from one prefill worker), a buffer each."""
-        return _concurrently(num_streams, lambda i: self._receive(num_bytes, i))
 
     def _receive(self, num_bytes: int, buffer_index: int) -> None:
         buf = self._bufs[buffer_index]
