@@ -348,7 +348,7 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> tu
             for i in range(repeats + 1):
                 rid = f"bench-{num_tokens}-{i}"
                 handle = KVHandleParams("prefill", f"127.0.0.1:{port}", rid, remote, num_tokens, time.time() + 600)
-                record = decode.load(LoadSpec(f"{rid}-0123abcd", handle, remote, local, num_tokens))
+                record = decode.load(LoadSpec(f"{rid}-0123abcd", handle, remote, local, num_tokens, 0))
                 decode.puller.release_remote(handle)
                 if record.failed:
                     raise RuntimeError(f"pull of {num_tokens} tokens failed: {record.error}")
@@ -373,7 +373,7 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> tu
                 for j in range(CONCURRENT_STREAMS)
             ]
             specs = [
-                LoadSpec(f"{h.remote_request_id}-0123abcd", h, remote, local, size.num_tokens)
+                LoadSpec(f"{h.remote_request_id}-0123abcd", h, remote, local, size.num_tokens, 0)
                 for h, local in zip(handles, locals_, strict=True)
             ]
             seconds, records = _pull_all(decode, specs)

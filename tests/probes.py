@@ -56,24 +56,28 @@ def gauge(stack: LocalStack, name: str, metric: str) -> float:
 
 @dataclass
 class EngineResidue:
-    """What a worker still holds: requests in its engine, KV blocks in use, blocks held for a decode."""
+    """What a worker still holds: requests in its engine, KV blocks in use, blocks held for a decode,
+    prefetched KV staged for a decode that has not come."""
 
     running: float
     waiting: float
     kv_usage_perc: float
     held_blocks: int
+    staged_bytes: int = 0
 
     @property
     def total(self) -> float:
-        return self.running + self.waiting + self.kv_usage_perc + self.held_blocks
+        return self.running + self.waiting + self.kv_usage_perc + self.held_blocks + self.staged_bytes
 
 
 def residue(stack: LocalStack, name: str) -> EngineResidue:
+    stats = kv_stats(stack, name)
     return EngineResidue(
         running=gauge(stack, name, "vllm:num_requests_running"),
         waiting=gauge(stack, name, "vllm:num_requests_waiting"),
         kv_usage_perc=gauge(stack, name, "vllm:kv_cache_usage_perc"),
-        held_blocks=kv_stats(stack, name).num_held_blocks,
+        held_blocks=stats.num_held_blocks,
+        staged_bytes=stats.staged_bytes,
     )
 
 

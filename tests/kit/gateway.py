@@ -93,6 +93,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     prefill_requests: list[worker_pb2.PrefillRequest] = field(default_factory=list)
     decode_requests: list[worker_pb2.DecodeRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    prefetch_requests: list[worker_pb2.PrefetchKVRequest] = field(default_factory=list)
+    #: PrefetchKV answers accepted=False with this reason, or fails with this code.
+    prefetch_refusal: str = ""
+    prefetch_error: grpc.StatusCode | None = None
     decode_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     aborted_event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -141,13 +145,25 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.decode_cancelled.set()
             raise
 
+    async def PrefetchKV(
+        self, request: worker_pb2.PrefetchKVRequest, context: Any
+    ) -> worker_pb2.PrefetchKVResponse:
+        self.prefetch_requests.append(request)
+        if self.prefetch_error is not None:
+            await context.abort(self.prefetch_error, "scripted PrefetchKV failure")
+        return worker_pb2.PrefetchKVResponse(accepted=not self.prefetch_refusal, reason=self.prefetch_refusal)
+
     async def Abort(self, request: worker_pb2.AbortRequest, context: Any) -> worker_pb2.AbortResponse:
         self.aborted.append(request.request_id)
         self.aborted_event.set()
         return worker_pb2.AbortResponse(found=True)
 
     def ref(self, role: str) -> router_pb2.WorkerRef:
-        return router_pb2.WorkerRef(worker_id=self.worker_id, role=role, address=self.address)
+        # The fake's KV address is its worker address: a decode worker's PrefetchKV names it, and a
+        # real one would stream from there.
+        return router_pb2.WorkerRef(
+            worker_id=self.worker_id, role=role, address=self.address, kv_address=self.address
+        )
 
 
 @dataclass

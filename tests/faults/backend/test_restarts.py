@@ -167,6 +167,7 @@ def assert_nothing_left(backend: BackendStack, f: FaultRecord) -> None:
     f.leaked("running requests", sum(r.running + r.waiting for r in left.values()))
     f.leaked("KV blocks in use (%)", round(sum(r.kv_usage_perc for r in left.values()) * 100, 3))
     f.leaked("KV blocks held for decode", sum(r.held_blocks for r in left.values()))
+    f.leaked("KV prefetch bytes staged", sum(r.staged_bytes for r in left.values()))
     wait_until(lambda: router_budget_tokens(backend.stack) == 0, timeout_s=30)
     f.leaked("router budget tokens", router_budget_tokens(backend.stack))
 

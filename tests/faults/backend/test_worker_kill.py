@@ -42,6 +42,7 @@ def _assert_no_residue(backend: BackendStack, f: object) -> None:
     f.leaked("running requests", sum(r.running + r.waiting for r in left.values()))
     f.leaked("KV blocks in use (%)", round(sum(r.kv_usage_perc for r in left.values()) * 100, 3))
     f.leaked("KV blocks held for decode", sum(r.held_blocks for r in left.values()))
+    f.leaked("KV prefetch bytes staged", sum(r.staged_bytes for r in left.values()))
 
 
 def test_decode_killed_mid_stream(backend: BackendStack, ledger: FaultLedger) -> None:

@@ -137,6 +137,16 @@ def test_the_placement_proto_of_a_local_prefill_has_no_prefill_worker() -> None:
     assert not pair.local_prefill and pair.prefill.worker_id == "p0"
 
 
+def test_the_placement_names_each_workers_kv_server_as_it_registered_it() -> None:
+    """The gateway sends the decode worker the prefill worker's KV address (PrefetchKV) from here."""
+    import dataclasses
+
+    pool = [dataclasses.replace(w, kv_address=f"{w.worker_id}.local:7100") for w in POOL]
+    scheduler, _, _ = make_scheduler(pool)
+    pair = placement_to_proto(scheduler.place_now(request("long", [5] * THRESHOLD), pool))
+    assert pair.prefill.kv_address == "p0.local:7100" and pair.decode.kv_address == "d0.local:7100"
+
+
 def test_the_threshold_is_a_router_setting() -> None:
     assert RouterConfig().disaggregation.min_uncached_tokens > 0
     assert (

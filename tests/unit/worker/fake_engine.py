@@ -65,6 +65,9 @@ class ScriptedEngine:
     prompts: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
+    #: kv_prefetch calls (request id, kv address, prompt tokens, cached tokens), and what it answers.
+    prefetched: list[tuple[str, str, int, int]] = field(default_factory=list)
+    prefetch_refusal: str = ""
 
     async def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
         self.params.append(params)
@@ -87,6 +90,14 @@ class ScriptedEngine:
             self.held.discard(request_id)
             return True
         return False
+
+    async def kv_prefetch(
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int
+    ) -> str:
+        self.prefetched.append((request_id, kv_address, num_prompt_tokens, num_cached_tokens))
+        if not self.prefetch_refusal:
+            self.held.add(request_id)
+        return self.prefetch_refusal
 
     def load(self) -> EngineLoad:
         return EngineLoad(num_waiting_requests=2, kv_usage=0.25, num_kv_blocks=64)

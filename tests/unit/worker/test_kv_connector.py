@@ -12,7 +12,7 @@ import torch
 
 from tandem.common.errors import KVLayoutMismatchError
 from tandem.worker.kv_connector.layout import KVLayout
-from tandem.worker.kv_connector.metadata import GrpcKVMetadata, GrpcKVWorkerMeta, LoadSpec
+from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, GrpcKVMetadata, GrpcKVWorkerMeta, LoadSpec
 from tandem.worker.kv_connector.params import (
     HANDLE,
     KVHandleParams,
@@ -22,7 +22,6 @@ from tandem.worker.kv_connector.params import (
     load_record_of,
     prefill_params,
 )
-from tandem.worker.kv_connector.puller import IDLE_STEP_WAIT_S
 from tandem.worker.kv_connector.scheduler_side import SchedulerSide
 from tandem.worker.kv_connector.worker_side import WorkerSide
 from tests.kit.net import free_port
@@ -127,7 +126,7 @@ def test_decode_plans_a_load_of_only_the_blocks_not_cached_locally() -> None:
     blocks = FakeBlocks(([FakeBlock(7, b"h"), FakeBlock(8), FakeBlock(9)],))
     side.update_state_after_alloc(req, blocks, 6)  # type: ignore[arg-type]
     meta = side.build_connector_meta()
-    assert meta.loads == [LoadSpec("r", handle, (11, 12), (8, 9), 6)]
+    assert meta.loads == [LoadSpec("r", handle, (11, 12), (8, 9), 6, 1)]
     # One transfer per request, and the pending state was drained.
     assert req.kv_transfer_params[HANDLE] and not req.kv_transfer_params["do_remote_prefill"]
     assert side.build_connector_meta().loads == []
@@ -221,7 +220,7 @@ def test_blocks_move_between_engines_and_are_released() -> None:
     try:
         handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill.server.address)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
-        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7)]))
+        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._done)
         for name in p_caches:
             assert torch.equal(d_caches[name][0], p_caches[name][5])
@@ -248,7 +247,7 @@ def test_mismatched_layout_is_refused_and_reported_as_failed_load() -> None:
     try:
         handle = make_handle((1,), num_tokens=3, kv_address=prefill.server.address)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
-        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (1,), (4,), 3)]))
+        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (1,), (4,), 3, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._failed)
         assert decode.take_failed_block_ids() == {4}
         _, recving, failed = decode.get_transfer_results(set())
@@ -314,7 +313,7 @@ def test_an_idle_step_waits_for_a_load_in_flight_and_a_busy_step_does_not() -> N
     try:
         handle = make_handle((2, 5), num_tokens=7, kv_address=prefill.server.address)
         # The prefill side announces its hold late: the load stays in flight meanwhile.
-        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (2, 5), (0, 3), 7)]))
+        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (2, 5), (0, 3), 7, 0)]))
         started = time.perf_counter()
         decode.start_load_kv(GrpcKVMetadata(idle_step=False))
         assert decode.get_transfer_results(set())[1] == set()

@@ -179,11 +179,36 @@ async def test_abort_on_a_prefill_worker_frees_held_kv_through_the_engine() -> N
     assert engine.aborted == ["p1", "p1"] and engine.released == ["p1", "p1"]
 
 
-async def test_abort_on_a_decode_worker_only_aborts_the_request() -> None:
-    engine = ScriptedEngine(held={"d1"})
+async def test_abort_on_a_decode_worker_aborts_the_request_and_drops_its_prefetch() -> None:
+    engine = ScriptedEngine()
     service = await _service("decode", engine)
-    response = await service.Abort(worker_pb2.AbortRequest(request_id="d1"), Context())  # type: ignore[arg-type]
-    assert not response.found and engine.released == [] and engine.aborted == ["d1"]
+    request = worker_pb2.PrefetchKVRequest(request_id="d1", kv_address="p:1", num_prompt_tokens=300)
+    started = await service.PrefetchKV(request, Context())  # type: ignore[arg-type]
+    first = await service.Abort(worker_pb2.AbortRequest(request_id="d1"), Context())  # type: ignore[arg-type]
+    again = await service.Abort(worker_pb2.AbortRequest(request_id="d1"), Context())  # type: ignore[arg-type]
+    assert started.accepted and first.found and not again.found
+    assert engine.aborted == ["d1", "d1"] and engine.released == ["d1", "d1"]
+
+
+async def test_a_prefetch_reaches_the_engine_and_a_refusal_is_an_answer() -> None:
+    engine = ScriptedEngine(prefetch_refusal="staging is full")
+    service = await _service("decode", engine)
+    request = worker_pb2.PrefetchKVRequest(
+        request_id="d2", kv_address="p:1", num_prompt_tokens=300, num_cached_tokens=128
+    )
+    response = await service.PrefetchKV(request, Context())  # type: ignore[arg-type]
+    assert not response.accepted and response.reason == "staging is full"
+    assert engine.prefetched == [("d2", "p:1", 300, 128)]
+    assert service.prefetches_by_outcome == {"refused": 1}
+
+
+async def test_a_prefetch_on_a_prefill_worker_is_refused() -> None:
+    service = await _service("prefill", ScriptedEngine())
+    context = Context()
+    request = worker_pb2.PrefetchKVRequest(request_id="p2", kv_address="p:1", num_prompt_tokens=300)
+    with pytest.raises(Refused):
+        await service.PrefetchKV(request, context)  # type: ignore[arg-type]
+    assert context.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 async def test_a_request_for_the_other_role_is_refused() -> None:

@@ -115,6 +115,7 @@ def build_app(
         cleanup_timeout_s=settings.cleanup_timeout_s,
         router_unavailable_wait_s=settings.router_unavailable_wait_s,
         prompt_hasher=prompt_hasher,
+        kv_prefetch=settings.kv_prefetch,
     )
     services = GatewayServices(
         limits=ModelLimits(

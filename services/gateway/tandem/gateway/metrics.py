@@ -123,6 +123,13 @@ class GatewayMetrics:
             ["role"],
             registry=self.registry,
         )
+        self.kv_prefetches_total = Counter(
+            "tandem_gateway_kv_prefetches_total",
+            "PrefetchKV calls to decode workers (KV pulled while the prefill runs) by outcome: started, "
+            "refused by the decode worker (its answer says why), failed (the call itself).",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.router_unavailable_retries_total = Counter(
             "tandem_gateway_router_unavailable_retries_total",
             "Schedule calls asked again because the router was unreachable (restarting).",

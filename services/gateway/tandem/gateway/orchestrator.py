@@ -8,7 +8,11 @@ through :class:`~tandem.gateway.workers.WorkerChannels`:
    (``local_prefill``: little of the prompt is uncached there, so it prefills
    the prompt itself and there is no handoff);
 2. ``Prefill`` on the prefill worker → the first token (retried once on another
-   prefill worker when the first one is UNAVAILABLE); skipped for a local prefill;
+   prefill worker when the first one is UNAVAILABLE); skipped for a local prefill.
+   At the same moment, in the background, ``PrefetchKV`` on the decode worker: it
+   starts pulling the prompt's KV from the prefill worker while the prefill still
+   runs, so that the Decode below finds it local (best effort: without it, or if
+   the decode worker refuses, Decode pulls after the prefill as before);
 3. ``Decode`` stream on the decode worker → the remaining tokens (all of them
    for a local prefill), unless the first token already finished the request
    (placed once more on another decode worker when the first one is
@@ -140,8 +144,11 @@ class Orchestrator:
         cleanup_timeout_s: float,
         router_unavailable_wait_s: float = 0.0,
         prompt_hasher: PromptHasher | None = None,
+        kv_prefetch: bool = True,
     ) -> None:
         self._router = router
+        #: Ask the decode worker to prefetch the prompt's KV while the prefill runs.
+        self._kv_prefetch = kv_prefetch
         #: The prompt's prefix hashes for Schedule (None: none sent, the router places as if all were cold).
         self._prompt_hasher = prompt_hasher
         self._workers = workers
@@ -236,6 +243,8 @@ class Orchestrator:
                 cache_salt=job.cache_salt,
                 keep_kv=job.max_tokens > 1,
             )
+            if request.keep_kv:
+                self._start_prefetch(job, placement)
             stub = self._workers.stub(placement.prefill.address)
             timeout_s = max(0.001, min(self._prefill_timeout_s, deadline - time.monotonic()))
             try:
@@ -379,6 +388,31 @@ class Orchestrator:
         else:
             replaced.prefill.CopyFrom(previous.prefill)
         progress.placement = replaced
+
+    def _start_prefetch(self, job: GenerationJob, placement: router_pb2.Placement) -> None:
+        """``PrefetchKV`` on the decode worker, in the background: the Prefill is not held up by it,
+        and its answer (or failure) changes nothing but where the Decode finds the KV."""
+        if not self._kv_prefetch or not placement.prefill.kv_address or not placement.decode.address:
+            return
+        request = worker_pb2.PrefetchKVRequest(
+            request_id=job.request_id,
+            kv_address=placement.prefill.kv_address,
+            num_prompt_tokens=len(job.prompt_token_ids),
+            num_cached_tokens=placement.num_decode_cached_tokens,
+        )
+        self.run_in_background(self._prefetch(placement.decode.address, request))
+
+    async def _prefetch(self, address: str, request: worker_pb2.PrefetchKVRequest) -> None:
+        try:
+            response = await self._workers.stub(address).PrefetchKV(request, timeout=self._cleanup_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            outcome = "failed"
+            logger.info("KV prefetch on %s: %s", address, exc.code().name, extra={"request_id": request.request_id})
+        else:
+            outcome = "started" if response.accepted else "refused"
+            if not response.accepted:
+                logger.info("KV prefetch refused: %s", response.reason, extra={"request_id": request.request_id})
+        self._metrics.kv_prefetches_total.labels(outcome=outcome).inc()
 
     def _start_decode(
         self,

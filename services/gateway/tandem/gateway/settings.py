@@ -128,8 +128,11 @@ class GatewaySettings(BaseSettings):
     prefill_timeout_s: float = Field(120.0, gt=0)
     #: Deadline of a whole request, prefill through the last decoded token.
     request_timeout_s: float = Field(600.0, gt=0)
-    #: Deadline of the best-effort cleanup calls (Abort, Release).
+    #: Deadline of the best-effort cleanup calls (Abort, Release) and of PrefetchKV.
     cleanup_timeout_s: float = Field(2.0, gt=0)
+    #: Ask the decode worker to start pulling a prompt's KV while its prefill runs (PrefetchKV), so that
+    #: the pull is off the path between the first and the second token. Off: decode pulls after prefill.
+    kv_prefetch: bool = True
     #: How long a /readyz answer is reused before the router and registry are asked again.
     readiness_cache_s: float = Field(2.0, ge=0)
     #: Deadline of each readiness check (router connect, registry read).

@@ -198,7 +198,9 @@ def schedule_request_from_proto(request: router_pb2.ScheduleRequest, *, priority
 
 
 def _worker_ref(worker: WorkerRecord) -> router_pb2.WorkerRef:
-    return router_pb2.WorkerRef(worker_id=worker.worker_id, role=worker.role, address=worker.address)
+    return router_pb2.WorkerRef(
+        worker_id=worker.worker_id, role=worker.role, address=worker.address, kv_address=worker.kv_address
+    )
 
 
 def placement_to_proto(decision: PlacementDecision) -> router_pb2.Placement:

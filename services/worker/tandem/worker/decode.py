@@ -23,6 +23,20 @@ from tandem.worker.sampling import logprobs_messages, sampling_kwargs
 
 
 class DecodeRole(Role):
+    async def prefetch(
+        self, request: worker_pb2.PrefetchKVRequest, context: Ctx
+    ) -> worker_pb2.PrefetchKVResponse:
+        """Start streaming a running prefill's KV into staging (see the puller); the Decode of the same
+        request id loads from there. A refusal is an answer, not an error: the Decode pulls as usual."""
+        await self._admission.check(context, "decode", request.num_prompt_tokens)
+        if not request.request_id or not request.kv_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and kv_address are required")
+        reason = await self._engine.kv_prefetch(
+            request.request_id, request.kv_address, request.num_prompt_tokens, request.num_cached_tokens
+        )
+        self._counters.prefetches_by_outcome["started" if not reason else "refused"] += 1
+        return worker_pb2.PrefetchKVResponse(accepted=not reason, reason=reason)
+
     async def decode(self, request: worker_pb2.DecodeRequest, context: Ctx) -> AsyncIterator[worker_pb2.DecodeChunk]:
         from vllm.sampling_params import RequestOutputKind
 

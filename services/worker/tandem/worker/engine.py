@@ -117,6 +117,7 @@ def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str,
                 "lease_s": settings.kv.lease_s,
                 "max_chunk_bytes": settings.kv.max_chunk_bytes,
                 "pull_timeout_s": settings.kv.pull_timeout_s,
+                "prefetch_max_bytes": settings.kv.prefetch_max_bytes if settings.role == "decode" else 0,
                 "tls": settings.tls.to_dict(),
             },
         },
@@ -151,6 +152,17 @@ class VLLMEngine:
     async def kv_release(self, request_id: str) -> bool:
         return any(await self.llm.collective_rpc("tandem_kv_release", args=(request_id,)))
 
+    async def kv_prefetch(
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int
+    ) -> str:
+        reasons = await self.llm.collective_rpc(
+            "tandem_kv_prefetch", args=(request_id, kv_address, num_prompt_tokens, num_cached_tokens)
+        )
+        refused = next((str(r) for r in reasons if r), "")
+        if refused and any(not r for r in reasons):
+            await self.kv_release(request_id)  # started on some ranks only: no use to anyone
+        return refused
+
     async def kv_stats(self) -> kv_transfer_pb2.KVStats:
         total = kv_transfer_pb2.KVStats()
         for rank, raw in enumerate(await self.llm.collective_rpc("tandem_kv_stats")):
@@ -158,7 +170,7 @@ class VLLMEngine:
             if rank == 0:
                 total.CopyFrom(stats)  # layout and held requests: rank 0 speaks for all
                 continue
-            for field in ("bytes_sent_total", "bytes_received_total", "transfer_seconds_total"):
+            for field in ("bytes_sent_total", "bytes_received_total", "transfer_seconds_total", "staged_bytes"):
                 setattr(total, field, getattr(total, field) + getattr(stats, field))
         return total
 

@@ -42,7 +42,14 @@ class WorkerEngine(Protocol):
         ...
 
     async def kv_release(self, request_id: str) -> bool:
-        """Free the KV blocks held for ``request_id`` on every rank; True if any were held."""
+        """Free the KV blocks held (prefill) or prefetched (decode) for ``request_id`` on every rank;
+        True if there were any."""
+        ...
+
+    async def kv_prefetch(
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int
+    ) -> str:
+        """Start prefetching a running prefill's KV on every rank; "" if started, else why not."""
         ...
 
     async def kv_stats(self) -> kv_transfer_pb2.KVStats:

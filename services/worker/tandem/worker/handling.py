@@ -37,6 +37,8 @@ class WorkerCounters:
     prompt_tokens_computed: int = 0
     #: Decodes by how they continued (one of CONTINUATION_MODES).
     decodes_by_continuation: Counter[str] = field(default_factory=Counter)
+    #: PrefetchKV calls by outcome: ``started`` or ``refused``.
+    prefetches_by_outcome: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 by AsyncLLM in this process) plus ``tandem_kv_*`` counters of the engine's KV
 server, as the worker service last read them (through the engine: by GetLoad,
 and by the registry heartbeat at most every 30 s), and on a decode worker the
-service's own ``tandem_decode_continuations_total{mode}``. Started by ``__main__``.
+service's own ``tandem_decode_continuations_total{mode}`` and the prefetches'
+``tandem_kv_prefetches_total{outcome}`` and ``tandem_kv_staged_bytes``. Started by ``__main__``.
 
 Always in Prometheus's text format: asked for OpenMetrics (as Prometheus
 asks first), prometheus_client escapes the colons of ``vllm:*`` names to
@@ -63,6 +64,19 @@ class KVCollector(Collector):
             for mode in CONTINUATION_MODES:
                 c.add_metric([mode], float(by_mode.get(mode, 0)))
             yield c
+            c = CounterMetricFamily(
+                "tandem_kv_prefetches",
+                "KV prefetches (a prompt's KV streamed while its prefill ran): used by the decode, wasted "
+                "(failed, not covering the load, or never used), refused at the start",
+                labels=["outcome"],
+            )
+            c.add_metric(["used"], float(s.prefetches_used_total))
+            c.add_metric(["wasted"], float(s.prefetches_wasted_total))
+            c.add_metric(["refused"], float(self._service.prefetches_by_outcome.get("refused", 0)))
+            yield c
+            g = GaugeMetricFamily("tandem_kv_staged_bytes", "Bytes of prefetched KV waiting for their decode")
+            g.add_metric([], float(s.staged_bytes))
+            yield g
 
 
 def metrics_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:

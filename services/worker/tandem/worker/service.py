@@ -95,6 +95,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Decodes so far by how they continued the prefill's first token (tandem.worker.continuation)."""
         return dict(self._counters.decodes_by_continuation)
 
+    @property
+    def prefetches_by_outcome(self) -> dict[str, int]:
+        """PrefetchKV calls so far by outcome (``started``, ``refused``)."""
+        return dict(self._counters.prefetches_by_outcome)
+
     def engine_load(self) -> EngineLoad:
         """The engine's own view of its queue and KV cache (zeros if it cannot say)."""
         try:
@@ -137,12 +142,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         async for chunk in self._decode.decode(request, context):
             yield chunk
 
+    async def PrefetchKV(self, request: worker_pb2.PrefetchKVRequest, context: Ctx) -> worker_pb2.PrefetchKVResponse:
+        if self._decode is None:
+            await self._not_serving(context, "decode")
+        assert self._decode is not None
+        return await self._decode.prefetch(request, context)
+
     async def Abort(self, request: worker_pb2.AbortRequest, context: Ctx) -> worker_pb2.AbortResponse:
-        """Abort the request in the engine and, on a prefill worker, free the KV blocks its KV server
-        holds for it (found: blocks were held). Unknown ids are not an error."""
+        """Abort the request in the engine and free the KV kept for it: the blocks the KV server holds
+        (prefill), the prefetch's staging (decode). found: there was such KV. Unknown ids are not an
+        error."""
         await self._engine.abort(request.request_id)
-        if self._role != "prefill":
-            return worker_pb2.AbortResponse(found=False)
         return worker_pb2.AbortResponse(found=await self._engine.kv_release(request.request_id))
 
     async def GetLoad(self, request: worker_pb2.LoadRequest, context: Ctx) -> worker_pb2.LoadReport:

@@ -52,6 +52,11 @@ class KVSettings(BaseModel):
     #: ``load_failure_policy``; shorter than ``lease_s``, so it gives up before the blocks it waits
     #: for could be freed under it.
     pull_timeout_s: float = Field(30.0, gt=0)
+    #: Decode role: memory for prefetches, the KV of prompts streamed from prefill workers while they
+    #: still prefill, kept until the decode request copies it into the paged cache (~46 KB a token for
+    #: SmolLM2 in float32: 256 MiB stages about 5,800 tokens). A prefetch that does not fit is refused
+    #: and its request pulls after the prefill as without one. 0: no prefetching.
+    prefetch_max_bytes: int = Field(256 << 20, ge=0)
     #: On a failed pull: "recompute" the prompt locally, or "fail" the request.
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
 

@@ -7,7 +7,8 @@ Engine configuration (``kv_transfer_config.kv_connector_extra_config``):
 ``model`` (served name, part of the layout check), ``kv_host`` and
 ``kv_port`` (the KV server of rank 0; rank r listens on ``kv_port + r``),
 ``lease_s`` (how long a prefill engine holds blocks nobody released),
-``max_chunk_bytes``, ``pull_timeout_s`` and ``tls`` (a TLSSettings dict).
+``max_chunk_bytes``, ``pull_timeout_s``, ``prefetch_max_bytes`` (staging
+memory for prefetches, 0: none) and ``tls`` (a TLSSettings dict).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class GrpcKVConnector(KVConnectorBase_V1):
                 kv_port=kv_port,
                 max_chunk_bytes=int(extra.get("max_chunk_bytes", 4 * 1024 * 1024)),
                 pull_timeout_s=float(extra.get("pull_timeout_s", 30.0)),
+                lease_s=float(extra.get("lease_s", 60.0)),
+                prefetch_max_bytes=int(extra.get("prefetch_max_bytes", 0)),
                 tls=TLSSettings(**dict(extra.get("tls") or {})),
             )
 
@@ -91,7 +94,7 @@ class GrpcKVConnector(KVConnectorBase_V1):
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = self._sched().build_connector_meta()
+        meta = self._sched().build_connector_meta(scheduler_output)
         meta.idle_step = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
@@ -118,8 +121,9 @@ class GrpcKVConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        # Pull mode: blocks stay in the paged cache until the decode side releases them.
-        return
+        # Pull mode: blocks stay in the paged cache until the decode side releases them. A layer
+        # saved is a layer a decode engine's stream of a running prefill may read now.
+        self._work().layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         return

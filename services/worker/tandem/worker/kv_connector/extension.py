@@ -36,8 +36,15 @@ class KVWorkerExtension:
         return layout.to_dict() if layout is not None else None
 
     def tandem_kv_release(self, request_id: str) -> bool:
-        """Free the blocks held for ``request_id`` (the caller's id or the handle's); False if none."""
+        """Free the blocks held for ``request_id`` (the caller's id or the handle's) and its prefetch's
+        staging; False if there were none."""
         return bool(_side().release(request_id))
+
+    def tandem_kv_prefetch(
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int
+    ) -> str:
+        """Start prefetching ``request_id``'s prompt KV (decode side); "" if started, else why not."""
+        return str(_side().prefetch(request_id, kv_address, num_prompt_tokens, num_cached_tokens))
 
     def tandem_kv_stats(self) -> bytes:
         return bytes(_side().stats().SerializeToString())

@@ -4,19 +4,30 @@ The scheduler-side connector announces each hold (blocks and lease expiry)
 through the step metadata; this server keeps it until the decode engine
 releases it (``Release``, after its pull), the worker service releases it
 (an abort, by the caller's request id) or its lease expires, then reports the
-request done sending so that vLLM frees the blocks. It serves
-``tandem.v1.KVTransfer`` on its own threads: ``PullBlockBytes`` (raw bytes,
-see :mod:`wire`), ``Release``, and ``Describe``/``GetStats`` for people and
-tools."""
+request done sending so that vLLM frees the blocks.
+
+Before a hold is announced, while its prompt is still being prefilled, the
+same record tracks how far each layer's KV is computed (the step metadata's
+``progress``, advanced layer by layer from ``save_kv_layer``): then its
+blocks belong to the engine's running request, it has no lease, and it ends
+with the request, as a hold or not at all (``ended``: stopped at its first
+token, aborted, preempted). ``StreamBlockBytes`` serves such a prompt chunk by
+chunk as each becomes ready, so that a decode engine's pull overlaps the
+prefill.
+
+It serves ``tandem.v1.KVTransfer`` on its own threads: ``PullBlockBytes`` and
+``StreamBlockBytes`` (raw bytes, see :mod:`wire`), ``Release``, and
+``Describe``/``GetStats`` for people and tools."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -27,6 +38,7 @@ from tandem.common.tls import TLSSettings, add_port
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector import wire
 from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, PrefillProgress
 from tandem.worker.kv_connector.params import external_request_id
 
 logger = logging.getLogger(__name__)
@@ -39,12 +51,40 @@ _SERVER_OPTIONS = [
 ]
 #: How long PullBlockBytes waits for a hold the scheduler has not announced yet.
 _HOLD_ANNOUNCE_WAIT_S = 5.0
+#: A stream waiting for its prompt to be scheduled or computed looks at its call this often (a caller
+#: that gave up ends the wait).
+_STREAM_POLL_S = 0.5
+#: Caller ids of the last prompts that ended or were freed, so that a stream arriving after its prompt
+#: is gone ends at once instead of waiting for it until its deadline.
+_NUM_GONE_REMEMBERED = 4096
 
 
 @dataclass
 class Hold:
+    """One request's blocks: still being prefilled (``expiry_unix_s`` None, ``ready_tokens`` per
+    layer), or held for a decode engine under a lease (``ready_tokens`` None: every layer is ready)."""
+
     block_ids: tuple[int, ...]
-    expiry_unix_s: float
+    expiry_unix_s: float | None
+    num_prompt_tokens: int = 0
+    ready_tokens: list[int] | None = None
+    #: Prompt tokens computed once this step's forward has saved a layer (while prefilling).
+    step_tokens: int = 0
+    #: Device caches: the event recorded after each layer was saved (a reader waits for it).
+    ready_events: list[torch.cuda.Event | None] = field(default_factory=list)
+    #: Released, expired or ended: the blocks may hold another request's KV from now on.
+    gone: bool = False
+    #: Released while still being prefilled (a decode engine that loaded it from a prefetch can be
+    #: quicker than the announcement): freed as soon as it is announced.
+    release_on_announce: bool = False
+
+    @property
+    def announced(self) -> bool:
+        """Held for a decode engine (not still being prefilled)."""
+        return self.expiry_unix_s is not None
+
+    def ready(self, layer_index: int, num_tokens: int) -> bool:
+        return self.ready_tokens is None or self.ready_tokens[layer_index] >= num_tokens
 
 
 @dataclass
@@ -52,6 +92,14 @@ class ServeCounters:
     bytes_sent: int = 0
     blocks_sent: int = 0
     leases_expired: int = 0
+    streams_served: int = 0
+
+
+def _ready_blocks(num_tokens: int, num_prompt_tokens: int, block_size: int) -> int:
+    """Blocks of a prompt whose tokens are all computed (the last, partial block once the whole prompt is)."""
+    if num_tokens >= num_prompt_tokens:
+        return -(-num_prompt_tokens // block_size)
+    return num_tokens // block_size
 
 
 class KVServer:
@@ -61,15 +109,21 @@ class KVServer:
         self._bind = bind
         self._tls = tls
         self._lock = threading.Lock()
-        self._hold_announced = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
         self._holds: dict[str, Hold] = {}
+        #: Caller ids of prompts that ended or were freed lately (oldest first).
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        #: Prompts computed further in the step running now (their layers advance as they are saved).
+        self._stepping: list[Hold] = []
         self._done_sending: set[str] = set()
         self._seen_finished: set[str] = set()
         self.counters = ServeCounters()
         self._caches: list[torch.Tensor] = []
         self._block_dim = 0
+        self._on_device = False
         self.layout: KVLayout | None = None
         self._server: grpc.Server | None = None
+        self._pool: futures.ThreadPoolExecutor | None = None
 
     def start(
         self,
@@ -80,13 +134,12 @@ class KVServer:
     ) -> None:
         """Serve ``caches`` (one tensor per layer, in layer order); ``stats`` answers GetStats."""
         self._caches, self._block_dim, self.layout = caches, block_dim, layout
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tandem-kv-serve"),
-            options=_SERVER_OPTIONS,
-        )
+        self._on_device = bool(caches) and caches[0].device.type == "cuda"
+        self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tandem-kv-serve")
+        server = grpc.server(self._pool, options=_SERVER_OPTIONS)
         servicer = _KVTransferServicer(self, stats)
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
-        server.add_generic_rpc_handlers((servicer.pull_handler(),))
+        server.add_generic_rpc_handlers((servicer.raw_handlers(),))
         if add_port(server, self._bind, self._tls) == 0:
             raise RuntimeError(f"KV transfer server cannot bind {self._bind}")
         server.start()
@@ -99,7 +152,21 @@ class KVServer:
 
     def shutdown(self) -> None:
         if self._server is not None:
-            self._server.stop(grace=1.0)
+            # Streams still waiting for a prefill end at once (their callers see CANCELLED); the pool
+            # goes only once the server has let go of it.
+            self._server.stop(grace=0.5).wait(2.0)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _remove(self, req_id: str) -> Hold:
+        """Drop ``req_id``'s record (the lock held): whoever reads its blocks must stop."""
+        hold = self._holds.pop(req_id)
+        hold.gone = True
+        self._gone[external_request_id(req_id)] = None
+        while len(self._gone) > _NUM_GONE_REMEMBERED:
+            self._gone.popitem(last=False)
+        self._changed.notify_all()
+        return hold
 
     # -- per step (engine loop) --------------------------------------------------
 
@@ -109,17 +176,74 @@ class KVServer:
             return
         with self._lock:
             for req_id, (block_ids, expiry) in holds.items():
-                self._holds[req_id] = Hold(block_ids, expiry)
-            self._hold_announced.notify_all()
+                hold = self._holds.get(req_id)
+                if hold is not None and not hold.announced:
+                    # The prompt was being streamed: the same record, now held under a lease (a stream
+                    # reading it goes on with every layer ready).
+                    hold.block_ids, hold.expiry_unix_s, hold.ready_tokens = block_ids, expiry, None
+                    if hold.release_on_announce:
+                        self._remove(req_id)
+                        self._done_sending.add(req_id)
+                else:
+                    self._holds[req_id] = Hold(block_ids, expiry)
+            self._changed.notify_all()
 
-    def take_done_sending(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests whose blocks vLLM may free now: released, or past their lease."""
-        now = time.time()
+    def progress(self, updates: Iterable[PrefillProgress], ended: Iterable[str]) -> None:
+        """Before a step's forward pass: prompts it computes further, and prompts that ended without a
+        hold (their blocks may be written by this very step, so a stream reading them must stop)."""
         with self._lock:
+            self._stepping = []
+            for req_id in ended:
+                hold = self._holds.get(req_id)
+                if hold is not None and not hold.announced:
+                    self._remove(req_id)
+            for update in updates:
+                hold = self._holds.get(update.request_id)
+                if hold is None:
+                    self._gone.pop(external_request_id(update.request_id), None)
+                    num_layers = len(self._caches)
+                    hold = Hold(
+                        block_ids=update.block_ids,
+                        expiry_unix_s=None,
+                        num_prompt_tokens=update.num_prompt_tokens,
+                        ready_tokens=[update.num_computed_tokens] * num_layers,
+                        ready_events=[None] * num_layers,
+                    )
+                    self._holds[update.request_id] = hold
+                elif hold.announced:
+                    continue
+                hold.block_ids = update.block_ids
+                hold.step_tokens = update.num_computed_after_step
+                self._stepping.append(hold)
+            self._changed.notify_all()
+
+    def layer_saved(self, layer_index: int) -> None:
+        """The running step's forward pass has written layer ``layer_index``'s KV (``save_kv_layer``)."""
+        if not self._stepping:
+            return
+        event: torch.cuda.Event | None = None
+        if self._on_device:
+            event = torch.cuda.Event()
+            event.record()
+        with self._lock:
+            for hold in self._stepping:
+                if hold.ready_tokens is not None:
+                    hold.ready_tokens[layer_index] = hold.step_tokens
+                    hold.ready_events[layer_index] = event
+            self._changed.notify_all()
+
+    def take_done_sending(self, finished_req_ids: set[str], *, idle_step: bool = False) -> set[str]:
+        """Requests whose blocks vLLM may free now: released, or past their lease. On a step with
+        nothing else to do (the engine steps only to hear of releases), wait a little for one first
+        (see :data:`IDLE_STEP_WAIT_S`)."""
+        with self._lock:
+            if idle_step and not self._done_sending and any(h.announced for h in self._holds.values()):
+                self._changed.wait(IDLE_STEP_WAIT_S)
+            now = time.time()
             self._seen_finished |= finished_req_ids
             for req_id, hold in list(self._holds.items()):
-                if hold.expiry_unix_s <= now:
-                    del self._holds[req_id]
+                if hold.expiry_unix_s is not None and hold.expiry_unix_s <= now:
+                    self._remove(req_id)
                     self._done_sending.add(req_id)
                     self.counters.leases_expired += 1
                     logger.warning("KV lease of %s expired before a decode engine released it", req_id)
@@ -132,39 +256,104 @@ class KVServer:
     # -- serving (KV server threads, and the worker service through the engine) ---
 
     def wait_for_hold(self, req_id: str) -> Hold | None:
+        """The announced hold of ``req_id`` (vLLM's id), waiting a little for its announcement."""
         deadline = time.monotonic() + _HOLD_ANNOUNCE_WAIT_S
         with self._lock:
-            while req_id not in self._holds:
+            while (hold := self._holds.get(req_id)) is None or not hold.announced:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
-                self._hold_announced.wait(remaining)
-            return self._holds[req_id]
+                self._changed.wait(remaining)
+            return hold
+
+    def find_prompt(self, caller_id: str, is_active: Callable[[], bool]) -> Hold | None:
+        """The record of the prompt the caller named ``caller_id`` (prefilling or held), waiting until
+        the engine schedules it; a record already ``gone`` if the prompt ended or was freed before; None
+        once ``is_active`` says the caller gave up."""
+        with self._lock:
+            while True:
+                hold = next((h for r, h in self._holds.items() if external_request_id(r) == caller_id), None)
+                if hold is not None:
+                    return hold
+                if caller_id in self._gone:
+                    return Hold(block_ids=(), expiry_unix_s=None, gone=True)
+                if not is_active():
+                    return None
+                self._changed.wait(_STREAM_POLL_S)
+
+    def wait_progress(
+        self,
+        hold: Hold,
+        sent: list[int],
+        block_range: tuple[int, int],
+        is_active: Callable[[], bool],
+    ) -> list[int] | None:
+        """Per layer, how many of the prompt's blocks ``[first, first + n)`` of ``block_range`` are
+        computed, once some layer has more than ``sent``; None when the prompt ended without a hold
+        or the caller gave up. Device caches: waits for the layers' saves to have happened."""
+        first, num_blocks = block_range
+        block_size = self.layout.block_size_tokens if self.layout is not None else 1
+        with self._lock:
+            while True:
+                if hold.gone or not is_active():
+                    return None
+                if hold.ready_tokens is None:
+                    ready = [num_blocks] * len(sent)
+                else:
+                    ready = [
+                        max(0, min(num_blocks, _ready_blocks(tokens, hold.num_prompt_tokens, block_size) - first))
+                        for tokens in hold.ready_tokens
+                    ]
+                if any(r > s for r, s in zip(ready, sent, strict=True)):
+                    events = list(hold.ready_events) if hold.ready_tokens is not None else []
+                    break
+                self._changed.wait(_STREAM_POLL_S)
+        for event in events:
+            if event is not None:
+                event.synchronize()
+        return ready
 
     def release(self, req_id: str) -> bool:
         """Free the blocks held for ``req_id``: the handle's id (vLLM's internal request id), or the
-        id the caller gave the request (what the worker service knows when it aborts one)."""
+        id the caller gave the request (what the worker service knows when it aborts one). A prompt
+        still being prefilled is the engine's: it is freed when it is announced, or ends with its
+        request without one."""
         with self._lock:
             if req_id not in self._holds:
                 req_id = next((held for held in self._holds if external_request_id(held) == req_id), req_id)
-            hold = self._holds.pop(req_id, None)
-            if hold is not None:
-                self._done_sending.add(req_id)
-            return hold is not None
+            hold = self._holds.get(req_id)
+            if hold is None:
+                return False
+            if not hold.announced:
+                hold.release_on_announce = True
+                return True
+            self._remove(req_id)
+            self._done_sending.add(req_id)
+            return True
 
     def held(self) -> tuple[int, int]:
-        """(requests, blocks) held now."""
+        """(requests, blocks) held now for a decode engine."""
         with self._lock:
-            return len(self._holds), sum(len(h.block_ids) for h in self._holds.values())
+            holds = [h for h in self._holds.values() if h.announced]
+            return len(holds), sum(len(h.block_ids) for h in holds)
+
+    def num_prefilling(self) -> int:
+        """Prompts being prefilled now whose KV may be streamed."""
+        with self._lock:
+            return sum(1 for h in self._holds.values() if not h.announced)
+
+    def reader(self) -> wire.BlockReader:
+        return wire.BlockReader(self._caches, self._block_dim)
 
     def read_chunks(self, block_ids: list[int], max_chunk_bytes: int) -> Iterator[bytes]:
         """All requested blocks as :mod:`wire` chunks, in wire order."""
         return wire.read_chunks(self._caches, self._block_dim, block_ids, max_chunk_bytes)
 
-    def count_sent(self, num_bytes: int, num_blocks: int) -> None:
+    def count_sent(self, num_bytes: int, num_blocks: int, *, streamed: bool = False) -> None:
         with self._lock:
             self.counters.bytes_sent += num_bytes
             self.counters.blocks_sent += num_blocks
+            self.counters.streams_served += int(streamed)
 
 
 class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
@@ -178,27 +367,35 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         assert self._kv.layout is not None
         return self._kv.layout.to_proto()
 
-    def pull_handler(self) -> grpc.GenericRpcHandler:
-        """``PullBlockBytes``: raw bytes out (see :mod:`wire`), so no response serializer."""
-        _, service, method = wire.PULL_METHOD.split("/")
+    def raw_handlers(self) -> grpc.GenericRpcHandler:
+        """``PullBlockBytes`` and ``StreamBlockBytes``: raw bytes out (see :mod:`wire`), so no
+        response serializer."""
+        _, service, pull = wire.PULL_METHOD.split("/")
+        stream = wire.STREAM_METHOD.rsplit("/", 1)[1]
         return grpc.method_handlers_generic_handler(
             service,
             {
-                method: grpc.unary_stream_rpc_method_handler(
+                pull: grpc.unary_stream_rpc_method_handler(
                     self.pull_block_bytes, request_deserializer=kv_transfer_pb2.PullBlocksRequest.FromString
-                )
+                ),
+                stream: grpc.unary_stream_rpc_method_handler(
+                    self.stream_block_bytes, request_deserializer=kv_transfer_pb2.StreamBlocksRequest.FromString
+                ),
             },
         )
+
+    def _check_layout(self, expected: common_pb2.KVLayout, context: grpc.ServicerContext) -> None:
+        assert self._kv.layout is not None
+        try:
+            self._kv.layout.check_compatible(KVLayout.from_proto(expected))
+        except KVLayoutMismatchError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     def pull_block_bytes(
         self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         kv = self._kv
-        assert kv.layout is not None
-        try:
-            kv.layout.check_compatible(KVLayout.from_proto(request.expected_layout))
-        except KVLayoutMismatchError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        self._check_layout(request.expected_layout, context)
         hold = kv.wait_for_hold(request.remote_request_id)
         if hold is None:
             context.abort(
@@ -219,6 +416,58 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             total += len(chunk)
             yield chunk
         kv.count_sent(total, len(wanted))
+
+    def stream_block_bytes(
+        self, request: kv_transfer_pb2.StreamBlocksRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        kv = self._kv
+        assert kv.layout is not None
+        self._check_layout(request.expected_layout, context)
+        hold = kv.find_prompt(request.request_id, context.is_active)
+        if hold is None:
+            return
+        self._abort_gone(hold, request.request_id, context)
+        if hold.num_prompt_tokens and hold.num_prompt_tokens != request.num_prompt_tokens:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{request.request_id} is a prompt of {hold.num_prompt_tokens} tokens, "
+                f"not {request.num_prompt_tokens}",
+            )
+        block_size = kv.layout.block_size_tokens
+        first, num_blocks = request.first_block_index, request.num_blocks
+        num_prompt_tokens = request.num_prompt_tokens
+        if num_blocks == 0 or (first + num_blocks - 1) * block_size >= num_prompt_tokens:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"blocks {first}..{first + num_blocks - 1} are not all in a prompt of {num_prompt_tokens} tokens",
+            )
+        failpoints.hit("kv_server.before_stream")
+        reader = kv.reader()
+        max_chunk_blocks = max(1, (request.max_chunk_bytes or 4 * 1024 * 1024) // max(1, reader.block_bytes))
+        sent = [0] * reader.num_layers
+        total = 0
+        while any(n < num_blocks for n in sent):
+            ready = kv.wait_progress(hold, sent, (first, num_blocks), context.is_active)
+            if ready is None:
+                self._abort_gone(hold, request.request_id, context)
+                return
+            pieces = wire.ready_pieces(sent, ready, max_chunk_blocks)
+            ids = hold.block_ids[first : first + num_blocks]
+            data = reader.read(ids, wire.Chunk(tuple(pieces)), prefix=wire.stream_header(pieces))
+            # Read, then looked at: a prompt that ended meanwhile may have had its blocks rewritten.
+            if hold.gone:
+                self._abort_gone(hold, request.request_id, context)
+            total += sum(p.num_blocks for p in pieces) * reader.block_bytes
+            yield data
+        kv.count_sent(total, num_blocks, streamed=True)
+
+    @staticmethod
+    def _abort_gone(hold: Hold, request_id: str, context: grpc.ServicerContext) -> None:
+        if hold.gone:
+            context.abort(
+                grpc.StatusCode.ABORTED,
+                f"the prefill of {request_id} ended without keeping its KV (stopped, aborted or preempted)",
+            )
 
     def Release(
         self, request: kv_transfer_pb2.ReleaseBlocksRequest, context: grpc.ServicerContext

@@ -10,16 +10,41 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord
 
+#: How long an idle engine step (nothing scheduled) waits for the transfers it polls for: a load to
+#: finish (decode), a hold to be released (prefill). vLLM steps an engine whose requests only wait for
+#: KV (a decode's load) or hold it (a finished prefill's blocks until the decode engine releases them)
+#: in a tight Python loop; in the process that also runs the transfer, that loop kept the GIL from its
+#: threads (a 118 MB pull took 125-930 ms on the live stack, 65 ms without the loop on the decode
+#: side; 0.12-0.17 GB/s with the prefill side looping). Waiting on a condition gives the GIL to the
+#: transfer; a request that arrives meanwhile is scheduled at most this late.
+IDLE_STEP_WAIT_S = 0.01
+
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Decode side: pull ``remote_block_ids`` into ``local_block_ids``."""
+    """Decode side: pull ``remote_block_ids`` into ``local_block_ids``; the first of them is block
+    ``first_block_index`` of the prompt (the blocks before it are in the local prefix cache)."""
 
     request_id: str
     handle: KVHandleParams
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     num_tokens: int
+    first_block_index: int
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """Prefill side: a prompt that a decode engine will pull is computed further in this step."""
+
+    request_id: str
+    num_prompt_tokens: int
+    #: The request's blocks so far, in prompt order.
+    block_ids: tuple[int, ...]
+    #: Prompt tokens computed before this step (the prefix-cache hit, on the first step).
+    num_computed_tokens: int
+    #: Prompt tokens computed once this step's forward pass has saved a layer.
+    num_computed_after_step: int
 
 
 @dataclass
@@ -30,6 +55,12 @@ class GrpcKVMetadata(KVConnectorMetadata):
     releases: list[KVHandleParams] = field(default_factory=list)
     #: Prefill side: request id → (block ids, lease expiry in Unix seconds).
     holds: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    #: Prefill side: prompts computed further in this step, whose blocks may be streamed as each
+    #: layer is saved.
+    progress: list[PrefillProgress] = field(default_factory=list)
+    #: Prefill side: streamed prompts that ended without a hold (stopped, aborted, preempted): their
+    #: blocks may be reused from this step on.
+    ended: set[str] = field(default_factory=set)
     #: No tokens are scheduled this step: the engine only polls the connector (it is waiting for loads).
     idle_step: bool = False
 

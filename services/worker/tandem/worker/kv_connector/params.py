@@ -112,6 +112,8 @@ class LoadRecord:
     seconds: float
     failed: bool = False
     error: str = ""
+    #: Copied from a prefetch's staging (streamed while the prefill ran), not pulled now.
+    prefetched: bool = False
 
     def merge(self, other: LoadRecord) -> LoadRecord:
         """The same request's load on another rank: bytes add up, the slower rank sets the time."""
@@ -122,6 +124,7 @@ class LoadRecord:
             seconds=max(self.seconds, other.seconds),
             failed=self.failed or other.failed,
             error=self.error or other.error,
+            prefetched=self.prefetched and other.prefetched,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,6 +135,7 @@ class LoadRecord:
             "seconds": self.seconds,
             "failed": self.failed,
             "error": self.error,
+            "prefetched": self.prefetched,
         }
 
     @classmethod
@@ -143,6 +147,7 @@ class LoadRecord:
             seconds=float(data["seconds"]),
             failed=bool(data.get("failed", False)),
             error=str(data.get("error", "")),
+            prefetched=bool(data.get("prefetched", False)),
         )
 
 

@@ -1,7 +1,20 @@
 """Decode side of the worker-side connector: pulls a prefill engine's held
 blocks into this engine's paged cache, on a small thread pool so that the
 engine loop never waits on the network. Owns every pull and its figures;
-holds nothing (holds are :mod:`kv_server`'s)."""
+holds nothing on the prefill side (holds are :mod:`kv_server`'s).
+
+A prefetch is a pull started before the decode request exists (the gateway
+asks for it when the request is placed, ``PrefetchKV``): it streams the
+prompt's blocks from the prefill engine while that engine still computes them
+(``StreamBlockBytes``, each chunk as its layers are saved) into a staging
+buffer by block position. When the decode request's load comes, it waits for
+the prefetch to finish (usually it has) and copies the blocks it needs from
+staging into the paged cache: a local copy on the second token's critical
+path instead of the network. A prefetch that failed, or does not cover the
+blocks the load needs, is dropped and the load pulls as it would without one;
+staging is bounded (``prefetch_max_bytes``) and freed when the load has copied
+it, when the request is aborted here, or ``prefetch_keep_s`` after it was
+started."""
 
 from __future__ import annotations
 
@@ -10,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -20,8 +33,8 @@ from tandem.common.tls import channel as tls_channel
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector import wire
 from tandem.worker.kv_connector.layout import KVLayout
-from tandem.worker.kv_connector.metadata import LoadSpec
-from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord
+from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, LoadSpec
+from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord, external_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +45,10 @@ _CLIENT_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     *RECONNECT_BACKOFF_OPTIONS,
 ]
-#: How long an idle engine step (nothing scheduled, loads in flight) waits for a load to finish.
-#: vLLM steps an engine that has only requests waiting for KV in a tight Python loop; in the
-#: process that also runs the pull, that loop kept the GIL from the pull's threads (a 118 MB
-#: pull took 125-930 ms on the live stack, 65 ms without the loop). Waiting on a condition
-#: gives the GIL to the pull; a request that arrives meanwhile is scheduled at most this late.
-IDLE_STEP_WAIT_S = 0.01
+
+
+#: Prefetches streaming at once (each holds a thread while its prefill runs); more are refused.
+MAX_PREFETCHES_IN_FLIGHT = 8
 
 
 @dataclass
@@ -47,13 +58,57 @@ class PullCounters:
     kv_tokens_loaded: int = 0
     transfer_seconds: float = 0.0
     loads_failed: int = 0
+    prefetches_started: int = 0
+    prefetches_used: int = 0
+    prefetches_wasted: int = 0
+
+
+@dataclass
+class _Prefetch:
+    """One prompt's blocks [first_block_index, first_block_index + num_blocks), streamed into
+    ``staging`` (one tensor per layer, the cache's shape with ``num_blocks`` blocks)."""
+
+    request_id: str
+    kv_address: str
+    num_prompt_tokens: int
+    first_block_index: int
+    num_blocks: int
+    staging: list[torch.Tensor] | None
+    num_staged_bytes: int
+    expires_s: float
+    done: threading.Event = field(default_factory=threading.Event)
+    call: grpc.Call | None = None
+    error: str = ""
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+    def covers(self, first_block_index: int, num_blocks: int) -> bool:
+        return (
+            self.first_block_index <= first_block_index
+            and first_block_index + num_blocks <= self.first_block_index + self.num_blocks
+        )
 
 
 class KVPuller:
     """Pulls for one engine rank (rank r dials port ``kv_port + r`` of the prefill worker)."""
 
-    def __init__(self, *, tp_rank: int, max_chunk_bytes: int, pull_timeout_s: float, tls: TLSSettings) -> None:
+    def __init__(
+        self,
+        *,
+        tp_rank: int,
+        max_chunk_bytes: int,
+        pull_timeout_s: float,
+        tls: TLSSettings,
+        prefetch_max_bytes: int = 0,
+        prefetch_keep_s: float = 60.0,
+    ) -> None:
         self._tp_rank = tp_rank
+        self._prefetch_max_bytes = prefetch_max_bytes
+        self._prefetch_keep_s = prefetch_keep_s
+        #: By the caller's request id (the gateway's, which the decode request carries too).
+        self._prefetches: dict[str, _Prefetch] = {}
+        self._num_staged_bytes = 0
+        self._num_prefetching = 0
         self._max_chunk_bytes = max_chunk_bytes
         self._pull_timeout_s = pull_timeout_s
         self._tls = tls
@@ -69,19 +124,29 @@ class KVPuller:
         self._records: dict[str, LoadRecord] = {}
         self.counters = PullCounters()
         self._pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tandem-kv-pull")
+        self._prefetch_pool = futures.ThreadPoolExecutor(
+            max_workers=MAX_PREFETCHES_IN_FLIGHT, thread_name_prefix="tandem-kv-prefetch"
+        )
         self._channels: dict[str, grpc.Channel] = {}
+        self._channels_lock = threading.Lock()
 
     def start(self, caches: list[torch.Tensor], block_dim: int, layout: KVLayout) -> None:
         self._caches, self._block_dim, self._layout = caches, block_dim, layout
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._prefetch_pool.shutdown(wait=False, cancel_futures=True)
+        for prefetch in list(self._prefetches.values()):
+            if prefetch.call is not None:
+                prefetch.call.cancel()
         for channel in self._channels.values():
             channel.close()
 
     # -- per step (engine loop) --------------------------------------------------
 
     def submit(self, loads: Iterable[LoadSpec], releases: Iterable[KVHandleParams]) -> None:
+        if self._prefetches:
+            self._expire_prefetches()
         loads = list(loads)
         with self._lock:
             self._num_in_flight += len(loads)
@@ -114,13 +179,170 @@ class KVPuller:
     # -- pulling (pool threads) --------------------------------------------------
 
     def _channel(self, handle: KVHandleParams) -> grpc.Channel:
-        host, _, port = handle.kv_address.rpartition(":")
+        return self._channel_to(handle.kv_address)
+
+    def _channel_to(self, kv_address: str) -> grpc.Channel:
+        host, _, port = kv_address.rpartition(":")
         address = f"{host}:{int(port) + self._tp_rank}"
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = tls_channel(address, self._tls, options=list(_CLIENT_OPTIONS))
-            self._channels[address] = channel
+        with self._channels_lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = tls_channel(address, self._tls, options=list(_CLIENT_OPTIONS))
+                self._channels[address] = channel
         return channel
+
+    # -- prefetches (the worker service through the engine; prefetch threads) ------
+
+    def prefetch(self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int) -> str:
+        """Start streaming ``request_id``'s prompt KV from the prefill engine at ``kv_address`` into
+        staging, skipping the whole blocks of ``num_cached_tokens`` (what this engine is expected to
+        have cached). Returns "" when started, else why not (the decode then pulls as usual)."""
+        layout = self._layout
+        if layout is None:
+            return "the KV caches are not registered yet"
+        if self._prefetch_max_bytes <= 0:
+            return "prefetching is off (kv.prefetch_max_bytes is 0)"
+        block_size = layout.block_size_tokens
+        num_prompt_blocks = -(-num_prompt_tokens // block_size)
+        first = min(num_cached_tokens, num_prompt_tokens) // block_size
+        num_blocks = num_prompt_blocks - first
+        if num_blocks <= 0:
+            return "nothing to prefetch"
+        block_bytes = wire.BlockReader(self._caches[:1], self._block_dim).block_bytes
+        num_staged_bytes = block_bytes * num_blocks * len(self._caches)
+        self.drop_prefetch(request_id, wasted=True)
+        with self._lock:
+            if self._num_prefetching >= MAX_PREFETCHES_IN_FLIGHT:
+                return f"{MAX_PREFETCHES_IN_FLIGHT} prefetches are streaming already"
+            if self._num_staged_bytes + num_staged_bytes > self._prefetch_max_bytes:
+                return (
+                    f"staging is full ({self._num_staged_bytes} + {num_staged_bytes} bytes "
+                    f"> kv.prefetch_max_bytes {self._prefetch_max_bytes})"
+                )
+            self._num_staged_bytes += num_staged_bytes
+            self._num_prefetching += 1
+            self.counters.prefetches_started += 1
+        shape = list(self._caches[0].shape)
+        shape[self._block_dim] = num_blocks
+        staging = [torch.empty(shape, dtype=cache.dtype, device=cache.device) for cache in self._caches]
+        prefetch = _Prefetch(
+            request_id=request_id,
+            kv_address=kv_address,
+            num_prompt_tokens=num_prompt_tokens,
+            first_block_index=first,
+            num_blocks=num_blocks,
+            staging=staging,
+            num_staged_bytes=num_staged_bytes,
+            expires_s=time.monotonic() + self._prefetch_keep_s,
+        )
+        with self._lock:
+            self._prefetches[request_id] = prefetch
+        self._prefetch_pool.submit(self._stream_into_staging, prefetch)
+        return ""
+
+    def _stream_into_staging(self, prefetch: _Prefetch) -> None:
+        assert self._layout is not None
+        started = time.perf_counter()
+        try:
+            stream_blocks: grpc.UnaryStreamMultiCallable[kv_transfer_pb2.StreamBlocksRequest, bytes]
+            stream_blocks = self._channel_to(prefetch.kv_address).unary_stream(
+                wire.STREAM_METHOD,
+                request_serializer=kv_transfer_pb2.StreamBlocksRequest.SerializeToString,
+                response_deserializer=None,  # raw bytes
+            )
+            call = stream_blocks(
+                kv_transfer_pb2.StreamBlocksRequest(
+                    request_id=prefetch.request_id,
+                    first_block_index=prefetch.first_block_index,
+                    num_blocks=prefetch.num_blocks,
+                    expected_layout=self._layout.to_proto(),
+                    max_chunk_bytes=self._max_chunk_bytes,
+                    num_prompt_tokens=prefetch.num_prompt_tokens,
+                ),
+                timeout=self._pull_timeout_s,
+            )
+            prefetch.call = call
+            staging = prefetch.staging
+            if staging is None:  # dropped before it started
+                call.cancel()
+                raise RuntimeError("dropped")
+            prefetch.num_bytes = wire.write_stream(staging, self._block_dim, prefetch.num_blocks, call)
+        except Exception as exc:
+            message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            prefetch.error = str(message)[:500] or type(exc).__name__
+            logger.info("KV prefetch of %s from %s: %s", prefetch.request_id, prefetch.kv_address, prefetch.error)
+            self._free_staging(prefetch)
+        finally:
+            prefetch.seconds = time.perf_counter() - started
+            with self._lock:
+                self._num_prefetching -= 1
+            prefetch.done.set()
+
+    def _free_staging(self, prefetch: _Prefetch) -> None:
+        with self._lock:
+            if prefetch.staging is not None:
+                prefetch.staging = None
+                self._num_staged_bytes -= prefetch.num_staged_bytes
+
+    def drop_prefetch(self, request_id: str, *, wasted: bool = True) -> bool:
+        """Forget ``request_id``'s prefetch (the request was aborted here, or is prefetched again):
+        its stream is cancelled and its staging freed. True if there was one."""
+        with self._lock:
+            prefetch = self._prefetches.pop(request_id, None)
+            if prefetch is not None and wasted:
+                self.counters.prefetches_wasted += 1
+        if prefetch is None:
+            return False
+        if prefetch.call is not None:
+            prefetch.call.cancel()
+        self._free_staging(prefetch)
+        return True
+
+    def _expire_prefetches(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [r for r, p in self._prefetches.items() if p.expires_s <= now]
+        for request_id in expired:
+            logger.warning("KV prefetch of %s was not used in time; dropped", request_id)
+            self.drop_prefetch(request_id)
+
+    def staged(self) -> tuple[int, int]:
+        """(prefetches holding staging, their bytes) now."""
+        with self._lock:
+            return sum(1 for p in self._prefetches.values() if p.staging is not None), self._num_staged_bytes
+
+    def _take_prefetch(self, spec: LoadSpec) -> _Prefetch | None:
+        with self._lock:
+            return self._prefetches.pop(external_request_id(spec.request_id), None)
+
+    def _load_from_prefetch(self, spec: LoadSpec, prefetch: _Prefetch) -> int | None:
+        """Copy ``spec``'s blocks from the prefetch's staging into the paged cache; the bytes copied,
+        or None (the prefetch failed or does not cover them: the caller pulls)."""
+        usable = prefetch.done.wait(self._pull_timeout_s) and not prefetch.error
+        staging = prefetch.staging
+        why = prefetch.error or "not finished in time"
+        if usable and staging is not None:
+            if prefetch.num_prompt_tokens != spec.handle.num_tokens:
+                usable = False
+                why = f"prefetched {prefetch.num_prompt_tokens} tokens, the handle has {spec.handle.num_tokens}"
+            elif not prefetch.covers(spec.first_block_index, len(spec.local_block_ids)):
+                usable, why = False, "the blocks to load were not prefetched (a prefix cache miss)"
+        try:
+            if not usable or staging is None:
+                logger.info("KV prefetch of %s not used: %s", spec.request_id, why)
+                return None
+            offset = spec.first_block_index - prefetch.first_block_index
+            positions = range(offset, offset + len(spec.local_block_ids))
+            return wire.copy_blocks(staging, positions, self._caches, spec.local_block_ids, self._block_dim)
+        finally:
+            with self._lock:
+                if usable and staging is not None:
+                    self.counters.prefetches_used += 1
+                else:
+                    self.counters.prefetches_wasted += 1
+            if prefetch.call is not None and not prefetch.done.is_set():
+                prefetch.call.cancel()
+            self._free_staging(prefetch)
 
     def _load_and_release(self, spec: LoadSpec) -> None:
         try:
@@ -136,6 +358,10 @@ class KVPuller:
         started = time.perf_counter()
         num_bytes = 0
         error = ""
+        prefetch = self._take_prefetch(spec) if self._prefetches else None
+        copied = self._load_from_prefetch(spec, prefetch) if prefetch is not None else None
+        if copied is not None:
+            return self._finish_load(spec, started, copied, "", prefetched=True)
         try:
             pull: grpc.UnaryStreamMultiCallable[kv_transfer_pb2.PullBlocksRequest, bytes]
             pull = self._channel(spec.handle).unary_stream(
@@ -159,6 +385,11 @@ class KVPuller:
             message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             logger.error("KV load of %s from %s failed: %s", spec.request_id, spec.handle.kv_address, message)
             error = str(message)[:500] or type(exc).__name__
+        return self._finish_load(spec, started, num_bytes, error, prefetched=False)
+
+    def _finish_load(
+        self, spec: LoadSpec, started: float, num_bytes: int, error: str, *, prefetched: bool
+    ) -> LoadRecord:
         record = LoadRecord(
             num_kv_tokens_loaded=spec.num_tokens,
             num_blocks_loaded=len(spec.local_block_ids),
@@ -166,6 +397,7 @@ class KVPuller:
             seconds=time.perf_counter() - started,
             failed=bool(error),
             error=error,
+            prefetched=prefetched,
         )
         with self._lock:
             c = self.counters

@@ -1,7 +1,12 @@
 """Scheduler-side half of the gRPC KV connector; runs in vLLM's engine-core
 process, called by vLLM's scheduler. Decides what to hold (prefill) and what
 to load (decode); never touches KV tensors. A decode request's load figures
-come back from the worker side and leave with the finished request."""
+come back from the worker side and leave with the finished request.
+
+On the prefill side it also tells the worker side, step by step, how far each
+prompt that a decode engine will pull is computed (its blocks, tokens before
+and after the step), and when such a prompt ends without a hold, so that the
+KV server can stream the prompt's blocks while the prefill still runs."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from tandem.worker.kv_connector.metadata import GrpcKVMetadata, GrpcKVWorkerMeta, LoadSpec
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, GrpcKVWorkerMeta, LoadSpec, PrefillProgress
 from tandem.worker.kv_connector.params import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
@@ -21,6 +26,7 @@ from tandem.worker.kv_connector.params import (
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -39,6 +45,9 @@ class SchedulerSide:
         #: Decode requests whose load is planned and not yet reported, and the reports not yet handed out.
         self._loading: set[str] = set()
         self._load_records: dict[str, LoadRecord] = {}
+        #: Prefill requests a decode engine will pull, while they run: request id → (prompt tokens,
+        #: block ids so far).
+        self._streamed: dict[str, tuple[int, list[int]]] = {}
 
     # -- decode side -------------------------------------------------------------
 
@@ -54,6 +63,10 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
+        if params and params.get(DO_REMOTE_DECODE) and request.request_id not in self._streamed:
+            # A prefill a decode engine will pull: its progress goes to the worker side each step.
+            self._streamed[request.request_id] = (request.num_prompt_tokens, [])
+            return
         if not params or not params.get(DO_REMOTE_PREFILL):
             return
         handle = KVHandleParams.from_dict(params[HANDLE])
@@ -89,6 +102,7 @@ class SchedulerSide:
                 remote_block_ids=remote_ids,
                 local_block_ids=local_ids,
                 num_tokens=num_external_tokens,
+                first_block_index=num_local_blocks,
             )
         )
 
@@ -106,13 +120,17 @@ class SchedulerSide:
             params[DO_REMOTE_PREFILL] = False
             self._pending.releases.append(KVHandleParams.from_dict(params[HANDLE]))
             return False, None
+        streamed = self._streamed.pop(request.request_id, None) is not None
         if not params.get(DO_REMOTE_DECODE):
             # A decode request: its load's figures leave with it (a load still in flight reports to no one).
             self._loading.discard(request.request_id)
             record = self._load_records.pop(request.request_id, None)
             return False, ({KV_LOAD: record.to_dict()} if record is not None else None)
         if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
-            # Stopped on EOS/stop string or aborted: nothing will be decoded.
+            # Stopped on EOS/stop string or aborted: nothing will be decoded (and a stream of its
+            # prompt must stop before its blocks are reused).
+            if streamed:
+                self._pending.ended.add(request.request_id)
             return False, None
         expiry = time.time() + self._lease_s
         ids = tuple(int(b) for b in block_ids)
@@ -136,6 +154,53 @@ class SchedulerSide:
                 self._loading.discard(req_id)
                 self._load_records[req_id] = record
 
-    def build_connector_meta(self) -> GrpcKVMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> GrpcKVMetadata:
+        if scheduler_output is not None and self._streamed:
+            self._plan_progress(scheduler_output)
         meta, self._pending = self._pending, GrpcKVMetadata()
         return meta
+
+    def _plan_progress(self, out: SchedulerOutput) -> None:
+        """How far this step computes each streamed prompt; a preempted one (its blocks freed, to be
+        computed again elsewhere in the cache) ends its stream and is streamed no more."""
+        for req_id in out.preempted_req_ids or ():
+            if self._streamed.pop(req_id, None) is not None:
+                self._pending.ended.add(req_id)
+        scheduled = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            tracked = self._streamed.get(new.req_id)
+            if tracked is None:
+                continue
+            num_prompt, block_ids = tracked
+            block_ids[:] = new.block_ids[0]
+            self._add_progress(new.req_id, num_prompt, block_ids, new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._streamed.get(req_id)
+            if tracked is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                # Resumed after a preemption we did not see: its blocks are new, its stream is over.
+                del self._streamed[req_id]
+                self._pending.ended.add(req_id)
+                continue
+            num_prompt, block_ids = tracked
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                block_ids.extend(new_ids[0])
+            self._add_progress(req_id, num_prompt, block_ids, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
+
+    def _add_progress(
+        self, req_id: str, num_prompt: int, block_ids: list[int], num_computed: int, num_scheduled: int
+    ) -> None:
+        if num_computed >= num_prompt:
+            return  # the prompt is computed; the request only samples now
+        self._pending.progress.append(
+            PrefillProgress(
+                request_id=req_id,
+                num_prompt_tokens=num_prompt,
+                block_ids=tuple(block_ids),
+                num_computed_tokens=num_computed,
+                num_computed_after_step=min(num_prompt, num_computed + num_scheduled),
+            )
+        )

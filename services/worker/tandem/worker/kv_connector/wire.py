@@ -27,6 +27,7 @@ on a device is gathered on the device, then copied to the host.
 from __future__ import annotations
 
 import itertools
+import struct
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ import torch
 
 #: Full name of the raw-bytes pull method (served by a generic handler; see the module doc).
 PULL_METHOD: Final = "/tandem.v1.KVTransfer/PullBlockBytes"
+#: The blocks of a prompt whose prefill still runs, in the order the prefill engine computes them (see
+#: :func:`ready_pieces`); each message starts with a header naming its pieces (:func:`stream_header`).
+STREAM_METHOD: Final = "/tandem.v1.KVTransfer/StreamBlockBytes"
+#: A stream message's header: the number of pieces, then (layer, first block, number of blocks) each.
+_STREAM_COUNT: Final = struct.Struct("<I")
+_STREAM_PIECE: Final = struct.Struct("<III")
 
 # torch.frombuffer warns about read-only buffers (gRPC hands the client immutable bytes); the
 # client only reads them (into a device cache; CPU copies go through numpy).
@@ -135,47 +142,167 @@ def _piece_ids(block_ids: Sequence[int], piece: Piece) -> Sequence[int]:
     return block_ids[piece.first : piece.first + piece.num_blocks]
 
 
+class BlockReader:
+    """Reads chunks of one rank's blocks (the serving side of a pull); built once per pull, so a
+    stream whose blocks become ready one after another (a prefill still running) reads each chunk
+    when it is ready, with the block ids known by then."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], block_dim: int) -> None:
+        self._block_dim = block_dim
+        self._words = [_as_words(cache) for cache in layers]
+        self.block_bytes = _block_bytes(self._words[0], block_dim) if layers else 0
+        self._on_cpu = bool(layers) and self._words[0].device.type == "cpu"
+        self._arrays = [words.numpy() for words in self._words] if self._on_cpu else []
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._words)
+
+    def plan(self, num_blocks: int, max_chunk_bytes: int) -> list[Chunk]:
+        """The chunks of a pull of ``num_blocks`` blocks of every layer, in wire order."""
+        return chunk_plan(self.num_layers, num_blocks, self.block_bytes, max_chunk_bytes)
+
+    def read(self, block_ids: Sequence[int], chunk: Chunk, *, prefix: bytes = b"") -> bytes:
+        """The bytes of ``chunk`` of a pull of ``block_ids`` (only the ids its pieces cover are read),
+        after ``prefix`` (a stream message's header) in the same message."""
+        if not self._on_cpu:
+            return prefix + self._read_device(block_ids, chunk)
+        # With the block dimension cut to a run, each index of the dimensions before it is
+        # one contiguous stretch of the cache (ascontiguousarray is then a view, not a copy):
+        # join() copies them straight into the message.
+        parts: list[memoryview | bytes] = [prefix]
+        for piece in chunk.pieces:
+            array = self._arrays[piece.layer_index]
+            piece_runs = runs(_piece_ids(block_ids, piece))
+            for lead in _leading(array.shape, self._block_dim):
+                row = array[lead]
+                parts.extend(np.ascontiguousarray(row[r.block : r.block + r.length]).data for r in piece_runs)
+        return b"".join(parts)
+
+    def _read_device(self, block_ids: Sequence[int], chunk: Chunk) -> bytes:
+        """Device caches: each piece gathered on the device, copied into one host staging buffer."""
+        first = self._words[0]
+        block_words = self.block_bytes // first.element_size()
+        size_words = block_words * chunk.num_blocks
+        if self._staging is None or self._staging.numel() < size_words:
+            self._staging = torch.empty(size_words, dtype=first.dtype)
+        offset = 0
+        for piece in chunk.pieces:
+            words = self._words[piece.layer_index]
+            ids = torch.tensor(list(_piece_ids(block_ids, piece)), dtype=torch.long, device=words.device)
+            size = block_words * piece.num_blocks
+            self._staging[offset : offset + size].copy_(words.index_select(self._block_dim, ids).reshape(-1))
+            offset += size
+        return bytes(self._staging[:offset].numpy().tobytes())
+
+
 def read_chunks(
     layers: Sequence[torch.Tensor], block_dim: int, block_ids: Sequence[int], max_chunk_bytes: int
 ) -> Iterator[bytes]:
     """The bytes of blocks ``block_ids`` of every layer's cache, chunk by chunk in wire order."""
     if not layers or not block_ids:
         return
+    reader = BlockReader(layers, block_dim)
+    for chunk in reader.plan(len(block_ids), max_chunk_bytes):
+        yield reader.read(block_ids, chunk)
+
+
+def ready_pieces(sent: list[int], ready: Sequence[int], max_chunk_blocks: int) -> list[Piece]:
+    """The next stream message of a running prefill: blocks computed (``ready[layer]`` blocks of every
+    layer) and not sent yet (``sent[layer]``, advanced here), layer by layer from layer 0, at most
+    ``max_chunk_blocks`` (at least one). The order follows the engine: a chunked prefill's first
+    step makes its blocks of every layer ready before the next step's."""
+    pieces: list[Piece] = []
+    room = max(1, max_chunk_blocks)
+    for layer, num_ready in enumerate(ready):
+        num = min(num_ready - sent[layer], room)
+        if num <= 0:
+            continue
+        pieces.append(Piece(layer, sent[layer], num))
+        sent[layer] += num
+        room -= num
+        if room == 0:
+            break
+    return pieces
+
+
+def stream_header(pieces: Sequence[Piece]) -> bytes:
+    return _STREAM_COUNT.pack(len(pieces)) + b"".join(
+        _STREAM_PIECE.pack(p.layer_index, p.first, p.num_blocks) for p in pieces
+    )
+
+
+def write_stream(
+    layers: Sequence[torch.Tensor], block_dim: int, num_blocks: int, messages: Iterable[bytes]
+) -> int:
+    """Copy a stream's messages into blocks ``0..num_blocks-1`` of every layer of ``layers`` (staging).
+    Returns the bytes written; raises ``ValueError`` when a message is malformed, a piece is out of
+    order, or the stream ends before every block of every layer came (exactly once)."""
     all_words = [_as_words(cache) for cache in layers]
-    plan = chunk_plan(len(all_words), len(block_ids), _block_bytes(all_words[0], block_dim), max_chunk_bytes)
-    if all_words[0].device.type != "cpu":
-        yield from _read_device_chunks(all_words, block_dim, block_ids, plan)
-        return
-    arrays = [words.numpy() for words in all_words]
-    for chunk in plan:
-        # With the block dimension cut to a run, each index of the dimensions before it is
-        # one contiguous stretch of the cache (ascontiguousarray is then a view, not a copy):
-        # join() copies them straight into the message.
-        parts: list[memoryview] = []
-        for piece in chunk.pieces:
-            array = arrays[piece.layer_index]
-            piece_runs = runs(_piece_ids(block_ids, piece))
-            for lead in _leading(array.shape, block_dim):
-                row = array[lead]
-                parts.extend(np.ascontiguousarray(row[r.block : r.block + r.length]).data for r in piece_runs)
-        yield b"".join(parts)
+    block_bytes = _block_bytes(all_words[0], block_dim)
+    received = [0] * len(all_words)
+    num_bytes = 0
+    for data in messages:
+        try:
+            (count,) = _STREAM_COUNT.unpack_from(data, 0)
+            header = [
+                _STREAM_PIECE.unpack_from(data, _STREAM_COUNT.size + i * _STREAM_PIECE.size) for i in range(count)
+            ]
+        except struct.error as exc:
+            raise ValueError(f"a stream message's header is cut short ({len(data)} bytes)") from exc
+        offset = _STREAM_COUNT.size + count * _STREAM_PIECE.size
+        if len(data) != offset + block_bytes * sum(n for _, _, n in header):
+            raise ValueError(f"a stream message of {count} pieces has {len(data)} bytes")
+        for layer, first, num in header:
+            if layer >= len(all_words) or first != received[layer] or first + num > num_blocks:
+                raise ValueError(f"piece (layer {layer}, blocks {first}..{first + num - 1}) out of order")
+            _write_piece(all_words[layer], block_dim, range(first, first + num), data, offset)
+            received[layer] += num
+            offset += num * block_bytes
+        num_bytes += offset - _STREAM_COUNT.size - count * _STREAM_PIECE.size
+    if any(n != num_blocks for n in received):
+        raise ValueError(f"the stream ended with {sum(received)} of {num_blocks * len(all_words)} blocks")
+    return num_bytes
 
 
-def _read_device_chunks(
-    all_words: Sequence[torch.Tensor], block_dim: int, block_ids: Sequence[int], plan: Sequence[Chunk]
-) -> Iterator[bytes]:
-    """Device caches: each piece gathered on the device, copied into one host staging buffer."""
-    block_words = _block_bytes(all_words[0], block_dim) // all_words[0].element_size()
-    staging = torch.empty(block_words * max(c.num_blocks for c in plan), dtype=all_words[0].dtype)
-    for chunk in plan:
-        offset = 0
-        for piece in chunk.pieces:
-            words = all_words[piece.layer_index]
-            ids = torch.tensor(list(_piece_ids(block_ids, piece)), dtype=torch.long, device=words.device)
-            size = block_words * piece.num_blocks
-            staging[offset : offset + size].copy_(words.index_select(block_dim, ids).reshape(-1))
-            offset += size
-        yield staging[:offset].numpy().tobytes()
+def copy_blocks(
+    src_layers: Sequence[torch.Tensor],
+    src_ids: Sequence[int],
+    dst_layers: Sequence[torch.Tensor],
+    dst_ids: Sequence[int],
+    block_dim: int,
+) -> int:
+    """Copy blocks ``src_ids`` of every layer of ``src_layers`` into blocks ``dst_ids`` of the same
+    layer of ``dst_layers`` (same shapes but for the number of blocks, same dtype); returns the bytes
+    copied. Run by run, through the same integer views as the wire, so byte-exact for every dtype."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"copying {len(src_ids)} blocks into {len(dst_ids)}")
+    num_bytes = 0
+    for src_cache, dst_cache in zip(src_layers, dst_layers, strict=True):
+        src, dst = _as_words(src_cache), _as_words(dst_cache)
+        num_bytes += _block_bytes(src, block_dim) * len(src_ids)
+        pairs = _paired_runs(src_ids, dst_ids)
+        if src.device.type == "cpu" and dst.device.type == "cpu":
+            src_np, dst_np = src.numpy(), dst.numpy()
+            for src_first, dst_first, length in pairs:
+                dst_np[_cut(block_dim, dst_first, length)] = src_np[_cut(block_dim, src_first, length)]
+            continue
+        for src_first, dst_first, length in pairs:
+            dst[_cut(block_dim, dst_first, length)].copy_(src[_cut(block_dim, src_first, length)])
+    return num_bytes
+
+
+def _paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first source block, first destination block, length) of the stretches where both sides'
+    ids are consecutive."""
+    out: list[tuple[int, int, int]] = []
+    for src, dst in zip(src_ids, dst_ids, strict=True):
+        if out and src == out[-1][0] + out[-1][2] and dst == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((src, dst, 1))
+    return out
 
 
 def write_chunks(

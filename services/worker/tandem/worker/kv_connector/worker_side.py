@@ -3,9 +3,11 @@ process, next to the KV tensors.
 
 It derives the block layout from the live tensors (``register_kv_caches``),
 then hands each step's work to its two parts: :mod:`kv_server` (prefill:
-holds, leases, serving blocks) and :mod:`puller` (decode: pulls into the paged
-cache, and what each pull did). :mod:`extension` exposes it to the worker
-service through the engine (layout, counters, releasing a hold).
+holds, leases, serving blocks, streaming a prompt's blocks layer by layer as
+the forward pass saves them) and :mod:`puller` (decode: pulls into the paged
+cache, prefetches into staging while the prefill runs, and what each pull
+did). :mod:`extension` exposes it to the worker service through the engine
+(layout, counters, releasing a hold or a prefetch, starting a prefetch).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class WorkerSide:
         kv_port: int,
         max_chunk_bytes: int,
         pull_timeout_s: float,
+        lease_s: float = 60.0,
+        prefetch_max_bytes: int = 0,
         tls: TLSSettings | None = None,
     ) -> None:
         self._model = model
@@ -57,8 +61,17 @@ class WorkerSide:
         tls = tls or TLSSettings()
         heap.keep_message_buffers(max_chunk_bytes)
         self.server = KVServer(bind=f"{kv_host}:{kv_port + tp_rank}", tls=tls)
-        self.puller = KVPuller(tp_rank=tp_rank, max_chunk_bytes=max_chunk_bytes, pull_timeout_s=pull_timeout_s, tls=tls)
+        self.puller = KVPuller(
+            tp_rank=tp_rank,
+            max_chunk_bytes=max_chunk_bytes,
+            pull_timeout_s=pull_timeout_s,
+            tls=tls,
+            prefetch_max_bytes=prefetch_max_bytes,
+            prefetch_keep_s=lease_s,
+        )
         self._idle_step = False
+        #: Layer name (as vLLM's attention layers call save_kv_layer) → index in layer order.
+        self._layer_index: dict[str, int] = {}
         self.layout: KVLayout | None = None
 
     # -- set-up ------------------------------------------------------------------
@@ -90,6 +103,7 @@ class WorkerSide:
             block_dim=block_dim,
         )
         caches = [cache for _, cache in layers]
+        self._layer_index = {name: i for i, (name, _) in enumerate(layers)}
         self.server.start(caches, block_dim, layout, self.stats)
         self.puller.start(caches, block_dim, layout)
         self.layout = layout
@@ -110,14 +124,23 @@ class WorkerSide:
 
     def start_load_kv(self, meta: GrpcKVMetadata) -> None:
         self.server.hold(meta.holds)
+        if meta.progress or meta.ended:
+            self.server.progress(meta.progress, meta.ended)
         self._idle_step = meta.idle_step
         self.puller.submit(meta.loads, meta.releases)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """The forward pass has written this layer's KV for the step (``save_kv_layer``)."""
+        index = self._layer_index.get(layer_name)
+        if index is not None:
+            self.server.layer_saved(index)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(done sending, done receiving, failed receiving) since the last call; a failed load is
         also done receiving."""
         loaded, failed = self.puller.take_results(idle_step=self._idle_step)
-        return self.server.take_done_sending(finished_req_ids), loaded | failed, failed
+        sending = self.server.take_done_sending(finished_req_ids, idle_step=self._idle_step)
+        return sending, loaded | failed, failed
 
     def take_failed_block_ids(self) -> set[int]:
         return self.puller.take_failed_block_ids()
@@ -128,7 +151,14 @@ class WorkerSide:
     # -- for the worker service (through the engine) and GetStats ------------------
 
     def release(self, req_id: str) -> bool:
-        return self.server.release(req_id)
+        """Free what this rank keeps for ``req_id``: blocks held for a decode engine (prefill), a
+        prefetch's staging (decode)."""
+        released = self.server.release(req_id)
+        return self.puller.drop_prefetch(req_id) or released
+
+    def prefetch(self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int) -> str:
+        """Start streaming a running prefill's KV into staging; "" if started, else why not."""
+        return self.puller.prefetch(request_id, kv_address, num_prompt_tokens, num_cached_tokens)
 
     def load(self, spec: LoadSpec) -> LoadRecord:
         """Pull one request's blocks now, on the calling thread (benchmarks)."""
@@ -148,7 +178,11 @@ class WorkerSide:
             leases_expired_total=served.leases_expired,
             num_held_requests=num_held_requests,
             num_held_blocks=num_held_blocks,
+            prefetches_started_total=pulled.prefetches_started,
+            prefetches_used_total=pulled.prefetches_used,
+            prefetches_wasted_total=pulled.prefetches_wasted,
         )
+        msg.num_staged_prefetches, msg.staged_bytes = self.puller.staged()
         if self.layout is not None:
             msg.layout.CopyFrom(self.layout.to_proto())
         return msg

@@ -1,0 +1,64 @@
+"""The gateway asks the decode worker to prefetch a prompt's KV while the prefill runs (PrefetchKV),
+without holding the Prefill up, and a refused or failed prefetch changes nothing the client sees."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from tandem.v1 import router_pb2
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "héllo 🌍 世界"}], "max_tokens": 8, **extra}
+
+
+async def test_the_decode_worker_is_asked_to_prefetch_from_the_prefill_workers_kv_server(stack: Any) -> None:
+    stack.router.placements[0].num_decode_cached_tokens = 128
+    response = await stack.client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == 200, response.text
+    (prefill_request,) = stack.prefill.prefill_requests
+    (prefetch,) = stack.decode.prefetch_requests
+    assert prefetch.request_id == prefill_request.request_id == stack.decode.decode_requests[0].request_id
+    assert prefetch.kv_address == stack.router.placements[0].prefill.kv_address == stack.prefill.address
+    assert prefetch.num_prompt_tokens == len(prefill_request.prompt_token_ids)
+    assert prefetch.num_cached_tokens == 128
+    started = stack.metrics.registry.get_sample_value("tandem_gateway_kv_prefetches_total", {"outcome": "started"})
+    assert started == 1.0
+
+
+async def test_no_prefetch_without_a_handoff(stack: Any) -> None:
+    # One token: the prefill worker keeps no KV. A local prefill: no prefill worker at all.
+    response = await stack.client.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+    assert response.status_code == 200, response.text
+    stack.router.placements[:] = [
+        router_pb2.Placement(decode=stack.decode.ref("decode"), lease_s=30.0, local_prefill=True)
+    ]
+    response = await stack.client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == 200, response.text
+    assert stack.decode.prefetch_requests == []
+
+
+async def test_a_prefetch_that_fails_or_is_refused_changes_nothing_for_the_client(stack: Any) -> None:
+    texts = []
+    for refusal, error in (("staging is full", None), ("", grpc.StatusCode.UNAVAILABLE)):
+        stack.decode.prefetch_refusal, stack.decode.prefetch_error = refusal, error
+        response = await stack.client.post("/v1/chat/completions", json=chat_body())
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["choices"][0]["message"]["content"])
+    assert texts == ["Hello world!", "Hello world!"]
+    assert len(stack.decode.prefetch_requests) == 2
+    registry = stack.metrics.registry
+    for _ in range(100):
+        if registry.get_sample_value("tandem_gateway_kv_prefetches_total", {"outcome": "failed"}):
+            break
+        await asyncio.sleep(0.01)
+    assert registry.get_sample_value("tandem_gateway_kv_prefetches_total", {"outcome": "refused"}) == 1.0
+    assert registry.get_sample_value("tandem_gateway_kv_prefetches_total", {"outcome": "failed"}) == 1.0

@@ -1,0 +1,339 @@
+"""The prefetched handoff: a decode engine streams a prompt's KV from a prefill
+engine while that engine still computes it (StreamBlockBytes over real gRPC
+between two KV servers), chunk by chunk as each layer is saved, into staging;
+the decode request's load then copies it into the paged cache. Bytes are
+identical for every dtype and cache layout, nothing is read before its layer is
+saved, and every way a prefetch can go wrong falls back to the ordinary pull
+and frees what it staged."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec, PrefillProgress
+from tandem.worker.kv_connector.params import KVHandleParams, prefill_params
+from tandem.worker.kv_connector.scheduler_side import SchedulerSide
+from tandem.worker.kv_connector.worker_side import WorkerSide
+from tests.kit.net import free_port
+
+from .test_kv_connector import FakeBlock, FakeBlocks, FakeRequest, wait_until
+from .test_kv_wire import DTYPES, LAYOUTS, NUM_BLOCKS, _caches, _same_bytes
+
+BLOCK = 4
+REQUEST = "req-1"
+VLLM_ID = "req-1-abcdefgh"
+#: Prompt blocks 0..4 on the prefill side (block 0 in its prefix cache), 18 tokens: the last block is partial.
+PREFILL_BLOCKS = (4, 1, 2, 3, 7)
+NUM_PROMPT_TOKENS = 18
+
+
+def _side(port: int, max_chunk_bytes: int, *, prefetch_max_bytes: int = 1 << 20) -> WorkerSide:
+    return WorkerSide(
+        model="m",
+        num_blocks=NUM_BLOCKS,
+        block_size_tokens=BLOCK,
+        tp_size=1,
+        tp_rank=0,
+        kv_host="127.0.0.1",
+        kv_port=port,
+        max_chunk_bytes=max_chunk_bytes,
+        pull_timeout_s=10,
+        prefetch_max_bytes=prefetch_max_bytes,
+    )
+
+
+def _block_bytes(shape: tuple[int, ...], block_dim: int, dtype: torch.dtype) -> int:
+    size = dtype.itemsize
+    for i, d in enumerate(shape):
+        size *= 1 if i == block_dim else d
+    return size
+
+
+@dataclass
+class Pair:
+    prefill: WorkerSide
+    decode: WorkerSide
+    p_caches: dict[str, torch.Tensor]
+    d_caches: dict[str, torch.Tensor]
+    block_dim: int
+    #: What the prefill engine's forward will write into each layer (the caches hold garbage until then).
+    computed: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def handle(self) -> KVHandleParams:
+        return KVHandleParams(
+            engine_id="p",
+            kv_address=self.prefill.server.address,
+            remote_request_id=VLLM_ID,
+            block_ids=PREFILL_BLOCKS,
+            num_tokens=NUM_PROMPT_TOKENS,
+            lease_expires_unix_s=time.time() + 60,
+        )
+
+    def step(self, num_computed: int, num_after: int) -> None:
+        """The prefill engine's step: its metadata, then each layer written and saved in turn."""
+        self.prefill.start_load_kv(
+            GrpcKVMetadata(
+                progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, num_computed, num_after)]
+            )
+        )
+        for name in self.p_caches:
+            self.p_caches[name].copy_(self.computed[name])
+            self.prefill.layer_saved(name)
+
+    def announce(self) -> None:
+        """The prefill request finished: the scheduler announces its hold."""
+        self.prefill.start_load_kv(GrpcKVMetadata(holds={VLLM_ID: (PREFILL_BLOCKS, time.time() + 60)}))
+
+    def load(self, local: tuple[int, ...], first_block_index: int) -> None:
+        remote = PREFILL_BLOCKS[first_block_index : first_block_index + len(local)]
+        spec = LoadSpec(VLLM_ID, self.handle(), remote, local, NUM_PROMPT_TOKENS, first_block_index)
+        self.decode.start_load_kv(GrpcKVMetadata(loads=[spec]))
+        wait_until(lambda: VLLM_ID in self.decode.puller._done | self.decode.puller._failed, timeout_s=10)
+
+    def assert_landed(self, local: tuple[int, ...], first_block_index: int) -> None:
+        remote = PREFILL_BLOCKS[first_block_index:]
+        for name, sent_cache in self.computed.items():
+            for theirs, ours in zip(remote, local, strict=True):
+                got = self.d_caches[name].select(self.block_dim, ours)
+                assert _same_bytes(got, sent_cache.select(self.block_dim, theirs)), (name, theirs)
+
+    def close(self) -> None:
+        self.prefill.shutdown()
+        self.decode.shutdown()
+
+
+def _pair(layout: str = "cpu", dtype: torch.dtype = torch.float32, **decode_options: int) -> Pair:
+    shape, block_dim = LAYOUTS[layout]
+    block_bytes = _block_bytes(shape, block_dim, dtype)
+    # Two blocks per chunk: a layer's pieces span chunks, and chunks span layers.
+    prefill = _side(free_port(), 2 * block_bytes)
+    decode = _side(free_port(), 2 * block_bytes, **decode_options)
+    computed = _caches(shape, dtype, seed=11)
+    p_caches = {name: torch.full_like(t.view(torch.uint8), 0xFF).view(dtype) for name, t in computed.items()}
+    d_caches = _caches(shape, dtype, seed=None)
+    prefill.register_kv_caches(p_caches)
+    decode.register_kv_caches(d_caches)
+    return Pair(prefill, decode, p_caches, d_caches, block_dim, computed)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_prefetched_blocks_are_byte_identical_and_none_is_read_before_its_layer_is_saved(
+    layout: str, dtype: torch.dtype
+) -> None:
+    pair = _pair(layout, dtype)
+    try:
+        # The decode worker asks before the prefill engine has even scheduled the prompt; it expects
+        # one block (4 tokens) in its own prefix cache, so prefetches blocks 1..4.
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 5) == ""
+        time.sleep(0.2)
+        prefetch = pair.decode.puller._prefetches[REQUEST]
+        assert (prefetch.first_block_index, prefetch.num_blocks) == (1, 4) and not prefetch.done.is_set()
+        pair.step(num_computed=BLOCK, num_after=NUM_PROMPT_TOKENS)  # block 0 was cached on the prefill side
+        wait_until(prefetch.done.is_set, timeout_s=10)
+        assert prefetch.error == ""
+        # The prefill finishes, the decode request arrives and loads blocks 1..4 into its own blocks.
+        pair.announce()
+        local = (11, 10, 0, 1)
+        pair.load(local, first_block_index=1)
+        record = pair.decode.take_load_records()[VLLM_ID]
+        assert not record.failed and record.prefetched, record.error
+        pair.assert_landed(local, first_block_index=1)
+        stats = pair.decode.stats()
+        assert stats.prefetches_used_total == 1 and stats.prefetches_wasted_total == 0
+        assert stats.num_staged_prefetches == 0 and stats.staged_bytes == 0
+        # Nothing was pulled after the prefill: the bytes came over the stream alone.
+        served = pair.prefill.stats()
+        block_bytes = _block_bytes(*LAYOUTS[layout], dtype)
+        assert served.bytes_sent_total == 4 * block_bytes * len(pair.p_caches) == stats.bytes_received_total
+        assert pair.prefill.server.counters.streams_served == 1
+        wait_until(lambda: pair.prefill.stats().num_held_requests == 0)  # released after the load
+    finally:
+        pair.close()
+
+
+def test_a_stream_follows_a_chunked_prefill_step_by_step() -> None:
+    pair = _pair()
+    try:
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        prefetch = pair.decode.puller._prefetches[REQUEST]
+        # First step: blocks 0..2 of every layer are computed, and reach staging while the prefill
+        # goes on; blocks 3..4 are not there yet.
+        pair.step(num_computed=0, num_after=12)
+        staging = prefetch.staging
+        assert staging is not None
+        last = list(pair.computed)[-1]
+
+        def staged(position: int) -> bool:
+            got = staging[-1].select(pair.block_dim, position)
+            return _same_bytes(got, pair.computed[last].select(pair.block_dim, PREFILL_BLOCKS[position]))
+
+        wait_until(lambda: all(staged(b) for b in range(3)), timeout_s=10)
+        assert not prefetch.done.is_set() and not staged(3)
+        pair.step(num_computed=12, num_after=NUM_PROMPT_TOKENS)
+        wait_until(prefetch.done.is_set, timeout_s=10)
+        assert prefetch.error == ""
+        pair.announce()
+        local = (0, 1, 2, 3, 5)
+        pair.load(local, first_block_index=0)
+        assert pair.decode.take_load_records()[VLLM_ID].prefetched
+        pair.assert_landed(local, first_block_index=0)
+    finally:
+        pair.close()
+
+
+def test_a_prefill_that_ends_without_a_hold_ends_the_stream_and_frees_the_staging() -> None:
+    pair = _pair()
+    try:
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        prefetch = pair.decode.puller._prefetches[REQUEST]
+        pair.prefill.start_load_kv(
+            GrpcKVMetadata(progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, 8)])
+        )
+        # Stopped at its first token (or aborted): the scheduler says so before the blocks are reused.
+        pair.prefill.start_load_kv(GrpcKVMetadata(ended={VLLM_ID}))
+        wait_until(prefetch.done.is_set, timeout_s=10)
+        assert "ended without keeping its KV" in prefetch.error
+        assert pair.decode.stats().staged_bytes == 0
+        assert pair.prefill.stats().num_held_requests == 0 and pair.prefill.server.num_prefilling() == 0
+    finally:
+        pair.close()
+
+
+def test_a_load_the_prefetch_does_not_cover_pulls_instead() -> None:
+    """The router expected two cached blocks on the decode worker, which had only one when the load
+    came (evicted meanwhile): the prefetch lacks block 1, the load pulls, the staging is freed."""
+    pair = _pair()
+    try:
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 8) == ""
+        pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
+        wait_until(pair.decode.puller._prefetches[REQUEST].done.is_set, timeout_s=10)
+        pair.announce()
+        local = (6, 7, 8, 9)
+        pair.load(local, first_block_index=1)
+        record = pair.decode.take_load_records()[VLLM_ID]
+        assert not record.failed and not record.prefetched
+        pair.assert_landed(local, first_block_index=1)
+        stats = pair.decode.stats()
+        assert stats.prefetches_used_total == 0 and stats.prefetches_wasted_total == 1 and stats.staged_bytes == 0
+    finally:
+        pair.close()
+
+
+def test_staging_is_bounded_and_an_abort_frees_it() -> None:
+    shape, block_dim = LAYOUTS["cpu"]
+    per_prompt = 5 * _block_bytes(shape, block_dim, torch.float32) * 3  # five blocks of three layers
+    pair = _pair(prefetch_max_bytes=per_prompt)
+    try:
+        address = pair.prefill.server.address
+        assert pair.decode.prefetch("a", address, NUM_PROMPT_TOKENS, 0) == ""
+        assert "staging is full" in pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0)
+        assert pair.decode.stats().staged_bytes == per_prompt
+        assert pair.decode.release("a")  # the worker service's Abort
+        assert pair.decode.stats().staged_bytes == 0 and not pair.decode.release("a")
+        assert pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0) == ""
+        assert pair.decode.prefetch("c", address, 8, 8) == "nothing to prefetch"  # both blocks cached here
+    finally:
+        pair.close()
+
+
+def test_prefetching_is_off_without_staging_memory() -> None:
+    pair = _pair(prefetch_max_bytes=0)
+    try:
+        assert "off" in pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0)
+    finally:
+        pair.close()
+
+
+def test_a_release_before_the_hold_is_announced_frees_it_when_it_is() -> None:
+    """A decode engine that loaded from its prefetch can release before the prefill engine's next
+    step announces the hold: the blocks must not wait for their lease."""
+    pair = _pair()
+    try:
+        pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
+        assert pair.prefill.release(VLLM_ID)
+        pair.announce()
+        assert pair.prefill.stats().num_held_requests == 0
+        assert pair.prefill.get_transfer_results({VLLM_ID})[0] == {VLLM_ID}
+    finally:
+        pair.close()
+
+
+# -- the scheduler side's plan of each step ----------------------------------------
+
+
+@dataclass
+class NewReq:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedReqs:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewReq] = field(default_factory=list)
+    scheduled_cached_reqs: CachedReqs = field(default_factory=CachedReqs)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted_req_ids: set[str] | None = None
+
+
+def _prefill_request(req_id: str, num_prompt_tokens: int) -> FakeRequest:
+    return FakeRequest(req_id, num_prompt_tokens, prefill_params())
+
+
+def test_the_scheduler_side_plans_each_streamed_prompts_progress() -> None:
+    side = SchedulerSide(engine_id="p", kv_address="x:1", block_size_tokens=BLOCK, lease_s=60)
+    req = _prefill_request("r-abcdefgh", 18)
+    other = FakeRequest("plain", 8, None)
+    side.update_state_after_alloc(req, FakeBlocks(([FakeBlock(4, b"h"), FakeBlock(1), FakeBlock(2)],)), 0)  # type: ignore[arg-type]
+    side.update_state_after_alloc(other, FakeBlocks(([FakeBlock(9)],)), 0)  # type: ignore[arg-type]
+    first = SchedulerOutput(
+        scheduled_new_reqs=[NewReq("r-abcdefgh", ([4, 1, 2],), 4), NewReq("plain", ([9],), 0)],
+        num_scheduled_tokens={"r-abcdefgh": 8, "plain": 8},
+    )
+    assert side.build_connector_meta(first).progress == [  # type: ignore[arg-type]
+        PrefillProgress("r-abcdefgh", 18, (4, 1, 2), 4, 12)
+    ]
+    second = SchedulerOutput(
+        scheduled_cached_reqs=CachedReqs(["r-abcdefgh"], set(), [([3, 7],)], [12]),
+        num_scheduled_tokens={"r-abcdefgh": 6},
+    )
+    assert side.build_connector_meta(second).progress == [  # type: ignore[arg-type]
+        PrefillProgress("r-abcdefgh", 18, (4, 1, 2, 3, 7), 12, 18)
+    ]
+    # Computed: the step that samples its first token streams nothing more.
+    third = SchedulerOutput(
+        scheduled_cached_reqs=CachedReqs(["r-abcdefgh"], set(), [None], [18]),
+        num_scheduled_tokens={"r-abcdefgh": 1},
+    )
+    assert side.build_connector_meta(third).progress == []  # type: ignore[arg-type]
+
+
+def test_a_streamed_prompt_ends_when_it_stops_is_aborted_or_is_preempted() -> None:
+    from vllm.v1.request import RequestStatus
+
+    side = SchedulerSide(engine_id="p", kv_address="x:1", block_size_tokens=BLOCK, lease_s=60)
+    stopped, preempted, held = (_prefill_request(r, 8) for r in ("s-abcdefgh", "p-abcdefgh", "h-abcdefgh"))
+    for req in (stopped, preempted, held):
+        side.update_state_after_alloc(req, FakeBlocks(([FakeBlock(1)],)), 0)  # type: ignore[arg-type]
+    stopped.status = RequestStatus.FINISHED_STOPPED
+    assert side.request_finished(stopped, [1]) == (False, None)  # type: ignore[arg-type]
+    meta = side.build_connector_meta(SchedulerOutput(preempted_req_ids={"p-abcdefgh"}))  # type: ignore[arg-type]
+    assert meta.ended == {"s-abcdefgh", "p-abcdefgh"}
+    held.status, held.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 8
+    delay_free, params = side.request_finished(held, [1, 2])  # type: ignore[arg-type]
+    meta = side.build_connector_meta(SchedulerOutput())  # type: ignore[arg-type]
+    assert delay_free and params and meta.ended == set() and "h-abcdefgh" in meta.holds
+    assert side._streamed == {}
