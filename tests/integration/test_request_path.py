@@ -31,6 +31,7 @@ def _chat(stack: LocalStack, **overrides: object) -> dict[str, object]:
 
 def test_streamed_answer_is_paris_and_kv_came_over_grpc(stack: LocalStack) -> None:
     prefill_before, decode_before = load(stack, "prefill"), load(stack, "decode")
+    prefetches_before = kv_stats(stack, "decode")
     with httpx.Client(base_url=stack.config.gateway_url, timeout=120, headers=stack.auth_headers) as client:
         with client.stream(
             "POST", "/v1/chat/completions", json=_chat(stack, stream=True, stream_options={"include_usage": True})
@@ -64,6 +65,14 @@ def test_streamed_answer_is_paris_and_kv_came_over_grpc(stack: LocalStack) -> No
     # from the prefill engine (a replayed first token would leave the last prompt position to compute).
     assert computed == 0 and loaded == num_prompt, (computed, loaded, num_prompt, block_size)
     assert received > 0 and received == sent
+    # The decode worker streamed the KV while the prefill ran (PrefetchKV, StreamBlockBytes), and its
+    # load copied it from staging: the bytes above are the stream's, none was pulled after.
+    prefetches = kv_stats(stack, "decode")
+    assert prefetches.prefetches_started_total == prefetches_before.prefetches_started_total + 1
+    assert prefetches.prefetches_used_total == prefetches_before.prefetches_used_total + 1
+    assert prefetches.prefetches_wasted_total == prefetches_before.prefetches_wasted_total
+    assert prefetches.staged_bytes == 0
+    assert gauge(stack, "decode", "tandem_kv_prefetches_total") >= 1  # its /metrics says so too
     # Nothing stays held once the decode side released the blocks.
     assert kv_stats(stack, "prefill").num_held_blocks == 0
 

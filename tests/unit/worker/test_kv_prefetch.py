@@ -220,6 +220,8 @@ def test_a_load_the_prefetch_does_not_cover_pulls_instead() -> None:
         pair.assert_landed(local, first_block_index=1)
         stats = pair.decode.stats()
         assert stats.prefetches_used_total == 0 and stats.prefetches_wasted_total == 1 and stats.staged_bytes == 0
+        # A PrefetchKV that comes after its request's load is refused: nobody would use it.
+        assert "loaded already" in pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0)
     finally:
         pair.close()
 
@@ -237,6 +239,22 @@ def test_staging_is_bounded_and_an_abort_frees_it() -> None:
         assert pair.decode.stats().staged_bytes == 0 and not pair.decode.release("a")
         assert pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0) == ""
         assert pair.decode.prefetch("c", address, 8, 8) == "nothing to prefetch"  # both blocks cached here
+    finally:
+        pair.close()
+
+
+def test_a_prefetch_nobody_uses_is_dropped_after_its_keep_time_even_on_an_idle_engine() -> None:
+    pair = _pair()
+    try:
+        pair.decode.puller._prefetch_keep_s = 0.2
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
+        wait_until(pair.decode.puller._prefetches[REQUEST].done.is_set, timeout_s=10)
+        assert pair.decode.stats().staged_bytes > 0
+        time.sleep(0.3)
+        # No engine step ran since: reading the counters (the heartbeat does) drops it.
+        stats = pair.decode.stats()
+        assert stats.staged_bytes == 0 and stats.num_staged_prefetches == 0 and stats.prefetches_wasted_total == 1
     finally:
         pair.close()
 

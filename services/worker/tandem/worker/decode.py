@@ -140,4 +140,5 @@ class DecodeRole(Role):
             num_output_tokens=num_output,
             kv_transfer_seconds=load.seconds if load is not None else 0.0,
             kv_transfer_bytes=load.num_bytes if load is not None else 0,
+            kv_prefetched=load is not None and load.prefetched,
         )

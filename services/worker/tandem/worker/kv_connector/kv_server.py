@@ -190,7 +190,10 @@ class KVServer:
 
     def progress(self, updates: Iterable[PrefillProgress], ended: Iterable[str]) -> None:
         """Before a step's forward pass: prompts it computes further, and prompts that ended without a
-        hold (their blocks may be written by this very step, so a stream reading them must stop)."""
+        hold (their blocks may be written by this very step, so a stream reading them must stop).
+        Called every step: a step that computes no streamed prompt clears the last one's."""
+        if not (updates or ended or self._stepping):
+            return
         with self._lock:
             self._stepping = []
             for req_id in ended:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ _CLIENT_OPTIONS = [
 
 #: Prefetches streaming at once (each holds a thread while its prefill runs); more are refused.
 MAX_PREFETCHES_IN_FLIGHT = 8
+#: Requests whose load pulled without a prefetch, remembered so that a PrefetchKV arriving after its
+#: Decode's load (it was queued behind it) is refused instead of streaming KV nobody will use.
+_NUM_LOADED_REMEMBERED = 1024
 
 
 @dataclass
@@ -109,6 +113,7 @@ class KVPuller:
         self._prefetches: dict[str, _Prefetch] = {}
         self._num_staged_bytes = 0
         self._num_prefetching = 0
+        self._loaded: OrderedDict[str, None] = OrderedDict()
         self._max_chunk_bytes = max_chunk_bytes
         self._pull_timeout_s = pull_timeout_s
         self._tls = tls
@@ -208,6 +213,8 @@ class KVPuller:
         num_blocks = num_prompt_blocks - first
         if num_blocks <= 0:
             return "nothing to prefetch"
+        if request_id in self._loaded:
+            return "the request's KV is loaded already"
         block_bytes = wire.BlockReader(self._caches[:1], self._block_dim).block_bytes
         num_staged_bytes = block_bytes * num_blocks * len(self._caches)
         self.drop_prefetch(request_id, wasted=True)
@@ -307,7 +314,10 @@ class KVPuller:
             self.drop_prefetch(request_id)
 
     def staged(self) -> tuple[int, int]:
-        """(prefetches holding staging, their bytes) now."""
+        """(prefetches holding staging, their bytes) now. Drops the expired ones first: an idle engine
+        steps no more, but its counters are still read (the heartbeat, GetLoad, GetStats)."""
+        if self._prefetches:
+            self._expire_prefetches()
         with self._lock:
             return sum(1 for p in self._prefetches.values() if p.staging is not None), self._num_staged_bytes
 
@@ -362,6 +372,10 @@ class KVPuller:
         copied = self._load_from_prefetch(spec, prefetch) if prefetch is not None else None
         if copied is not None:
             return self._finish_load(spec, started, copied, "", prefetched=True)
+        with self._lock:
+            self._loaded[external_request_id(spec.request_id)] = None
+            while len(self._loaded) > _NUM_LOADED_REMEMBERED:
+                self._loaded.popitem(last=False)
         try:
             pull: grpc.UnaryStreamMultiCallable[kv_transfer_pb2.PullBlocksRequest, bytes]
             pull = self._channel(spec.handle).unary_stream(

@@ -124,8 +124,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: GrpcKVMetadata) -> None:
         self.server.hold(meta.holds)
-        if meta.progress or meta.ended:
-            self.server.progress(meta.progress, meta.ended)
+        self.server.progress(meta.progress, meta.ended)
         self._idle_step = meta.idle_step
         self.puller.submit(meta.loads, meta.releases)
 
@@ -165,6 +164,7 @@ class WorkerSide:
         return self.puller.load(spec)
 
     def stats(self) -> kv_transfer_pb2.KVStats:
+        num_staged, staged_bytes = self.puller.staged()  # first: it drops expired prefetches
         served, pulled = self.server.counters, self.puller.counters
         num_held_requests, num_held_blocks = self.server.held()
         msg = kv_transfer_pb2.KVStats(
@@ -182,7 +182,7 @@ class WorkerSide:
             prefetches_used_total=pulled.prefetches_used,
             prefetches_wasted_total=pulled.prefetches_wasted,
         )
-        msg.num_staged_prefetches, msg.staged_bytes = self.puller.staged()
+        msg.num_staged_prefetches, msg.staged_bytes = num_staged, staged_bytes
         if self.layout is not None:
             msg.layout.CopyFrom(self.layout.to_proto())
         return msg
