@@ -28,10 +28,14 @@ and where the gap goes (the KV load, the rest of decode up to its first token,
 and the gateway around them), from each request's own stage timings. The stack
 runs as shipped: the decode worker prefetches each prompt's KV while its prefill
 runs (``PrefetchKV``), so the load is mostly a wait for the stream's tail and a
-local copy; the breakdown says how many loads came from a prefetch.
+local copy; the breakdown says how many loads came from a prefetch. A second
+gateway in front of the same workers runs with the prefetch off, and requests
+alternate between the two (and plain vLLM), so the prefetch's effect is measured
+side by side.
 
 Ends with ``bench-kv: pull_gbps=… loopback_gbps=… ratio=… grpc_ceiling_gbps=…
-min_ratio_vs_grpc=… concurrent_ratio=… second_token_gap_ratio=…`` (ratio: pull ÷
+min_ratio_vs_grpc=… concurrent_ratio=… second_token_gap_ratio=…
+second_token_gap_ratio_without_prefetch=…`` (ratio: pull ÷
 loopback at ~4k tokens; concurrent_ratio: the same for the concurrent round; the
 gap ratio is ``n/a`` without ``--engines``). Nothing is simulated; the transport part
 does not run an engine's forward pass beside the KV server, so the GIL
@@ -457,9 +461,36 @@ class GapParts:
     decode_first_token: list[float] = field(default_factory=list)
 
 
-def second_token_gaps(num_requests: int) -> tuple[list[float], list[float], GapParts]:
-    """(Tandem's first→second token gaps, plain vLLM's inter-token gaps, where Tandem's gaps went) for
-    ~2k-token prompts, alternating between the two servers one request at a time."""
+@dataclass
+class Gaps:
+    """First→second token gaps of ~2k-token prompts, three ways, alternating in one run."""
+
+    #: Tandem as shipped: the decode worker prefetches the prompt's KV while the prefill runs.
+    tandem: list[float] = field(default_factory=list)
+    #: Tandem through a second gateway with ``TANDEM_GATEWAY_KV_PREFETCH=false``: the pull after the prefill.
+    without_prefetch: list[float] = field(default_factory=list)
+    #: Plain vLLM's inter-token gaps for the same prompts.
+    vllm: list[float] = field(default_factory=list)
+    parts: GapParts = field(default_factory=GapParts)
+    parts_without_prefetch: GapParts = field(default_factory=GapParts)
+
+
+def _document(word: str, i: int) -> str:
+    """A ~2.3k-token prompt of its own for each (word, i)."""
+    return " ".join(f"{word} {i}-{j}: the number {j * 7 + i} is interesting." for j in range(150))
+
+
+def _record_parts(parts: GapParts, timings: dict[str, Any]) -> None:
+    worker = timings.get("worker", {})
+    parts.pull.append(worker.get("kv_transfer_ms", 0.0) / 1e3)
+    parts.decode_first_token.append(worker.get("decode_first_token_ms", 0.0) / 1e3)
+    parts.prefetched.append(bool(worker.get("kv_prefetched")))
+
+
+def second_token_gaps(num_requests: int) -> Gaps:
+    """First→second token gaps for ~2k-token prompts through Tandem with and without the prefetch (two
+    gateways in front of the same workers) and plain vLLM's inter-token gaps, one request at a time,
+    the three in turn."""
     import uuid
     from pathlib import Path
 
@@ -473,36 +504,54 @@ def second_token_gaps(num_requests: int) -> tuple[list[float], list[float], GapP
     config = StackConfig.with_free_ports(key_prefix=f"tandem-bench-kv-{uuid.uuid4().hex[:6]}", log_dir=run_dir)
     stack = LocalStack(config, progress=lambda m: print(f"[bench-kv] {m}", flush=True))
     vllm_proc = None
-    tandem_gaps: list[float] = []
-    vllm_gaps: list[float] = []
-    parts = GapParts()
+    gaps = Gaps()
     try:
         stack.start()
+        no_prefetch_url = stack.start_gateway_variant(
+            "gateway-no-prefetch", _free_port(), {"TANDEM_GATEWAY_KV_PREFETCH": "false"}
+        )
         vllm_port = _free_port()
         vllm_proc, _ = start_plain_vllm(config.model_dir, config.served_model_name, vllm_port, run_dir / "vllm.log")
         vllm_url = f"http://127.0.0.1:{vllm_port}"
         model = config.served_model_name
-        stream_once(config.gateway_url, model, "Hello", 4, stack.auth_headers)
+        for url, headers in ((config.gateway_url, stack.auth_headers), (no_prefetch_url, stack.auth_headers)):
+            stream_once(url, model, "Hello", 4, headers)
         stream_once(vllm_url, model, "Hello", 4, {})
         for i in range(num_requests):
-            # Distinct documents: nothing is prefix-cached, every request moves its whole KV.
-            doc = " ".join(f"Fact {i}-{j}: the number {j * 7 + i} is interesting." for j in range(150))
-            prompt = doc + " Summarize."
-            timings: dict[str, Any] = {}
-            _, gaps = stream_once(config.gateway_url, model, prompt, 8, stack.auth_headers, timings_out=timings)
-            tandem_gaps.append(gaps[0])
-            worker = timings.get("worker", {})
-            parts.pull.append(worker.get("kv_transfer_ms", 0.0) / 1e3)
-            parts.decode_first_token.append(worker.get("decode_first_token_ms", 0.0) / 1e3)
-            parts.prefetched.append(bool(worker.get("kv_prefetched")))
-            _, gaps = stream_once(vllm_url, model, prompt + " ", 8, {})
-            vllm_gaps.extend(gaps)
+            # Distinct documents, one per arm (the two gateways share the workers and their prefix
+            # caches): nothing is prefix-cached, every request moves its whole KV.
+            prompt = _document("Fact", i) + " Summarize."
+            other = _document("Note", i) + " Summarize."
+            arms = [
+                (config.gateway_url, prompt, gaps.tandem, gaps.parts),
+                (no_prefetch_url, other, gaps.without_prefetch, gaps.parts_without_prefetch),
+            ]
+            for url, text, out, parts in arms if i % 2 == 0 else reversed(arms):
+                timings: dict[str, Any] = {}
+                _, request_gaps = stream_once(url, model, text, 8, stack.auth_headers, timings_out=timings)
+                out.append(request_gaps[0])
+                _record_parts(parts, timings)
+            _, request_gaps = stream_once(vllm_url, model, prompt + "  ", 8, {})
+            gaps.vllm.extend(request_gaps)
             print(f"[bench-kv] {i + 1}/{num_requests}", flush=True)
     finally:
         if vllm_proc is not None:
             stop_plain_vllm(vllm_proc)
         stack.stop()
-    return tandem_gaps, vllm_gaps, parts
+    return gaps
+
+
+def _print_breakdown(title: str, gaps: list[float], parts: GapParts) -> None:
+    gap_p50 = statistics.median(gaps)
+    pull_p50 = statistics.median(parts.pull)
+    decode_p50 = statistics.median(parts.decode_first_token)
+    print(
+        f"{title}: second-token gap p50 {gap_p50 * 1e3:.0f} ms (p50 of each request's own figures; "
+        f"{sum(parts.prefetched)} of {len(parts.prefetched)} loads came from a prefetch):"
+    )
+    print(f"  {'KV load (prefetch wait + copy, or pull)':44} {pull_p50 * 1e3:8.1f} ms")
+    print(f"  {'rest of decode to its first token':44} {(decode_p50 - pull_p50) * 1e3:8.1f} ms")
+    print(f"  {'gateway, RPCs and streaming around them':44} {(gap_p50 - decode_p50) * 1e3:8.1f} ms")
 
 
 def main() -> None:
@@ -555,32 +604,25 @@ def main() -> None:
     print(f"  {'gRPC moving the same bytes (ceiling)':44} {grpc_s * 1e3:8.1f} ms")
     print("  (the two copies run in two processes while gRPC streams: the pull is a pipeline of the three)")
 
-    gap_ratio = "n/a"
+    gap_ratio = gap_ratio_without = "n/a"
     if args.engines:
-        tandem_gaps, vllm_gaps, parts = second_token_gaps(args.num_requests)
-        gap_p50, itl_p50 = statistics.median(tandem_gaps), statistics.median(vllm_gaps)
-        print(
-            f"\nsecond-token gap p50 (Tandem, ~2k tokens): {gap_p50 * 1e3:.0f} ms; "
-            f"plain vLLM ITL p50: {itl_p50 * 1e3:.0f} ms"
+        gaps = second_token_gaps(args.num_requests)
+        itl_p50 = statistics.median(gaps.vllm)
+        print(f"\nsecond token of ~2k-token prompts, one request at a time; plain vLLM ITL p50 {itl_p50 * 1e3:.0f} ms")
+        _print_breakdown("Tandem (prefetch, as shipped)", gaps.tandem, gaps.parts)
+        _print_breakdown(
+            "Tandem without prefetch (pull after the prefill)", gaps.without_prefetch, gaps.parts_without_prefetch
         )
-        pull_p50 = statistics.median(parts.pull)
-        decode_p50 = statistics.median(parts.decode_first_token)
-        print(
-            f"where the gap goes (p50 of each request's own figures; {sum(parts.prefetched)} of"
-            f" {len(parts.prefetched)} loads came from a prefetch streamed while the prefill ran):"
-        )
-        print(f"  {'KV load (prefetch wait + copy, or pull)':44} {pull_p50 * 1e3:8.1f} ms")
-        print(f"  {'rest of decode to its first token':44} {(decode_p50 - pull_p50) * 1e3:8.1f} ms")
-        print(f"  {'gateway, RPCs and streaming around them':44} {(gap_p50 - decode_p50) * 1e3:8.1f} ms")
         print("  (the rest of decode: the request reaching the engine, scheduled after its load, one forward step)")
-        gap_ratio = f"{gap_p50 / itl_p50:.2f}"
+        gap_ratio = f"{statistics.median(gaps.tandem) / itl_p50:.2f}"
+        gap_ratio_without = f"{statistics.median(gaps.without_prefetch) / itl_p50:.2f}"
     largest_result = results[largest]
     print(
         f"bench-kv: pull_gbps={largest_result.gbps(num_bytes, 'pull'):.2f}"
         f" loopback_gbps={largest_result.gbps(num_bytes, 'loopback'):.2f}"
         f" ratio={ratios[largest][0]:.2f} grpc_ceiling_gbps={largest_result.gbps(num_bytes, 'grpc'):.2f}"
         f" min_ratio_vs_grpc={min(r[1] for r in ratios.values()):.2f} concurrent_ratio={concurrent_ratio:.2f}"
-        f" second_token_gap_ratio={gap_ratio}"
+        f" second_token_gap_ratio={gap_ratio} second_token_gap_ratio_without_prefetch={gap_ratio_without}"
     )
 
 

@@ -413,6 +413,18 @@ class LocalStack:
         self._spawn("gateway", [py, "-m", "tandem.gateway"], self._gateway_env())
         self._wait("gateway", self._gateway_ready, timeout_s)
 
+    def start_gateway_variant(self, name: str, port: int, env: dict[str, str], *, timeout_s: float = 120.0) -> str:
+        """Another gateway in front of the same router and workers, configured as the first one plus
+        ``env`` (``TANDEM_GATEWAY_*``), on ``port``: an A/B of a gateway setting in one run. Its name
+        must start with ``gateway``; stopped with the stack. Returns its base URL."""
+        if not name.startswith("gateway") or name in self._children:
+            raise ValueError(f"a gateway variant needs a new name starting with 'gateway', not {name!r}")
+        variant_env = {**self._gateway_env(), **env, "TANDEM_GATEWAY_PORT": str(port)}
+        self._spawn(name, [sys.executable, "-m", "tandem.gateway"], variant_env)
+        url = f"http://{self.config.host}:{port}"
+        self._wait(name, lambda: httpx.get(f"{url}/readyz", timeout=2).status_code == 200, timeout_s)
+        return url
+
     def _wait(self, name: str, probe: Callable[[], bool], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         last_note = time.monotonic()
@@ -510,7 +522,7 @@ class LocalStack:
     def stop(self, *, timeout_s: float = 30.0) -> None:
         """SIGTERM every child (gateway first), then SIGKILL what is left."""
         order = [
-            "gateway",
+            *[n for n in self._children if n.startswith("gateway")],
             "router",
             *[n for n in self._children if n.startswith("decode")],
             *[n for n in self._children if n.startswith("prefill")],
