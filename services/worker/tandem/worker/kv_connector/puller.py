@@ -308,9 +308,10 @@ class KVPuller:
     def _expire_prefetches(self) -> None:
         now = time.monotonic()
         with self._lock:
-            expired = [r for r, p in self._prefetches.items() if p.expires_s <= now]
-        for request_id in expired:
-            logger.warning("KV prefetch of %s was not used in time; dropped", request_id)
+            expired = [(r, p) for r, p in self._prefetches.items() if p.expires_s <= now]
+        for request_id, prefetch in expired:
+            if not prefetch.error:  # a failed one was said already, and holds no staging
+                logger.warning("KV prefetch of %s was not used in time; dropped", request_id)
             self.drop_prefetch(request_id)
 
     def staged(self) -> tuple[int, int]:
