@@ -302,8 +302,8 @@ def main() -> None:
             f"KV transfer: {kv_tokens} tokens in {args.num_long} prompts "
             f"(~{kv_tokens // max(1, args.num_long)} each), {kv_bytes / 1e6:.1f} MB in {kv_s:.3f} s "
             f"= {kv_bytes / kv_s / 1e9 if kv_s else 0:.2f} GB/s of the decode engine's load time "
-            f"({num_prefetched} of {args.num_long} loads from a prefetch: their time is the wait for the "
-            "stream's tail and the local copy, the network having moved the rest while the prefill ran)"
+            f"({num_prefetched} of {args.num_long} loads came from a prefetch; a prefetched load's time is the "
+            "wait for its stream's tail and the local copy, the network having moved the rest while the prefill ran)"
         )
         print(
             f"start-up: prefill worker {stack.ready_after_s.get('prefill', 0):.1f} s, decode worker "
