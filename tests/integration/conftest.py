@@ -26,6 +26,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         log_dir=log_dir,
         min_uncached_tokens_to_disaggregate=MIN_UNCACHED_TOKENS_TO_DISAGGREGATE,
         router_metrics_port=free_port(),  # scraped by test_prometheus_queries.py
+        # The prefetched handoff is off by default; the real-stack tests run every handoff through it
+        # (the text, the disconnects and the KV checks), the fault suite the default pull.
+        extra_env={"TANDEM_GATEWAY_KV_PREFETCH": "true"},
     )
     stack = LocalStack(config, progress=lambda msg: print(f"[stack] {msg}", flush=True))
     try:

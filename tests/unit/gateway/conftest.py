@@ -138,6 +138,8 @@ def gateway_settings(**overrides: Any) -> GatewaySettings:
         "default_max_tokens": 16,
         "max_body_bytes": 64 * 1024,
         "cleanup_timeout_s": 1.0,
+        # Off by default; the unit stack exercises the PrefetchKV call on every handoff.
+        "kv_prefetch": True,
         "prefill_timeout_s": 5.0,
         "request_timeout_s": 20.0,
         # An unreachable router fails at once here; test_request_lifecycle.py tests the wait.

@@ -146,7 +146,7 @@ class Orchestrator:
         cleanup_timeout_s: float,
         router_unavailable_wait_s: float = 0.0,
         prompt_hasher: PromptHasher | None = None,
-        kv_prefetch: bool = True,
+        kv_prefetch: bool = False,
     ) -> None:
         self._router = router
         #: Ask the decode worker to prefetch the prompt's KV while the prefill runs.
