@@ -21,7 +21,7 @@ from tandem.worker.kv_connector.worker_side import WorkerSide
 from tests.kit.net import free_port
 
 from .test_kv_connector import FakeBlock, FakeBlocks, FakeRequest, wait_until
-from .test_kv_wire import DTYPES, LAYOUTS, NUM_BLOCKS, _caches, _same_bytes
+from .test_kv_wire import DTYPES, LAYOUTS, _caches, _same_bytes, _side
 
 BLOCK = 4
 REQUEST = "req-1"
@@ -31,19 +31,8 @@ PREFILL_BLOCKS = (4, 1, 2, 3, 7)
 NUM_PROMPT_TOKENS = 18
 
 
-def _side(port: int, max_chunk_bytes: int, *, prefetch_max_bytes: int = 1 << 20) -> WorkerSide:
-    return WorkerSide(
-        model="m",
-        num_blocks=NUM_BLOCKS,
-        block_size_tokens=BLOCK,
-        tp_size=1,
-        tp_rank=0,
-        kv_host="127.0.0.1",
-        kv_port=port,
-        max_chunk_bytes=max_chunk_bytes,
-        pull_timeout_s=10,
-        prefetch_max_bytes=prefetch_max_bytes,
-    )
+#: Staging of a decode side here, unless a test says otherwise.
+PREFETCH_MAX_BYTES = 1 << 20
 
 
 def _block_bytes(shape: tuple[int, ...], block_dim: int, dtype: torch.dtype) -> int:
@@ -111,7 +100,7 @@ def _pair(layout: str = "cpu", dtype: torch.dtype = torch.float32, **decode_opti
     block_bytes = _block_bytes(shape, block_dim, dtype)
     # Two blocks per chunk: a layer's pieces span chunks, and chunks span layers.
     prefill = _side(free_port(), 2 * block_bytes)
-    decode = _side(free_port(), 2 * block_bytes, **decode_options)
+    decode = _side(free_port(), 2 * block_bytes, **{"prefetch_max_bytes": PREFETCH_MAX_BYTES, **decode_options})
     computed = _caches(shape, dtype, seed=11)
     p_caches = {name: torch.full_like(t.view(torch.uint8), 0xFF).view(dtype) for name, t in computed.items()}
     d_caches = _caches(shape, dtype, seed=None)

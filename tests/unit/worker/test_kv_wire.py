@@ -47,7 +47,8 @@ def _caches(shape: tuple[int, ...], dtype: torch.dtype, seed: int | None, layers
     }
 
 
-def _side(port: int, max_chunk_bytes: int) -> WorkerSide:
+def _side(port: int, max_chunk_bytes: int, **options: int) -> WorkerSide:
+    """A worker side over ``NUM_BLOCKS`` blocks; ``options`` go to WorkerSide (``prefetch_max_bytes=``)."""
     return WorkerSide(
         model="m",
         num_blocks=NUM_BLOCKS,
@@ -58,6 +59,7 @@ def _side(port: int, max_chunk_bytes: int) -> WorkerSide:
         kv_port=port,
         max_chunk_bytes=max_chunk_bytes,
         pull_timeout_s=10,
+        **options,
     )
 
 

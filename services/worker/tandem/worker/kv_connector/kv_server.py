@@ -158,6 +158,14 @@ class KVServer:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def _lookup(self, req_id: str) -> tuple[str, Hold | None]:
+        """(vLLM's id, record) of ``req_id``: vLLM's own id, or the id the caller gave the request (the
+        lock held)."""
+        if req_id in self._holds:
+            return req_id, self._holds[req_id]
+        held = next((r for r in self._holds if external_request_id(r) == req_id), req_id)
+        return held, self._holds.get(held)
+
     def _remove(self, req_id: str) -> Hold:
         """Drop ``req_id``'s record (the lock held): whoever reads its blocks must stop."""
         hold = self._holds.pop(req_id)
@@ -275,7 +283,7 @@ class KVServer:
         once ``is_active`` says the caller gave up."""
         with self._lock:
             while True:
-                hold = next((h for r, h in self._holds.items() if external_request_id(r) == caller_id), None)
+                _, hold = self._lookup(caller_id)
                 if hold is not None:
                     return hold
                 if caller_id in self._gone:
@@ -322,9 +330,7 @@ class KVServer:
         still being prefilled is the engine's: it is freed when it is announced, or ends with its
         request without one."""
         with self._lock:
-            if req_id not in self._holds:
-                req_id = next((held for held in self._holds if external_request_id(held) == req_id), req_id)
-            hold = self._holds.get(req_id)
+            req_id, hold = self._lookup(req_id)
             if hold is None:
                 return False
             if not hold.announced:

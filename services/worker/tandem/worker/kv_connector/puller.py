@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
 from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, TLSSettings
 from tandem.common.tls import channel as tls_channel
@@ -186,6 +187,14 @@ class KVPuller:
     def _channel(self, handle: KVHandleParams) -> grpc.Channel:
         return self._channel_to(handle.kv_address)
 
+    def _raw_stream(self, kv_address: str, method: str, request: Message) -> grpc._CallIterator[bytes]:
+        """A server stream of raw bytes (no response deserializer: see :mod:`wire`) from the KV server
+        at ``kv_address``, under the pull timeout; iterate it for the messages, cancel it to stop."""
+        call: grpc.UnaryStreamMultiCallable[Message, bytes] = self._channel_to(kv_address).unary_stream(
+            method, request_serializer=type(request).SerializeToString, response_deserializer=None
+        )
+        return call(request, timeout=self._pull_timeout_s)
+
     def _channel_to(self, kv_address: str) -> grpc.Channel:
         host, _, port = kv_address.rpartition(":")
         address = f"{host}:{int(port) + self._tp_rank}"
@@ -251,13 +260,9 @@ class KVPuller:
         assert self._layout is not None
         started = time.perf_counter()
         try:
-            stream_blocks: grpc.UnaryStreamMultiCallable[kv_transfer_pb2.StreamBlocksRequest, bytes]
-            stream_blocks = self._channel_to(prefetch.kv_address).unary_stream(
+            call = self._raw_stream(
+                prefetch.kv_address,
                 wire.STREAM_METHOD,
-                request_serializer=kv_transfer_pb2.StreamBlocksRequest.SerializeToString,
-                response_deserializer=None,  # raw bytes
-            )
-            call = stream_blocks(
                 kv_transfer_pb2.StreamBlocksRequest(
                     request_id=prefetch.request_id,
                     first_block_index=prefetch.first_block_index,
@@ -266,7 +271,6 @@ class KVPuller:
                     max_chunk_bytes=self._max_chunk_bytes,
                     num_prompt_tokens=prefetch.num_prompt_tokens,
                 ),
-                timeout=self._pull_timeout_s,
             )
             prefetch.call = call
             staging = prefetch.staging
@@ -378,20 +382,15 @@ class KVPuller:
             while len(self._loaded) > _NUM_LOADED_REMEMBERED:
                 self._loaded.popitem(last=False)
         try:
-            pull: grpc.UnaryStreamMultiCallable[kv_transfer_pb2.PullBlocksRequest, bytes]
-            pull = self._channel(spec.handle).unary_stream(
+            stream = self._raw_stream(
+                spec.handle.kv_address,
                 wire.PULL_METHOD,
-                request_serializer=kv_transfer_pb2.PullBlocksRequest.SerializeToString,
-                response_deserializer=None,  # raw bytes
-            )
-            stream = pull(
                 kv_transfer_pb2.PullBlocksRequest(
                     remote_request_id=spec.handle.remote_request_id,
                     block_ids=list(spec.remote_block_ids),
                     expected_layout=self._layout.to_proto(),
                     max_chunk_bytes=self._max_chunk_bytes,
                 ),
-                timeout=self._pull_timeout_s,
             )
             num_bytes = wire.write_chunks(
                 self._caches, self._block_dim, spec.local_block_ids, self._max_chunk_bytes, stream
