@@ -243,6 +243,12 @@ class SimulatedFleet:
             raise TimeoutError(f"simulated fleet did not answer {name!r} within {timeout_s} s")
         return self._decoder.decode(await self._control.recv())
 
+    @property
+    def pid(self) -> int:
+        """The fleet process's id (once started)."""
+        assert self._process.pid is not None, "the fleet is not started"
+        return self._process.pid
+
     def store(self, worker_id: str, hashes: Sequence[int]) -> None:
         """A placement made ``worker_id`` compute this prompt (fire and forget)."""
         self._push.send(self._encoder.encode([worker_id, [h & _U64 for h in hashes]]))
