@@ -34,6 +34,15 @@ alternate between the two (and plain vLLM), so the prefetch's effect is measured
 side by side, and the breakdown says how many loads came from a prefetch.
 ``second_token_gap_ratio`` is the default's, ``…_with_prefetch`` the prefetch's.
 
+The floor of that gap: after its load the decode engine runs two forward steps before the second
+token, one that computes the last prompt position and replays the first token
+(:mod:`tandem.worker.first_token`, which keeps the decode request identical to a colocated one)
+and one that computes the second token; each costs about one plain inter-token latency. So the
+gap is ~2x plain vLLM's ITL with a transfer of zero time ("the rest of decode" in the breakdown
+is those two steps), and ≤ 2x needs the decode engine to start one step later: the first token's
+position computed directly, with the first token in its prompt, which first_token's docstring
+lists the costs of (text across the boundary, stop strings, penalties, grammars, seeds).
+
 Ends with ``bench-kv: pull_gbps=… loopback_gbps=… ratio=… grpc_ceiling_gbps=…
 min_ratio_vs_grpc=… concurrent_ratio=… second_token_gap_ratio=…
 second_token_gap_ratio_with_prefetch=…`` (ratio: pull ÷
