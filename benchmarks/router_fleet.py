@@ -400,10 +400,8 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
 def pin_router_apart(fleet_pid: int) -> set[int] | None:
     """Run this process (the router replica) on one core and the SIMULATED fleet's process on the
     others, as a deployment gives a router replica a core of its own; returns this process's former
-    cores, to restore (None: fewer than two cores, nothing pinned). On the 2-core host, sharing both
-    cores with 1,000 simulated workers took the router off the CPU ~12 % of its busy time, pinned
-    ~10 %. Schedule p99 from arrival at 250/s (2026-12-04): 3.6 ms shared, 2.4 and 4.1 ms in two
-    pinned runs: the host's noise is larger than what pinning changes."""
+    cores, to restore (None: fewer than two cores, nothing pinned). Figures with and without it:
+    services/router/README.md, Fleet scale."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         return None
