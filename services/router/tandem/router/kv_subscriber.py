@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,11 @@ MAX_SOCKETS = 65_536
 #: Silence that ends a reply already streaming without its end marker: vLLM sends a whole reply
 #: from one loop, so a pause this long means the replay socket dropped the rest (ask again).
 STREAM_SILENCE_S = 0.5
+#: Longest a worker's task applies batches before it lets the loop run other callbacks. pyzmq
+#: completes a receive at once when a message is already queued, so without this a burst (a busy
+#: publisher, a replay of a thousand batches) runs as one callback of tens of milliseconds and every
+#: schedule arriving meanwhile waits behind it.
+APPLY_SLICE_S = 0.0005
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,17 @@ class _Follower:
         #: each catch-up that found nothing, up to 16 times it.
         self.catch_up_wait_s = 0.0
         self.dealer: Any = None
+        #: ``perf_counter`` time by which this task next yields to the loop (see ``APPLY_SLICE_S``).
+        self.slice_end_s = 0.0
+
+    async def pace(self) -> None:
+        """Yield to the loop once this task has applied batches for ``APPLY_SLICE_S`` in a row."""
+        now_s = time.perf_counter()
+        if now_s >= self.slice_end_s:
+            if self.slice_end_s:
+                await asyncio.sleep(0)
+                now_s = time.perf_counter()
+            self.slice_end_s = now_s + APPLY_SLICE_S
 
     def close_dealer(self) -> None:
         """Forget the replay connection, and with it whatever is left of an answer."""
@@ -245,6 +262,7 @@ class KVEventSubscriber:
                 frames = await live
                 live = None
                 await self._receive_live(follower, frames)
+                await follower.pace()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -344,6 +362,7 @@ class KVEventSubscriber:
             if not first:
                 self.stats.num_recovered_batches += 1
             self._apply(follower, seq, frames[3])
+            await follower.pace()
 
     def _apply(self, follower: _Follower, seq: int, payload: bytes) -> None:
         follower.last_seq = seq
