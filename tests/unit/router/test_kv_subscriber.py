@@ -204,3 +204,22 @@ def test_simulated_ids_are_marked() -> None:
         from tandem.local.simulated_worker import SimulatedWorker
 
         SimulatedWorker(SimulatedWorkerConfig(worker_id="prefill-1", role="prefill"))
+
+
+async def test_a_follower_yields_to_the_loop_once_its_slice_is_spent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of queued batches must not run as one loop callback: pyzmq completes a receive at
+    once when a message is waiting, so only ``pace`` lets the schedules between them run."""
+    from tandem.router import kv_subscriber
+
+    clock = [100.0]
+    monkeypatch.setattr(kv_subscriber.time, "perf_counter", lambda: clock[0])
+    follower = kv_subscriber._Follower(kv_subscriber._Source("w", "tcp://x", "", 0.0))
+    ran: list[int] = []
+    asyncio.get_running_loop().call_soon(ran.append, 1)  # runs only if pace yields
+    await follower.pace()  # starts the slice
+    clock[0] += kv_subscriber.APPLY_SLICE_S / 2
+    await follower.pace()  # within it
+    assert ran == []
+    clock[0] += kv_subscriber.APPLY_SLICE_S
+    await follower.pace()  # spent: the loop runs what waits
+    assert ran == [1]
