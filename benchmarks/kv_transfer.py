@@ -26,26 +26,28 @@ token (from prefill) and the second (from decode) for a ~2k-token prompt through
 the Tandem stack, next to plain vLLM's inter-token latency for the same prompt,
 and where the gap goes (the KV load, the rest of decode up to its first token,
 and the gateway around them), from each request's own stage timings. The stack
-runs as shipped (the decode worker pulls after the prefill), and a second gateway
-in front of the same workers runs with ``TANDEM_GATEWAY_KV_PREFETCH=true`` (the
-decode worker prefetches each prompt's KV while its prefill runs, ``PrefetchKV``,
-so its load is a wait for the stream's tail and a local copy); requests
-alternate between the two (and plain vLLM), so the prefetch's effect is measured
-side by side, and the breakdown says how many loads came from a prefetch.
-``second_token_gap_ratio`` is the default's, ``…_with_prefetch`` the prefetch's.
+runs as shipped (the decode worker prefetches each prompt's KV while its prefill
+runs, ``PrefetchKV``, so its load is a wait for the stream's tail and a local
+copy), and a second gateway in front of the same workers runs with
+``TANDEM_GATEWAY_KV_PREFETCH=false`` (the decode worker pulls after the prefill);
+requests alternate between the two (and plain vLLM), so the prefetch's effect is
+measured side by side, and the breakdown says how many loads came from a prefetch.
+``second_token_gap_ratio`` is the default's (the prefetch), ``…_without_prefetch``
+the pull's.
 
-The floor of that gap: after its load the decode engine runs two forward steps before the second
-token, one that computes the last prompt position and replays the first token
-(:mod:`tandem.worker.first_token`, which keeps the decode request identical to a colocated one)
-and one that computes the second token; each costs about one plain inter-token latency. So the
-gap is ~2x plain vLLM's ITL with a transfer of zero time ("the rest of decode" in the breakdown
-is those two steps), and ≤ 2x needs the decode engine to start one step later: the first token's
-position computed directly, with the first token in its prompt, which first_token's docstring
-lists the costs of (text across the boundary, stop strings, penalties, grammars, seeds).
+The floor of that gap is one forward step of the decode engine: where the request's parameters
+allow it (no stop string, grammar, presence/frequency penalty or seeded random sampling; this
+benchmark's requests), decode takes the first token as its last prompt token
+(:mod:`tandem.worker.continuation`) and its first step samples the second token. Where the rest
+went on 2026-12-04 (timestamps inside the decode worker's processes, ~2.6k-token prompts, plain
+ITL ~115 ms): the prefetched load's wait for the stream's tail 0-217 ms and its copy from staging
+~35 ms; the load reported to vLLM's scheduler 1-131 ms after it ended (the engine's main thread
+starved on two shared cores); the step itself 100-130 ms; its token reaching the Decode stream
+10-180 ms later (the API process's loop); 35-40 ms from the prefill's last step to the Decode RPC.
 
 Ends with ``bench-kv: pull_gbps=… loopback_gbps=… ratio=… grpc_ceiling_gbps=…
 min_ratio_vs_grpc=… concurrent_ratio=… second_token_gap_ratio=…
-second_token_gap_ratio_with_prefetch=…`` (ratio: pull ÷
+second_token_gap_ratio_without_prefetch=…`` (ratio: pull ÷
 loopback at ~4k tokens; concurrent_ratio: the same for the concurrent round; the
 gap ratio is ``n/a`` without ``--engines``). Nothing is simulated; the transport part
 does not run an engine's forward pass beside the KV server, so the GIL
@@ -475,10 +477,10 @@ class GapParts:
 class Gaps:
     """First→second token gaps of ~2k-token prompts, three ways, alternating in one run."""
 
-    #: Tandem through a second gateway with ``TANDEM_GATEWAY_KV_PREFETCH=true``: the decode worker
-    #: prefetches the prompt's KV while the prefill runs.
+    #: Tandem as shipped: the decode worker prefetches the prompt's KV while the prefill runs.
     tandem: list[float] = field(default_factory=list)
-    #: Tandem as shipped (the prefetch off): the pull after the prefill.
+    #: Tandem through a second gateway with ``TANDEM_GATEWAY_KV_PREFETCH=false``: the pull after the
+    #: prefill.
     without_prefetch: list[float] = field(default_factory=list)
     #: Plain vLLM's inter-token gaps for the same prompts.
     vllm: list[float] = field(default_factory=list)
@@ -518,14 +520,12 @@ def second_token_gaps(num_requests: int) -> Gaps:
     gaps = Gaps()
     try:
         stack.start()
-        prefetch_url = stack.start_gateway_variant(
-            "gateway-prefetch", _free_port(), {"TANDEM_GATEWAY_KV_PREFETCH": "true"}
-        )
+        pull_url = stack.start_gateway_variant("gateway-pull", _free_port(), {"TANDEM_GATEWAY_KV_PREFETCH": "false"})
         vllm_port = _free_port()
         vllm_proc, _ = start_plain_vllm(config.model_dir, config.served_model_name, vllm_port, run_dir / "vllm.log")
         vllm_url = f"http://127.0.0.1:{vllm_port}"
         model = config.served_model_name
-        for url, headers in ((prefetch_url, stack.auth_headers), (config.gateway_url, stack.auth_headers)):
+        for url, headers in ((config.gateway_url, stack.auth_headers), (pull_url, stack.auth_headers)):
             stream_once(url, model, "Hello", 4, headers)
         stream_once(vllm_url, model, "Hello", 4, {})
         for i in range(num_requests):
@@ -534,8 +534,8 @@ def second_token_gaps(num_requests: int) -> Gaps:
             prompt = _document("Fact", i) + " Summarize."
             other = _document("Note", i) + " Summarize."
             arms = [
-                (prefetch_url, prompt, gaps.tandem, gaps.parts),
-                (config.gateway_url, other, gaps.without_prefetch, gaps.parts_without_prefetch),
+                (config.gateway_url, prompt, gaps.tandem, gaps.parts),
+                (pull_url, other, gaps.without_prefetch, gaps.parts_without_prefetch),
             ]
             for url, text, out, parts in arms if i % 2 == 0 else reversed(arms):
                 timings: dict[str, Any] = {}
@@ -615,25 +615,30 @@ def main() -> None:
     print(f"  {'gRPC moving the same bytes (ceiling)':44} {grpc_s * 1e3:8.1f} ms")
     print("  (the two copies run in two processes while gRPC streams: the pull is a pipeline of the three)")
 
-    gap_ratio = gap_ratio_with_prefetch = "n/a"
+    gap_ratio = gap_ratio_without_prefetch = "n/a"
     if args.engines:
         gaps = second_token_gaps(args.num_requests)
         itl_p50 = statistics.median(gaps.vllm)
         print(f"\nsecond token of ~2k-token prompts, one request at a time; plain vLLM ITL p50 {itl_p50 * 1e3:.0f} ms")
-        _print_breakdown("Tandem with the prefetch (TANDEM_GATEWAY_KV_PREFETCH=true)", gaps.tandem, gaps.parts)
+        _print_breakdown("Tandem as shipped (the prefetch)", gaps.tandem, gaps.parts)
         _print_breakdown(
-            "Tandem as shipped (pull after the prefill)", gaps.without_prefetch, gaps.parts_without_prefetch
+            "Tandem with TANDEM_GATEWAY_KV_PREFETCH=false (pull after the prefill)",
+            gaps.without_prefetch,
+            gaps.parts_without_prefetch,
         )
-        print("  (the rest of decode: the request reaching the engine, scheduled after its load, one forward step)")
-        gap_ratio = f"{statistics.median(gaps.without_prefetch) / itl_p50:.2f}"
-        gap_ratio_with_prefetch = f"{statistics.median(gaps.tandem) / itl_p50:.2f}"
+        print(
+            "  (the rest of decode: the request reaching the engine, its load reported to the scheduler,"
+            " one forward step, its token reaching the Decode stream)"
+        )
+        gap_ratio = f"{statistics.median(gaps.tandem) / itl_p50:.2f}"
+        gap_ratio_without_prefetch = f"{statistics.median(gaps.without_prefetch) / itl_p50:.2f}"
     largest_result = results[largest]
     print(
         f"bench-kv: pull_gbps={largest_result.gbps(num_bytes, 'pull'):.2f}"
         f" loopback_gbps={largest_result.gbps(num_bytes, 'loopback'):.2f}"
         f" ratio={ratios[largest][0]:.2f} grpc_ceiling_gbps={largest_result.gbps(num_bytes, 'grpc'):.2f}"
         f" min_ratio_vs_grpc={min(r[1] for r in ratios.values()):.2f} concurrent_ratio={concurrent_ratio:.2f}"
-        f" second_token_gap_ratio={gap_ratio} second_token_gap_ratio_with_prefetch={gap_ratio_with_prefetch}"
+        f" second_token_gap_ratio={gap_ratio} second_token_gap_ratio_without_prefetch={gap_ratio_without_prefetch}"
     )
 
 

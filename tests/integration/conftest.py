@@ -26,9 +26,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         log_dir=log_dir,
         min_uncached_tokens_to_disaggregate=MIN_UNCACHED_TOKENS_TO_DISAGGREGATE,
         router_metrics_port=free_port(),  # scraped by test_prometheus_queries.py
-        # The prefetched handoff is off by default; the real-stack tests run every handoff through it
-        # (the text, the disconnects and the KV checks), the fault suite the default pull.
-        extra_env={"TANDEM_GATEWAY_KV_PREFETCH": "true"},
+        # The gateway's defaults: every handoff is prefetched (PrefetchKV while the prefill runs); the
+        # pull after the prefill is what a refused or unused prefetch falls back to.
     )
     stack = LocalStack(config, progress=lambda msg: print(f"[stack] {msg}", flush=True))
     try:
