@@ -73,6 +73,9 @@ def test_a_prompt_whose_prefix_the_decode_worker_holds_is_finished_there_alone(s
     # The request's own pull figures (the decode engine's connector reports them with the finished
     # request) agree with the engine's KV counters.
     assert worker["kv_transfer_bytes"] == load(stack, "decode").kv_bytes_received_total - received_before > 0
+    # How late the engine step that reported the load to vLLM's scheduler came (the decode worker's
+    # connector times it; the gateway passes it on).
+    assert 0 < worker["kv_reported_after_ms"] < 60_000, worker
     # ... and so does the worker's /metrics (the KV server's counters as the heartbeat last read them).
     received = load(stack, "decode").kv_bytes_received_total
     assert wait_until(

@@ -190,10 +190,10 @@ def test_a_load_that_ends_after_its_request_was_aborted_is_not_kept() -> None:
 
 
 def test_tensor_parallel_ranks_records_of_one_load_add_up() -> None:
-    a = LoadRecord(num_kv_tokens_loaded=8, num_blocks_loaded=2, num_bytes=100, seconds=0.2)
+    a = LoadRecord(num_kv_tokens_loaded=8, num_blocks_loaded=2, num_bytes=100, seconds=0.2, reported_after_s=0.03)
     b = LoadRecord(num_kv_tokens_loaded=8, num_blocks_loaded=2, num_bytes=100, seconds=0.5, failed=True, error="x")
     merged = GrpcKVWorkerMeta({"r": a}).aggregate(GrpcKVWorkerMeta({"r": b, "s": a}))
-    assert merged.loads["r"] == LoadRecord(8, 2, 200, 0.5, failed=True, error="x")
+    assert merged.loads["r"] == LoadRecord(8, 2, 200, 0.5, failed=True, error="x", reported_after_s=0.03)
     assert merged.loads["s"] == a
     assert LoadRecord.from_dict(a.to_dict()) == a
 
@@ -226,10 +226,14 @@ def test_blocks_move_between_engines_and_are_released() -> None:
             assert torch.equal(d_caches[name][0], p_caches[name][5])
             assert torch.equal(d_caches[name][3], p_caches[name][9])
             assert torch.count_nonzero(d_caches[name][1]) == 0  # untouched
+        # Its record waits for the step that reports the load, which says how late that step came.
+        assert decode.take_load_records() == {}
+        time.sleep(0.05)
         _, recving, failed = decode.get_transfer_results(set())
         assert recving == {"req-1-abcdefgh"} and failed == set()
         record = decode.take_load_records()["req-1-abcdefgh"]
         assert record.num_kv_tokens_loaded == 7 and record.num_bytes == 2 * LAYERS * 2 * BLOCK * 8 * 4
+        assert 0.05 <= record.reported_after_s < 5.0
         assert not record.failed and decode.take_load_records() == {}  # each record is handed out once
         # The decode side released the blocks; vLLM hears of it once the request is finished.
         wait_until(lambda: prefill.stats().num_held_requests == 0)

@@ -129,6 +129,7 @@ def test_prefetched_blocks_are_byte_identical_and_none_is_read_before_its_layer_
         pair.announce()
         local = (11, 10, 0, 1)
         pair.load(local, first_block_index=1)
+        pair.decode.get_transfer_results(set())  # the engine step that reports the load
         record = pair.decode.take_load_records()[VLLM_ID]
         assert not record.failed and record.prefetched, record.error
         pair.assert_landed(local, first_block_index=1)
@@ -169,6 +170,7 @@ def test_a_stream_follows_a_chunked_prefill_step_by_step() -> None:
         pair.announce()
         local = (0, 1, 2, 3, 5)
         pair.load(local, first_block_index=0)
+        pair.decode.get_transfer_results(set())  # the engine step that reports the load
         assert pair.decode.take_load_records()[VLLM_ID].prefetched
         pair.assert_landed(local, first_block_index=0)
     finally:
@@ -204,6 +206,7 @@ def test_a_load_the_prefetch_does_not_cover_pulls_instead() -> None:
         pair.announce()
         local = (6, 7, 8, 9)
         pair.load(local, first_block_index=1)
+        pair.decode.get_transfer_results(set())  # the engine step that reports the load
         record = pair.decode.take_load_records()[VLLM_ID]
         assert not record.failed and not record.prefetched
         pair.assert_landed(local, first_block_index=1)

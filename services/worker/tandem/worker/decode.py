@@ -141,4 +141,5 @@ class DecodeRole(Role):
             kv_transfer_seconds=load.seconds if load is not None else 0.0,
             kv_transfer_bytes=load.num_bytes if load is not None else 0,
             kv_prefetched=load is not None and load.prefetched,
+            kv_reported_after_seconds=load.reported_after_s if load is not None else 0.0,
         )

@@ -114,6 +114,8 @@ class LoadRecord:
     error: str = ""
     #: Copied from a prefetch's staging (streamed while the prefill ran), not pulled now.
     prefetched: bool = False
+    #: From the load's end to the engine step that reported it to vLLM's scheduler.
+    reported_after_s: float = 0.0
 
     def merge(self, other: LoadRecord) -> LoadRecord:
         """The same request's load on another rank: bytes add up, the slower rank sets the time."""
@@ -125,6 +127,7 @@ class LoadRecord:
             failed=self.failed or other.failed,
             error=self.error or other.error,
             prefetched=self.prefetched and other.prefetched,
+            reported_after_s=max(self.reported_after_s, other.reported_after_s),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,6 +139,7 @@ class LoadRecord:
             "failed": self.failed,
             "error": self.error,
             "prefetched": self.prefetched,
+            "reported_after_s": self.reported_after_s,
         }
 
     @classmethod
@@ -148,6 +152,7 @@ class LoadRecord:
             failed=bool(data.get("failed", False)),
             error=str(data.get("error", "")),
             prefetched=bool(data.get("prefetched", False)),
+            reported_after_s=float(data.get("reported_after_s", 0.0)),
         )
 
 

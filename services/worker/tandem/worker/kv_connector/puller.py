@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -127,6 +127,9 @@ class KVPuller:
         self._done: set[str] = set()
         self._failed: set[str] = set()
         self._failed_block_ids: set[int] = set()
+        #: Loads that ended, with when (perf_counter), until a step reports them to vLLM's scheduler.
+        self._ended: dict[str, tuple[LoadRecord, float]] = {}
+        #: Reported loads' records, until the step's worker metadata takes them.
         self._records: dict[str, LoadRecord] = {}
         self.counters = PullCounters()
         self._pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tandem-kv-pull")
@@ -169,6 +172,12 @@ class KVPuller:
                 self._load_finished.wait(IDLE_STEP_WAIT_S)
             done, self._done = self._done, set()
             failed, self._failed = self._failed, set()
+            now = time.perf_counter()
+            for request_id in done | failed:
+                ended = self._ended.pop(request_id, None)
+                if ended is not None:
+                    record, ended_at = ended
+                    self._records[request_id] = replace(record, reported_after_s=now - ended_at)
         return done, failed
 
     def take_failed_block_ids(self) -> set[int]:
@@ -177,7 +186,7 @@ class KVPuller:
         return ids
 
     def take_load_records(self) -> dict[str, LoadRecord]:
-        """What each load that ended since the last call did, by vLLM request id."""
+        """What each load reported since the last call (:meth:`take_results`) did, by vLLM request id."""
         with self._lock:
             records, self._records = self._records, {}
         return records
@@ -425,7 +434,7 @@ class KVPuller:
                 c.blocks_received += record.num_blocks_loaded
                 c.kv_tokens_loaded += spec.num_tokens
                 self._done.add(spec.request_id)
-            self._records[spec.request_id] = record
+            self._ended[spec.request_id] = (record, time.perf_counter())
             self._load_finished.notify_all()
         return record
 
