@@ -132,12 +132,12 @@ class GatewaySettings(BaseSettings):
     cleanup_timeout_s: float = Field(2.0, gt=0)
     #: Ask the decode worker to start pulling a prompt's KV while its prefill runs (PrefetchKV), so that
     #: the pull is off the path between the first and the second token. On by default: measured both
-    #: ways side by side (make bench-kv, ~2.6k-token prompts, one request at a time), it halved the
-    #: second-token gap on 2026-12-04's host (p50 460 ms with it, 928 ms without; plain vLLM's ITL
-    #: 115 ms) and was even on an earlier one (394 against 377 ms); make bench-path's ITL p99 was the
-    #: same either way (293 against 289 ms). It costs the decode worker staging memory (bounded by
-    #: TANDEM_WORKER_KV__PREFETCH_MAX_BYTES) and a thread per prompt in flight. Off: decode pulls
-    #: after the prefill.
+    #: ways side by side (make bench-kv, ~2.6k-token prompts, one request at a time), it cut the
+    #: second-token gap in each of three runs on 2026-12-04's host (p50 460 against 928 ms, 399
+    #: against 897, 291 against 359; plain vLLM's ITL 95-133 ms) and was even on an earlier host (394
+    #: against 377 ms); make bench-path's ITL p99 was the same either way there (293 against 289 ms).
+    #: It costs the decode worker staging memory (bounded by TANDEM_WORKER_KV__PREFETCH_MAX_BYTES) and
+    #: a thread per prompt in flight. Off: decode pulls after the prefill.
     kv_prefetch: bool = True
     #: How long a /readyz answer is reused before the router and registry are asked again.
     readiness_cache_s: float = Field(2.0, ge=0)
