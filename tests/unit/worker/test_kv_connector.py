@@ -221,7 +221,7 @@ def test_blocks_move_between_engines_and_are_released() -> None:
         handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill.server.address)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7, 0)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode.puller._done)
+        wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
         for name in p_caches:
             assert torch.equal(d_caches[name][0], p_caches[name][5])
             assert torch.equal(d_caches[name][3], p_caches[name][9])
@@ -252,7 +252,7 @@ def test_mismatched_layout_is_refused_and_reported_as_failed_load() -> None:
         handle = make_handle((1,), num_tokens=3, kv_address=prefill.server.address)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (1,), (4,), 3, 0)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode.puller._failed)
+        wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
         assert decode.take_failed_block_ids() == {4}
         _, recving, failed = decode.get_transfer_results(set())
         assert recving == failed == {"req-1-abcdefgh"}  # a failed load is also done receiving

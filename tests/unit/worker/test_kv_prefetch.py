@@ -81,7 +81,7 @@ class Pair:
         remote = PREFILL_BLOCKS[first_block_index : first_block_index + len(local)]
         spec = LoadSpec(VLLM_ID, self.handle(), remote, local, NUM_PROMPT_TOKENS, first_block_index)
         self.decode.start_load_kv(GrpcKVMetadata(loads=[spec]))
-        wait_until(lambda: VLLM_ID in self.decode.puller._done | self.decode.puller._failed, timeout_s=10)
+        wait_until(lambda: VLLM_ID in self.decode.puller._ended, timeout_s=10)
 
     def assert_landed(self, local: tuple[int, ...], first_block_index: int) -> None:
         remote = PREFILL_BLOCKS[first_block_index:]

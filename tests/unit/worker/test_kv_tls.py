@@ -27,7 +27,7 @@ def test_blocks_move_over_mutual_tls_and_strangers_are_refused(tmp_path: Path) -
         handle = make_handle((3,), num_tokens=4, kv_address=prefill.server.address)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (3,), (0,), 4, 0)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode.puller._done)
+        wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
         decode.get_transfer_results(set())  # the engine step that reports the load
         assert not decode.take_load_records()["req-1-abcdefgh"].failed
         for name in p_caches:

@@ -86,7 +86,7 @@ def test_pulled_blocks_are_byte_identical(layout: str, dtype: torch.dtype) -> No
         handle = make_handle(remote, num_tokens=len(remote) * BLOCK, kv_address=prefill.server.address)
         prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (remote, time.time() + 60)}))
         decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, remote, local, 20, 0)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode.puller._done | decode.puller._failed, timeout_s=10)
+        wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended, timeout_s=10)
         decode.get_transfer_results(set())  # the engine step that reports the load
         record = decode.take_load_records()["req-1-abcdefgh"]
         assert record.failed is False, record.error

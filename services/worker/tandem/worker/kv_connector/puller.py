@@ -124,10 +124,9 @@ class KVPuller:
         self._lock = threading.Lock()
         self._load_finished = threading.Condition(self._lock)
         self._num_in_flight = 0
-        self._done: set[str] = set()
-        self._failed: set[str] = set()
         self._failed_block_ids: set[int] = set()
-        #: Loads that ended, with when (perf_counter), until a step reports them to vLLM's scheduler.
+        #: Loads that ended (done or failed), with when (perf_counter), until a step reports them to
+        #: vLLM's scheduler.
         self._ended: dict[str, tuple[LoadRecord, float]] = {}
         #: Reported loads' records, until the step's worker metadata takes them.
         self._records: dict[str, LoadRecord] = {}
@@ -168,16 +167,15 @@ class KVPuller:
         """(loaded, failed) since the last call. On a step with nothing else to do, wait a little
         for a load in flight first (see :data:`IDLE_STEP_WAIT_S`)."""
         with self._lock:
-            if idle_step and self._num_in_flight and not (self._done or self._failed):
+            if idle_step and self._num_in_flight and not self._ended:
                 self._load_finished.wait(IDLE_STEP_WAIT_S)
-            done, self._done = self._done, set()
-            failed, self._failed = self._failed, set()
+            ended, self._ended = self._ended, {}
             now = time.perf_counter()
-            for request_id in done | failed:
-                ended = self._ended.pop(request_id, None)
-                if ended is not None:
-                    record, ended_at = ended
-                    self._records[request_id] = replace(record, reported_after_s=now - ended_at)
+            done: set[str] = set()
+            failed: set[str] = set()
+            for request_id, (record, ended_at) in ended.items():
+                (failed if record.failed else done).add(request_id)
+                self._records[request_id] = replace(record, reported_after_s=now - ended_at)
         return done, failed
 
     def take_failed_block_ids(self) -> set[int]:
@@ -428,12 +426,10 @@ class KVPuller:
             c.transfer_seconds += record.seconds
             if record.failed:
                 c.loads_failed += 1
-                self._failed.add(spec.request_id)
                 self._failed_block_ids.update(spec.local_block_ids)
             else:
                 c.blocks_received += record.num_blocks_loaded
                 c.kv_tokens_loaded += spec.num_tokens
-                self._done.add(spec.request_id)
             self._ended[spec.request_id] = (record, time.perf_counter())
             self._load_finished.notify_all()
         return record
