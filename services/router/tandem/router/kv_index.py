@@ -52,12 +52,12 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
-from itertools import islice
 
 import numpy as np
 import numpy.typing as npt
 
 from tandem.common.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from tandem.router import kernels
 
 _NO_WORKER = 0
 _MAX_WORKER_SLOT = 0xFFFF
@@ -100,6 +100,16 @@ def _place_run(
         return len(table)
     table[positions] = rows
     return int(positions[-1]) + 1
+
+
+def _leading_u64(block_hashes: Sequence[int]) -> npt.NDArray[np.uint64]:
+    """``block_hashes`` as uint64, up to the first that is not a 64-bit unsigned int (never stored,
+    so no match goes past it)."""
+    try:
+        return np.fromiter(block_hashes, np.uint64, len(block_hashes))
+    except OverflowError:
+        end = next(i for i, h in enumerate(block_hashes) if not 0 <= h < 1 << 64)
+        return np.fromiter(block_hashes[:end], np.uint64, end)
 
 
 class _Overflow:
@@ -658,35 +668,27 @@ class KVIndex:
         runs: list[tuple[int, int]] = []
         if not block_hashes or not self._num_entries:
             return runs
-        slots, keys, home_mask = self._slot_view, self._key_view, self._home_mask
+        hashes = _leading_u64(block_hashes)
+        found = np.empty(len(hashes), np.int32)
+        # Every block's row at once (compiled); a block the index lacks ends the match there.
+        num_found = kernels.find_rows(self._slots, self._keys, np.uint64(self._home_mask), hashes, found)
+        rows = found.data
         h0, h1, h2 = self._holder_views
         bits, overflow = self._bit_by_slot, self._overflow
         alive = 0  # holders of every block so far
         num_matched = 0
-        for h in block_hashes:
-            held = 0
-            home = h & home_mask
-            i = home
-            while True:
-                r = slots[i]
-                if r < 0:
-                    break
-                k = keys[r]
-                if k == h:
-                    b = h1[r]
-                    if not b:
-                        held = bits[h0[r]]
-                    else:
-                        c = h2[r]
-                        if not c:
-                            held = bits[h0[r]] | bits[b]
-                        else:
-                            extra = overflow.get(r)
-                            held = extra.mask if extra is not None else bits[h0[r]] | bits[b] | bits[c]
-                    break
-                if k & home_mask > home:
-                    break
-                i += 1
+        for j in range(num_found):
+            r = rows[j]
+            b = h1[r]
+            if not b:
+                held = bits[h0[r]]
+            else:
+                c = h2[r]
+                if not c:
+                    held = bits[h0[r]] | bits[b]
+                else:
+                    extra = overflow.get(r)
+                    held = extra.mask if extra is not None else bits[h0[r]] | bits[b] | bits[c]
             if num_matched:
                 still = alive & held
                 if still == alive:
@@ -696,43 +698,30 @@ class KVIndex:
                 if not still:
                     return runs
                 alive = still
-            elif held:
-                alive = held
             else:
-                return runs
+                alive = held
             num_matched += 1
             if not alive & (alive - 1):  # one worker left: follow it alone, without masks
                 w = alive.bit_length() - 1
-                runs.append((alive, num_matched + self._num_held_from(w, block_hashes, num_matched)))
+                runs.append((alive, num_matched + self._num_held_from(w, found, num_matched, num_found)))
                 return runs
-        runs.append((alive, num_matched))
+        if alive:
+            runs.append((alive, num_matched))
         return runs
 
-    def _num_held_from(self, w: int, block_hashes: Sequence[int], start: int) -> int:
-        """How many consecutive blocks from ``block_hashes[start]`` worker slot ``w`` holds."""
-        slots, keys, home_mask = self._slot_view, self._key_view, self._home_mask
-        h0, h1, h2 = self._holder_views
-        overflow = self._overflow
-        num_held = 0
-        for h in islice(block_hashes, start, None):
-            home = h & home_mask
-            i = home
-            while True:
-                r = slots[i]
-                if r < 0:
-                    return num_held
-                k = keys[r]
-                if k == h:
-                    break
-                if k & home_mask > home:
-                    return num_held
-                i += 1
-            if h0[r] != w and h1[r] != w and h2[r] != w:
-                extra = overflow.get(r) if h2[r] else None
-                if extra is None or not extra.mask >> w & 1:
-                    return num_held
-            num_held += 1
-        return num_held
+    def _num_held_from(self, w: int, rows: npt.NDArray[np.int32], start: int, end: int) -> int:
+        """How many consecutive rows from ``rows[start]`` (before ``end``) worker slot ``w`` holds."""
+        h0, h1, h2 = self._holder_columns
+        tail, overflow = self._holder_views[2], self._overflow
+        j = start
+        while (j := kernels.held_run(rows, j, end, h0, h1, h2, w)) < end:
+            r = int(rows[j])
+            # Not inline: held only as an overflow holder (a row with overflow has all three inline).
+            extra = overflow.get(r) if tail[r] else None
+            if extra is None or not extra.mask >> w & 1:
+                break
+            j += 1
+        return j - start
 
     def _credit(self, mask: int, num_blocks: int, result: dict[str, int]) -> None:
         names = self._worker_by_slot

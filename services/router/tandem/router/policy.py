@@ -32,7 +32,8 @@ import numpy.typing as npt
 from pydantic import BaseModel, Field
 
 from tandem.common.registry import WorkerRecord
-from tandem.router.pool import F64, PoolArrays, tie_order
+from tandem.router import kernels
+from tandem.router.pool import F64, PoolArrays, request_key, tie_order
 
 
 @dataclass(frozen=True)
@@ -270,6 +271,36 @@ class CacheAwarePolicy(RoutingPolicy):
     #: whose token scores are equal (requests without prompt tokens, pools without budgets:
     #: :meth:`tolerance` is 0 there), never more.
     _TIEBREAK = 0.01
+
+    def choose_in(self, request: ScheduleRequest, pool: PoolArrays) -> ScoredWorker | None:
+        """:meth:`RoutingPolicy.choose_in` in one compiled call (:func:`tandem.router.kernels.cache_aware_choose`)
+        where the pool has budgets (the scheduler's); the numpy path otherwise."""
+        if not pool.has_budget or not len(pool):
+            return super().choose_in(request, pool)
+        excluded = [i for i in map(pool.position, request.exclude_worker_ids) if i is not None]
+        w = self.weights
+        i, score = kernels.cache_aware_choose(
+            pool.is_decode,
+            float(request.num_tokens),
+            float(request.max_tokens),
+            pool.capacity_tokens,
+            pool.load_tokens,
+            pool.recent_tokens,
+            pool.kv_fullness,
+            pool.num_in_flight,
+            pool.cached_tokens,
+            pool.worker_keys,
+            np.asarray(excluded, np.int64),
+            w.decode_prefix_locality if pool.is_decode else w.prefix_locality,
+            w.token_load,
+            w.kv_headroom,
+            self._TIEBREAK,
+            self.tolerance(request, pool),
+            np.uint64(request_key(request.request_id)),
+        )
+        if i < 0:
+            return None
+        return ScoredWorker(pool.workers[i], score, i)
 
     def scores(self, request: ScheduleRequest, pool: PoolArrays) -> F64:
         w = self.weights
