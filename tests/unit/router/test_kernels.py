@@ -88,15 +88,21 @@ def test_the_compiled_pool_state_is_the_numpy_formulas(decode: bool) -> None:
     recent_at_s, others_recent_at_s = rng.random(n) * 100, rng.random(n) * 100
     kv_usage = rng.choice([0.0, 0.3, 1.0, 1.5], n)
     num_kv_blocks = rng.choice([0.0, 100.0, 1000.0], n)
-    indexed = rng.choice([0.0, 50.0, 5000.0], n)
+    # The index counts blocks by slot; the pool's workers sit at shuffled slots, some not indexed (0).
+    blocks_by_slot = np.concatenate(([0], rng.choice([0, 50, 5000], n + 10))).astype(np.int64)
+    index_slots = rng.permutation(n + 11)[:n].astype(np.int64)
+    indexed = blocks_by_slot[index_slots].astype(np.float64)
+    own_in_flight, others_in_flight = rng.choice([0.0, 1.0, 4.0], n), rng.choice([0.0, 2.0], n)
     now_s, half_life_s = 120.0, 30.0
     for has_indexed in (False, True) if not decode else (False,):
-        load, recent_out, fullness = np.empty(n), np.empty(n), np.empty(n)
+        load, recent_out, fullness, in_flight = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
         kernels.pool_state(
             decode, own, own_young, others, others_young, reported, capacity, recent, recent_at_s,
             others_recent, others_recent_at_s, now_s, half_life_s, kv_usage,
-            indexed if has_indexed else np.zeros(0), has_indexed, num_kv_blocks, load, recent_out, fullness,
+            blocks_by_slot if has_indexed else np.zeros(0, np.int64), index_slots, has_indexed, num_kv_blocks,
+            own_in_flight, others_in_flight, load, recent_out, fullness, in_flight,
         )  # fmt: skip
+        np.testing.assert_array_equal(in_flight, own_in_flight + others_in_flight)
         expected_load = formulas.load_tokens(
             decode=decode, own=own, own_young=own_young, others=others, others_young=others_young, reported=reported
         )
@@ -112,3 +118,19 @@ def test_the_compiled_pool_state_is_the_numpy_formulas(decode: bool) -> None:
             num_kv_blocks=num_kv_blocks,
         )
         np.testing.assert_array_equal(fullness, expected_fullness)
+
+
+def test_credited_cached_tokens_are_the_numpy_gather() -> None:
+    rng = np.random.default_rng(5)
+    n, num_slots, block_tokens = 300, 400, 16
+    blocks_by_slot = rng.choice([0, 1, 7, 200], num_slots).astype(np.int64)
+    index_slots = rng.integers(0, num_slots, n).astype(np.int64)
+    positions = np.sort(rng.choice(n, 200, replace=False)).astype(np.intp)
+    max_tokens = 2000.0
+    out = np.zeros(n)
+    kernels.credit_cached(out, positions, index_slots, blocks_by_slot, float(block_tokens), max_tokens)
+    expected = np.zeros(n)
+    expected[positions] = blocks_by_slot[index_slots[positions]] * block_tokens
+    np.minimum(expected, max_tokens, out=expected)
+    np.testing.assert_array_equal(out, expected)
+    assert (out[np.setdiff1d(np.arange(n), positions)] == 0).all() and out.max() == max_tokens

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tandem.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tandem.router import kv_index
 from tandem.router.kv_index import KVIndex
 
 
@@ -112,7 +113,13 @@ def _assert_same(index: KVIndex, reference: _ReferenceIndex, prompts: list[list[
         assert index.match(prompt) == reference.match(prompt)
 
 
-def test_random_operations_agree_with_a_reference_through_growth_and_shrinking() -> None:
+# How many workers a match narrows to before it follows them in compiled code: 8 (the default: with
+# 8 workers, from the first block), 1 (bitmasks until one worker is left), 0 (bitmasks only).
+@pytest.mark.parametrize("max_followed", [8, 1, 0])
+def test_random_operations_agree_with_a_reference_through_growth_and_shrinking(
+    max_followed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kv_index, "_MAX_FOLLOWED", max_followed)
     rnd = random.Random(7)
     bound = 300
     index = KVIndex(max_blocks_per_worker=bound)

@@ -39,7 +39,7 @@ from tandem.router.reservations import ReservationTable
 HashConfig = tuple[int, str]
 
 #: No per-worker block counts from the KV index (decode pools; no index).
-_NO_INDEX: F64 = np.zeros(0)
+_NO_INDEX: npt.NDArray[np.int64] = np.zeros(0, np.int64)
 
 
 class IndexSlots(Protocol):
@@ -298,9 +298,10 @@ class FleetTable:
         n = len(pool.workers)
         indexed = _NO_INDEX
         if not decode and index is not None:
-            indexed = index.num_blocks_by_slot()[pool.index_slots].astype(np.float64)
-        load, recent, kv_fullness = np.empty(n), np.empty(n), np.empty(n)
-        # budget.load_tokens, the decayed recent tokens and budget.kv_fullness in one compiled pass.
+            indexed = index.num_blocks_by_slot()
+        load, recent, kv_fullness, in_flight = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
+        # budget.load_tokens, the decayed recent tokens, budget.kv_fullness and the requests in flight in
+        # one compiled pass.
         kernels.pool_state(
             decode,
             pool.own_tokens,
@@ -317,11 +318,15 @@ class FleetTable:
             self.recent_half_life_s,
             pool.kv_usage,
             indexed,
+            pool.index_slots,
             indexed is not _NO_INDEX,
             pool.num_kv_blocks,
+            pool.own_in_flight,
+            pool.others_in_flight,
             load,
             recent,
             kv_fullness,
+            in_flight,
         )
         return PoolArrays(
             role=role,
@@ -331,7 +336,7 @@ class FleetTable:
             load_tokens=load,
             recent_tokens=recent,
             kv_fullness=kv_fullness,
-            num_in_flight=pool.own_in_flight + pool.others_in_flight,
+            num_in_flight=in_flight,
             num_reported_requests=pool.num_reported_requests,
             cached_tokens=self._cached(pool, cached),
             worker_keys=pool.worker_keys,
@@ -342,12 +347,12 @@ class FleetTable:
     def _cached(pool: _Pool, cached: CachedPrefix | Mapping[str, int] | None) -> F64:
         out = np.zeros(len(pool.workers))
         if isinstance(cached, CachedPrefix):
+            # vLLM recomputes at least the last prompt token even on a full hit.
+            max_tokens = float(max(0, cached.num_prompt_tokens - 1))
             for config, blocks_by_slot in cached.blocks_by_config.items():
                 positions = pool.positions_by_config.get(config)
                 if positions is not None and positions.size:
-                    out[positions] = blocks_by_slot[pool.index_slots[positions]] * config[0]
-            # vLLM recomputes at least the last prompt token even on a full hit.
-            np.minimum(out, max(0, cached.num_prompt_tokens - 1), out=out)
+                    kernels.credit_cached(out, positions, pool.index_slots, blocks_by_slot, config[0], max_tokens)
         elif cached:
             for worker_id, num_tokens in cached.items():
                 i = pool.positions.get(worker_id)

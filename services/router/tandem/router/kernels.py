@@ -12,9 +12,10 @@ run the numpy path beside).
 
 The KV index's lookup (:meth:`tandem.router.kv_index.KVIndex.match_by_slot`) was the other quarter
 of that decision: a Python probe of the slot table per prompt block (230 us for a ~130-block
-prompt). :func:`find_rows` probes every block in one call, and :func:`held_run` follows the one
-worker left holding the prefix; the index keeps the bitmask work on the few rows where several
-workers still match (the random-operation tests check it against a plain reference).
+prompt). :func:`find_rows` probes every block in one call, and :func:`held_runs` follows the few
+workers left holding the prefix; the index keeps the bitmask work on the rows where many workers
+still match, such as a system prompt's (the random-operation tests check it against a plain
+reference).
 
 Compiled by numba when this module is imported (the signatures are explicit: nothing compiles
 during a Schedule), and cached on disk beside the module where that is writable (numba's own
@@ -53,7 +54,8 @@ _SHIFT = np.uint64(29)
 
 _POOL_STATE_SIG = (
     "void(boolean, f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1],"
-    " f8, f8, f8[::1], f8[::1], boolean, f8[::1], f8[::1], f8[::1], f8[::1])"
+    " f8, f8, f8[::1], i8[::1], i8[::1], boolean, f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1],"
+    " f8[::1])"
 )
 
 
@@ -73,16 +75,23 @@ def pool_state(
     now_s: float,
     half_life_s: float,
     kv_usage: F64,
-    num_indexed_blocks: F64,
+    num_blocks_by_slot: npt.NDArray[np.int64],
+    index_slots: npt.NDArray[np.int64],
     has_indexed: bool,
     num_kv_blocks: F64,
+    own_in_flight: F64,
+    others_in_flight: F64,
     load_out: F64,
     recent_out: F64,
     kv_fullness_out: F64,
+    in_flight_out: F64,
 ) -> None:
     """Per worker: budget tokens in use (:func:`~tandem.router.budget.load_tokens`), tokens placed
-    lately decayed to ``now_s``, KV fullness (:func:`~tandem.router.budget.kv_fullness`)."""
+    lately decayed to ``now_s``, KV fullness (:func:`~tandem.router.budget.kv_fullness`; with
+    ``has_indexed``, from the blocks the KV index counts at the worker's slot), requests in flight
+    (this replica's and the others')."""
     for i in range(own.shape[0]):
+        in_flight_out[i] = own_in_flight[i] + others_in_flight[i]
         young = own_young[i] + others_young[i]
         old = own[i] + others[i] - young
         capped = young + min(old, reported[i])
@@ -95,7 +104,7 @@ def pool_state(
             fraction = min(load / capacity[i], 1.0) if capacity[i] > 0 else 0.0
             kv_fullness_out[i] = min(1.0, max(fraction, kv_usage[i]))
         elif has_indexed and num_kv_blocks[i] > 0:
-            kv_fullness_out[i] = min(1.0, num_indexed_blocks[i] / num_kv_blocks[i])
+            kv_fullness_out[i] = min(1.0, np.float64(num_blocks_by_slot[index_slots[i]]) / num_kv_blocks[i])
         else:
             kv_fullness_out[i] = min(1.0, max(0.0, kv_usage[i]))
 
@@ -169,6 +178,22 @@ def cache_aware_choose(
 # -- the KV index (tandem.router.kv_index) ----------------------------------------------------
 
 
+@_compiled("void(f8[::1], i8[::1], i8[::1], i8[::1], f8, f8)")
+def credit_cached(
+    out: F64,
+    positions: npt.NDArray[np.int64],
+    index_slots: npt.NDArray[np.int64],
+    blocks_by_slot: npt.NDArray[np.int64],
+    block_tokens: float,
+    max_tokens: float,
+) -> None:
+    """Prompt tokens each of a pool's ``positions`` holds: its index slot's leading blocks times the
+    block size, at most ``max_tokens`` (vLLM recomputes at least the last prompt token)."""
+    for j in range(positions.shape[0]):
+        p = positions[j]
+        out[p] = min(blocks_by_slot[index_slots[p]] * block_tokens, max_tokens)
+
+
 @_compiled("i8(i4[::1], u8[:], u8, u8[::1], i4[::1])")
 def find_rows(
     slots: npt.NDArray[np.int32],
@@ -205,20 +230,42 @@ def find_rows(
     return len(hashes)
 
 
-@_compiled("i8(i4[::1], i8, i8, u2[:], u2[:], u2[::1], u2)")
-def held_run(
+@_compiled("i8(i4[::1], i8, i8, i8, u2[:], u2[:], u2[::1], u2[::1], i8[::1])")
+def held_runs(
     rows: npt.NDArray[np.int32],
     start: int,
+    begin: int,
     end: int,
     holders0: npt.NDArray[np.uint16],
     holders1: npt.NDArray[np.uint16],
     holders2: npt.NDArray[np.uint16],
-    w: int,
+    worker_slots: npt.NDArray[np.uint16],
+    num_held: npt.NDArray[np.int64],
 ) -> int:
-    """The first position in ``rows[start:end]`` whose row does not have worker slot ``w`` among its
-    three inline holders (``end`` if every one has): the caller looks at that row's overflow."""
-    for j in range(start, end):
+    """Follow a few workers along ``rows[start:end]`` at once: ``num_held[k]`` counts the rows from
+    ``start`` that worker slot ``worker_slots[k]`` holds without a gap (it is still matching at row
+    ``j`` while ``num_held[k] == j - start``), from their inline holders, looking from row ``begin``
+    on. Returns ``end`` once every worker has stopped or the rows are done, else the first row where a
+    worker still matching is not inline but the row has three inline holders (it may be among the
+    row's overflow holders): nothing of that row is counted, the caller looks at its overflow and goes
+    on from the next row."""
+    for j in range(begin, end):
         r = rows[j]
-        if holders0[r] != w and holders1[r] != w and holders2[r] != w:
-            return j
+        a = holders0[r]
+        b = holders1[r]
+        c = holders2[r]
+        step = j - start
+        if c != 0:
+            for k in range(worker_slots.shape[0]):
+                w = worker_slots[k]
+                if num_held[k] == step and w != a and w != b and w != c:
+                    return j
+        num_matching = 0
+        for k in range(worker_slots.shape[0]):
+            w = worker_slots[k]
+            if num_held[k] == step and (w == a or w == b or w == c):  # noqa: SIM109 (no tuple in numba)
+                num_held[k] += 1
+                num_matching += 1
+        if num_matching == 0:
+            return end
     return end

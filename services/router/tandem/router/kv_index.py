@@ -79,6 +79,8 @@ _SCAN_CHUNK_ROWS = 1 << 20
 _MAX_EVICTION_QUEUE = 1 << 16
 #: A wider holder mask is decoded with numpy rather than bit by bit.
 _MAX_BITWISE_CREDIT = 16
+#: A match followed by this many workers or fewer goes on for each of them in compiled code.
+_MAX_FOLLOWED = 8
 
 
 def _place_run(
@@ -701,27 +703,41 @@ class KVIndex:
             else:
                 alive = held
             num_matched += 1
-            if not alive & (alive - 1):  # one worker left: follow it alone, without masks
-                w = alive.bit_length() - 1
-                runs.append((alive, num_matched + self._num_held_from(w, found, num_matched, num_found)))
+            if alive.bit_count() <= _MAX_FOLLOWED:  # a few workers left: follow each, compiled, without masks
+                runs.extend(self._follow(alive, found, num_matched, num_found))
                 return runs
         if alive:
             runs.append((alive, num_matched))
         return runs
 
-    def _num_held_from(self, w: int, rows: npt.NDArray[np.int32], start: int, end: int) -> int:
-        """How many consecutive rows from ``rows[start]`` (before ``end``) worker slot ``w`` holds."""
+    def _follow(self, alive: int, rows: npt.NDArray[np.int32], start: int, end: int) -> list[tuple[int, int]]:
+        """(bit, leading blocks held) of each worker slot in ``alive`` (each holds ``rows[:start]``),
+        following ``rows[start:end]``."""
+        slots = []
+        while alive:
+            low = alive & -alive
+            slots.append(low.bit_length() - 1)
+            alive ^= low
+        worker_slots = np.array(slots, np.uint16)
+        num_held = np.zeros(len(slots), np.int64)
         h0, h1, h2 = self._holder_columns
-        tail, overflow = self._holder_views[2], self._overflow
+        inline, overflow = self._holder_views, self._overflow
         j = start
-        while (j := kernels.held_run(rows, j, end, h0, h1, h2, w)) < end:
-            r = int(rows[j])
-            # Not inline: held only as an overflow holder (a row with overflow has all three inline).
-            extra = overflow.get(r) if tail[r] else None
-            if extra is None or not extra.mask >> w & 1:
+        while (j := kernels.held_runs(rows, start, j, end, h0, h1, h2, worker_slots, num_held)) < end:
+            # A row with three inline holders: the workers not among them may be overflow holders.
+            r, step = int(rows[j]), j - start
+            extra = overflow.get(r)
+            mask = extra.mask if extra is not None else 0
+            holders = (inline[0][r], inline[1][r], inline[2][r])
+            num_matching = 0
+            for k, w in enumerate(slots):
+                if num_held[k] == step and (w in holders or mask >> w & 1):
+                    num_held[k] += 1
+                    num_matching += 1
+            if not num_matching:
                 break
             j += 1
-        return j - start
+        return [(1 << w, start + int(n)) for w, n in zip(slots, num_held.tolist(), strict=True)]
 
     def _credit(self, mask: int, num_blocks: int, result: dict[str, int]) -> None:
         names = self._worker_by_slot
