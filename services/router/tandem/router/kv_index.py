@@ -35,9 +35,14 @@ an entry, so nothing is a Python object per entry. Layout, in numpy arrays:
   the last home instead of wrapping around, and its last slot always stays
   empty so that every probe ends.
 
-The hot paths (``match``, ``store``, ``remove``) index the arrays through
-``memoryview`` (a third of numpy's cost per scalar, and they yield Python
-ints); bulk work (rebuilding the table, a worker's removal, eviction,
+A lookup (``match``, ``match_by_slot``) is on every Schedule: it probes all of
+a prompt's blocks in one compiled call (:func:`tandem.router.kernels.find_rows`),
+narrows the holders with bitmasks while more than a few workers still match
+(a system prompt's rows), and follows the last few in another compiled call
+(:func:`tandem.router.kernels.held_runs`), looking at overflow holders only on
+the rows that have them. The updates (``store``, ``remove``) index the arrays
+through ``memoryview`` (a third of numpy's cost per scalar, and they yield
+Python ints); bulk work (rebuilding the table, a worker's removal, eviction,
 renumbering stamps, :meth:`KVIndex.entries_by_worker`) is vectorized.
 
 A worker never holds more than ``max_blocks_per_worker`` entries: the oldest
