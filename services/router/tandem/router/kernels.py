@@ -7,8 +7,8 @@ scores and pick (:meth:`tandem.router.policy.RoutingPolicy.choose_in`) 2 x 154 u
 the fixed cost of ~60 numpy calls on pools of 250 and 750 workers, not the arithmetic. The same
 formulas as :mod:`tandem.router.budget` and :class:`tandem.router.policy.CacheAwarePolicy`, one
 worker at a time in one loop, in the same order of operations, so that every sum and quotient is
-the one numpy computes (the fleet tests compare both paths on random pools, and the policy tests
-run the numpy path beside).
+the one numpy computes (``tests/unit/router/test_kernels.py`` compares both paths on random pools,
+bit for bit, and the fleet tests compare the arrays with the one-worker-at-a-time budget view).
 
 The KV index's lookup (:meth:`tandem.router.kv_index.KVIndex.match_by_slot`) was the other quarter
 of that decision: a Python probe of the slot table per prompt block (230 us for a ~130-block
@@ -20,7 +20,7 @@ reference).
 Compiled by numba when this module is imported (the signatures are explicit: nothing compiles
 during a Schedule), and cached on disk beside the module where that is writable (numba's own
 fallback: ``NUMBA_CACHE_DIR`` or the user's cache folder; the router image compiles them at build
-time); with no writable place at all they are compiled at every start (~2 s), not cached.
+time); with no writable place at all they are compiled at every start (~1 s), not cached.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def _compiled(signature: str) -> Callable[[_F], _F]:
     return decorate
 
 
+# The rendezvous rank of tandem.router.pool.tie_order (kept beside it: numba's disk cache is keyed on
+# this file alone, so a constant read from pool.py could change without a recompile). The kernel
+# tests' tie cases fail if the two ever differ.
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _SHIFT = np.uint64(29)
 
