@@ -188,6 +188,33 @@ async def test_a_lost_message_is_repaired_from_the_snapshot(replicas) -> None:  
     assert ledger_b.stats.num_gaps + ledger_b.stats.num_snapshots_applied >= 2
 
 
+async def test_a_mirror_rebuilt_from_a_snapshot_keeps_the_work_placed_lately(replicas) -> None:  # type: ignore[no-untyped-def]
+    """The snapshot carries each worker's recent tokens, released reservations included: a replica
+    that joins late, and one that repairs a gap, score the workers as a replica that heard every
+    message does (before, a rebuilt mirror knew only what was in flight, and the fleet benchmark's
+    replicas parted from the oracle's decode choices for the rest of the half-life)."""
+    a, _ = replicas("a")
+    _, ledger_b = replicas("b")
+    await until(lambda: ledger_b.num_live_replicas == 2)
+    await a.schedule(req("r1", 60))
+    a.release("r1")
+    await until(lambda: ledger_b.others_tokens("p0") == 0 and ledger_b.others_recent_tokens_at("p0")[0] > 55)
+    # C never heard r1: it learns A's recent work from A's snapshot.
+    _, ledger_c = replicas("c")
+    await until(lambda: ledger_c.others_recent_tokens_at("p0")[0] > 55)
+    assert ledger_c.others_recent_tokens_at("p0")[0] <= 60 and ledger_c.others_tokens("p0") == 0
+    # B misses r2's message; the gap's repair keeps r1 and learns r2 (both released by then).
+    receive = ledger_b.receive
+    ledger_b.receive = lambda payload: None  # type: ignore[method-assign]
+    await a.schedule(req("r2", 20))
+    a.release("r2")
+    await asyncio.sleep(0.05)
+    ledger_b.receive = receive  # type: ignore[method-assign]
+    await a.schedule(req("r3", 10))  # the next message B hears shows a gap in A's seqs
+    await until(lambda: ledger_b.stats.num_gaps >= 1 and ledger_b.others_recent_tokens_at("p0")[0] > 85)
+    assert ledger_b.others_recent_tokens_at("p0")[0] <= 90 and ledger_b.others_tokens("p0") == 10
+
+
 async def test_the_router_wide_fair_share_lets_the_other_replicas_better_waiter_go_first(replicas) -> None:  # type: ignore[no-untyped-def]
     """Budget frees on replica A, whose queue holds a noisy tenant; replica B holds a request of a
     tenant served less: A places B's waiter on the spot (in the message of the release, so the

@@ -116,6 +116,13 @@ class ReservationTable:
             default=0.0,
         )
 
+    def set_recent_tokens(self, worker_id: str, value: float, at_s: float) -> None:
+        """Replace ``worker_id``'s recent tokens with ``value`` as of ``at_s`` (this table's clock): a
+        mirror rebuilt from another replica's snapshot learns the work that replica placed lately,
+        released reservations included (see :meth:`tandem.router.ledger.Ledger.apply_snapshot`)."""
+        self._recent[worker_id] = (float(value), float(at_s))
+        self._changed.add(worker_id)
+
     def recent_worker_ids(self) -> set[str]:
         """Workers with tokens placed on them at some time (see :meth:`recent_tokens`)."""
         return set(self._recent)
