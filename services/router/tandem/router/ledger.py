@@ -18,8 +18,9 @@ every change as it happens (:meth:`Ledger.reserved`, :meth:`Ledger.released`,
 * **repairs**: every ``snapshot_interval_s`` it writes its full state (reservations, waiters,
   tenants' service and the tokens it placed on each worker lately, released reservations
   included), numbered with the seq of its last message, to
-  ``<prefix>:router:ledger:<replica id>`` (TTL ``ttl_s``), and publishes a heartbeat. A receiver that sees a gap in a replica's seqs (or that is new, or resubscribed)
-  rebuilds that mirror from the snapshot, then applies the messages after it;
+  ``<prefix>:router:ledger:<replica id>`` (TTL ``ttl_s``), and publishes a heartbeat. A receiver
+  that sees a gap in a replica's seqs (or that is new, or resubscribed) rebuilds that mirror from
+  the snapshot, then applies the messages after it;
 * **adopts** a replica whose liveness key ``<prefix>:router:alive:<replica id>`` expired (it
   died): its waiters leave the order (their Schedules failed with it), but its reservations keep
   counting, because the requests they hold are still running on the workers (their gateways
