@@ -44,6 +44,11 @@ ITL ~115 ms): the prefetched load's wait for the stream's tail 0-217 ms and its 
 ~35 ms; the load reported to vLLM's scheduler 1-131 ms after it ended (the engine's main thread
 starved on two shared cores); the step itself 100-130 ms; its token reaching the Decode stream
 10-180 ms later (the API process's loop); 35-40 ms from the prefill's last step to the Decode RPC.
+On 2026-12-05 (plain ITL p50 74 ms, ``--num-requests 12``) the prefetched gap's p50 was 214 ms: the
+load 67 ms (39 waiting for the stream's tail, 29 the copy from staging, now split in the printout),
+the rest of decode 140 ms (one forward step is ~74), the gateway 7 ms. ``--kv-thread-cpus all``
+(the KV threads moved off the engines' pinned cores, :mod:`tandem.worker.kv_connector.cpus`) made
+it 299 ms in the next run, so the workers keep the pin by default.
 
 Ends with ``bench-kv: pull_gbps=… loopback_gbps=… ratio=… grpc_ceiling_gbps=…
 min_ratio_vs_grpc=… concurrent_ratio=… second_token_gap_ratio=…
@@ -469,6 +474,8 @@ class GapParts:
     pull: list[float] = field(default_factory=list)
     #: Whether each load came from a prefetch.
     prefetched: list[bool] = field(default_factory=list)
+    #: Of ``pull``, for a load from a prefetch: waiting for the prefetch's stream to end.
+    prefetch_wait: list[float] = field(default_factory=list)
     #: From the load's end to the engine step that reported it to vLLM's scheduler.
     reported: list[float] = field(default_factory=list)
     #: From the Decode RPC's start in the worker to decode's first new token (the pull included).
@@ -500,10 +507,11 @@ def _record_parts(parts: GapParts, timings: dict[str, Any]) -> None:
     parts.pull.append(worker.get("kv_transfer_ms", 0.0) / 1e3)
     parts.decode_first_token.append(worker.get("decode_first_token_ms", 0.0) / 1e3)
     parts.prefetched.append(bool(worker.get("kv_prefetched")))
+    parts.prefetch_wait.append(worker.get("kv_prefetch_wait_ms", 0.0) / 1e3)
     parts.reported.append(worker.get("kv_reported_after_ms", 0.0) / 1e3)
 
 
-def second_token_gaps(num_requests: int) -> Gaps:
+def second_token_gaps(num_requests: int, kv_thread_cpus: str | None = None) -> Gaps:
     """First→second token gaps for ~2k-token prompts through Tandem with and without the prefetch (two
     gateways in front of the same workers) and plain vLLM's inter-token gaps, one request at a time,
     the three in turn."""
@@ -517,7 +525,10 @@ def second_token_gaps(num_requests: int) -> Gaps:
 
     run_dir = Path(".run/bench-kv")
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = StackConfig.with_free_ports(key_prefix=f"tandem-bench-kv-{uuid.uuid4().hex[:6]}", log_dir=run_dir)
+    extra_env = {} if kv_thread_cpus is None else {"TANDEM_WORKER_KV__THREAD_CPUS": kv_thread_cpus}
+    config = StackConfig.with_free_ports(
+        key_prefix=f"tandem-bench-kv-{uuid.uuid4().hex[:6]}", log_dir=run_dir, extra_env=extra_env
+    )
     stack = LocalStack(config, progress=lambda m: print(f"[bench-kv] {m}", flush=True))
     vllm_proc = None
     gaps = Gaps()
@@ -564,6 +575,13 @@ def _print_breakdown(title: str, gaps: list[float], parts: GapParts) -> None:
         f"{sum(parts.prefetched)} of {len(parts.prefetched)} loads came from a prefetch):"
     )
     print(f"  {'KV load (prefetch wait + copy, or pull)':44} {pull_p50 * 1e3:8.1f} ms")
+    if any(parts.prefetched):
+        waits = [w for w, p in zip(parts.prefetch_wait, parts.prefetched, strict=True) if p]
+        loads = [t for t, p in zip(parts.pull, parts.prefetched, strict=True) if p]
+        wait_p50 = statistics.median(waits)
+        copy_p50 = statistics.median(t - w for t, w in zip(loads, waits, strict=True))
+        print(f"  {'  of which waiting for the stream to end':44} {wait_p50 * 1e3:8.1f} ms")
+        print(f"  {'  of which the copy from staging':44} {copy_p50 * 1e3:8.1f} ms")
     reported_p50 = statistics.median(parts.reported)
     print(f"  {'load reported to the scheduler after':44} {reported_p50 * 1e3:8.1f} ms")
     print(f"  {'rest of decode to its first token':44} {(decode_p50 - pull_p50 - reported_p50) * 1e3:8.1f} ms")
@@ -577,6 +595,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engines", action="store_true", help="also measure the second-token gap on engines")
     parser.add_argument("--num-requests", type=int, default=6, help="~2k-token prompts per server (--engines)")
+    parser.add_argument(
+        "--kv-thread-cpus",
+        default=None,
+        help="the workers' kv.thread_cpus (--engines): inherit (their default), all, or a CPU list",
+    )
     args = parser.parse_args()
 
     import torch
@@ -622,7 +645,7 @@ def main() -> None:
 
     gap_ratio = gap_ratio_without_prefetch = "n/a"
     if args.engines:
-        gaps = second_token_gaps(args.num_requests)
+        gaps = second_token_gaps(args.num_requests, args.kv_thread_cpus)
         itl_p50 = statistics.median(gaps.vllm)
         print(f"\nsecond token of ~2k-token prompts, one request at a time; plain vLLM ITL p50 {itl_p50 * 1e3:.0f} ms")
         _print_breakdown("Tandem as shipped (the prefetch)", gaps.tandem, gaps.parts)

@@ -190,10 +190,19 @@ def test_a_load_that_ends_after_its_request_was_aborted_is_not_kept() -> None:
 
 
 def test_tensor_parallel_ranks_records_of_one_load_add_up() -> None:
-    a = LoadRecord(num_kv_tokens_loaded=8, num_blocks_loaded=2, num_bytes=100, seconds=0.2, reported_after_s=0.03)
+    a = LoadRecord(
+        num_kv_tokens_loaded=8,
+        num_blocks_loaded=2,
+        num_bytes=100,
+        seconds=0.2,
+        reported_after_s=0.03,
+        prefetch_wait_s=0.1,
+    )
     b = LoadRecord(num_kv_tokens_loaded=8, num_blocks_loaded=2, num_bytes=100, seconds=0.5, failed=True, error="x")
     merged = GrpcKVWorkerMeta({"r": a}).aggregate(GrpcKVWorkerMeta({"r": b, "s": a}))
-    assert merged.loads["r"] == LoadRecord(8, 2, 200, 0.5, failed=True, error="x", reported_after_s=0.03)
+    assert merged.loads["r"] == LoadRecord(
+        8, 2, 200, 0.5, failed=True, error="x", reported_after_s=0.03, prefetch_wait_s=0.1
+    )
     assert merged.loads["s"] == a
     assert LoadRecord.from_dict(a.to_dict()) == a
 

@@ -78,10 +78,13 @@ class Pair:
         self.prefill.start_load_kv(GrpcKVMetadata(holds={VLLM_ID: (PREFILL_BLOCKS, time.time() + 60)}))
 
     def load(self, local: tuple[int, ...], first_block_index: int) -> None:
+        self.start_load(local, first_block_index)
+        wait_until(lambda: VLLM_ID in self.decode.puller._ended, timeout_s=10)
+
+    def start_load(self, local: tuple[int, ...], first_block_index: int) -> None:
         remote = PREFILL_BLOCKS[first_block_index : first_block_index + len(local)]
         spec = LoadSpec(VLLM_ID, self.handle(), remote, local, NUM_PROMPT_TOKENS, first_block_index)
         self.decode.start_load_kv(GrpcKVMetadata(loads=[spec]))
-        wait_until(lambda: VLLM_ID in self.decode.puller._ended, timeout_s=10)
 
     def assert_landed(self, local: tuple[int, ...], first_block_index: int) -> None:
         remote = PREFILL_BLOCKS[first_block_index:]
@@ -172,6 +175,30 @@ def test_a_stream_follows_a_chunked_prefill_step_by_step() -> None:
         pair.load(local, first_block_index=0)
         pair.decode.get_transfer_results(set())  # the engine step that reports the load
         assert pair.decode.take_load_records()[VLLM_ID].prefetched
+        pair.assert_landed(local, first_block_index=0)
+    finally:
+        pair.close()
+
+
+def test_a_load_that_comes_before_the_streams_tail_waits_for_it_and_says_how_long() -> None:
+    """The decode request's load arrives while the prefill's last step still runs: it waits for the
+    stream to end, then copies from staging; its record splits the two (``prefetch_wait_s``, which
+    the Decode's stats and the gateway's timings carry to ``make bench-kv``)."""
+    pair = _pair()
+    try:
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        pair.step(num_computed=0, num_after=12)
+        local = (0, 1, 2, 3, 5)
+        pair.start_load(local, first_block_index=0)
+        time.sleep(0.3)
+        assert VLLM_ID not in pair.decode.puller._ended  # blocks 3..4 are not computed yet
+        pair.step(num_computed=12, num_after=NUM_PROMPT_TOKENS)
+        wait_until(lambda: VLLM_ID in pair.decode.puller._ended, timeout_s=10)
+        pair.announce()
+        pair.decode.get_transfer_results(set())
+        record = pair.decode.take_load_records()[VLLM_ID]
+        assert record.prefetched and not record.failed, record.error
+        assert 0.25 <= record.prefetch_wait_s <= record.seconds, record
         pair.assert_landed(local, first_block_index=0)
     finally:
         pair.close()

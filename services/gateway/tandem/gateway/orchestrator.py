@@ -128,6 +128,8 @@ def _record_decode_stats(clock: StageClock, stats: worker_pb2.DecodeStats) -> No
         clock.worker["kv_prefetched"] = 1
     if stats.kv_reported_after_seconds:
         clock.worker["kv_reported_after_s"] = stats.kv_reported_after_seconds
+    if stats.kv_prefetch_wait_seconds:
+        clock.worker["kv_prefetch_wait_s"] = stats.kv_prefetch_wait_seconds
     if stats.first_token_seconds:
         clock.worker["decode_first_token_s"] = stats.first_token_seconds
     if stats.num_kv_tokens_loaded:

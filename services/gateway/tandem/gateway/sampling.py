@@ -17,6 +17,7 @@ from tandem.v1 import common_pb2
 
 StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """A grammar every generated token must follow (vLLM's structured outputs)."""

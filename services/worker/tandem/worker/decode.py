@@ -23,9 +23,7 @@ from tandem.worker.sampling import logprobs_messages, sampling_kwargs
 
 
 class DecodeRole(Role):
-    async def prefetch(
-        self, request: worker_pb2.PrefetchKVRequest, context: Ctx
-    ) -> worker_pb2.PrefetchKVResponse:
+    async def prefetch(self, request: worker_pb2.PrefetchKVRequest, context: Ctx) -> worker_pb2.PrefetchKVResponse:
         """Start streaming a running prefill's KV into staging (see the puller); the Decode of the same
         request id loads from there. A refusal is an answer, not an error: the Decode pulls as usual."""
         await self._admission.check(context, "decode", request.num_prompt_tokens)
@@ -142,4 +140,5 @@ class DecodeRole(Role):
             kv_transfer_bytes=load.num_bytes if load is not None else 0,
             kv_prefetched=load is not None and load.prefetched,
             kv_reported_after_seconds=load.reported_after_s if load is not None else 0.0,
+            kv_prefetch_wait_seconds=load.prefetch_wait_s if load is not None else 0.0,
         )

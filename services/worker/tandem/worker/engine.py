@@ -11,6 +11,7 @@ from typing import Any
 
 from tandem.v1 import kv_transfer_pb2
 from tandem.worker.engine_api import EngineLoad
+from tandem.worker.kv_connector.cpus import parse_cpu_list
 from tandem.worker.kv_connector.extension import WORKER_EXTENSION
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_events_relay import KVEventEndpoints, KVEventRelay, plan_endpoints
@@ -82,6 +83,17 @@ def kv_events_endpoints(settings: WorkerSettings) -> tuple[str, str]:
     return f"tcp://{host}:{settings.kv_events.port}", f"tcp://{host}:{settings.kv_events.replay_port}"
 
 
+def kv_thread_cpus(setting: str) -> list[int]:
+    """The CPUs of the KV connector's threads (``kv.thread_cpus``): "inherit" -> [] (the engine's
+    own), "all" -> every CPU this process may use now (the API process, which vLLM does not pin),
+    else the list given."""
+    if setting == "inherit":
+        return []
+    if setting == "all":
+        return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return sorted(parse_cpu_list(setting))
+
+
 def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str, Any]:
     """Keyword arguments for ``AsyncEngineArgs`` (kept plain for tests)."""
     eng = settings.engine
@@ -118,6 +130,7 @@ def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str,
                 "max_chunk_bytes": settings.kv.max_chunk_bytes,
                 "pull_timeout_s": settings.kv.pull_timeout_s,
                 "prefetch_max_bytes": settings.kv.prefetch_max_bytes if settings.role == "decode" else 0,
+                "thread_cpus": kv_thread_cpus(settings.kv.thread_cpus),
                 "tls": settings.tls.to_dict(),
             },
         },

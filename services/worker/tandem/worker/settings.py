@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
 from tandem.common.tls import TLSSettings
+from tandem.worker.kv_connector.cpus import parse_cpu_list
 
 Role = Literal["prefill", "decode"]
 
@@ -59,11 +60,22 @@ class KVSettings(BaseModel):
     prefetch_max_bytes: int = Field(256 << 20, ge=0)
     #: On a failed pull: "recompute" the prompt locally, or "fail" the request.
     load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    #: CPUs for the KV server's and the puller's threads: "inherit" (the engine's own pinned CPUs),
+    #: "all" (every CPU this worker may use, read before vLLM pins the engine), or a list ("0-3,6"),
+    #: for a host with a core to spare for the transfer. "inherit" because moving them measured
+    #: worse where every core runs an engine (see ``tandem.worker.kv_connector.cpus``).
+    thread_cpus: str = "inherit"
 
     @model_validator(mode="after")
     def _pull_gives_up_within_the_lease(self) -> KVSettings:
         if self.pull_timeout_s >= self.lease_s:
             raise ValueError(f"kv.pull_timeout_s ({self.pull_timeout_s}) must be less than kv.lease_s ({self.lease_s})")
+        return self
+
+    @model_validator(mode="after")
+    def _thread_cpus_is_a_cpu_list(self) -> KVSettings:
+        if self.thread_cpus not in ("inherit", "all") and not parse_cpu_list(self.thread_cpus):
+            raise ValueError(f"kv.thread_cpus must be 'inherit', 'all' or a CPU list, not {self.thread_cpus!r}")
         return self
 
 

@@ -8,7 +8,9 @@ Engine configuration (``kv_transfer_config.kv_connector_extra_config``):
 ``kv_port`` (the KV server of rank 0; rank r listens on ``kv_port + r``),
 ``lease_s`` (how long a prefill engine holds blocks nobody released),
 ``max_chunk_bytes``, ``pull_timeout_s``, ``prefetch_max_bytes`` (staging
-memory for prefetches, 0: none) and ``tls`` (a TLSSettings dict).
+memory for prefetches, 0: none), ``tls`` (a TLSSettings dict) and ``thread_cpus``
+(the CPUs of the KV server's and puller's threads, a list; absent or empty: the
+engine's own, see :mod:`cpus`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class GrpcKVConnector(KVConnectorBase_V1):
                 lease_s=float(extra.get("lease_s", 60.0)),
                 prefetch_max_bytes=int(extra.get("prefetch_max_bytes", 0)),
                 tls=TLSSettings(**dict(extra.get("tls") or {})),
+                thread_cpus=frozenset(int(c) for c in extra.get("thread_cpus") or ()),
             )
 
     # -- scheduler role ----------------------------------------------------------

@@ -37,6 +37,7 @@ from tandem.common.errors import KVLayoutMismatchError
 from tandem.common.tls import TLSSettings, add_port
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector import wire
+from tandem.worker.kv_connector.cpus import move_this_thread, threads_started_on
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, PrefillProgress
 from tandem.worker.kv_connector.params import external_request_id
@@ -105,9 +106,11 @@ def _ready_blocks(num_tokens: int, num_prompt_tokens: int, block_size: int) -> i
 class KVServer:
     """Holds and serves one engine rank's blocks on ``bind`` (``host:kv_port + rank``)."""
 
-    def __init__(self, *, bind: str, tls: TLSSettings) -> None:
+    def __init__(self, *, bind: str, tls: TLSSettings, thread_cpus: frozenset[int] = frozenset()) -> None:
         self._bind = bind
         self._tls = tls
+        #: CPUs the serving threads run on (see :mod:`cpus`; empty: where they were started).
+        self._thread_cpus = thread_cpus
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._holds: dict[str, Hold] = {}
@@ -135,14 +138,20 @@ class KVServer:
         """Serve ``caches`` (one tensor per layer, in layer order); ``stats`` answers GetStats."""
         self._caches, self._block_dim, self.layout = caches, block_dim, layout
         self._on_device = bool(caches) and caches[0].device.type == "cuda"
-        self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tandem-kv-serve")
-        server = grpc.server(self._pool, options=_SERVER_OPTIONS)
-        servicer = _KVTransferServicer(self, stats)
-        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
-        server.add_generic_rpc_handlers((servicer.raw_handlers(),))
-        if add_port(server, self._bind, self._tls) == 0:
-            raise RuntimeError(f"KV transfer server cannot bind {self._bind}")
-        server.start()
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=8,
+            thread_name_prefix="tandem-kv-serve",
+            initializer=move_this_thread,
+            initargs=(self._thread_cpus,),
+        )
+        with threads_started_on(self._thread_cpus):  # gRPC's pollers and the serving loop
+            server = grpc.server(self._pool, options=_SERVER_OPTIONS)
+            servicer = _KVTransferServicer(self, stats)
+            kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
+            server.add_generic_rpc_handlers((servicer.raw_handlers(),))
+            if add_port(server, self._bind, self._tls) == 0:
+                raise RuntimeError(f"KV transfer server cannot bind {self._bind}")
+            server.start()
         self._server = server
 
     @property
@@ -439,8 +448,7 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         if hold.num_prompt_tokens and hold.num_prompt_tokens != request.num_prompt_tokens:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{request.request_id} is a prompt of {hold.num_prompt_tokens} tokens, "
-                f"not {request.num_prompt_tokens}",
+                f"{request.request_id} is a prompt of {hold.num_prompt_tokens} tokens, not {request.num_prompt_tokens}",
             )
         block_size = kv.layout.block_size_tokens
         first, num_blocks = request.first_block_index, request.num_blocks

@@ -116,6 +116,8 @@ class LoadRecord:
     prefetched: bool = False
     #: From the load's end to the engine step that reported it to vLLM's scheduler.
     reported_after_s: float = 0.0
+    #: Of ``seconds``, for a load copied from a prefetch: waiting for its stream to end.
+    prefetch_wait_s: float = 0.0
 
     def merge(self, other: LoadRecord) -> LoadRecord:
         """The same request's load on another rank: bytes add up, the slower rank sets the time."""
@@ -128,6 +130,7 @@ class LoadRecord:
             error=self.error or other.error,
             prefetched=self.prefetched and other.prefetched,
             reported_after_s=max(self.reported_after_s, other.reported_after_s),
+            prefetch_wait_s=max(self.prefetch_wait_s, other.prefetch_wait_s),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,6 +143,7 @@ class LoadRecord:
             "error": self.error,
             "prefetched": self.prefetched,
             "reported_after_s": self.reported_after_s,
+            "prefetch_wait_s": self.prefetch_wait_s,
         }
 
     @classmethod
@@ -153,6 +157,7 @@ class LoadRecord:
             error=str(data.get("error", "")),
             prefetched=bool(data.get("prefetched", False)),
             reported_after_s=float(data.get("reported_after_s", 0.0)),
+            prefetch_wait_s=float(data.get("prefetch_wait_s", 0.0)),
         )
 
 

@@ -34,6 +34,7 @@ from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, TLSSettings
 from tandem.common.tls import channel as tls_channel
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector import wire
+from tandem.worker.kv_connector.cpus import move_this_thread
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, LoadSpec
 from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord, external_request_id
@@ -106,6 +107,7 @@ class KVPuller:
         tls: TLSSettings,
         prefetch_max_bytes: int = 0,
         prefetch_keep_s: float = 60.0,
+        thread_cpus: frozenset[int] = frozenset(),
     ) -> None:
         self._tp_rank = tp_rank
         self._prefetch_max_bytes = prefetch_max_bytes
@@ -131,9 +133,16 @@ class KVPuller:
         #: Reported loads' records, until the step's worker metadata takes them.
         self._records: dict[str, LoadRecord] = {}
         self.counters = PullCounters()
-        self._pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tandem-kv-pull")
+        # Pull threads (and the gRPC channels they dial) run on thread_cpus, off the engine's pinned
+        # core (see :mod:`cpus`).
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="tandem-kv-pull", initializer=move_this_thread, initargs=(thread_cpus,)
+        )
         self._prefetch_pool = futures.ThreadPoolExecutor(
-            max_workers=MAX_PREFETCHES_IN_FLIGHT, thread_name_prefix="tandem-kv-prefetch"
+            max_workers=MAX_PREFETCHES_IN_FLIGHT,
+            thread_name_prefix="tandem-kv-prefetch",
+            initializer=move_this_thread,
+            initargs=(thread_cpus,),
         )
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
@@ -337,10 +346,13 @@ class KVPuller:
         with self._lock:
             return self._prefetches.pop(external_request_id(spec.request_id), None)
 
-    def _load_from_prefetch(self, spec: LoadSpec, prefetch: _Prefetch) -> int | None:
-        """Copy ``spec``'s blocks from the prefetch's staging into the paged cache; the bytes copied,
-        or None (the prefetch failed or does not cover them: the caller pulls)."""
+    def _load_from_prefetch(self, spec: LoadSpec, prefetch: _Prefetch) -> tuple[int, float] | None:
+        """Copy ``spec``'s blocks from the prefetch's staging into the paged cache; (the bytes copied,
+        seconds waited for the prefetch's stream to end), or None (the prefetch failed or does not cover
+        them: the caller pulls)."""
+        waited_from = time.perf_counter()
         usable = prefetch.done.wait(self._pull_timeout_s) and not prefetch.error
+        waited_s = time.perf_counter() - waited_from
         staging = prefetch.staging
         why = prefetch.error or "not finished in time"
         if usable and staging is not None:
@@ -355,7 +367,7 @@ class KVPuller:
                 return None
             offset = spec.first_block_index - prefetch.first_block_index
             positions = range(offset, offset + len(spec.local_block_ids))
-            return wire.copy_blocks(staging, positions, self._caches, spec.local_block_ids, self._block_dim)
+            return wire.copy_blocks(staging, positions, self._caches, spec.local_block_ids, self._block_dim), waited_s
         finally:
             with self._lock:
                 if usable and staging is not None:
@@ -383,7 +395,8 @@ class KVPuller:
         prefetch = self._take_prefetch(spec) if self._prefetches else None
         copied = self._load_from_prefetch(spec, prefetch) if prefetch is not None else None
         if copied is not None:
-            return self._finish_load(spec, started, copied, "", prefetched=True)
+            num_bytes, waited_s = copied
+            return self._finish_load(spec, started, num_bytes, "", prefetched=True, prefetch_wait_s=waited_s)
         with self._lock:
             self._loaded[external_request_id(spec.request_id)] = None
             while len(self._loaded) > _NUM_LOADED_REMEMBERED:
@@ -409,7 +422,14 @@ class KVPuller:
         return self._finish_load(spec, started, num_bytes, error, prefetched=False)
 
     def _finish_load(
-        self, spec: LoadSpec, started: float, num_bytes: int, error: str, *, prefetched: bool
+        self,
+        spec: LoadSpec,
+        started: float,
+        num_bytes: int,
+        error: str,
+        *,
+        prefetched: bool,
+        prefetch_wait_s: float = 0.0,
     ) -> LoadRecord:
         record = LoadRecord(
             num_kv_tokens_loaded=spec.num_tokens,
@@ -419,6 +439,7 @@ class KVPuller:
             failed=bool(error),
             error=error,
             prefetched=prefetched,
+            prefetch_wait_s=prefetch_wait_s,
         )
         with self._lock:
             c = self.counters

@@ -233,9 +233,7 @@ def stream_header(pieces: Sequence[Piece]) -> bytes:
     )
 
 
-def write_stream(
-    layers: Sequence[torch.Tensor], block_dim: int, num_blocks: int, messages: Iterable[bytes]
-) -> int:
+def write_stream(layers: Sequence[torch.Tensor], block_dim: int, num_blocks: int, messages: Iterable[bytes]) -> int:
     """Copy a stream's messages into blocks ``0..num_blocks-1`` of every layer of ``layers`` (staging).
     Returns the bytes written; raises ``ValueError`` when a message is malformed, a piece is out of
     order, or the stream ends before every block of every layer came (exactly once)."""

@@ -53,6 +53,7 @@ class WorkerSide:
         lease_s: float = 60.0,
         prefetch_max_bytes: int = 0,
         tls: TLSSettings | None = None,
+        thread_cpus: frozenset[int] = frozenset(),
     ) -> None:
         self._model = model
         self._num_blocks = num_blocks
@@ -60,7 +61,7 @@ class WorkerSide:
         self._tp_size = tp_size
         tls = tls or TLSSettings()
         heap.keep_message_buffers(max_chunk_bytes)
-        self.server = KVServer(bind=f"{kv_host}:{kv_port + tp_rank}", tls=tls)
+        self.server = KVServer(bind=f"{kv_host}:{kv_port + tp_rank}", tls=tls, thread_cpus=thread_cpus)
         self.puller = KVPuller(
             tp_rank=tp_rank,
             max_chunk_bytes=max_chunk_bytes,
@@ -68,6 +69,7 @@ class WorkerSide:
             tls=tls,
             prefetch_max_bytes=prefetch_max_bytes,
             prefetch_keep_s=lease_s,
+            thread_cpus=thread_cpus,
         )
         self._idle_step = False
         #: Layer name (as vLLM's attention layers call save_kv_layer) → index in layer order.
