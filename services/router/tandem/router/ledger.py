@@ -189,11 +189,10 @@ class Ledger:
         # Ours: what the snapshot holds (reservations come from the scheduler's table at snapshot time).
         self._own_reservations: dict[str, tuple[Any, ...]] = {}
         self._own_waiters: dict[str, tuple[Any, ...]] = {}
-        #: Per worker, the budget tokens this replica placed on it lately, decayed with the scheduler
-        #: table's half-life: (value, as of this wall-clock time). Released reservations included:
-        #: the snapshot carries them, so a mirror rebuilt from it scores the workers as the live one does.
-        self._own_recent: dict[str, tuple[float, float]] = {}
-        self._recent_pruned_at_unix = wall_clock()
+        #: The scheduler's own table (set by :class:`~tandem.router.scheduler.Scheduler`): the snapshot
+        #: carries its recent tokens per worker, released reservations included, so that a mirror
+        #: rebuilt from it scores the workers as a mirror that heard every message does.
+        self.own_table: ReservationTable | None = None
         self._outbox: list[tuple[Any, ...]] = []
         self._seq = -1
         self._flush_handle: asyncio.Handle | None = None
@@ -244,12 +243,6 @@ class Ledger:
             reserved_at_unix,
         )
         self._own_reservations[reservation.request_id] = event
-        half_life_s = self._recent_half_life_s
-        for worker_id, n in reservation.tokens_by_worker.items():
-            if n > 0:
-                value, at_unix = self._own_recent.get(worker_id, (0.0, reserved_at_unix))
-                decayed = value * 0.5 ** ((reserved_at_unix - at_unix) / half_life_s)
-                self._own_recent[worker_id] = (decayed + n, reserved_at_unix)
         self._emit(event)
 
     def released(self, reservation: Reservation) -> None:
@@ -557,9 +550,6 @@ class Ledger:
 
     # -- snapshots, liveness -------------------------------------------------------------------
 
-    #: A worker's recent tokens leave the snapshot once decayed below this.
-    _FORGET_RECENT_BELOW_TOKENS = 1.0
-
     def snapshot(self) -> bytes:
         """Our state as of our last seq (call right after numbering the outbox's events)."""
         return self._encoder.encode(
@@ -573,18 +563,11 @@ class Ledger:
         )
 
     def _recent_snapshot(self) -> dict[str, tuple[float, float]]:
-        """:attr:`_own_recent`; once per half-life, the workers whose recent tokens decayed away
-        leave it (a pass over a 1,000-worker fleet at every snapshot would cost the event loop
-        ~0.3 ms each time)."""
-        now_unix = self._wall()
-        half_life_s = self._recent_half_life_s
-        if now_unix - self._recent_pruned_at_unix >= half_life_s:
-            self._recent_pruned_at_unix = now_unix
-            floor = self._FORGET_RECENT_BELOW_TOKENS
-            for worker_id, (value, at_unix) in list(self._own_recent.items()):
-                if value * 0.5 ** ((now_unix - at_unix) / half_life_s) < floor:
-                    del self._own_recent[worker_id]
-        return self._own_recent
+        """The own table's recent tokens per worker, each (value, as of a wall-clock time)."""
+        if self.own_table is None:
+            return {}
+        to_unix = self._wall() - self.own_table.now_s()
+        return {w: (value, at_s + to_unix) for w, (value, at_s) in self.own_table.recent_by_worker().items()}
 
     async def tick(self) -> None:
         """One snapshot round: publish what is pending with a heartbeat, write our snapshot and

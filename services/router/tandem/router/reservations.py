@@ -116,6 +116,10 @@ class ReservationTable:
             default=0.0,
         )
 
+    def recent_by_worker(self) -> dict[str, tuple[float, float]]:
+        """Every worker's :meth:`recent_tokens_at` (a copy)."""
+        return dict(self._recent)
+
     def set_recent_tokens(self, worker_id: str, value: float, at_s: float) -> None:
         """Replace ``worker_id``'s recent tokens with ``value`` as of ``at_s`` (this table's clock): a
         mirror rebuilt from another replica's snapshot learns the work that replica placed lately,

@@ -192,6 +192,7 @@ class Scheduler:
         )
         if ledger is not None:
             ledger.on_change = self._on_ledger_change
+            ledger.own_table = self._reservations
         #: Placements made here for other replicas' waiters, not adopted or refused yet: request id ->
         #: (the waiter's replica, when).
         self._handed_off: dict[str, tuple[str, float]] = {}
