@@ -187,12 +187,13 @@ def make_replica(
 
 
 class LoopStalls:
-    """``FLEET_STALLS=1``: every event-loop callback that ran over 0.2 ms during the open-loop phase,
-    summed by what ran (a task's coroutine, or the callback), so a schedule's wait from its arrival
-    can be traced to what held the loop, and how much of that time the process spent off the CPU
-    (wall clock minus the thread's CPU time: the host ran something else). Costs ~3 us a callback."""
+    """``FLEET_STALLS=1``: every event-loop callback that ran over 0.2 ms (``FLEET_STALLS_MS``) during
+    the open-loop phase, summed by what ran (a task's coroutine, or the callback), so a schedule's
+    wait from its arrival can be traced to what held the loop (:meth:`waited_behind`), and how much of
+    that time the process spent off the CPU (wall clock minus the thread's CPU time: the host ran
+    something else). Costs ~3 us a callback."""
 
-    _THRESHOLD_S = 0.0002
+    _THRESHOLD_S = float(os.environ.get("FLEET_STALLS_MS", "0.2")) / 1e3
 
     def __init__(self) -> None:
         self._run = asyncio.events.Handle._run
@@ -200,6 +201,8 @@ class LoopStalls:
         self.count: dict[str, int] = {}
         self.worst_s: dict[str, float] = {}
         self.off_cpu_s: dict[str, float] = {}
+        #: (started, ended, name) of every callback over the threshold, to tell what a request waited behind
+        self.timeline: list[tuple[float, float, str]] = []
 
     def start(self) -> LoopStalls:
         run, threshold_s = self._run, self._THRESHOLD_S
@@ -215,6 +218,7 @@ class LoopStalls:
                 self.total_s[name] = self.total_s.get(name, 0.0) + took_s
                 self.count[name] = self.count.get(name, 0) + 1
                 self.worst_s[name] = max(self.worst_s.get(name, 0.0), took_s)
+                self.timeline.append((started_s, started_s + took_s, name))
 
         asyncio.events.Handle._run = timed  # type: ignore[method-assign,assignment]
         return self
@@ -229,6 +233,18 @@ class LoopStalls:
         if isinstance(task, asyncio.Task):
             return f"task {getattr(task.get_coro(), '__qualname__', '?')}"
         return str(getattr(callback, "__qualname__", callback))[:80]
+
+    def waited_behind(self, intervals: Sequence[tuple[float, float]]) -> None:
+        """What ran while these requests waited (arrival, first step): callback time by name."""
+        behind: dict[str, float] = {}
+        for arrived_s, started_s in intervals:
+            for begin_s, end_s, name in self.timeline:
+                overlap_s = min(end_s, started_s) - max(begin_s, arrived_s)
+                if overlap_s > 0:
+                    behind[name] = behind.get(name, 0.0) + overlap_s
+        log(f"what the slowest {len(intervals)} waited behind (callbacks over {self._THRESHOLD_S * 1e3:g} ms, summed):")
+        for name, total_s in sorted(behind.items(), key=lambda kv: -kv[1])[:8]:
+            log(f"  {total_s * 1e3:8.1f} ms  {name}")
 
     def report(self) -> None:
         log("event-loop callbacks over 0.2 ms in the open-loop phase (total, of it off the CPU, count, worst):")
@@ -311,18 +327,28 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
         log(f"one decision at a time: p50={pct(alone, 0.5) * 1e3:.3f} ms p99={pct(alone, 0.99) * 1e3:.3f} ms")
         latencies: list[float] = []
         cpu_times: list[float] = []
+        waits: list[float] = []  # from arrival until the task first ran
+        walls: list[float] = []  # the decision's own wall clock
+        arrivals: list[float] = []
         rnd = random.Random(args.seed + 2)
         events_before = replica.subscriber.stats.num_events
+        catch_ups_before = replica.subscriber.stats.num_catch_ups
         tasks: set[asyncio.Task[None]] = set()
         loop = asyncio.get_running_loop()
         num_local = 0
+        ahead: list[int] = []  # schedules not yet done when each arrived
 
-        async def one(request: ScheduleRequest, hashes: list[int], arrival_s: float) -> None:
+        async def one(request: ScheduleRequest, hashes: list[int], arrival_s: float, num_ahead: int) -> None:
             nonlocal num_local
-            c0 = time.thread_time()
+            c0, w0 = time.thread_time(), time.perf_counter()
             placement = await replica.scheduler.schedule(request)
             cpu_times.append(time.thread_time() - c0)
-            latencies.append(time.perf_counter() - arrival_s)
+            w1 = time.perf_counter()
+            latencies.append(w1 - arrival_s)
+            ahead.append(num_ahead)
+            arrivals.append(arrival_s)
+            waits.append(w0 - arrival_s)
+            walls.append(w1 - w0)
             worker = placement.prefill or placement.decode
             num_local += placement.prefill is None
             fleet.store(worker.worker_id, hashes)
@@ -350,6 +376,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
         prepared = [trace.request(f"fleet-{i}") for i in range(num_requests)]
         stalls = LoopStalls().start() if os.environ.get("FLEET_STALLS") else None
         t0 = time.perf_counter()
+        cpu0_s = time.thread_time()
         for (request, hashes), offset_s in zip(prepared, offsets_s, strict=True):
             delay = t0 + offset_s - time.perf_counter()
             if delay > 0:
@@ -360,11 +387,16 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             if offset_s < args.warmup_s:
                 task = loop.create_task(warm_up(request))
             else:
-                task = loop.create_task(one(request, hashes, sent_s))
+                task = loop.create_task(one(request, hashes, sent_s, len(tasks)))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks)
         elapsed_s = time.perf_counter() - t0 - args.warmup_s
+        loop_cpu_s = time.thread_time() - cpu0_s
+        log(
+            f"the event loop's thread was on the CPU {loop_cpu_s / (elapsed_s + args.warmup_s):.0%} of the open loop; "
+            f"the decisions themselves {sum(cpu_times) / (elapsed_s + args.warmup_s):.0%}"
+        )
         if stalls is not None:
             stalls.stop()
             stalls.report()
@@ -382,13 +414,29 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             f"p99.9={pct(latencies, 0.999) * 1e3:.3f} ms; decision CPU p50={pct(cpu_times, 0.5) * 1e3:.3f} ms "
             f"p99={pct(cpu_times, 0.99) * 1e3:.3f} ms; {len(latencies)} decisions at "
             f"{len(latencies) / elapsed_s:.0f}/s "
-            f"({num_local} local prefills), {num_events / elapsed_s:.0f} KV events/s applied meanwhile; "
+            f"({num_local} local prefills), {num_events / elapsed_s:.0f} KV events/s applied meanwhile "
+            f"({(replica.subscriber.stats.num_catch_ups - catch_ups_before) / elapsed_s:.0f} catch-ups/s); "
             f"index {index.num_block_entries:,} entries; load average {os.getloadavg()[0]:.1f} "
             f"on {os.cpu_count()} cores"
         )
+        slowest = sorted(range(len(latencies)), key=latencies.__getitem__)[-max(1, len(latencies) // 100) :]
+        if stalls is not None:
+            stalls.waited_behind([(arrivals[i], arrivals[i] + waits[i]) for i in slowest])
+        log(
+            f"the slowest 1 % ({len(slowest)}): waited before running p50="
+            f"{pct([waits[i] for i in slowest], 0.5) * 1e3:.3f} ms, then decided in p50="
+            f"{pct([walls[i] for i in slowest], 0.5) * 1e3:.3f} ms wall, "
+            f"{pct([cpu_times[i] for i in slowest], 0.5) * 1e3:.3f} ms CPU; "
+            f"{sum(waits[i] > walls[i] for i in slowest)} of them waited longer than they decided; "
+            f"schedules not yet done at their arrival p50={pct([float(ahead[i]) for i in slowest], 0.5):.0f} "
+            f"max={max(ahead[i] for i in slowest)} (all requests: p99={pct([float(a) for a in ahead], 0.99):.0f}); "
+            f"all decisions' wall p50={pct(walls, 0.5) * 1e3:.3f} p90={pct(walls, 0.9) * 1e3:.3f} "
+            f"p99={pct(walls, 0.99) * 1e3:.3f} ms, CPU p90={pct(cpu_times, 0.9) * 1e3:.3f} ms"
+        )
         gc.unfreeze()
-        return SpeedResult(latencies, cpu_times, num_entries, memory / max(1, num_entries), num_events,
-                           num_events / elapsed_s)
+        return SpeedResult(
+            latencies, cpu_times, num_entries, memory / max(1, num_entries), num_events, num_events / elapsed_s
+        )
     finally:
         await replica.aclose()
         await fleet.aclose()
