@@ -331,3 +331,34 @@ async def test_a_retry_placed_here_is_not_released_by_the_handoff_it_replaced(re
     a.tick()
     assert a.reservations.get("v") is not None
     victim.cancel()
+
+
+async def test_a_ledger_drops_its_own_messages_and_applies_a_replica_whose_id_extends_its_own() -> None:
+    """The channel hands a publisher its own messages back; they are dropped before decoding, by their
+    first bytes. A replica named ``r10`` is not ``r1``: its messages are applied by ``r1``."""
+    published: dict[str, list[bytes]] = {}
+    ledgers = {}
+    for name in ("r1", "r10"):
+        ledger = Ledger("redis://127.0.0.1:6379/0", key_prefix="unused", replica_id=name, lease_s=60, young_s=1)
+
+        async def publish(channel: str, payload: bytes, name: str = name) -> int:
+            published.setdefault(name, []).append(payload)
+            return 1
+
+        ledger._redis.publish = publish  # type: ignore[method-assign]  # the real encoding, no Redis
+        table = ReservationTable(lease_s=60, young_s=1)
+        ledger.reserved(table.reserve(f"req-{name}", ("p0", "d0"), {"p0": 40, "d0": 90}, tenant="t"), 40)
+        await ledger._flush()
+        ledgers[name] = ledger
+    r1, r10 = ledgers["r1"], ledgers["r10"]
+    try:
+        r1.receive(published["r1"][0])
+        assert r1.stats.num_received == 0 and not r1._mirrors
+        r1.receive(published["r10"][0])
+        r10.receive(published["r1"][0])
+        # Each follows the other now (a new mirror keeps the message until the sender's snapshot).
+        assert r1.stats.num_received == 1 and set(r1._mirrors) == {"r10"}
+        assert r10.stats.num_received == 1 and set(r10._mirrors) == {"r1"}
+    finally:
+        for ledger in ledgers.values():
+            await ledger.aclose()

@@ -216,6 +216,9 @@ class Ledger:
         self.on_change: Callable[[], None] | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder()
+        #: How every message of ours begins (a 3-array, then our id with its length): the channel hands
+        #: each publisher its own messages back, one per flush, and they are dropped undecoded.
+        self._own_prefix = b"\x93" + msgspec.msgpack.encode(replica_id)
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -397,6 +400,8 @@ class Ledger:
 
     def receive(self, payload: bytes) -> None:
         """Apply one message from the channel (ours are ignored)."""
+        if payload.startswith(self._own_prefix):
+            return
         try:
             replica_id, seq, events = self._decoder.decode(payload)
         except (msgspec.DecodeError, ValueError, TypeError):
