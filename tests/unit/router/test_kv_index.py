@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from tandem.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from tandem.router import kv_index
 from tandem.router.kv_index import KVIndex
 
 
@@ -113,19 +112,19 @@ def _assert_same(index: KVIndex, reference: _ReferenceIndex, prompts: list[list[
         assert index.match(prompt) == reference.match(prompt)
 
 
-# How many workers a match narrows to before it follows them in compiled code: 8 (the default: with
-# 8 workers, from the first block), 1 (bitmasks until one worker is left), 0 (bitmasks only).
-@pytest.mark.parametrize("max_followed", [8, 1, 0])
-def test_random_operations_agree_with_a_reference_through_growth_and_shrinking(
-    max_followed: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(kv_index, "_MAX_FOLLOWED", max_followed)
+# 8 workers (overflow rows, one word of holder bits), 8 of 130 slots (the others taken first and
+# left empty: the matching workers sit in the third word of the bitsets, widened twice).
+@pytest.mark.parametrize("num_idle_slots", [0, 122])
+def test_random_operations_agree_with_a_reference_through_growth_and_shrinking(num_idle_slots: int) -> None:
     rnd = random.Random(7)
     bound = 300
     index = KVIndex(max_blocks_per_worker=bound)
     # Renumber stamps every couple of thousand stores instead of every 2**32 (there are <= 8 * 300 entries).
     index._max_stamp = 8_000
     reference = _ReferenceIndex(bound)
+    for i in range(num_idle_slots):
+        index.store(f"idle{i}", [])
+        reference.blocks[f"idle{i}"] = {}
     workers = [f"w{i}" for i in range(8)]  # more holders than fit inline: overflow rows
     system_prompt = [0, 2**64 - 1, *(rnd.getrandbits(64) for _ in range(10))]  # stored by everyone
     # Hashes whose low bits are all ones share the last home slot: a run longer than the table's spare end.
@@ -176,8 +175,13 @@ def test_random_operations_agree_with_a_reference_through_growth_and_shrinking(
         index.remove(worker_id, forgotten)
         reference.remove(worker_id, forgotten)
     _assert_same(index, reference, recent)
-    assert index.num_workers == 4
-    assert index.approx_memory_bytes() < min(grown_bytes / 3, 2 * KVIndex().approx_memory_bytes())
+    assert index.num_workers == 4 + num_idle_slots
+    baseline = KVIndex()  # empty, with as many worker slots
+    for i in range(num_idle_slots):
+        baseline.store(f"idle{i}", [])
+    empty_bytes = baseline.approx_memory_bytes()
+    shrunk_bytes = index.approx_memory_bytes()
+    assert shrunk_bytes - empty_bytes < (grown_bytes - empty_bytes) / 3 and shrunk_bytes < 2 * empty_bytes
     index.store("w9", system_prompt)  # a newcomer reuses a freed slot
     reference.store("w9", system_prompt)
     _assert_same(index, reference, recent)
@@ -288,3 +292,26 @@ def test_match_by_slot_agrees_with_match_for_few_and_many_holders() -> None:
     index.remove_worker("w7")
     assert index.slot_of("w7") == 0 and index.slots_version != version
     assert index.num_blocks_by_slot()[index.slot_of("w8")] == index.num_blocks("w8") == 3
+
+
+def test_overflow_bitsets_follow_rows_through_compaction() -> None:
+    """Rows with more holders than fit inline keep their holders in bitsets for the compiled lookup;
+    when most rows go, the rows are renumbered and so are the bitsets, and every match stays right."""
+    index = KVIndex()
+    shared = [1_000 + i for i in range(100)]  # 100 overflow rows: the bitsets grow past their start
+    for i in range(5):
+        index.store(f"w{i}", shared)
+    index.store("w0", range(5_000, 7_000))  # rows to compact away later
+    index.store("w9", [*shared[:10], 99])
+    grown = len(index._overflow_bits)
+    assert grown >= 100
+    # The first half of the overflow rows (the first bitset rows) lose their fourth and fifth holders:
+    # the other half's bitsets move down when most rows go and the arrays are compacted.
+    index.remove("w1", shared[:50])
+    index.remove("w2", shared[:50])
+    index.remove("w0", range(5_000, 7_000))
+    assert len(index._overflow_bits) < grown and len(index._overflow) == 60  # shared[:10] (w9) and [50:]
+    assert index.match([*shared, 99]) == {"w0": 100, "w3": 100, "w4": 100, "w9": 10}
+    assert index.match(shared[60:]) == {f"w{i}": 40 for i in range(5)}
+    index.store("w1", shared[:50])  # overflow again, in reused bitset rows
+    assert index.match(shared) == {"w0": 100, "w1": 100, "w3": 100, "w4": 100, "w9": 10}

@@ -22,7 +22,9 @@ an entry, so nothing is a Python object per entry. Layout, in numpy arrays:
   the other stamps live apart (``_tail_holders``, ``_tail_stamps``). Most
   blocks have one to three holders; a row with more (a system prompt cached
   everywhere) keeps the rest in ``_overflow[row]`` with a bitmask of all its
-  holders. Free rows are chained through their keys, so row numbers stay put
+  holders, mirrored for the compiled lookup as a row of ``_overflow_bits``
+  (one bit per worker slot) that ``_overflow_of_row`` points to (4 bytes a
+  row). Free rows are chained through their keys, so row numbers stay put
   while the slot table is rebuilt.
 * The slot table ``_slots`` maps a hash to its row: open addressing with
   linear probing, home slot = the hash's low bits (block hashes are digests,
@@ -36,11 +38,9 @@ an entry, so nothing is a Python object per entry. Layout, in numpy arrays:
   empty so that every probe ends.
 
 A lookup (``match``, ``match_by_slot``) is on every Schedule: it probes all of
-a prompt's blocks in one compiled call (:func:`tandem.router.kernels.find_rows`),
-narrows the holders with bitmasks while more than a few workers still match
-(a system prompt's rows), and follows the last few in another compiled call
-(:func:`tandem.router.kernels.held_runs`), looking at overflow holders only on
-the rows that have them. The updates (``store``, ``remove``) index the arrays
+a prompt's blocks in one compiled call (:func:`tandem.router.kernels.find_rows`)
+and credits every worker in another (:func:`tandem.router.kernels.match_slots`:
+one bitset of the workers still matching, narrowed row by row). The updates (``store``, ``remove``) index the arrays
 through ``memoryview`` (a third of numpy's cost per scalar, and they yield
 Python ints); bulk work (rebuilding the table, a worker's removal, eviction,
 renumbering stamps, :meth:`KVIndex.entries_by_worker`) is vectorized.
@@ -82,10 +82,8 @@ _MAX_STAMP = (1 << 32) - 1
 _SCAN_CHUNK_ROWS = 1 << 20
 #: A scan for a worker's oldest entries queues a quarter of them (at most this many, 8 bytes each).
 _MAX_EVICTION_QUEUE = 1 << 16
-#: A wider holder mask is decoded with numpy rather than bit by bit.
-_MAX_BITWISE_CREDIT = 16
-#: A match followed by this many workers or fewer goes on for each of them in compiled code.
-_MAX_FOLLOWED = 8
+#: Overflow rows' bitsets grow by doubling from this many.
+_MIN_OVERFLOW_ROWS = 16
 
 
 def _place_run(
@@ -122,10 +120,12 @@ def _leading_u64(block_hashes: Sequence[int]) -> npt.NDArray[np.uint64]:
 class _Overflow:
     """A row's holders beyond the three inline ones, and the bitmask of all its holders."""
 
-    __slots__ = ("mask", "slots", "stamps")
+    __slots__ = ("bits_row", "mask", "slots", "stamps")
 
-    def __init__(self, mask: int) -> None:
+    def __init__(self, mask: int, bits_row: int) -> None:
         self.mask = mask
+        #: Its row in ``KVIndex._overflow_bits``.
+        self.bits_row = bits_row
         self.slots: array[int] = array("H")
         self.stamps: array[int] = array("I")
 
@@ -185,6 +185,12 @@ class KVIndex:
         self._tail_holders: npt.NDArray[np.uint16] = np.zeros(_MIN_ROWS, np.uint16)  # holder 2
         self._tail_stamps: npt.NDArray[np.uint32] = np.zeros((_MIN_ROWS, 2), np.uint32)  # stamps 1 and 2
         self._overflow: dict[int, _Overflow] = {}
+        # The overflow rows' holder bitmasks for the compiled lookup: per row, 0 or 1 + its bitset's row.
+        self._overflow_of_row: npt.NDArray[np.int32] = np.zeros(_MIN_ROWS, np.int32)
+        self._overflow_bits: npt.NDArray[np.uint64] = np.zeros((_MIN_OVERFLOW_ROWS, 1), np.uint64)
+        self._free_bits_rows: list[int] = list(range(_MIN_OVERFLOW_ROWS - 1, -1, -1))
+        self._alive_bits = np.zeros(1, np.uint64)  # the lookup's scratch bitsets
+        self._held_bits = np.zeros(1, np.uint64)
         self._next_stamp = 0
         self._max_stamp = _MAX_STAMP  # a test lowers it to exercise renumbering
         self._oldest: dict[int, _OldestFirst] = {}
@@ -219,6 +225,8 @@ class KVIndex:
                     raise ValueError(f"KVIndex holds at most {_MAX_WORKER_SLOT} workers")
                 self._worker_by_slot.append("")
                 self._bit_by_slot.append(1 << w)
+                if w >= 64 * self._overflow_bits.shape[1]:
+                    self._widen_overflow_bits()
                 if w >= len(self._num_blocks_by_slot):
                     self._num_blocks_by_slot = np.concatenate(
                         (self._num_blocks_by_slot, np.zeros(len(self._num_blocks_by_slot), np.int64))
@@ -288,13 +296,14 @@ class KVIndex:
                     else:
                         extra = overflow.get(r)
                         if extra is None:
-                            extra = overflow[r] = _Overflow(bits[h0[r]] | bits[b] | bits[c])
+                            extra = overflow[r] = self._new_overflow(r, bits[h0[r]] | bits[b] | bits[c])
                         if extra.mask >> w & 1:
                             extra.stamps[extra.slots.index(w)] = stamp
                         else:
                             extra.slots.append(w)
                             extra.stamps.append(stamp)
                             extra.mask |= bit
+                            self._sync_overflow_bits(extra)
                             num_new += 1
                 else:
                     if h >> 64:  # also true for a negative h
@@ -350,8 +359,38 @@ class KVIndex:
         tail_holders[:used] = self._tail_holders[:used]
         tail_stamps = np.zeros((num_rows, 2), np.uint32)
         tail_stamps[:used] = self._tail_stamps[:used]
+        overflow_of_row = np.zeros(num_rows, np.int32)
+        overflow_of_row[:used] = self._overflow_of_row[:used]
         self._heads, self._tail_holders, self._tail_stamps = heads, tail_holders, tail_stamps
+        self._overflow_of_row = overflow_of_row
         self._refresh_views()
+
+    def _new_overflow(self, row: int, mask: int) -> _Overflow:
+        """``row``'s overflow, holding ``mask``'s workers, with a bitset row of its own."""
+        if not self._free_bits_rows:
+            used = len(self._overflow_bits)
+            grown = np.zeros((2 * used, self._overflow_bits.shape[1]), np.uint64)
+            grown[:used] = self._overflow_bits
+            self._overflow_bits = grown
+            self._free_bits_rows.extend(range(2 * used - 1, used - 1, -1))
+        extra = _Overflow(mask, self._free_bits_rows.pop())
+        self._overflow_of_row[row] = extra.bits_row + 1
+        self._sync_overflow_bits(extra)
+        return extra
+
+    def _sync_overflow_bits(self, extra: _Overflow) -> None:
+        """Copy ``extra``'s holder mask into its bitset row."""
+        num_words = self._overflow_bits.shape[1]
+        self._overflow_bits[extra.bits_row] = np.frombuffer(extra.mask.to_bytes(8 * num_words, "little"), np.uint64)
+
+    def _widen_overflow_bits(self) -> None:
+        """Twice as many bits per overflow row (a new worker slot past the last word)."""
+        old_words = self._overflow_bits.shape[1]
+        wider = np.zeros((len(self._overflow_bits), 2 * old_words), np.uint64)
+        wider[:, :old_words] = self._overflow_bits
+        self._overflow_bits = wider
+        self._alive_bits = np.zeros(2 * old_words, np.uint64)
+        self._held_bits = np.zeros(2 * old_words, np.uint64)
 
     def _rows_by_home(self, slot_bits: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]]:
         """The live rows and their keys, sorted by home slot in a table of ``2**slot_bits`` home slots."""
@@ -488,10 +527,12 @@ class KVIndex:
             extra.slots.pop()
             extra.stamps.pop()
             extra.mask ^= self._bit_by_slot[w]
+            self._sync_overflow_bits(extra)
         elif extra is not None:  # an overflow holder moves inline
             holders[j][row] = extra.slots.pop()
             stamps[j][row] = extra.stamps.pop()
             extra.mask ^= self._bit_by_slot[w]
+            self._sync_overflow_bits(extra)
         else:  # keep the inline holders packed from the first
             end = 2 if h2[row] else 1 if h1[row] else 0
             if end != j:
@@ -500,6 +541,8 @@ class KVIndex:
             holders[end][row] = _NO_WORKER
         if extra is not None and not extra.slots:
             del self._overflow[row]
+            self._overflow_of_row[row] = 0
+            self._free_bits_rows.append(extra.bits_row)
         self._num_blocks_by_slot[w] -= 1
         self._num_entries -= 1
         if not h0[row]:
@@ -632,11 +675,23 @@ class KVIndex:
         tail_holders[:n] = self._tail_holders[old_rows]
         tail_stamps = np.zeros((capacity, 2), np.uint32)
         tail_stamps[:n] = self._tail_stamps[old_rows]
+        overflow_of_row = np.zeros(capacity, np.int32)
+        overflow_of_row[:n] = self._overflow_of_row[old_rows]
         if self._overflow:
             new_row = np.empty(self._num_rows, np.int64)
             new_row[old_rows] = np.arange(n)
             self._overflow = {int(new_row[r]): extra for r, extra in self._overflow.items()}
+        num_bits_rows = max(_MIN_OVERFLOW_ROWS, 2 * len(self._overflow))
+        if num_bits_rows < len(self._overflow_bits):  # renumber the bitsets too, from 0
+            bits = np.zeros((num_bits_rows, self._overflow_bits.shape[1]), np.uint64)
+            for i, (row, extra) in enumerate(self._overflow.items()):
+                bits[i] = self._overflow_bits[extra.bits_row]
+                extra.bits_row = i
+                overflow_of_row[row] = i + 1
+            self._overflow_bits = bits
+            self._free_bits_rows = list(range(num_bits_rows - 1, len(self._overflow) - 1, -1))
         self._heads, self._tail_holders, self._tail_stamps = heads, tail_holders, tail_stamps
+        self._overflow_of_row = overflow_of_row
         self._num_rows, self._free_row, self._num_free_rows = n, -1, 0
         self._oldest.clear()
         self._place(np.arange(n, dtype=np.int32), keys, slot_bits)
@@ -649,112 +704,29 @@ class KVIndex:
         Stops at the first block that no worker still matching holds, so a
         lookup costs the matched prefix, not the prompt.
         """
-        result: dict[str, int] = {}
-        for mask, num_blocks in self._matched(block_hashes):
-            self._credit(mask, num_blocks, result)
-        return result
+        by_slot = self.match_by_slot(block_hashes)
+        held = np.flatnonzero(by_slot)
+        names = self._worker_by_slot
+        return {names[w]: n for w, n in zip(held.tolist(), by_slot[held].tolist(), strict=True)}
 
     def match_by_slot(self, block_hashes: Sequence[int]) -> npt.NDArray[np.int64]:
         """:meth:`match` as an array indexed by worker slot (:meth:`slot_of`): leading blocks held,
-        0 for workers holding none. A prompt whose system prompt every worker holds credits a
-        thousand workers at once here, with no per-worker Python work."""
+        0 for workers holding none. Two compiled calls, whatever the number of holders: a prompt whose
+        system prompt every worker holds credits a thousand workers at once."""
         out = np.zeros(len(self._worker_by_slot), np.int64)
-        for mask, num_blocks in self._matched(block_hashes):
-            if mask.bit_count() <= _MAX_BITWISE_CREDIT:
-                while mask:
-                    low = mask & -mask
-                    out[low.bit_length() - 1] = num_blocks
-                    mask ^= low
-            else:
-                packed = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
-                out[np.flatnonzero(np.unpackbits(packed, bitorder="little"))] = num_blocks
-        return out
-
-    def _matched(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
-        """(bitmask of worker slots, leading blocks they hold) for every run of the match."""
-        runs: list[tuple[int, int]] = []
         if not block_hashes or not self._num_entries:
-            return runs
+            return out
         hashes = _leading_u64(block_hashes)
         found = np.empty(len(hashes), np.int32)
-        # Every block's row at once (compiled); a block the index lacks ends the match there.
+        # Every block's row at once; a block the index lacks ends the match there.
         num_found = kernels.find_rows(self._slots, self._keys, np.uint64(self._home_mask), hashes, found)
-        rows = found.data
-        h0, h1, h2 = self._holder_views
-        bits, overflow = self._bit_by_slot, self._overflow
-        alive = 0  # holders of every block so far
-        num_matched = 0
-        for j in range(num_found):
-            r = rows[j]
-            b = h1[r]
-            if not b:
-                held = bits[h0[r]]
-            else:
-                c = h2[r]
-                if not c:
-                    held = bits[h0[r]] | bits[b]
-                else:
-                    extra = overflow.get(r)
-                    held = extra.mask if extra is not None else bits[h0[r]] | bits[b] | bits[c]
-            if num_matched:
-                still = alive & held
-                if still == alive:
-                    num_matched += 1
-                    continue
-                runs.append((alive ^ still, num_matched))
-                if not still:
-                    return runs
-                alive = still
-            else:
-                alive = held
-            num_matched += 1
-            if alive.bit_count() <= _MAX_FOLLOWED:  # a few workers left: follow each, compiled, without masks
-                runs.extend(self._follow(alive, found, num_matched, num_found))
-                return runs
-        if alive:
-            runs.append((alive, num_matched))
-        return runs
-
-    def _follow(self, alive: int, rows: npt.NDArray[np.int32], start: int, end: int) -> list[tuple[int, int]]:
-        """(bit, leading blocks held) of each worker slot in ``alive`` (each holds ``rows[:start]``),
-        following ``rows[start:end]``."""
-        slots = []
-        while alive:
-            low = alive & -alive
-            slots.append(low.bit_length() - 1)
-            alive ^= low
-        worker_slots = np.array(slots, np.uint16)
-        num_held = np.zeros(len(slots), np.int64)
-        h0, h1, h2 = self._holder_columns
-        inline, overflow = self._holder_views, self._overflow
-        j = start
-        while (j := kernels.held_runs(rows, start, j, end, h0, h1, h2, worker_slots, num_held)) < end:
-            # A row with three inline holders: the workers not among them may be overflow holders.
-            r, step = int(rows[j]), j - start
-            extra = overflow.get(r)
-            mask = extra.mask if extra is not None else 0
-            holders = (inline[0][r], inline[1][r], inline[2][r])
-            num_matching = 0
-            for k, w in enumerate(slots):
-                if num_held[k] == step and (w in holders or mask >> w & 1):
-                    num_held[k] += 1
-                    num_matching += 1
-            if not num_matching:
-                break
-            j += 1
-        return [(1 << w, start + int(n)) for w, n in zip(slots, num_held.tolist(), strict=True)]
-
-    def _credit(self, mask: int, num_blocks: int, result: dict[str, int]) -> None:
-        names = self._worker_by_slot
-        if mask.bit_count() <= _MAX_BITWISE_CREDIT:
-            while mask:
-                low = mask & -mask
-                result[names[low.bit_length() - 1]] = num_blocks
-                mask ^= low
-        else:
-            packed = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
-            for w in np.flatnonzero(np.unpackbits(packed, bitorder="little")).tolist():
-                result[names[w]] = num_blocks
+        if num_found:
+            h0, h1, h2 = self._holder_columns
+            kernels.match_slots(
+                found, num_found, h0, h1, h2, self._overflow_of_row, self._overflow_bits,
+                self._alive_bits, self._held_bits, out,
+            )  # fmt: skip
+        return out
 
     def num_blocks(self, worker_id: str) -> int:
         w = self._slot_by_worker.get(worker_id)
@@ -808,6 +780,8 @@ class KVIndex:
     def approx_memory_bytes(self) -> int:
         """Bytes the index holds: its arrays, and the Python containers and objects it keeps."""
         size = self._heads.nbytes + self._tail_holders.nbytes + self._tail_stamps.nbytes + self._slots.nbytes
+        size += self._overflow_of_row.nbytes + self._overflow_bits.nbytes
+        size += self._alive_bits.nbytes + self._held_bits.nbytes + sys.getsizeof(self._free_bits_rows)
         views = (self._key_view, self._slot_view, *self._holder_views, *self._stamp_views)
         size += sum(sys.getsizeof(v) for v in views)
         size += sys.getsizeof(self._overflow)
