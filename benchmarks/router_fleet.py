@@ -337,10 +337,14 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
         loop = asyncio.get_running_loop()
         num_local = 0
         ahead: list[int] = []  # schedules not yet done when each arrived
+        wait_cpus: list[float] = []  # the loop's thread's CPU time from each arrival until it ran
 
-        async def one(request: ScheduleRequest, hashes: list[int], arrival_s: float, num_ahead: int) -> None:
+        async def one(
+            request: ScheduleRequest, hashes: list[int], arrival_s: float, num_ahead: int, arrival_cpu_s: float
+        ) -> None:
             nonlocal num_local
             c0, w0 = time.thread_time(), time.perf_counter()
+            wait_cpus.append(c0 - arrival_cpu_s)
             placement = await replica.scheduler.schedule(request)
             cpu_times.append(time.thread_time() - c0)
             w1 = time.perf_counter()
@@ -387,7 +391,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             if offset_s < args.warmup_s:
                 task = loop.create_task(warm_up(request))
             else:
-                task = loop.create_task(one(request, hashes, sent_s, len(tasks)))
+                task = loop.create_task(one(request, hashes, sent_s, len(tasks), time.thread_time()))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks)
@@ -428,6 +432,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             f"{pct([walls[i] for i in slowest], 0.5) * 1e3:.3f} ms wall, "
             f"{pct([cpu_times[i] for i in slowest], 0.5) * 1e3:.3f} ms CPU; "
             f"{sum(waits[i] > walls[i] for i in slowest)} of them waited longer than they decided; "
+            f"the loop's CPU time while they waited p50={pct([wait_cpus[i] for i in slowest], 0.5) * 1e3:.3f} ms; "
             f"schedules not yet done at their arrival p50={pct([float(ahead[i]) for i in slowest], 0.5):.0f} "
             f"max={max(ahead[i] for i in slowest)} (all requests: p99={pct([float(a) for a in ahead], 0.99):.0f}); "
             f"all decisions' wall p50={pct(walls, 0.5) * 1e3:.3f} p90={pct(walls, 0.9) * 1e3:.3f} "
