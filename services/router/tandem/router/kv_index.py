@@ -40,10 +40,11 @@ an entry, so nothing is a Python object per entry. Layout, in numpy arrays:
 A lookup (``match``, ``match_by_slot``) is on every Schedule: it probes all of
 a prompt's blocks in one compiled call (:func:`tandem.router.kernels.find_rows`)
 and credits every worker in another (:func:`tandem.router.kernels.match_slots`:
-one bitset of the workers still matching, narrowed row by row). The updates (``store``, ``remove``) index the arrays
-through ``memoryview`` (a third of numpy's cost per scalar, and they yield
-Python ints); bulk work (rebuilding the table, a worker's removal, eviction,
-renumbering stamps, :meth:`KVIndex.entries_by_worker`) is vectorized.
+one bitset of the workers still matching, narrowed row by row). The updates
+(``store``, ``remove``) index the arrays through ``memoryview`` (a third of
+numpy's cost per scalar, and they yield Python ints); bulk work (rebuilding the
+table, a worker's removal, eviction, renumbering stamps,
+:meth:`KVIndex.entries_by_worker`) is vectorized.
 
 A worker never holds more than ``max_blocks_per_worker`` entries: the oldest
 stored are forgotten first (an exact engine stays far below the bound, since
