@@ -9,8 +9,9 @@ has and drops workers it no longer sees. The router benchmark reads
 :meth:`KVIndex.entries_by_worker` lets two router replicas' indexes be
 compared. Pure data structure, no I/O; used from the replica's event loop only.
 
-Sized for 1,000 workers and 10 million (worker, block) entries at ~30 bytes
-an entry, so nothing is a Python object per entry. Layout, in numpy arrays:
+Sized for 1,000 workers and 10 million (worker, block) entries at ~40 bytes
+an entry (42.1 in the fleet benchmark, spare capacity included), so nothing is
+a Python object per entry. Layout, in numpy arrays:
 
 * Rows, one per distinct block hash, hold its key and up to three holders
   inline: a holder is a worker slot (uint16; slots start at 1, so zeroed
