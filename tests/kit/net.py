@@ -10,11 +10,15 @@ from typing import Any
 
 import uvicorn
 
+from tandem.local.stack import free_port as stack_free_port
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free right now, outside the kernel's ephemeral range and never handed out before by this
+    process (:func:`tandem.local.stack.free_port`). A port the kernel picks for ``bind(0)`` comes from
+    the ephemeral range, where any outgoing connection (Ray opens many) may take it before the server
+    under test binds it: one CI run failed so ("Failed to bind to address '127.0.0.1:37085'")."""
+    return stack_free_port()
 
 
 def dead_address() -> str:
