@@ -226,7 +226,9 @@ async def test_the_router_wide_fair_share_lets_the_other_replicas_better_waiter_
     noisy = [asyncio.create_task(a.schedule(req(f"n{i}", 100, tenant="noisy"))) for i in range(3)]
     await asyncio.sleep(0.05)
     victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
-    await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()))
+    # B's waiter reaches A once A mirrors B (from B's snapshot, ~0.1 s here); one CI run, its host
+    # loaded, took over 2 s.
+    await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()), timeout_s=5.0)
     a.release("hold")
     assert a.reservations.get("v") is not None  # placed by A at once, in the release's own iteration
     placement = await asyncio.wait_for(victim, 2)
