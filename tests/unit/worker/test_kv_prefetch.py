@@ -374,3 +374,54 @@ def test_a_streamed_prompt_ends_when_it_stops_is_aborted_or_is_preempted() -> No
     meta = side.build_connector_meta(SchedulerOutput())  # type: ignore[arg-type]
     assert delay_free and params and meta.ended == set() and "h-abcdefgh" in meta.holds
     assert side._streamed == {}
+
+
+def test_layers_saved_in_a_forward_are_streamable_when_vllm_runs_the_steps_hooks_in_its_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's own model-runner sequence (``KVConnectorModelRunnerMixin._get_kv_connector_output``, the
+    real producer of the hook order), not our assumption of it: with no synchronous load it calls
+    ``start_load_kv`` only after the forward, so the step's metadata must take effect when it is bound,
+    before the forward saves its layers. Before, each step's progress arrived a step late: a stream of
+    a running prefill got a chunk's blocks only during the next chunk's forward, and the last chunk's
+    only once the prefill had ended (the decode's load then waited 70-450 ms for the stream's tail)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.v1.worker import kv_connector_model_runner_mixin
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    from tandem.worker.kv_connector.connector import GrpcKVConnector
+
+    pair = _pair()
+    connector = GrpcKVConnector.__new__(GrpcKVConnector)  # the worker role over this pair's prefill side
+    connector._connector_metadata = None
+    connector._scheduler, connector._worker = None, pair.prefill
+    saved_before: list[int] = []
+    try:
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        prefetch = pair.decode.puller._prefetches[REQUEST]
+        meta = GrpcKVMetadata(
+            progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, NUM_PROMPT_TOKENS)]
+        )
+        scheduler_output = SimpleNamespace(kv_connector_metadata=meta, has_sync_kv_loads=False, finished_req_ids=set())
+        kv_transfer_state._KV_CONNECTOR_AGENT = connector
+        monkeypatch.setattr(kv_connector_model_runner_mixin, "get_forward_context", lambda: None)  # unused by us
+        with KVConnectorModelRunnerMixin._get_kv_connector_output(scheduler_output):  # type: ignore[arg-type]
+            # The forward pass: each layer written, then saved.
+            for name in pair.p_caches:
+                pair.p_caches[name].copy_(pair.computed[name])
+                connector.save_kv_layer(name, pair.p_caches[name], None)
+            # The whole prompt streamed while the forward still runs (on a GPU, while it is launched).
+            saved_before.append(int(prefetch.done.wait(10)))
+        assert saved_before == [1] and prefetch.error == "", prefetch.error
+        pair.announce()
+        local = (0, 1, 2, 3, 5)
+        pair.load(local, first_block_index=0)
+        pair.decode.get_transfer_results(set())
+        record = pair.decode.take_load_records()[VLLM_ID]
+        assert not record.failed and record.prefetched, record.error
+        pair.assert_landed(local, first_block_index=0)
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+        pair.close()

@@ -112,10 +112,16 @@ class GrpcKVConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # The step's work starts here, before its forward pass: vLLM calls start_load_kv only after the
+        # forward when no load is synchronous (on a GPU the forward is only launched by then; on the CPU
+        # it has run), and a prompt's progress must be known while its layers are saved.
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, GrpcKVMetadata)
+        self._work().start_load_kv(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, GrpcKVMetadata)
-        self._work().start_load_kv(meta)
+        return  # started when the metadata was bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads complete before vLLM schedules the request (asynchronous load).
