@@ -480,6 +480,12 @@ class GapParts:
     reported: list[float] = field(default_factory=list)
     #: From the Decode RPC's start in the worker to decode's first new token (the pull included).
     decode_first_token: list[float] = field(default_factory=list)
+    #: The decode engine's own timeline of the same span (vLLM's request events): the Decode RPC's start
+    #: to the engine queueing the request, queued to the step that scheduled its forward pass (the load
+    #: and its report inside), that step's start to the engine sending the first new token.
+    engine_queued: list[float] = field(default_factory=list)
+    engine_scheduled: list[float] = field(default_factory=list)
+    engine_first_token: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -509,6 +515,9 @@ def _record_parts(parts: GapParts, timings: dict[str, Any]) -> None:
     parts.prefetched.append(bool(worker.get("kv_prefetched")))
     parts.prefetch_wait.append(worker.get("kv_prefetch_wait_ms", 0.0) / 1e3)
     parts.reported.append(worker.get("kv_reported_after_ms", 0.0) / 1e3)
+    parts.engine_queued.append(worker.get("decode_engine_queued_after_ms", 0.0) / 1e3)
+    parts.engine_scheduled.append(worker.get("decode_engine_scheduled_after_ms", 0.0) / 1e3)
+    parts.engine_first_token.append(worker.get("decode_engine_first_token_after_ms", 0.0) / 1e3)
 
 
 def second_token_gaps(num_requests: int, kv_thread_cpus: str | None = None) -> Gaps:
@@ -586,6 +595,16 @@ def _print_breakdown(title: str, gaps: list[float], parts: GapParts) -> None:
     print(f"  {'load reported to the scheduler after':44} {reported_p50 * 1e3:8.1f} ms")
     print(f"  {'rest of decode to its first token':44} {(decode_p50 - pull_p50 - reported_p50) * 1e3:8.1f} ms")
     print(f"  {'gateway, RPCs and streaming around them':44} {(gap_p50 - decode_p50) * 1e3:8.1f} ms")
+    if all(parts.engine_first_token):
+        queued_p50, scheduled_p50, first_token_p50 = (
+            statistics.median(p) for p in (parts.engine_queued, parts.engine_scheduled, parts.engine_first_token)
+        )
+        print("  the decode worker's span on the engine's own clock (vLLM's request events):")
+        print(f"  {'  Decode call to the engine queueing it':44} {queued_p50 * 1e3:8.1f} ms")
+        print(f"  {'  queued to the step scheduling its forward':44} {scheduled_p50 * 1e3:8.1f} ms")
+        print(f"  {'  that step to the engine sending its token':44} {first_token_p50 * 1e3:8.1f} ms")
+        rest_p50 = decode_p50 - queued_p50 - scheduled_p50 - first_token_p50
+        print(f"  {'  the token from the engine to the worker':44} {rest_p50 * 1e3:8.1f} ms")
 
 
 def main() -> None:

@@ -76,6 +76,10 @@ def test_a_prompt_whose_prefix_the_decode_worker_holds_is_finished_there_alone(s
     # How late the engine step that reported the load to vLLM's scheduler came (the decode worker's
     # connector times it; the gateway passes it on).
     assert 0 < worker["kv_reported_after_ms"] < 60_000, worker
+    # The decode engine's own timeline of the Decode call's way to its first token (vLLM's request
+    # events, stamped by the engine core on its clock): queued, scheduled (the load inside), sent.
+    timeline = [worker[f"decode_engine_{part}_after_ms"] for part in ("queued", "scheduled", "first_token")]
+    assert all(t > 0 for t in timeline) and sum(timeline) <= worker["decode_first_token_ms"], worker
     # ... and so does the worker's /metrics (the KV server's counters as the heartbeat last read them).
     received = load(stack, "decode").kv_bytes_received_total
     assert wait_until(

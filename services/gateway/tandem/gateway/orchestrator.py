@@ -134,6 +134,10 @@ def _record_decode_stats(clock: StageClock, stats: worker_pb2.DecodeStats) -> No
         clock.worker["decode_first_token_s"] = stats.first_token_seconds
     if stats.num_kv_tokens_loaded:
         clock.worker["num_kv_tokens_loaded"] = stats.num_kv_tokens_loaded
+    if stats.engine_first_token_after_seconds:
+        clock.worker["decode_engine_queued_after_s"] = stats.engine_queued_after_seconds
+        clock.worker["decode_engine_scheduled_after_s"] = stats.engine_scheduled_after_seconds
+        clock.worker["decode_engine_first_token_after_s"] = stats.engine_first_token_after_seconds
 
 
 class Orchestrator:

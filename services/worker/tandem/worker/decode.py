@@ -91,7 +91,9 @@ class DecodeRole(Role):
         num_top_logprobs = params.logprobs or 0
         num_output = 0
         started = time.perf_counter()
+        started_monotonic = time.monotonic()  # vLLM's engine stamps its request events on this clock
         first_token_s = 0.0
+        timeline: tuple[float, float, float] | None = None
         num_kv_tokens = len(engine_prompt_ids) + max_tokens
         self._counters.num_running += 1
         self._counters.num_kv_tokens_in_flight += num_kv_tokens
@@ -103,6 +105,7 @@ class DecodeRole(Role):
                 token_ids, logprobs = skipper.tokens(completion.token_ids, completion.logprobs)
                 if not num_output and token_ids:
                     first_token_s = time.perf_counter() - started
+                    timeline = _engine_timeline(getattr(out, "metrics", None), started_monotonic)
                 num_output += len(token_ids)
                 chunk = worker_pb2.DecodeChunk(
                     text=skipper.text(completion.text),
@@ -115,6 +118,12 @@ class DecodeRole(Role):
                     chunk.finish_reason = completion.finish_reason or "stop"
                     chunk.stats.CopyFrom(self._stats(out, len(prompt_ids), num_output))
                     chunk.stats.first_token_seconds = first_token_s
+                    if timeline is not None:
+                        (
+                            chunk.stats.engine_queued_after_seconds,
+                            chunk.stats.engine_scheduled_after_seconds,
+                            chunk.stats.engine_first_token_after_seconds,
+                        ) = timeline
                 yield chunk
         except engine_refusals() as exc:  # the engine refused the request's parameters (e.g. a bad grammar)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {exc}")
@@ -142,3 +151,15 @@ class DecodeRole(Role):
             kv_reported_after_seconds=load.reported_after_s if load is not None else 0.0,
             kv_prefetch_wait_seconds=load.prefetch_wait_s if load is not None else 0.0,
         )
+
+
+def _engine_timeline(metrics: Any, started_monotonic: float) -> tuple[float, float, float] | None:
+    """(Decode call → engine queued, queued → scheduled, scheduled → first token sent) in seconds, from
+    vLLM's per-request stats (``RequestStateStats``: engine-core ``time.monotonic()`` stamps); None
+    where the engine keeps no stats or has not stamped all three."""
+    queued_s = getattr(metrics, "queued_ts", 0.0)
+    scheduled_s = getattr(metrics, "scheduled_ts", 0.0)
+    first_token_s = getattr(metrics, "first_token_ts", 0.0)
+    if not (queued_s and scheduled_s and first_token_s):
+        return None
+    return queued_s - started_monotonic, scheduled_s - queued_s, first_token_s - scheduled_s
