@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from tandem.v1 import kv_transfer_pb2
+from tandem.worker import vllm_plugin
 from tandem.worker.engine_api import EngineLoad
 from tandem.worker.kv_connector.cpus import parse_cpu_list
 from tandem.worker.kv_connector.extension import WORKER_EXTENSION
@@ -32,6 +33,19 @@ def resolve_dtype(dtype: str) -> str:
     from vllm.platforms import current_platform
 
     return "float32" if current_platform.is_cpu() else "auto"
+
+
+#: ``engine.mq_poll_s`` on vLLM's CPU backend when unset (see :mod:`tandem.worker.vllm_plugin`).
+CPU_MQ_POLL_S = 0.0005
+
+
+def resolve_mq_poll_s(mq_poll_s: float | None) -> float:
+    """``None`` means :data:`CPU_MQ_POLL_S` on vLLM's CPU backend and 0 (vLLM's busy loop) elsewhere."""
+    if mq_poll_s is not None:
+        return mq_poll_s
+    from vllm.platforms import current_platform
+
+    return CPU_MQ_POLL_S if current_platform.is_cpu() else 0.0
 
 
 #: vLLM's default prefix-caching hash; the router reproduces only this one.
@@ -217,6 +231,8 @@ def build_engine(settings: WorkerSettings) -> VLLMEngine:
     if settings.engine.cpu_threads_bind:
         # Read by vLLM's CPU worker in the child process it spawns.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.engine.cpu_threads_bind
+    # Read by tandem.worker.vllm_plugin in the engine's processes.
+    os.environ[vllm_plugin.ENV] = str(resolve_mq_poll_s(settings.engine.mq_poll_s))
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 

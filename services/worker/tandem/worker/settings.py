@@ -38,6 +38,11 @@ class EngineSettings(BaseModel):
     cpu_threads_bind: str = ""
     max_num_seqs: int = Field(64, gt=0)
     tensor_parallel_size: int = Field(1, gt=0)
+    #: How the engine's processes wait for each other's next message while busy: sleep this many
+    #: seconds between looks, or 0 for vLLM's own busy loop (sched_yield for a second after each
+    #: message). None: 0.0005 on vLLM's CPU backend, where a spinning process takes the share of a
+    #: core that forward passes need (see tandem.worker.vllm_plugin), else 0.
+    mq_poll_s: float | None = Field(None, ge=0)
 
 
 class KVSettings(BaseModel):
