@@ -224,6 +224,9 @@ async def test_the_router_wide_fair_share_lets_the_other_replicas_better_waiter_
     await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
     await a.schedule(req("hold", 100, tenant="noisy"))
     noisy = [asyncio.create_task(a.schedule(req(f"n{i}", 100, tenant="noisy"))) for i in range(3)]
+    # B must see A's hold before its request comes, or it places it at once on budget it sees free (a
+    # CI run on a loaded host: B had not applied A's message 50 ms on, and no waiter ever reached A).
+    await until(lambda: ledger_b.others_tokens("p0") == 100, timeout_s=5.0)
     await asyncio.sleep(0.05)
     victim = asyncio.create_task(b.schedule(req("v", 100, tenant="victim")))
     # B's waiter reaches A once A mirrors B (from B's snapshot, ~0.1 s here); one CI run, its host
