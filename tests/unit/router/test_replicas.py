@@ -346,14 +346,14 @@ async def test_a_ledger_drops_its_own_messages_and_applies_a_replica_whose_id_ex
     for name in ("r1", "r10"):
         ledger = Ledger("redis://127.0.0.1:6379/0", key_prefix="unused", replica_id=name, lease_s=60, young_s=1)
 
-        async def publish(channel: str, payload: bytes, name: str = name) -> int:
+        def publish(payload: bytes, name: str = name) -> bool:
             published.setdefault(name, []).append(payload)
-            return 1
+            return True
 
-        ledger._redis.publish = publish  # type: ignore[method-assign]  # the real encoding, no Redis
+        ledger._publisher.publish = publish  # type: ignore[method-assign]  # the real encoding, no Redis
         table = ReservationTable(lease_s=60, young_s=1)
         ledger.reserved(table.reserve(f"req-{name}", ("p0", "d0"), {"p0": 40, "d0": 90}, tenant="t"), 40)
-        await ledger._flush()
+        ledger._flush()
         ledgers[name] = ledger
     r1, r10 = ledgers["r1"], ledgers["r10"]
     try:

@@ -7,7 +7,8 @@ every change as it happens (:meth:`Ledger.reserved`, :meth:`Ledger.released`,
 
 * **publishes** the outbox on one Redis pub/sub channel as a numbered message ``[replica id,
   seq, events]``: at the end of the event-loop iteration that made the changes (or every
-  ``flush_interval_s``, to batch more), one publish in flight at a time;
+  ``flush_interval_s``, to batch more), as one write on a connection of its own
+  (:class:`tandem.router.pubsub.Publisher`), so the messages leave in seq order;
 * **mirrors** every other replica from the same channel: their reservations in a
   :class:`~tandem.router.reservations.ReservationTable` each (so their tokens, young tokens,
   requests in flight and recently placed tokens per worker come out of the same code as this
@@ -71,11 +72,16 @@ from redis.exceptions import RedisError
 
 from tandem.common import redis_retry
 from tandem.router.fair_share import TenantShares
+from tandem.router.pubsub import Publisher, Subscription
 from tandem.router.reservations import Reservation, ReservationTable
 
 logger = logging.getLogger(__name__)
 
 _RESERVED, _RELEASED, _QUEUED, _DEQUEUED, _FORWARD, _HANDOFF = "+", "-", "q", "d", "r", "p"
+#: A flush that cannot publish yet (a snapshot round's write in flight, or no connection) tries again
+#: after this long, keeping its events (a snapshot round takes whatever is still there).
+_FLUSH_RETRY_S = 0.0005
+_FLUSH_RETRY_UNCONNECTED_S = 0.05
 #: Messages kept per mirror while it waits for a snapshot to repair a gap.
 _MAX_BUFFERED = 10_000
 
@@ -176,6 +182,7 @@ class Ledger:
         self._redis: aioredis.Redis = redis_retry.connect(redis_url, timeout_s=1.0)
         self._prefix = f"{key_prefix}:router"
         self._channel = f"{self._prefix}:ledger"
+        self._publisher = Publisher(redis_url, self._channel, timeout_s=1.0)
         self._lease_s = lease_s
         self._young_s = young_s
         self._recent_half_life_s = recent_half_life_s
@@ -196,6 +203,9 @@ class Ledger:
         self._outbox: list[tuple[Any, ...]] = []
         self._seq = -1
         self._flush_handle: asyncio.Handle | None = None
+        #: A snapshot round's write is in flight: flushes wait, so that its message (taken before them)
+        #: is published before theirs.
+        self._tick_in_flight = False
         self._mirrors: dict[str, _Mirror] = {}
         self._changed: set[str] = set()
         self._forwarded: list[str] = []
@@ -205,7 +215,6 @@ class Ledger:
         #: once this moved (or time passed).
         self.num_frees = 0
         self._tasks: list[asyncio.Task[None]] = []
-        self._flush_task: asyncio.Task[None] | None = None
         # redis-py can swallow a CancelledError that lands inside a command: the loops also stop on this.
         self._closed = False
         self.stats = LedgerStats()
@@ -292,25 +301,27 @@ class Ledger:
 
     def _start_flush(self) -> None:
         self._flush_handle = None
-        if self._flush_task is None or self._flush_task.done():
-            self._flush_task = asyncio.get_running_loop().create_task(self._flush())
-        else:  # a publish is in flight: try again after it
-            self._flush_handle = asyncio.get_running_loop().call_later(
-                max(self.flush_interval_s, 0.0005), self._start_flush
-            )
-
-    async def _flush(self) -> None:
         if not self._outbox:
             return
+        if self._tick_in_flight or not self._publisher.connected:
+            self._publisher.start()
+            retry_s = _FLUSH_RETRY_S if self._publisher.connected else _FLUSH_RETRY_UNCONNECTED_S
+            self._flush_handle = asyncio.get_running_loop().call_later(
+                max(self.flush_interval_s, retry_s), self._start_flush
+            )
+            return
+        self._flush()
+
+    def _flush(self) -> None:
         events, self._outbox = self._outbox, []
         self._seq += 1
-        try:
-            await self._redis.publish(self._channel, self._encoder.encode([self.replica_id, self._seq, events]))
+        self._publish(self._encoder.encode([self.replica_id, self._seq, events]))
+
+    def _publish(self, message: bytes) -> None:
+        if self._publisher.publish(message):
             self.stats.num_published += 1
-        except (RedisError, OSError) as exc:
-            # Lost: the receivers see a gap in our seqs and repair from the next snapshot.
+        else:  # lost: the receivers see a gap in our seqs and repair from the next snapshot
             self.stats.num_publish_errors += 1
-            logger.warning("ledger publish failed: %s", exc)
 
     # -- the other replicas, as the scheduler reads them ---------------------------------------
 
@@ -587,15 +598,19 @@ class Ledger:
         # it dead, then revived it at A's next message: two deaths counted for one kill).
         known_before = set(self._mirrors)
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                # Membership and liveness before the message: whoever received it sees us listed.
-                pipe.set(self._alive_key(self.replica_id), b"1", px=self._ttl_ms)
-                pipe.zadd(self._replicas_key(), {self.replica_id: 0})
-                pipe.set(self._snapshot_key(self.replica_id), snapshot, px=self._ttl_ms)
-                pipe.publish(self._channel, message)
-                pipe.zrange(self._replicas_key(), 0, -1)
-                results = await pipe.execute()
-            self.stats.num_published += 1
+            # Membership, liveness and the snapshot before the message: whoever received it sees us
+            # listed. Flushes wait meanwhile, so that the message goes out before theirs.
+            self._tick_in_flight = True
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.set(self._alive_key(self.replica_id), b"1", px=self._ttl_ms)
+                    pipe.zadd(self._replicas_key(), {self.replica_id: 0})
+                    pipe.set(self._snapshot_key(self.replica_id), snapshot, px=self._ttl_ms)
+                    pipe.zrange(self._replicas_key(), 0, -1)
+                    results = await pipe.execute()
+            finally:
+                self._tick_in_flight = False
+                self._publish(message)
             members = [m.decode() if isinstance(m, bytes) else str(m) for m in results[-1]]
             others = [m for m in members if m != self.replica_id]
             alive = await self._redis.mget([self._alive_key(m) for m in others]) if others else []
@@ -629,6 +644,7 @@ class Ledger:
         if self._tasks:
             return
         loop = asyncio.get_running_loop()
+        self._publisher.start()
         self._tasks = [loop.create_task(self._listen_forever()), loop.create_task(self._tick_forever())]
         if self._outbox:
             self._flush_handle = loop.call_later(self.flush_interval_s, self._start_flush)
@@ -642,28 +658,34 @@ class Ledger:
             await asyncio.sleep(self.snapshot_interval_s)
 
     async def _listen_forever(self) -> None:
+        # Our own heartbeat comes back on the channel every snapshot round: a subscription that has
+        # heard nothing for several rounds is dead without knowing it (a half-open connection).
+        silent_s = max(2.0, 4 * self.snapshot_interval_s)
         while not self._closed:
-            client: aioredis.Redis = aioredis.Redis.from_url(self._redis_url, socket_connect_timeout=1.0)
-            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            subscription: Subscription | None = None
             try:
-                await pubsub.subscribe(self._channel)
+                subscription = await Subscription.open(
+                    self._redis_url, self._channel, lambda payload: self.receive(payload), timeout_s=1.0
+                )
                 # Anything published before we listened is in the others' snapshots.
                 for mirror in self._mirrors.values():
                     mirror.needs_snapshot = True
                 while not self._closed:
-                    message = await pubsub.get_message(timeout=0.2)
-                    if message is not None and message.get("type") == "message":
-                        self.receive(message["data"])
+                    if await subscription.wait_closed(silent_s):
+                        logger.warning("ledger subscription lost: Redis closed the connection")
+                        await asyncio.sleep(0.5)
+                        break
+                    if time.monotonic() - subscription.heard_s > silent_s:
+                        logger.warning("ledger subscription silent for %.1f s; subscribing again", silent_s)
+                        break
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, TimeoutError) as exc:
                 logger.warning("ledger subscription lost: %s", exc)
                 await asyncio.sleep(0.5)
             finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                with contextlib.suppress(Exception):
-                    await client.aclose()
+                if subscription is not None:
+                    subscription.close()
 
     async def leave(self) -> None:
         """Clean shutdown: our keys go at once, so the others adopt what we hold without waiting for
@@ -678,12 +700,13 @@ class Ledger:
         self._closed = True
         if self._flush_handle is not None:
             self._flush_handle.cancel()
-        tasks = [*self._tasks, *([self._flush_task] if self._flush_task else [])]
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
         self._tasks = []
+        await self._publisher.aclose()
         await self._redis.aclose()
 
 

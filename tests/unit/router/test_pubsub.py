@@ -1,0 +1,162 @@
+"""The ledger's raw pub/sub connections against the real Redis (127.0.0.1:6379): order, a broken
+connection (through a TCP relay the test cuts), a Redis that stops answering, and a refused AUTH."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from redis.exceptions import ResponseError
+
+from tandem.router.pubsub import Publisher, RedisAddress, Subscription, encode_command
+
+REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
+REDIS_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/0"
+
+
+async def until(condition, timeout_s: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.005)
+
+
+class Relay:
+    """A TCP relay to Redis that the test can cut (closing every connection) or freeze (it keeps
+    accepting and reading, and forwards nothing)."""
+
+    def __init__(self) -> None:
+        self.frozen = False
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self.port = 0
+
+    async def start(self, port: int = 0) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        redis_reader, redis_writer = await asyncio.open_connection(REDIS_HOST, REDIS_PORT)
+        self._writers += [client_writer, redis_writer]
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await reader.read(65536):
+                    if not self.frozen:
+                        writer.write(data)
+            writer.close()
+
+        await asyncio.gather(pipe(client_reader, redis_writer), pipe(redis_reader, client_writer))
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.transport.abort()
+        self._writers.clear()
+        await self._server.wait_closed()
+
+
+@pytest_asyncio.fixture
+async def relay() -> AsyncIterator[Relay]:
+    relay = Relay()
+    await relay.start()
+    yield relay
+    with contextlib.suppress(Exception):
+        await relay.cut()
+
+
+def channel() -> str:
+    return f"tandem-test-pubsub-{uuid.uuid4().hex[:8]}"
+
+
+async def test_messages_arrive_whole_and_in_the_order_they_were_published() -> None:
+    name = channel()
+    received: list[bytes] = []
+    subscription = await Subscription.open(REDIS_URL, name, received.append, timeout_s=2.0)
+    publisher = Publisher(REDIS_URL, name, timeout_s=2.0)
+    await publisher.connect()
+    # Sizes around the parser's edges: empty, CRLF inside, a payload larger than one socket read.
+    payloads = [b"", b"\r\n$3\r\n", bytes(range(256)) * 1024] + [b"m%d" % i for i in range(2000)]
+    try:
+        for payload in payloads:
+            assert publisher.publish(payload)
+        await until(lambda: len(received) == len(payloads))
+        assert received == payloads
+        await until(lambda: publisher.stats.num_answered == publisher.stats.num_sent == len(payloads))
+        assert publisher.stats.num_error_replies == publisher.stats.num_refused == 0
+    finally:
+        subscription.close()
+        await publisher.aclose()
+
+
+async def test_a_cut_connection_refuses_publishes_until_it_reopens_by_itself(relay: Relay) -> None:
+    name = channel()
+    received: list[bytes] = []
+    subscription = await Subscription.open(REDIS_URL, name, received.append, timeout_s=2.0)
+    publisher = Publisher(f"redis://127.0.0.1:{relay.port}/0", name, timeout_s=2.0, reconnect_wait_s=0.05)
+    await publisher.connect()
+    try:
+        assert publisher.publish(b"before")
+        await until(lambda: received == [b"before"])
+        port = relay.port
+        await relay.cut()
+        await until(lambda: not publisher.connected)
+        assert not publisher.publish(b"lost")  # nothing to write to: refused, not queued
+        assert publisher.stats.num_refused == 1
+        await asyncio.sleep(0.2)  # it keeps trying while nothing listens
+        assert not publisher.connected
+        await relay.start(port)
+        await until(lambda: publisher.connected)
+        assert publisher.publish(b"after")
+        await until(lambda: received == [b"before", b"after"])
+        assert publisher.stats.num_reconnects == 1
+    finally:
+        subscription.close()
+        await publisher.aclose()
+
+
+async def test_a_subscription_learns_that_its_connection_was_cut(relay: Relay) -> None:
+    subscription = await Subscription.open(
+        f"redis://127.0.0.1:{relay.port}/0", channel(), lambda payload: None, timeout_s=2.0
+    )
+    assert not await subscription.wait_closed(0.05)
+    await relay.cut()
+    assert await subscription.wait_closed(2.0)
+
+
+async def test_a_redis_that_stops_answering_is_left_after_the_timeout(relay: Relay) -> None:
+    publisher = Publisher(f"redis://127.0.0.1:{relay.port}/0", channel(), timeout_s=0.2, reconnect_wait_s=10)
+    await publisher.connect()
+    try:
+        assert publisher.publish(b"answered")
+        await until(lambda: publisher.stats.num_answered == 1)
+        relay.frozen = True
+        assert publisher.publish(b"unanswered")  # written; no answer comes
+        await asyncio.sleep(0.3)
+        assert not publisher.publish(b"refused")  # unanswered for longer than timeout_s: the connection goes
+        await until(lambda: not publisher.connected)
+    finally:
+        await publisher.aclose()
+
+
+async def test_a_refused_auth_is_a_clear_error() -> None:
+    # The test Redis has no password: AUTH is refused, and the connection with it.
+    publisher = Publisher(f"redis://:not-the-password@{REDIS_HOST}:{REDIS_PORT}/0", channel(), timeout_s=2.0)
+    with pytest.raises(ResponseError, match="AUTH"):
+        await publisher.connect()
+    assert not publisher.connected
+    await publisher.aclose()
+
+
+def test_addresses_and_commands() -> None:
+    assert RedisAddress.from_url("redis://u:p@h:7000/3") == RedisAddress("h", 7000, "", None, "u", "p")
+    assert RedisAddress.from_url("unix:///run/redis.sock").path == "/run/redis.sock"
+    assert RedisAddress.from_url("rediss://h:6380/0?ssl_cert_reqs=none").tls is not None
+    assert encode_command(b"PUBLISH", b"c", b"") == b"*3\r\n$7\r\nPUBLISH\r\n$1\r\nc\r\n$0\r\n\r\n"
