@@ -224,24 +224,45 @@ class FleetTable:
         """Take a newer registry list in place when only the workers' reported loads changed (the
         usual heartbeat), touching only the records that are new objects; False when a worker came,
         went or changed what it is (then build a new table)."""
-        if len(workers) != len(self.workers):
+        positions = self.changed_positions(workers)
+        if positions is None:
             return False
-        changed: list[tuple[WorkerRecord, _Pool, int]] = []
-        for old, new in zip(self.workers, workers, strict=True):
+        self.take_records(workers, positions)
+        self.workers = workers
+        return True
+
+    def changed_positions(
+        self, workers: Sequence[WorkerRecord], start: int = 0, stop: int | None = None
+    ) -> list[int] | None:
+        """The positions in ``workers[start:stop]`` whose record is a new object with the same identity
+        (only its load changed); None when ``workers`` is not the same fleet (a worker came, went or
+        changed what it is)."""
+        if len(workers) != len(self.workers):
+            return None
+        stop = len(workers) if stop is None else min(stop, len(workers))
+        positions: list[int] = []
+        old_workers = self.workers
+        for i in range(start, stop):
+            new, old = workers[i], old_workers[i]
             if new is old:
                 continue
             if _identity(new) != _identity(old):
-                return False
+                return None
+            positions.append(i)
+        return positions
+
+    def take_records(self, workers: Sequence[WorkerRecord], positions: Iterable[int]) -> None:
+        """Take the reported loads of ``workers[i]`` for each of ``positions`` (from
+        :meth:`changed_positions`); the table's list stays the old one until the caller sets
+        ``workers``."""
+        for position in positions:
+            new = workers[position]
             pool, i = self._where[new.worker_id]
-            changed.append((new, pool, i))
-        for new, pool, i in changed:
             pool.workers[i] = new
             pool.capacity_tokens[i] = formulas.capacity_tokens(new, self.config)
             pool.reported_tokens[i] = formulas.reported_tokens(new)
             pool.kv_usage[i] = new.load.kv_usage
             pool.num_reported_requests[i] = new.load.num_running_requests + new.load.num_waiting_requests
-        self.workers = workers
-        return True
 
     def refresh_own(self, worker_ids: Iterable[str], reservations: ReservationTable) -> None:
         """Re-read this replica's reservations on ``worker_ids`` (the ones that changed)."""
