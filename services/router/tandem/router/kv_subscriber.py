@@ -20,6 +20,11 @@ drops the index entries) of workers that left. Each task:
    asked less and less often (the wait doubles after each catch-up that found
    nothing, up to 16 x the interval, and is back to the interval after its next
    batch): a batch lost after a long silence is repaired within that longest wait.
+   Each wait is shortened by a random 0-25 %: workers whose batches arrived
+   together (a burst through the fleet, a router that stalled) would otherwise
+   be asked together, and keep being asked together as their waits double (the
+   fleet benchmark saw waves of dozens of catch-ups within 2 ms, and the
+   Schedules that arrived meanwhile waited behind them).
 
 Replies are applied in sequence order as well: vLLM's replay ROUTER drops what
 exceeds its high-water mark (1,000 messages) while it streams a large buffer,
@@ -104,6 +109,9 @@ class SubscriberStats:
 #: An idle worker's catch-ups back off to at most this many times ``catch_up_interval_s``: at 1,000
 #: idle workers, asking each every 2 s cost 15-18 % of a core (~0.3 ms per ask).
 _MAX_CATCH_UP_BACKOFF = 16
+#: Each catch-up wait is its nominal length times a factor drawn from [1 - this, 1] (step 4 in the
+#: module docstring).
+_CATCH_UP_JITTER = 0.25
 
 
 class _Follower:
@@ -120,6 +128,8 @@ class _Follower:
         #: The wait before the next catch-up: the subscriber's interval after a live batch, doubled after
         #: each catch-up that found nothing, up to 16 times it.
         self.catch_up_wait_s = 0.0
+        #: The factor in [1 - _CATCH_UP_JITTER, 1] applied to the current wait.
+        self.catch_up_jitter = 1.0
         self.dealer: Any = None
         #: ``perf_counter`` time by which this task next yields to the loop (see ``APPLY_SLICE_S``).
         self.slice_end_s = 0.0
@@ -173,6 +183,9 @@ class KVEventSubscriber:
         self._phase_rng = random.Random()
         self._tasks: dict[str, tuple[_Source, asyncio.Task[None]]] = {}
         self.stats = SubscriberStats()
+
+    def _jitter(self) -> float:
+        return 1.0 - _CATCH_UP_JITTER * self._phase_rng.random()
 
     @property
     def index(self) -> KVIndex:
@@ -249,7 +262,7 @@ class KVEventSubscriber:
                 if source.replay_endpoint:
                     # The receive stays pending across catch-ups: re-arming it for every wait would
                     # make pyzmq register and unregister the socket with the loop each time.
-                    wait_s = follower.last_heard_s + follower.catch_up_wait_s - loop.time()
+                    wait_s = follower.last_heard_s + follower.catch_up_wait_s * follower.catch_up_jitter - loop.time()
                     if wait_s <= 0 or not (await asyncio.wait((live,), timeout=wait_s))[0]:
                         self.stats.num_catch_ups += 1
                         last_seq = follower.last_seq
@@ -258,6 +271,7 @@ class KVEventSubscriber:
                             follower.catch_up_wait_s = min(
                                 2 * follower.catch_up_wait_s, _MAX_CATCH_UP_BACKOFF * self._catch_up_interval_s
                             )
+                        follower.catch_up_jitter = self._jitter()
                         continue
                 frames = await live
                 live = None
@@ -286,6 +300,7 @@ class KVEventSubscriber:
         loop = asyncio.get_running_loop()
         follower.last_heard_s = loop.time()
         follower.catch_up_wait_s = self._catch_up_interval_s
+        follower.catch_up_jitter = self._jitter()
         if seq > follower.last_seq + 1:
             self.stats.num_gaps += 1
             if follower.source.replay_endpoint and loop.time() >= follower.replay_down_until_s:
