@@ -133,15 +133,35 @@ class _Follower:
         self.dealer: Any = None
         #: ``perf_counter`` time by which this task next yields to the loop (see ``APPLY_SLICE_S``).
         self.slice_end_s = 0.0
+        #: What the task awaits between batches: set by the live receive completing or by the
+        #: catch-up's timer (cheaper than ``asyncio.wait`` with a timeout, which builds a waiter, a
+        #: closure and a timer and adds and removes callbacks on every wait).
+        self.wake: asyncio.Future[None] | None = None
+
+    def wake_up(self, *_: object) -> None:
+        wake = self.wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    def slice_spent(self) -> bool:
+        """Whether this task has applied batches for ``APPLY_SLICE_S`` in a row and should yield to the
+        loop now (the caller then yields and calls :meth:`start_slice`)."""
+        now_s = time.perf_counter()
+        if now_s < self.slice_end_s:
+            return False
+        if not self.slice_end_s:
+            self.slice_end_s = now_s + APPLY_SLICE_S
+            return False
+        return True
+
+    def start_slice(self) -> None:
+        self.slice_end_s = time.perf_counter() + APPLY_SLICE_S
 
     async def pace(self) -> None:
         """Yield to the loop once this task has applied batches for ``APPLY_SLICE_S`` in a row."""
-        now_s = time.perf_counter()
-        if now_s >= self.slice_end_s:
-            if self.slice_end_s:
-                await asyncio.sleep(0)
-                now_s = time.perf_counter()
-            self.slice_end_s = now_s + APPLY_SLICE_S
+        if self.slice_spent():
+            await asyncio.sleep(0)
+            self.start_slice()
 
     def close_dealer(self) -> None:
         """Forget the replay connection, and with it whatever is left of an answer."""
@@ -259,11 +279,20 @@ class KVEventSubscriber:
             while True:
                 if live is None:
                     live = sub.recv_multipart()
-                if source.replay_endpoint:
+                    live.add_done_callback(follower.wake_up)
+                if source.replay_endpoint and not live.done():
                     # The receive stays pending across catch-ups: re-arming it for every wait would
                     # make pyzmq register and unregister the socket with the loop each time.
-                    wait_s = follower.last_heard_s + follower.catch_up_wait_s * follower.catch_up_jitter - loop.time()
-                    if wait_s <= 0 or not (await asyncio.wait((live,), timeout=wait_s))[0]:
+                    due_s = follower.last_heard_s + follower.catch_up_wait_s * follower.catch_up_jitter
+                    if due_s > loop.time():
+                        follower.wake = loop.create_future()
+                        timer = loop.call_at(due_s, follower.wake_up)
+                        try:
+                            await follower.wake
+                        finally:
+                            timer.cancel()
+                            follower.wake = None
+                    if not live.done():
                         self.stats.num_catch_ups += 1
                         last_seq = follower.last_seq
                         await self._replay(follower)
@@ -275,8 +304,12 @@ class KVEventSubscriber:
                         continue
                 frames = await live
                 live = None
-                await self._receive_live(follower, frames)
-                await follower.pace()
+                gap_seq = self._receive_live(follower, frames)
+                if gap_seq is not None:
+                    await self._repair_gap(follower, gap_seq, frames)
+                if follower.slice_spent():
+                    await asyncio.sleep(0)
+                    follower.start_slice()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -287,29 +320,38 @@ class KVEventSubscriber:
             sub.close(linger=0)
             follower.close_dealer()
 
-    async def _receive_live(self, follower: _Follower, frames: list[bytes]) -> None:
+    def _receive_live(self, follower: _Follower, frames: list[bytes]) -> int | None:
+        """Apply a live batch that follows the last one applied (no await: the usual case); returns its
+        seq when batches are missing before it (then :meth:`_repair_gap`), else None."""
         if self._drop_fraction and self._drop_rng.random() < self._drop_fraction:
             self.stats.num_dropped += 1
-            return
+            return None
         if len(frames) != 3:
             self.stats.num_decode_errors += 1
-            return
+            return None
         seq = decode_seq(frames[1])
         if seq <= follower.last_seq:
-            return  # already applied from a replay
+            return None  # already applied from a replay
         loop = asyncio.get_running_loop()
         follower.last_heard_s = loop.time()
         follower.catch_up_wait_s = self._catch_up_interval_s
         follower.catch_up_jitter = self._jitter()
         if seq > follower.last_seq + 1:
             self.stats.num_gaps += 1
-            if follower.source.replay_endpoint and loop.time() >= follower.replay_down_until_s:
-                await self._replay(follower)
-                if seq <= follower.last_seq:
-                    return
-            # Not replayed (no longer buffered, or the replay socket does not answer): skip the missing
-            # batches rather than stall the live stream behind them.
-            self.stats.num_unrepaired_batches += seq - follower.last_seq - 1
+            return seq
+        self._apply(follower, seq, frames[2])
+        return None
+
+    async def _repair_gap(self, follower: _Follower, seq: int, frames: list[bytes]) -> None:
+        """A live batch ``seq`` came with batches missing before it: replay them, then apply it."""
+        loop = asyncio.get_running_loop()
+        if follower.source.replay_endpoint and loop.time() >= follower.replay_down_until_s:
+            await self._replay(follower)
+            if seq <= follower.last_seq:
+                return
+        # Not replayed (no longer buffered, or the replay socket does not answer): skip the missing
+        # batches rather than stall the live stream behind them.
+        self.stats.num_unrepaired_batches += seq - follower.last_seq - 1
         self._apply(follower, seq, frames[2])
 
     async def _replay(self, follower: _Follower, *, first: bool = False) -> None:
