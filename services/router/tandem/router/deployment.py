@@ -33,6 +33,7 @@ from tandem.common.registry import WorkerRecord, WorkerRegistry
 from tandem.common.router_wire import METADATA_PRIORITY, status_for_error
 from tandem.router.budget import BudgetConfig
 from tandem.router.fair_share import TenantShares
+from tandem.router.gc_tuning import tune_gc
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
 from tandem.router.ledger import Ledger
@@ -59,11 +60,13 @@ class RouterDeployment:
 
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = RouterConfig.model_validate(config)
+        tune_gc(cfg.gc_young_threshold)
         self._registry = WorkerRegistry(cfg.redis.url, key_prefix=cfg.registry.key_prefix, ttl_s=cfg.registry.ttl_s)
         view = CachedWorkerView(
             self._registry,
             refresh_interval_s=cfg.registry_refresh_interval_s,
             max_stale_s=cfg.registry.ttl_s,
+            refresh_in_background=True,  # a Schedule never waits for the registry read (worker_view)
         )
         q = cfg.queue
         young_s = 2 * cfg.registry.heartbeat_interval_s + 1.0

@@ -100,6 +100,9 @@ class RouterConfig(BaseModel):
     lease_s: float = Field(default=600.0, gt=0)
     #: The registry is read from Redis at most this often; Schedule uses the cached list in between.
     registry_refresh_interval_s: float = Field(default=0.5, ge=0)
+    #: Python's cyclic GC runs its youngest pass after this many more container objects were made
+    #: than freed (Python's default: 700); 0 keeps Python's. See :func:`tandem.router.gc_tuning.tune_gc`.
+    gc_young_threshold: int = Field(default=20_000, ge=0)
 
 
 class TandemRouterSettings(BaseSettings, RouterConfig):
