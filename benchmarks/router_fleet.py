@@ -71,12 +71,14 @@ from tandem.local.simulated_fleet import FleetCorpus, FleetSpec, SimulatedFleet
 from tandem.local.simulated_worker import SimulatedCluster, SimulatedLatencyModel, SimulatedWorkerConfig
 from tandem.local.stack import free_port
 from tandem.router.budget import BudgetConfig
+from tandem.router.gc_tuning import tune_gc
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
 from tandem.router.ledger import Ledger
 from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import PlacementDecision, QueueConfig, Scheduler
+from tandem.router.settings import RouterConfig
 from tandem.router.worker_view import CachedWorkerView
 from tandem.v1 import worker_pb2
 
@@ -374,7 +376,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
         wait_cpus: list[float] = []  # the loop's thread's CPU time from each arrival until it ran
 
         async def one(
-            request: ScheduleRequest, hashes: list[int], arrival_s: float, num_ahead: int, arrival_cpu_s: float
+            request: ScheduleRequest, hashes: bytes, arrival_s: float, num_ahead: int, arrival_cpu_s: float
         ) -> None:
             nonlocal num_local
             c0, w0 = time.thread_time(), time.perf_counter()
@@ -411,7 +413,10 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
         for _ in range(num_requests):
             at_s += rnd.expovariate(args.rate)
             offsets_s.append(at_s)
-        prepared = [trace.request(f"fleet-{i}") for i in range(num_requests)]
+        prepared = [
+            (request, fleet.encode_hashes(hashes))
+            for request, hashes in (trace.request(f"fleet-{i}") for i in range(num_requests))
+        ]
         # The driver's prepared trace (~8,000 requests of ~130 block hashes each) is the benchmark's,
         # not the replica's: frozen with the rest, so the collector's passes over it do not stall the
         # replica (they did: 3-6 ms pauses, the p99.9 of a Schedule).
@@ -943,10 +948,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="speed phase: let the router and the simulated fleet share every core",
     )
+    parser.add_argument(
+        "--gc-young-threshold",
+        type=int,
+        default=RouterConfig().gc_young_threshold,
+        help="the replicas' GC setting (tandem.router.gc_tuning; default: the router's; 0: Python's own)",
+    )
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-replicas", action="store_true")
     parser.add_argument("--skip-fairness", action="store_true")
     args = parser.parse_args(argv)
+    # This process hosts the replicas: it collects garbage as a replica does (RouterDeployment).
+    tune_gc(args.gc_young_threshold)
+    log(f"GC thresholds {gc.get_threshold()}")
     nan = math.nan
     p99_ms = bytes_per_block = agreement = loss = divergence = victim_ratio = jain = nan
     if not args.skip_speed:

@@ -249,9 +249,15 @@ class SimulatedFleet:
         assert self._process.pid is not None, "the fleet is not started"
         return self._process.pid
 
-    def store(self, worker_id: str, hashes: Sequence[int]) -> None:
-        """A placement made ``worker_id`` compute this prompt (fire and forget)."""
-        self._push.send(self._encoder.encode([worker_id, [h & _U64 for h in hashes]]))
+    def store(self, worker_id: str, hashes: Sequence[int] | bytes) -> None:
+        """A placement made ``worker_id`` compute this prompt (fire and forget); ``hashes`` as they are
+        or as :meth:`encode_hashes` gave them (a driver that prepares its trace ahead encodes them
+        then, so that its own work does not land in the router's event loop)."""
+        encoded = hashes if isinstance(hashes, bytes) else self.encode_hashes(hashes)
+        self._push.send(b"\x92" + self._encoder.encode(worker_id) + encoded)
+
+    def encode_hashes(self, hashes: Sequence[int]) -> bytes:
+        return self._encoder.encode([h & _U64 for h in hashes])
 
     async def fill(self, corpus: FleetCorpus, entries: int) -> int:
         reply = await self.command("fill", {"corpus": asdict(corpus), "entries": entries}, timeout_s=1800)
