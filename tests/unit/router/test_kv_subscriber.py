@@ -207,19 +207,46 @@ def test_simulated_ids_are_marked() -> None:
 
 
 async def test_a_follower_yields_to_the_loop_once_its_slice_is_spent(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A burst of queued batches must not run as one loop callback: pyzmq completes a receive at
-    once when a message is waiting, so only ``pace`` lets the schedules between them run."""
+    """A burst of queued batches must not run as one loop callback: a follower applies what is queued
+    for ``APPLY_SLICE_S``, then lets the callbacks waiting meanwhile (Schedules) run."""
     from tandem.router import kv_subscriber
 
-    clock = [100.0]
-    monkeypatch.setattr(kv_subscriber.time, "perf_counter", lambda: clock[0])
-    follower = kv_subscriber._Follower(kv_subscriber._Source("w", "tcp://x", "", 0.0))
-    ran: list[int] = []
-    asyncio.get_running_loop().call_soon(ran.append, 1)  # runs only if pace yields
-    await follower.pace()  # starts the slice
-    clock[0] += kv_subscriber.APPLY_SLICE_S / 2
-    await follower.pace()  # within it
-    assert ran == []
-    clock[0] += kv_subscriber.APPLY_SLICE_S
-    await follower.pace()  # spent: the loop runs what waits
-    assert ran == [1]
+    publisher = SimulatedKVEventPublisher("127.0.0.1", 0, 0)
+    publisher.start()
+    record = WorkerRecord(
+        worker_id="simulated-prefill-0",
+        role="prefill",
+        model="m",
+        address="127.0.0.1:1",
+        kv_events_endpoint=publisher.endpoint,
+        kv_events_replay_endpoint=f"tcp://{dead_address()}",
+    )
+    # The first replay goes unanswered for 0.5 s: the live batches published meanwhile queue up.
+    subscriber = KVEventSubscriber(KVIndex(), replay_timeout_s=0.5, catch_up_interval_s=60.0)
+    seen: list[int] = []
+    try:
+        subscriber.sync([record])
+        await asyncio.sleep(0.2)
+        for i in range(40):
+            await publisher.publish([BlockStored((i,))], block_size=BLOCK)
+        # Each look at the clock moves it a quarter slice: a slice is ~4 batches.
+        clock = [100.0]
+
+        def tick() -> float:
+            clock[0] += kv_subscriber.APPLY_SLICE_S / 4
+            return clock[0]
+
+        monkeypatch.setattr(kv_subscriber.time, "perf_counter", tick)
+
+        def probe() -> None:  # a callback that waits its turn as a Schedule would
+            seen.append(subscriber.stats.num_batches)
+            if subscriber.stats.num_batches < 40:
+                asyncio.get_running_loop().call_soon(probe)
+
+        asyncio.get_running_loop().call_soon(probe)
+        await eventually(lambda: subscriber.stats.num_batches == 40)
+        # It ran between slices of the burst, again and again (unsliced, it would see 0, then 40).
+        assert len({n for n in seen if 0 < n < 40}) >= 3, seen
+    finally:
+        await subscriber.aclose()
+        await publisher.aclose()
