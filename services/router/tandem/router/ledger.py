@@ -351,6 +351,11 @@ class Ledger:
         self._changed = set()
         return changed
 
+    @property
+    def has_remote_waiters(self) -> bool:
+        """Whether any other replica has a request waiting."""
+        return any(m.waiters for m in self._mirrors.values())
+
     def remote_waiters(self) -> Iterator[RemoteWaiter]:
         for mirror in self._mirrors.values():
             yield from mirror.waiters.values()

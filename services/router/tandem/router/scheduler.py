@@ -290,7 +290,7 @@ class Scheduler:
         if not self._released(self._reservations.release(request.request_id)) and self._ledger is not None:
             await self._ledger.forward_release(request.request_id)  # it was placed by another replica
         pending = _Pending(request)
-        if not self._queue and self._remote_waiter_ahead(self._rank_of_new(request)) is None:
+        if not self._queue and not self._remote_waiter_ahead_of(request):
             try:
                 return self._place(pending, workers)
             except _NoBudget as exc:
@@ -622,6 +622,13 @@ class Scheduler:
             request.priority or self._queue_config.tenant_priorities.get(request.tenant, "")
         )
         return _Rank(self._queue.priority_index(priority), request.tenant, time.time())
+
+    def _remote_waiter_ahead_of(self, request: ScheduleRequest) -> bool:
+        """Whether another replica's waiter goes before a new ``request`` (no rank is computed when no
+        other replica has a waiter: the usual case)."""
+        if self._ledger is None or not self._ledger.has_remote_waiters:
+            return False
+        return self._remote_waiter_ahead(self._rank_of_new(request)) is not None
 
     def _remote_waiter_ahead(self, rank: _Rank | None, skip: set[str] | None = None) -> RemoteWaiter | None:
         """The best-ranked waiting request of another replica that goes before one of ``rank`` (a
