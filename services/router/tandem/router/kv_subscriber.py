@@ -321,14 +321,17 @@ class _Follower:
             self._dealer = None
 
     def _receive(self, socket: Any) -> list[bytes] | None:
-        """The next message queued on ``socket``, or None (ZMQ's descriptor is edge-triggered: once a
-        receive finds nothing, the events are read so that it signals the next message)."""
-        try:
-            frames: list[bytes] = socket.recv_multipart(self._zmq.NOBLOCK)
-            return frames
-        except self._zmq.Again:
-            socket.getsockopt(self._zmq.EVENTS)
-            return None
+        """The next message queued on ``socket``, or None. ZMQ's descriptor is edge-triggered: once a
+        receive finds nothing, the events are read, which re-arms it; a message that arrived in
+        between shows in them (the descriptor will not signal it) and is received."""
+        zmq = self._zmq
+        while True:
+            try:
+                frames: list[bytes] = socket.recv_multipart(zmq.NOBLOCK)
+                return frames
+            except zmq.Again:
+                if not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return None
 
     # -- the live stream -----------------------------------------------------------------------
 
