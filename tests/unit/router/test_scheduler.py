@@ -181,3 +181,29 @@ async def test_tick_publishes_each_pools_budget_in_use_and_requests_in_flight() 
     h.scheduler.release("r1")
     h.scheduler.tick()
     assert published == {"prefill": (0.0, 0), "decode": (0.0, 0)}
+
+
+async def test_a_model_missing_from_the_cached_list_is_read_for_before_it_is_refused() -> None:
+    """With the list refreshed in the background (the deployment), a Schedule for a model whose
+    workers registered after the last read finds them; one for a model nobody serves is refused,
+    and the next ones for it do not read the registry again for a refresh interval."""
+
+    class RawRegistry(FakeRegistry):
+        async def list_raw_records(self, *, batch_size: int = 0) -> list[bytes]:
+            self.num_calls += 1
+            return [w.to_json().encode() for w in self.workers]
+
+    clock, registry = FakeClock(), RawRegistry(make_pool(1, 1))
+    view = CachedWorkerView(registry, refresh_interval_s=0.5, max_stale_s=5.0, clock=clock, refresh_in_background=True)
+    scheduler = Scheduler(view, create_policy("cache_aware"), ReservationTable(lease_s=60))
+    await scheduler.schedule(ScheduleRequest(request_id="r1", model="m", num_prompt_tokens=10, max_tokens=4))
+    new_workers = [make_worker("p-new", "prefill", model="new"), make_worker("d-new", "decode", model="new")]
+    registry.workers = [*make_pool(1, 1), *new_workers]
+    placed = await scheduler.schedule(ScheduleRequest(request_id="r2", model="new", num_prompt_tokens=10, max_tokens=4))
+    assert placed.decode.model == "new" and registry.num_calls == 2
+    clock.advance(0.1)
+    for i in range(3):
+        with pytest.raises(InvalidRequestError) as refused:
+            await scheduler.schedule(ScheduleRequest(request_id=f"x{i}", model="nobody", num_prompt_tokens=10))
+        assert refused.value.code == "model_not_found"
+    assert registry.num_calls == 3

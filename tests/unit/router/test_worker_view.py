@@ -91,3 +91,35 @@ async def test_in_the_background_no_caller_waits_for_a_refresh_and_unchanged_rec
     clock.advance(5.0)
     with pytest.raises(BackendUnavailableError):
         await view.workers()
+
+
+async def test_a_forced_read_sees_workers_registered_since_and_a_key_still_unknown_is_not_read_again() -> None:
+    clock, registry = FakeClock(), RawRegistry(make_pool(2, 1))
+    view = CachedWorkerView(registry, refresh_interval_s=0.5, max_stale_s=5.0, clock=clock, refresh_in_background=True)
+    cached = await view.workers()
+    registry.workers = [*make_pool(2, 1), *make_pool(1, 1, model="m2")]
+    assert await view.workers() is cached  # fresh enough: no read
+    now = await view.workers_now("m2")
+    assert {w.model for w in now} == {"m", "m2"} and registry.num_calls == 2
+    assert await view.workers() is now  # the read is the cached list from then on
+    # A model nobody serves: one read, then the cache for the refresh interval.
+    clock.advance(0.1)
+    await view.workers_now("nope")
+    view.still_unknown("nope")
+    assert registry.num_calls == 3
+    for _ in range(5):
+        await view.workers_now("nope")
+    assert registry.num_calls == 3
+    clock.advance(0.6)
+    await view.workers_now("nope")
+    assert registry.num_calls == 4
+
+
+async def test_callers_that_arrived_before_a_forced_read_began_share_it() -> None:
+    clock, registry = FakeClock(), RawRegistry(make_pool(1, 1))
+    view = CachedWorkerView(registry, refresh_interval_s=0.5, max_stale_s=5.0, clock=clock, refresh_in_background=True)
+    await view.workers()
+    clock.advance(1.0)
+    results = await asyncio.gather(*(view.workers_now(f"k{i}") for i in range(10)))
+    assert all(r is results[0] for r in results)
+    assert registry.num_calls == 2

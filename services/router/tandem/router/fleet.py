@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tandem.common.block_hash import HASH_ALGO_SHA256
-from tandem.common.registry import ROLE_DECODE, WorkerRecord
+from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
 from tandem.router import budget as formulas
 from tandem.router import kernels
 from tandem.router.budget import BudgetConfig
@@ -230,6 +230,10 @@ class FleetTable:
         self.take_records(workers, positions)
         self.workers = workers
         return True
+
+    def serves(self, model: str) -> bool:
+        """Whether some worker in the table serves ``model``."""
+        return (ROLE_DECODE, model) in self.pools or (ROLE_PREFILL, model) in self.pools
 
     def changed_positions(
         self, workers: Sequence[WorkerRecord], start: int = 0, stop: int | None = None

@@ -72,6 +72,14 @@ class WorkerView(Protocol):
     async def workers(self) -> list[WorkerRecord]: ...
 
 
+class FreshWorkerView(WorkerView, Protocol):
+    """A view that can also read the registry now (:class:`tandem.router.worker_view.CachedWorkerView`)."""
+
+    async def workers_now(self, key: str = "") -> list[WorkerRecord]: ...
+
+    def still_unknown(self, key: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class PlacementDecision:
     """Where a request goes; the deployment turns it into a tandem.v1.Placement."""
@@ -179,6 +187,10 @@ class Scheduler:
         min_uncached_tokens_to_disaggregate: int = 0,
     ) -> None:
         self._view = view
+        #: The same view where it can read the registry on demand (a model missing from its list).
+        self._fresh_view: FreshWorkerView | None = (
+            view if hasattr(view, "workers_now") and hasattr(view, "still_unknown") else None  # type: ignore[assignment]
+        )
         #: Below this many prompt tokens missing from the decode worker's cache, it prefills alone (0: never).
         self._min_uncached_tokens_to_disaggregate = min_uncached_tokens_to_disaggregate
         self._policy = policy
@@ -285,6 +297,17 @@ class Scheduler:
             )
         self._sweep()
         workers = await self._workers()
+        fleet = self._fleet
+        if fleet is not None and not fleet.serves(request.model) and self._fresh_view is not None:
+            # No worker of this model in the cached list: it may have registered since the last read.
+            fresh = await self._fresh_view.workers_now(request.model)
+            if fresh is not self._last_workers:
+                if self._taking is not None:
+                    self._taking.cancel()  # an older list's loads: this one is newer
+                    self._taking = None
+                workers = self._take(fresh)
+            if self._fleet is None or not self._fleet.serves(request.model):
+                self._fresh_view.still_unknown(request.model)
         # A repeated Schedule of one request is a retry elsewhere: its earlier
         # pair must not count as load while choosing the new one.
         if not self._released(self._reservations.release(request.request_id)) and self._ledger is not None:

@@ -13,6 +13,14 @@ a refresh task, which reads the records 64 per MGET and parses them in slices of
 loop, and every Schedule that arrived meanwhile waited; records whose JSON did not
 change since the last read are not parsed again). Only the first call, or one whose list is
 older than ``max_stale_s``, waits.
+
+A Schedule for a model that no worker in the cached list serves does not fail
+on that list: its workers may have registered since the last read.
+:meth:`CachedWorkerView.workers_now` reads the registry for it (one such read at a time, at most
+one every ``MIN_FORCED_READ_INTERVAL_S``; callers that arrived before a read began share it), and a
+key (the model) that was still unknown after such a read is answered from the cache for the next
+``refresh_interval_s``, so a stream of requests for a model nobody serves costs one read per
+interval, not one each.
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ class WorkerSource(Protocol):
 #: arrives meanwhile waits at most about that), and reads the records this many per MGET.
 _PARSE_SLICE_S = 0.0002
 _READ_BATCH = 64
+#: Reads for :meth:`CachedWorkerView.workers_now` start at least this far apart.
+MIN_FORCED_READ_INTERVAL_S = 0.05
+#: Keys remembered as still unknown after a read (the oldest are forgotten past this many).
+_MAX_UNKNOWN_KEYS = 1024
 
 
 class CachedWorkerView:
@@ -71,6 +83,10 @@ class CachedWorkerView:
         # One refresh at a time: concurrent Schedules wait for it instead of
         # each sending its own Redis round trip.
         self._refresh_lock = asyncio.Lock()
+        self._forced_lock = asyncio.Lock()
+        #: When the last read for workers_now began (clock), and the keys still unknown after one.
+        self._forced_at_s = -float("inf")
+        self._unknown: dict[str, float] = {}
 
     def _is_fresh(self) -> bool:
         return self._workers is not None and self._clock() - self._fetched_at_s < self._refresh_interval_s
@@ -102,6 +118,38 @@ class CachedWorkerView:
             self._workers = workers
             self._fetched_at_s = self._clock()
             return workers
+
+    async def workers_now(self, key: str = "") -> list[WorkerRecord]:
+        """The registry's list read now, for a caller the cached list cannot serve (``key``: what it
+        looks for, e.g. a model); see the module docstring. Remember a key still unknown after it with
+        :meth:`still_unknown`. Raises :class:`BackendUnavailableError` only with no list at all."""
+        arrived_s = self._clock()
+        seen_s = self._unknown.get(key)
+        if self._workers is not None and seen_s is not None and arrived_s - seen_s < self._refresh_interval_s:
+            return self._workers
+        async with self._forced_lock:
+            if self._workers is not None and self._forced_at_s >= arrived_s:
+                return self._workers  # a read that began after this caller arrived has just ended
+            wait_s = self._forced_at_s + MIN_FORCED_READ_INTERVAL_S - self._clock()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+            self._forced_at_s = self._clock()
+            async with self._refresh_lock:
+                try:
+                    workers = await self._read()
+                except BackendUnavailableError:
+                    if self._workers is None:
+                        raise
+                    return self._workers
+                self._workers = workers
+                self._fetched_at_s = self._clock()
+                return workers
+
+    def still_unknown(self, key: str) -> None:
+        """``key`` was not in the list :meth:`workers_now` gave: answer it from the cache for a while."""
+        if len(self._unknown) >= _MAX_UNKNOWN_KEYS:
+            self._unknown.pop(next(iter(self._unknown)))
+        self._unknown[key] = self._clock()
 
     async def _refresh_in_background(self) -> None:
         async with self._refresh_lock:
