@@ -141,8 +141,9 @@ class _Connection(asyncio.Protocol):
         return reply
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
+        transport, self.transport = self.transport, None  # nothing more is written to it from now
+        if transport is not None:
+            transport.abort()
 
 
 async def _open(address: RedisAddress, on_reply: Callable[[Any], None], timeout_s: float) -> _Connection:
