@@ -280,3 +280,23 @@ async def test_metrics_reach_rays_prometheus_endpoint(
     # registry records carry no KV size, so decode's budget is unbounded and reads 0).
     assert prefill.in_flight == 1 and decode.in_flight == 1, (prefill, decode)
     assert decode.budget_usage == 0.0, decode
+
+
+async def test_the_replicas_ledger_publishes_on_serves_event_loop(router: RouterProcess) -> None:
+    """The replica shares its state on the ledger channel (tandem.router.pubsub's raw connection,
+    inside Serve's event loop, which is uvloop): its heartbeat arrives every snapshot round."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(REDIS_URL)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    try:
+        await pubsub.subscribe(f"{router.key_prefix}:router:ledger")
+        deadline = time.monotonic() + 5.0
+        heard = 0
+        while heard < 2 and time.monotonic() < deadline:
+            if await pubsub.get_message(timeout=0.5) is not None:
+                heard += 1
+        assert heard == 2, "no ledger message from the router replica in 5 s"
+    finally:
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await client.aclose()

@@ -250,3 +250,38 @@ async def test_a_follower_yields_to_the_loop_once_its_slice_is_spent(monkeypatch
     finally:
         await subscriber.aclose()
         await publisher.aclose()
+
+
+def test_following_on_uvloop() -> None:
+    """Ray Serve runs the router on uvloop: a follower's descriptors and timers work there too
+    (the first replay, live batches, a lost batch repaired by the catch-up)."""
+    import uvloop
+
+    async def scenario() -> tuple[dict[str, int], dict[str, int], int]:
+        publisher = SimulatedKVEventPublisher("127.0.0.1", 0, 0)
+        publisher.start()
+        await publisher.publish([BlockStored((1,))], block_size=BLOCK)  # history: from the first replay
+        record = WorkerRecord(
+            worker_id="simulated-prefill-0",
+            role="prefill",
+            model="m",
+            address="127.0.0.1:1",
+            kv_events_endpoint=publisher.endpoint,
+            kv_events_replay_endpoint=publisher.replay_endpoint,
+        )
+        subscriber = KVEventSubscriber(KVIndex(), catch_up_interval_s=0.3)
+        try:
+            subscriber.sync([record])
+            await eventually(lambda: subscriber.index.match([1]) != {})
+            await asyncio.sleep(0.2)
+            await publisher.publish([BlockStored((2,))], block_size=BLOCK)
+            await publisher.publish([BlockStored((3,))], block_size=BLOCK, lose=True)  # only a catch-up finds it
+            await eventually(lambda: subscriber.index.match([3]) != {})
+            return subscriber.index.match([2]), subscriber.index.match([3]), subscriber.stats.num_catch_ups
+        finally:
+            await subscriber.aclose()
+            await publisher.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        live, repaired, num_catch_ups = runner.run(scenario())
+    assert live == repaired == {"simulated-prefill-0": 1} and num_catch_ups >= 1

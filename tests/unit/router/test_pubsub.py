@@ -160,3 +160,45 @@ def test_addresses_and_commands() -> None:
     assert RedisAddress.from_url("unix:///run/redis.sock").path == "/run/redis.sock"
     assert RedisAddress.from_url("rediss://h:6380/0?ssl_cert_reqs=none").tls is not None
     assert encode_command(b"PUBLISH", b"c", b"") == b"*3\r\n$7\r\nPUBLISH\r\n$1\r\nc\r\n$0\r\n\r\n"
+
+
+def test_publish_and_subscribe_on_uvloop() -> None:
+    """Ray Serve runs the router's replicas on uvloop, whose transports do not derive from
+    asyncio.Transport (an isinstance check there once failed every connection, in a tight loop)."""
+    import uvloop
+
+    async def scenario() -> tuple[list[bytes], bool]:
+        name = channel()
+        received: list[bytes] = []
+        subscription = await Subscription.open(REDIS_URL, name, received.append, timeout_s=2.0)
+        publisher = Publisher(REDIS_URL, name, timeout_s=2.0)
+        await publisher.connect()
+        try:
+            for i in range(100):
+                assert publisher.publish(b"u%d" % i)
+            await until(lambda: len(received) == 100)
+            return received, publisher.connected
+        finally:
+            subscription.close()
+            await publisher.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        received, connected = runner.run(scenario())
+    assert received == [b"u%d" % i for i in range(100)] and connected
+
+
+async def test_a_connection_refused_is_retried_at_the_reconnect_wait_not_in_a_tight_loop() -> None:
+    publisher = Publisher("redis://127.0.0.1:1/0", channel(), timeout_s=0.5, reconnect_wait_s=0.2)
+    attempts = 0
+    real_open = publisher._open
+
+    async def counted_open() -> None:
+        nonlocal attempts
+        attempts += 1
+        await real_open()
+
+    publisher._open = counted_open  # type: ignore[method-assign]
+    assert not publisher.publish(b"x")  # nothing listens on port 1: refused, a reconnect starts
+    await asyncio.sleep(0.5)
+    await publisher.aclose()
+    assert 1 <= attempts <= 4

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 from redis.connection import SSLConnection, parse_url
@@ -103,8 +103,9 @@ class _Connection(asyncio.Protocol):
         self.heard_s = time.monotonic()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # No isinstance check: uvloop's transports (Ray Serve runs the router on uvloop) have the
+        # interface of asyncio.Transport without deriving from it.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.heard_s = time.monotonic()
@@ -157,6 +158,8 @@ async def _open(address: RedisAddress, on_reply: Callable[[Any], None], timeout_
             _, connection = await loop.create_unix_connection(factory, address.path)
         else:
             _, connection = await loop.create_connection(factory, address.host, address.port, ssl=address.tls)
+        if connection.transport is None:  # connection_made did not run, or the peer left at once
+            raise RedisConnectionError("connection closed as it opened")
         try:
             if address.password is not None:
                 auth = (address.username.encode(),) if address.username else ()
@@ -270,6 +273,7 @@ class Publisher:
                 await self._open()
             except (OSError, TimeoutError, RedisConnectionError, ResponseError) as exc:
                 logger.warning("ledger publisher cannot reach Redis: %s", exc)
+            if not self.connected:  # failed, or lost as soon as it opened: never a tight loop
                 await asyncio.sleep(self._reconnect_wait_s)
 
     async def aclose(self) -> None:
