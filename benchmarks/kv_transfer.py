@@ -12,8 +12,9 @@ with the default model's real KV layout on CPU: 30 layers, blocks of
 * ``loopback``: a plain one-stream TCP copy of the same byte count between two
   processes (``sendall`` of one buffer, ``recv_into`` a preallocated one);
 * ``grpc ceiling``: a minimal two-process gRPC server stream of the same byte
-  count in messages of the pull's chunk size, raw bytes (no protobuf), the
-  client copying each message into a preallocated buffer;
+  count in messages of the pull's size (``wire.pull_chunk_bytes``: smaller than
+  ``max_chunk_bytes`` for a small pull), raw bytes (no protobuf), the client
+  copying each message into a preallocated buffer;
 * where the pull's time goes: its two copies (the prefill side writing cache
   blocks out as wire bytes, the decode side copying wire bytes into its cache),
   each timed alone, beside what gRPC alone needs for the same bytes;
@@ -172,20 +173,23 @@ def _tcp_server(conn: Connection, largest_bytes: int) -> None:
             threading.Thread(target=send, args=(peer, wanted), daemon=True).start()
 
 
-def _grpc_server(conn: Connection, chunk_bytes: int) -> None:
+def _grpc_server(conn: Connection, max_chunk_bytes: int) -> None:
+    """Streams the byte count each call asks for in messages of the size it asks for (two 8-byte
+    little-endian integers), all cut from one buffer."""
     from concurrent import futures
 
     import grpc
 
     from tandem.worker.kv_connector import heap
 
-    heap.keep_message_buffers(chunk_bytes)  # as the pull's processes: the same allocator for all three
-    chunk = bytes(chunk_bytes)
+    heap.keep_message_buffers(max_chunk_bytes)  # as the pull's processes: the same allocator for all three
+    chunk = bytes(max_chunk_bytes)
 
     def stream(request: bytes, context: Any) -> Iterator[bytes]:
-        remaining = int.from_bytes(request, "little")
+        remaining = int.from_bytes(request[:8], "little")
+        message = chunk[: int.from_bytes(request[8:16], "little")]
         while remaining > 0:
-            piece = chunk if remaining >= len(chunk) else chunk[:remaining]
+            piece = message if remaining >= len(message) else message[:remaining]
             remaining -= len(piece)
             yield piece
 
@@ -289,13 +293,15 @@ class _Loopback(_Baseline):
 
 
 class _GrpcCeiling(_Baseline):
-    """A bare raw-bytes gRPC stream; concurrent streams over the one channel (as the puller's pulls from
-    one prefill worker)."""
+    """A bare raw-bytes gRPC stream in messages of the size the pull of the same bytes uses (see
+    :func:`_message_bytes`); concurrent streams over the one channel (as the puller's pulls from one
+    prefill worker)."""
 
-    def __init__(self, largest_bytes: int, chunk_bytes: int, concurrent_bytes: int) -> None:
+    def __init__(self, largest_bytes: int, max_chunk_bytes: int, block_bytes: int, concurrent_bytes: int) -> None:
         import grpc
 
-        self._proc, self._conn = _start(_grpc_server, chunk_bytes)
+        self._max_chunk_bytes, self._block_bytes = max_chunk_bytes, block_bytes
+        self._proc, self._conn = _start(_grpc_server, max_chunk_bytes)
         port = self._conn.recv()
         # One channel, as the puller keeps one to each prefill worker.
         self._channel = grpc.insecure_channel(
@@ -305,12 +311,13 @@ class _GrpcCeiling(_Baseline):
             GRPC_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b
         )
         self._bufs = [bytearray(n) for n in _buffer_sizes(largest_bytes, concurrent_bytes)]
-        list(self._call((1).to_bytes(8, "little")))  # connect and warm up
+        list(self._call((1).to_bytes(8, "little") + (1).to_bytes(8, "little")))  # connect
 
     def _receive(self, num_bytes: int, buffer_index: int) -> None:
         buf = self._bufs[buffer_index]
         offset = 0
-        for message in self._call(num_bytes.to_bytes(8, "little")):
+        message_bytes = _message_bytes(num_bytes, self._max_chunk_bytes, self._block_bytes)
+        for message in self._call(num_bytes.to_bytes(8, "little") + message_bytes.to_bytes(8, "little")):
             buf[offset : offset + len(message)] = message
             offset += len(message)
         assert offset == num_bytes
@@ -319,6 +326,21 @@ class _GrpcCeiling(_Baseline):
         self._channel.close()
         self._conn.send("stop")
         self._proc.join(timeout=10)
+
+
+def timed_rounds(num_tokens: int, repeats: int) -> int:
+    """Timed rounds of a prompt size: ``repeats`` for the largest, up to four times as many for the
+    smaller ones (a 1-block round takes milliseconds, and its median wanders most on a shared machine)."""
+    return repeats * min(4, max(1, max(SIZES_TOKENS) // num_tokens))
+
+
+def _message_bytes(num_bytes: int, max_chunk_bytes: int, block_bytes: int) -> int:
+    """The size of all but the last message of a pull of ``num_bytes`` (whole blocks of ``block_bytes``):
+    what the puller asks for (:func:`wire.pull_chunk_bytes`), rounded down to whole blocks as the
+    chunk plan does."""
+    from tandem.worker.kv_connector import wire
+
+    return wire.blocks_per_chunk(block_bytes, wire.pull_chunk_bytes(num_bytes, max_chunk_bytes)) * block_bytes
 
 
 def _pull_all(decode: Any, specs: list[Any]) -> tuple[float, list[Any]]:
@@ -331,16 +353,22 @@ def _pull_all(decode: Any, specs: list[Any]) -> tuple[float, list[Any]]:
     return _concurrently(len(specs), pull), records
 
 
-def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> tuple[dict[int, Transport], Transport]:
-    """For each prompt size, ``repeats`` rounds of (pull, loopback TCP, gRPC ceiling) of its KV
-    bytes, the three ways interleaved so that the machine's noise falls on all of them alike.
+def measure_transport(
+    dtype_name: str, max_chunk_bytes: int, repeats: int, warmup: int
+) -> tuple[dict[int, Transport], Transport]:
+    """For each prompt size, :func:`timed_rounds` rounds of (pull, loopback TCP, gRPC ceiling) of its
+    KV bytes, the three ways interleaved so that the machine's noise falls on all of them alike.
     A pull's time is the decode side's own record of its load (call, stream, copies into the
     cache; not the Release sent after it).
-    Then as many rounds under concurrent load: ``CONCURRENT_STREAMS`` ~1k-token pulls at once
+    Then ``repeats`` rounds under concurrent load: ``CONCURRENT_STREAMS`` ~1k-token pulls at once
     into distinct cache blocks (seconds from the first start to the last end), against as many
     loopback and gRPC streams at once.
-    The first pull of each size (and the first concurrent round) lands in a zeroed cache and must
-    then equal the prefill cache's blocks byte for byte; it is not timed."""
+    Each size (and the concurrent round) starts with ``warmup`` untimed rounds of all three ways: the
+    first transfers after a process starts, or after a size change, run on heaps and sockets not yet
+    grown to the messages (on 2026-12-06 the first five 1-block rounds took 2-6x the steady ones, the
+    pull's and gRPC's alike); a serving worker is past them after its first requests. The first pull
+    of each size (and the first concurrent round) lands in a zeroed cache and must then equal the
+    prefill cache's blocks byte for byte."""
     import torch
 
     from tandem.worker.kv_connector.metadata import LoadSpec
@@ -350,11 +378,13 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> tu
     largest = Size(max(SIZES_TOKENS)).num_bytes(element_size)
     concurrent_bytes = Size(CONCURRENT_TOKENS).num_bytes(element_size)
     port = _free_port()
-    request_ids = [f"bench-{n}-{i}" for n in SIZES_TOKENS for i in range(repeats + 1)]
-    request_ids += [f"bench-c{j}-{i}" for j in range(CONCURRENT_STREAMS) for i in range(repeats + 1)]
+    warmup = max(1, warmup)
+    request_ids = [f"bench-{n}-{i}" for n in SIZES_TOKENS for i in range(warmup + timed_rounds(n, repeats))]
+    request_ids += [f"bench-c{j}-{i}" for j in range(CONCURRENT_STREAMS) for i in range(warmup + repeats)]
     proc, conn = _start(_prefill_server, port, dtype_name, max_chunk_bytes, request_ids)
     loopback = _Loopback(largest, concurrent_bytes)
-    ceiling = _GrpcCeiling(largest, max_chunk_bytes, concurrent_bytes)
+    block_bytes = Size(BLOCK_TOKENS).num_bytes(element_size) // NUM_LAYERS
+    ceiling = _GrpcCeiling(largest, max_chunk_bytes, block_bytes, concurrent_bytes)
     assert conn.recv() == "ready"
     expected = _caches(dtype_name, SEED)
     decode = _side(_free_port(), max_chunk_bytes)
@@ -369,7 +399,8 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> tu
             # Land the blocks elsewhere than they came from, in reverse order: the ids really map.
             local = tuple(NUM_CACHE_BLOCKS - 1 - b for b in remote)
             transport = results[num_tokens] = Transport()
-            for i in range(repeats + 1):
+            rounds = warmup + timed_rounds(num_tokens, repeats)
+            for i in range(rounds):
                 rid = f"bench-{num_tokens}-{i}"
                 handle = KVHandleParams("prefill", f"127.0.0.1:{port}", rid, remote, num_tokens, time.time() + 600)
                 record = decode.load(LoadSpec(f"{rid}-0123abcd", handle, remote, local, num_tokens, 0))
@@ -378,10 +409,11 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> tu
                     raise RuntimeError(f"pull of {num_tokens} tokens failed: {record.error}")
                 if i == 0:
                     _check_pulled(expected, caches, remote, local)
-                    continue
-                transport.pull.append(record.seconds)
-                transport.loopback.append(loopback.seconds(num_bytes))
-                transport.grpc.append(ceiling.seconds(num_bytes))
+                tcp_s, grpc_s = loopback.seconds(num_bytes), ceiling.seconds(num_bytes)
+                if i >= warmup:
+                    transport.pull.append(record.seconds)
+                    transport.loopback.append(tcp_s)
+                    transport.grpc.append(grpc_s)
         concurrent = Transport()
         size = Size(CONCURRENT_TOKENS)
         remote = tuple(range(size.num_blocks))
@@ -389,7 +421,7 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> tu
         locals_ = [
             tuple(NUM_CACHE_BLOCKS - 1 - j * size.num_blocks - b for b in remote) for j in range(CONCURRENT_STREAMS)
         ]
-        for i in range(repeats + 1):
+        for i in range(warmup + repeats):
             handles = [
                 KVHandleParams(
                     "prefill", f"127.0.0.1:{port}", f"bench-c{j}-{i}", remote, size.num_tokens, time.time() + 600
@@ -400,7 +432,7 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> tu
                 LoadSpec(f"{h.remote_request_id}-0123abcd", h, remote, local, size.num_tokens, 0)
                 for h, local in zip(handles, locals_, strict=True)
             ]
-            seconds, records = _pull_all(decode, specs)
+            pull_s, records = _pull_all(decode, specs)
             for handle in handles:
                 decode.puller.release_remote(handle)
             failed = [r.error for r in records if r.failed]
@@ -408,10 +440,12 @@ def measure_transport(dtype_name: str, max_chunk_bytes: int, repeats: int) -> tu
                 raise RuntimeError(f"concurrent pulls failed: {failed}")
             if i == 0:
                 _check_pulled(expected, caches, remote * CONCURRENT_STREAMS, sum(locals_, ()))
-                continue
-            concurrent.pull.append(seconds)
-            concurrent.loopback.append(loopback.concurrent_seconds(concurrent_bytes, CONCURRENT_STREAMS))
-            concurrent.grpc.append(ceiling.concurrent_seconds(concurrent_bytes, CONCURRENT_STREAMS))
+            tcp_s = loopback.concurrent_seconds(concurrent_bytes, CONCURRENT_STREAMS)
+            grpc_s = ceiling.concurrent_seconds(concurrent_bytes, CONCURRENT_STREAMS)
+            if i >= warmup:
+                concurrent.pull.append(pull_s)
+                concurrent.loopback.append(tcp_s)
+                concurrent.grpc.append(grpc_s)
     finally:
         conn.send("stop")
         proc.join(timeout=10)
@@ -448,13 +482,15 @@ def breakdown_s(dtype_name: str, num_tokens: int, max_chunk_bytes: int) -> dict[
     assert side.layout is not None
     try:
         blocks = list(range(Size(num_tokens).num_blocks))
-        chunks = list(side.server.read_chunks(blocks, max_chunk_bytes))
+        element_size = next(iter(caches.values())).element_size()
+        chunk_bytes = wire.pull_chunk_bytes(Size(num_tokens).num_bytes(element_size), max_chunk_bytes)
+        chunks = list(side.server.read_chunks(blocks, chunk_bytes))
         started = time.perf_counter()
-        for _ in side.server.read_chunks(blocks, max_chunk_bytes):
+        for _ in side.server.read_chunks(blocks, chunk_bytes):
             pass
         read_s = time.perf_counter() - started
         started = time.perf_counter()
-        wire.write_chunks(list(caches.values()), side.layout.block_dim, blocks, max_chunk_bytes, chunks)
+        wire.write_chunks(list(caches.values()), side.layout.block_dim, blocks, chunk_bytes, chunks)
         write_s = time.perf_counter() - started
     finally:
         side.shutdown()
@@ -611,7 +647,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max-chunk-bytes", type=int, default=4 << 20, help="the worker's default")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed rounds of the largest size (smaller ones: up to 4x as many)"
+    )
+    parser.add_argument("--warmup", type=int, default=5, help="untimed rounds of each size first (at least 1)")
     parser.add_argument("--engines", action="store_true", help="also measure the second-token gap on engines")
     parser.add_argument("--num-requests", type=int, default=6, help="~2k-token prompts per server (--engines)")
     parser.add_argument(
@@ -624,28 +663,40 @@ def main() -> None:
     import torch
 
     element_size = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    results, concurrent = measure_transport(args.dtype, args.max_chunk_bytes, args.repeats)
+    results, concurrent = measure_transport(args.dtype, args.max_chunk_bytes, args.repeats, args.warmup)
     largest = max(SIZES_TOKENS)
     steps = breakdown_s(args.dtype, largest, args.max_chunk_bytes)
 
-    print(f"\nKV pull, {args.dtype}, chunks of {args.max_chunk_bytes / 2**20:g} MiB, median of {args.repeats}")
-    print("  loopback: one TCP stream between two processes; gRPC: a bare two-process raw-bytes stream")
-    header = ("prompt", "bytes", "pull ms", "GB/s", "loopback", "gRPC", "÷loopback", "÷gRPC")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (12, 9, 8, 6, 9, 6, 10, 6), strict=True)))
+    print(
+        f"\nKV pull, {args.dtype}, messages of at most {args.max_chunk_bytes / 2**20:g} MiB, median of"
+        f" {', '.join(str(timed_rounds(n, args.repeats)) for n in SIZES_TOKENS)} rounds by size (concurrent:"
+        f" {args.repeats}), each after {max(1, args.warmup)} untimed"
+    )
+    print(
+        "  loopback: one TCP stream between two processes; gRPC: a bare two-process raw-bytes stream in"
+        " messages of the pull's size (msg)"
+    )
+    header = ("prompt", "bytes", "msg", "pull ms", "GB/s", "loopback", "gRPC", "÷loopback", "÷gRPC")
+    widths = (12, 9, 7, 8, 6, 9, 6, 10, 6)
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
+    block_bytes = Size(BLOCK_TOKENS).num_bytes(element_size) // NUM_LAYERS
     ratios: dict[int, tuple[float, float]] = {}
     for num_tokens, transport in results.items():
         n = Size(num_tokens).num_bytes(element_size)
+        message_mb = _message_bytes(n, args.max_chunk_bytes, block_bytes) / 1e6
         pull, tcp, grpc_ = (transport.gbps(n, way) for way in ("pull", "loopback", "grpc"))
         ratios[num_tokens] = (pull / tcp, pull / grpc_)
         print(
-            f"{num_tokens:>6} tokens {n / 1e6:>7.1f}MB {statistics.median(transport.pull) * 1e3:>8.1f} {pull:>6.2f}"
+            f"{num_tokens:>6} tokens {n / 1e6:>7.1f}MB {message_mb:>5.2f}MB"
+            f" {statistics.median(transport.pull) * 1e3:>8.1f} {pull:>6.2f}"
             f" {tcp:>9.2f} {grpc_:>6.2f} {pull / tcp:>10.2f} {pull / grpc_:>6.2f}"
         )
     n = CONCURRENT_STREAMS * Size(CONCURRENT_TOKENS).num_bytes(element_size)
+    message_mb = _message_bytes(n // CONCURRENT_STREAMS, args.max_chunk_bytes, block_bytes) / 1e6
     pull, tcp, grpc_ = (concurrent.gbps(n, way) for way in ("pull", "loopback", "grpc"))
     concurrent_ratio = pull / tcp
     print(
-        f"{CONCURRENT_STREAMS} x {CONCURRENT_TOKENS} at once {n / 1e6:>5.1f}MB"
+        f"{CONCURRENT_STREAMS} x {CONCURRENT_TOKENS} at once {n / 1e6:>5.1f}MB {message_mb:>5.2f}MB"
         f" {statistics.median(concurrent.pull) * 1e3:>8.1f} {pull:>6.2f} {tcp:>9.2f} {grpc_:>6.2f}"
         f" {concurrent_ratio:>10.2f} {pull / grpc_:>6.2f}"
     )

@@ -21,7 +21,7 @@ def test_bench_kv_transport_runs_and_ends_with_its_line() -> None:
     """Part 1 (two real KV servers, loopback TCP, a bare gRPC stream; one at a time and concurrently),
     one repeat; pulled bytes are checked identical inside the benchmark."""
     done = subprocess.run(
-        [sys.executable, "benchmarks/kv_transfer.py", "--repeats", "1"],
+        [sys.executable, "benchmarks/kv_transfer.py", "--repeats", "1", "--warmup", "1"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -103,6 +103,48 @@ def test_pulled_blocks_are_byte_identical(layout: str, dtype: torch.dtype) -> No
         decode.shutdown()
 
 
+def test_a_small_pull_asks_for_smaller_messages() -> None:
+    mib = 1 << 20
+    assert wire.pull_chunk_bytes(6 * mib, 4 * mib) == wire.MIN_PULL_CHUNK_BYTES == mib
+    assert wire.pull_chunk_bytes(12 * mib, 4 * mib) == 2 * mib
+    assert wire.pull_chunk_bytes(200 * mib, 4 * mib) == 4 * mib  # a large pull keeps the largest messages
+    assert wire.pull_chunk_bytes(6 * mib, 64 * 1024) == 64 * 1024  # never above the setting
+    assert wire.pull_chunk_bytes(100, 4 * mib) == mib  # a tiny pull is one message anyway
+
+
+def test_a_pull_of_a_few_mib_travels_in_1_mib_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The puller asks for smaller messages than ``max_chunk_bytes`` and cuts what arrives by the
+    same plan: the blocks land intact."""
+    shape = (2, NUM_BLOCKS, 4, 64, 64)  # 128 KiB a block of a layer in float32
+    prefill, decode = _side(free_port(), 4 << 20), _side(free_port(), 4 << 20)
+    p_caches = _caches(shape, torch.float32, seed=3, layers=8)
+    d_caches = _caches(shape, torch.float32, seed=None, layers=8)
+    prefill.register_kv_caches(p_caches)
+    decode.register_kv_caches(d_caches)
+    sent: list[int] = []
+    read_chunks = prefill.server.read_chunks
+
+    def recording(block_ids: list[int], max_chunk_bytes: int):  # type: ignore[no-untyped-def]
+        for chunk in read_chunks(block_ids, max_chunk_bytes):
+            sent.append(len(chunk))
+            yield chunk
+
+    monkeypatch.setattr(prefill.server, "read_chunks", recording)
+    try:
+        remote, local = (0, 1, 2, 3), (8, 9, 10, 11)  # 4 blocks x 8 layers x 128 KiB = 4 MiB
+        handle = make_handle(remote, num_tokens=len(remote) * BLOCK, kv_address=prefill.server.address)
+        prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (remote, time.time() + 60)}))
+        record = decode.puller.load(LoadSpec("req-2-abcdefgh", handle, remote, local, 16, 0))
+        assert record.failed is False, record.error
+        assert sent == [1 << 20] * 4
+        for name in p_caches:
+            for theirs, ours in zip(remote, local, strict=True):
+                assert _same_bytes(d_caches[name].select(1, ours), p_caches[name].select(1, theirs))
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_chunk_plan_covers_every_block_of_every_layer_once() -> None:
     plan = wire.chunk_plan(num_layers=3, num_blocks=7, block_bytes=100, max_chunk_bytes=250)
     pieces = [[(p.layer_index, p.first, p.num_blocks) for p in c.pieces] for c in plan]

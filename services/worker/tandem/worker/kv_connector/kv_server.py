@@ -123,6 +123,7 @@ class KVServer:
         self.counters = ServeCounters()
         self._caches: list[torch.Tensor] = []
         self._block_dim = 0
+        self._reader = wire.BlockReader([], 0)
         self._on_device = False
         self.layout: KVLayout | None = None
         self._server: grpc.Server | None = None
@@ -137,6 +138,7 @@ class KVServer:
     ) -> None:
         """Serve ``caches`` (one tensor per layer, in layer order); ``stats`` answers GetStats."""
         self._caches, self._block_dim, self.layout = caches, block_dim, layout
+        self._reader = wire.BlockReader(caches, block_dim)
         self._on_device = bool(caches) and caches[0].device.type == "cuda"
         self._pool = futures.ThreadPoolExecutor(
             max_workers=8,
@@ -361,11 +363,15 @@ class KVServer:
             return sum(1 for h in self._holds.values() if not h.announced)
 
     def reader(self) -> wire.BlockReader:
+        """A reader of the cache: the one built at start where threads may share it (CPU caches), else
+        one of the caller's own."""
+        if self._reader.shareable:
+            return self._reader
         return wire.BlockReader(self._caches, self._block_dim)
 
     def read_chunks(self, block_ids: list[int], max_chunk_bytes: int) -> Iterator[bytes]:
         """All requested blocks as :mod:`wire` chunks, in wire order."""
-        return wire.read_chunks(self._caches, self._block_dim, block_ids, max_chunk_bytes)
+        return self.reader().chunks(block_ids, max_chunk_bytes)
 
     def count_sent(self, num_bytes: int, num_blocks: int, *, streamed: bool = False) -> None:
         with self._lock:

@@ -122,6 +122,8 @@ class KVPuller:
         self._tls = tls
         self._caches: list[torch.Tensor] = []
         self._block_dim = 0
+        self._block_bytes = 0
+        self._writer = wire.BlockWriter([], 0)
         self._layout: KVLayout | None = None
         self._lock = threading.Lock()
         self._load_finished = threading.Condition(self._lock)
@@ -149,6 +151,9 @@ class KVPuller:
 
     def start(self, caches: list[torch.Tensor], block_dim: int, layout: KVLayout) -> None:
         self._caches, self._block_dim, self._layout = caches, block_dim, layout
+        self._writer = wire.BlockWriter(caches, block_dim)
+        #: One block of one layer, in bytes.
+        self._block_bytes = self._writer.block_bytes
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -240,8 +245,7 @@ class KVPuller:
             return "nothing to prefetch"
         if request_id in self._loaded:
             return "the request's KV is loaded already"
-        block_bytes = wire.BlockReader(self._caches[:1], self._block_dim).block_bytes
-        num_staged_bytes = block_bytes * num_blocks * len(self._caches)
+        num_staged_bytes = self._block_bytes * num_blocks * len(self._caches)
         self.drop_prefetch(request_id, wasted=True)
         with self._lock:
             if self._num_prefetching >= MAX_PREFETCHES_IN_FLIGHT:
@@ -401,6 +405,9 @@ class KVPuller:
             self._loaded[external_request_id(spec.request_id)] = None
             while len(self._loaded) > _NUM_LOADED_REMEMBERED:
                 self._loaded.popitem(last=False)
+        chunk_bytes = wire.pull_chunk_bytes(
+            self._block_bytes * len(spec.remote_block_ids) * len(self._caches), self._max_chunk_bytes
+        )
         try:
             stream = self._raw_stream(
                 spec.handle.kv_address,
@@ -409,12 +416,10 @@ class KVPuller:
                     remote_request_id=spec.handle.remote_request_id,
                     block_ids=list(spec.remote_block_ids),
                     expected_layout=self._layout.to_proto(),
-                    max_chunk_bytes=self._max_chunk_bytes,
+                    max_chunk_bytes=chunk_bytes,
                 ),
             )
-            num_bytes = wire.write_chunks(
-                self._caches, self._block_dim, spec.local_block_ids, self._max_chunk_bytes, stream
-            )
+            num_bytes = self._writer.write_chunks(spec.local_block_ids, chunk_bytes, stream)
         except Exception as exc:
             message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             logger.error("KV load of %s from %s failed: %s", spec.request_id, spec.handle.kv_address, message)
