@@ -57,6 +57,19 @@ async def cluster() -> AsyncIterator[SimulatedCluster]:
     await c.aclose()
 
 
+def record_of(publisher: SimulatedKVEventPublisher, i: int = 0, *, replay_endpoint: str | None = None) -> WorkerRecord:
+    """The registration of SIMULATED prefill worker ``i`` whose events ``publisher`` publishes (its replay
+    socket, or ``replay_endpoint``)."""
+    return WorkerRecord(
+        worker_id=f"simulated-prefill-{i}",
+        role="prefill",
+        model="m",
+        address="127.0.0.1:1",
+        kv_events_endpoint=publisher.endpoint,
+        kv_events_replay_endpoint=publisher.replay_endpoint if replay_endpoint is None else replay_endpoint,
+    )
+
+
 def prompt(seed: int, num_blocks: int = 3) -> list[int]:
     return [seed * 1000 + i for i in range(num_blocks * BLOCK)]
 
@@ -135,14 +148,7 @@ async def test_a_lost_last_batch_is_repaired_by_the_periodic_catch_up(cluster: S
 async def test_a_replay_socket_that_does_not_answer_leaves_the_live_stream_followed() -> None:
     publisher = SimulatedKVEventPublisher("127.0.0.1", 0, 0)
     publisher.start()
-    record = WorkerRecord(
-        worker_id="simulated-prefill-0",
-        role="prefill",
-        model="m",
-        address="127.0.0.1:1",
-        kv_events_endpoint=publisher.endpoint,
-        kv_events_replay_endpoint=f"tcp://{dead_address()}",
-    )
+    record = record_of(publisher, replay_endpoint=f"tcp://{dead_address()}")
     subscriber = KVEventSubscriber(KVIndex(), replay_timeout_s=0.2, catch_up_interval_s=5.0)
     try:
         subscriber.sync([record])
@@ -176,17 +182,7 @@ async def test_following_more_workers_than_zmqs_default_socket_limit() -> None:
         for p in publishers:
             p.start()
         started_s = time.perf_counter()
-        subscriber.sync(
-            WorkerRecord(
-                worker_id=f"simulated-prefill-{i}",
-                role="prefill",
-                model="m",
-                address="127.0.0.1:1",
-                kv_events_endpoint=p.endpoint,
-                kv_events_replay_endpoint=p.replay_endpoint,
-            )
-            for i, p in enumerate(publishers)
-        )
+        subscriber.sync(record_of(p, i) for i, p in enumerate(publishers))
         await eventually(lambda: subscriber.stats.num_replays >= num_workers, timeout_s=10)
         for i, p in enumerate(publishers):  # lost or not, the catch-up delivers each within ~2 s
             await p.publish([BlockStored((i,))], block_size=BLOCK)
@@ -213,14 +209,7 @@ async def test_a_follower_yields_to_the_loop_once_its_slice_is_spent(monkeypatch
 
     publisher = SimulatedKVEventPublisher("127.0.0.1", 0, 0)
     publisher.start()
-    record = WorkerRecord(
-        worker_id="simulated-prefill-0",
-        role="prefill",
-        model="m",
-        address="127.0.0.1:1",
-        kv_events_endpoint=publisher.endpoint,
-        kv_events_replay_endpoint=f"tcp://{dead_address()}",
-    )
+    record = record_of(publisher, replay_endpoint=f"tcp://{dead_address()}")
     # The first replay goes unanswered for 0.5 s: the live batches published meanwhile queue up.
     subscriber = KVEventSubscriber(KVIndex(), replay_timeout_s=0.5, catch_up_interval_s=60.0)
     seen: list[int] = []
@@ -261,14 +250,7 @@ def test_following_on_uvloop() -> None:
         publisher = SimulatedKVEventPublisher("127.0.0.1", 0, 0)
         publisher.start()
         await publisher.publish([BlockStored((1,))], block_size=BLOCK)  # history: from the first replay
-        record = WorkerRecord(
-            worker_id="simulated-prefill-0",
-            role="prefill",
-            model="m",
-            address="127.0.0.1:1",
-            kv_events_endpoint=publisher.endpoint,
-            kv_events_replay_endpoint=publisher.replay_endpoint,
-        )
+        record = record_of(publisher)
         subscriber = KVEventSubscriber(KVIndex(), catch_up_interval_s=0.3)
         try:
             subscriber.sync([record])

@@ -53,6 +53,9 @@ class KVSettings(BaseModel):
     port: int = 50061
     #: How long a prefill engine holds blocks that no decode engine released.
     lease_s: float = Field(60.0, gt=0)
+    #: The largest KV message of a pull (whole blocks of every layer; the prefill side makes each one
+    #: before sending it). A small pull asks for smaller ones, down to 1 MiB, so that it is cut into
+    #: several (``wire.pull_chunk_bytes``).
     max_chunk_bytes: int = Field(4 << 20, gt=0)
     #: A decode engine gives up a pull after this long (a hung or dead prefill worker) and applies
     #: ``load_failure_policy``; shorter than ``lease_s``, so it gives up before the blocks it waits
