@@ -142,7 +142,7 @@ def _prefill_server(conn: Connection, port: int, dtype_name: str, max_chunk_byte
     side = _side(port, max_chunk_bytes)
     side.register_kv_caches(_caches(dtype_name, SEED))
     blocks = tuple(range(Size(max(SIZES_TOKENS)).num_blocks))
-    side.start_load_kv(GrpcKVMetadata(holds={rid: (blocks, time.time() + 3600) for rid in holds}))
+    side.begin_step(GrpcKVMetadata(holds={rid: (blocks, time.time() + 3600) for rid in holds}))
     conn.send("ready")
     conn.recv()
     side.shutdown()

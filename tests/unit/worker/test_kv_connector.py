@@ -228,8 +228,8 @@ def test_blocks_move_between_engines_and_are_released() -> None:
     decode, d_caches = make_side(free_port(), fill=0.0)
     try:
         handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill.server.address)
-        prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
-        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7, 0)]))
+        prefill.begin_step(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
         for name in p_caches:
             assert torch.equal(d_caches[name][0], p_caches[name][5])
@@ -259,8 +259,8 @@ def test_mismatched_layout_is_refused_and_reported_as_failed_load() -> None:
     decode, _ = make_side(free_port(), model="model-b")
     try:
         handle = make_handle((1,), num_tokens=3, kv_address=prefill.server.address)
-        prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
-        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (1,), (4,), 3, 0)]))
+        prefill.begin_step(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (1,), (4,), 3, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
         assert decode.take_failed_block_ids() == {4}
         _, recving, failed = decode.get_transfer_results(set())
@@ -283,7 +283,7 @@ def test_layout_check_names_every_difference() -> None:
 def test_lease_expiry_frees_blocks_nobody_pulled() -> None:
     prefill, _ = make_side(free_port())
     try:
-        prefill.start_load_kv(GrpcKVMetadata(holds={"x-12345678": ((1, 2), time.time() - 1)}))
+        prefill.begin_step(GrpcKVMetadata(holds={"x-12345678": ((1, 2), time.time() - 1)}))
         assert prefill.get_transfer_results({"x-12345678"})[0] == {"x-12345678"}
         assert prefill.stats().leases_expired_total == 1
     finally:
@@ -296,7 +296,7 @@ def test_held_blocks_are_released_by_the_handles_id_or_by_the_callers_request_id
     prefill, _ = make_side(free_port())
     try:
         expiry = time.time() + 60
-        prefill.start_load_kv(
+        prefill.begin_step(
             GrpcKVMetadata(holds={"req-a-abcdefgh": ((1,), expiry), "req-b-12345678": ((2,), expiry)})
         )
         assert prefill.release("req-a")  # the caller's id
@@ -326,22 +326,22 @@ def test_an_idle_step_waits_for_a_load_in_flight_and_a_busy_step_does_not() -> N
     try:
         handle = make_handle((2, 5), num_tokens=7, kv_address=prefill.server.address)
         # The prefill side announces its hold late: the load stays in flight meanwhile.
-        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (2, 5), (0, 3), 7, 0)]))
+        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (2, 5), (0, 3), 7, 0)]))
         started = time.perf_counter()
-        decode.start_load_kv(GrpcKVMetadata(idle_step=False))
+        decode.begin_step(GrpcKVMetadata(idle_step=False))
         assert decode.get_transfer_results(set())[1] == set()
         busy_s = time.perf_counter() - started
         started = time.perf_counter()
-        decode.start_load_kv(GrpcKVMetadata(idle_step=True))
+        decode.begin_step(GrpcKVMetadata(idle_step=True))
         assert decode.get_transfer_results(set())[1] == set()
         idle_s = time.perf_counter() - started
         assert busy_s < IDLE_STEP_WAIT_S <= idle_s < 10 * IDLE_STEP_WAIT_S
         # Once the load can finish, an idle step returns as soon as it has (not after its wait).
-        prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        prefill.begin_step(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
         deadline = time.monotonic() + 5
         recving: set[str] = set()
         while not recving and time.monotonic() < deadline:
-            decode.start_load_kv(GrpcKVMetadata(idle_step=True))
+            decode.begin_step(GrpcKVMetadata(idle_step=True))
             recving = decode.get_transfer_results(set())[1]
         assert recving == {"req-1-abcdefgh"}
         wait_until(lambda: decode.puller._num_in_flight == 0)

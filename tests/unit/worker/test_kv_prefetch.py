@@ -64,7 +64,7 @@ class Pair:
 
     def step(self, num_computed: int, num_after: int) -> None:
         """The prefill engine's step: its metadata, then each layer written and saved in turn."""
-        self.prefill.start_load_kv(
+        self.prefill.begin_step(
             GrpcKVMetadata(
                 progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, num_computed, num_after)]
             )
@@ -75,7 +75,7 @@ class Pair:
 
     def announce(self) -> None:
         """The prefill request finished: the scheduler announces its hold."""
-        self.prefill.start_load_kv(GrpcKVMetadata(holds={VLLM_ID: (PREFILL_BLOCKS, time.time() + 60)}))
+        self.prefill.begin_step(GrpcKVMetadata(holds={VLLM_ID: (PREFILL_BLOCKS, time.time() + 60)}))
 
     def load(self, local: tuple[int, ...], first_block_index: int) -> None:
         self.start_load(local, first_block_index)
@@ -84,7 +84,7 @@ class Pair:
     def start_load(self, local: tuple[int, ...], first_block_index: int) -> None:
         remote = PREFILL_BLOCKS[first_block_index : first_block_index + len(local)]
         spec = LoadSpec(VLLM_ID, self.handle(), remote, local, NUM_PROMPT_TOKENS, first_block_index)
-        self.decode.start_load_kv(GrpcKVMetadata(loads=[spec]))
+        self.decode.begin_step(GrpcKVMetadata(loads=[spec]))
 
     def assert_landed(self, local: tuple[int, ...], first_block_index: int) -> None:
         remote = PREFILL_BLOCKS[first_block_index:]
@@ -209,11 +209,11 @@ def test_a_prefill_that_ends_without_a_hold_ends_the_stream_and_frees_the_stagin
     try:
         assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
-        pair.prefill.start_load_kv(
+        pair.prefill.begin_step(
             GrpcKVMetadata(progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, 8)])
         )
         # Stopped at its first token (or aborted): the scheduler says so before the blocks are reused.
-        pair.prefill.start_load_kv(GrpcKVMetadata(ended={VLLM_ID}))
+        pair.prefill.begin_step(GrpcKVMetadata(ended={VLLM_ID}))
         wait_until(prefetch.done.is_set, timeout_s=10)
         assert "ended without keeping its KV" in prefetch.error
         assert pair.decode.stats().staged_bytes == 0

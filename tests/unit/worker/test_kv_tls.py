@@ -25,8 +25,8 @@ def test_blocks_move_over_mutual_tls_and_strangers_are_refused(tmp_path: Path) -
     decode, d_caches = make_side(free_port(), fill=0.0, tls=trusted, max_chunk_bytes=1 << 20)
     try:
         handle = make_handle((3,), num_tokens=4, kv_address=prefill.server.address)
-        prefill.start_load_kv(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
-        decode.start_load_kv(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (3,), (0,), 4, 0)]))
+        prefill.begin_step(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (3,), (0,), 4, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
         decode.get_transfer_results(set())  # the engine step that reports the load
         assert not decode.take_load_records()["req-1-abcdefgh"].failed

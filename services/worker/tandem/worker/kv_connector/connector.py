@@ -118,7 +118,7 @@ class GrpcKVConnector(KVConnectorBase_V1):
         # it has run), and a prompt's progress must be known while its layers are saved.
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, GrpcKVMetadata)
-        self._work().start_load_kv(connector_metadata)
+        self._work().begin_step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         return  # started when the metadata was bound

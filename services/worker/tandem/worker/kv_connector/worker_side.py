@@ -124,7 +124,10 @@ class WorkerSide:
 
     # -- per step (engine loop) --------------------------------------------------
 
-    def start_load_kv(self, meta: GrpcKVMetadata) -> None:
+    def begin_step(self, meta: GrpcKVMetadata) -> None:
+        """A step's work from its connector metadata, before its forward pass (the connector calls this
+        when vLLM binds the metadata: vLLM's own ``start_load_kv`` comes after the forward): new holds, a
+        running prefill's progress and the prompts that ended, loads to start, holds to release."""
         self.server.hold(meta.holds)
         self.server.progress(meta.progress, meta.ended)
         self._idle_step = meta.idle_step
