@@ -49,7 +49,17 @@ On 2026-12-05 (plain ITL p50 74 ms, ``--num-requests 12``) the prefetched gap's 
 load 67 ms (39 waiting for the stream's tail, 29 the copy from staging, now split in the printout),
 the rest of decode 140 ms (one forward step is ~74), the gateway 7 ms. ``--kv-thread-cpus all``
 (the KV threads moved off the engines' pinned cores, :mod:`tandem.worker.kv_connector.cpus`) made
-it 299 ms in the next run, so the workers keep the pin by default.
+it 299 ms in the next run, so the workers keep the pin by default. On 2026-12-06 (plain ITL p50 71 ms,
+``--num-requests 8``, every load from a prefetch) the gap's p50 was 123 ms (ratio 1.74): the load 24.5 ms,
+all of it the copy from staging (the stream had ended before the load began), the rest of decode 95.5 ms,
+the gateway 3 ms; without the prefetch 194 ms (2.73), the pull 101 ms of it.
+
+What the transport part showed on 2026-12-06, beyond its table: the pull's extra copy (the prefill side
+writing its cache out as messages) is what keeps it under the bare gRPC stream, since both processes'
+cores are busy throughout. Overlapping that copy with the sending (reading the next message on another
+thread; the copies release the GIL) gained nothing when alternated against the inline read in one run
+(~1k tokens: 28.2 against 27.6 ms p50), nor did two or four channels to the prefill side for four
+concurrent pulls (108.6, 108.6 and 111.1 ms), so neither is in the code.
 
 Ends with ``bench-kv: pull_gbps=… loopback_gbps=… ratio=… grpc_ceiling_gbps=…
 min_ratio_vs_grpc=… concurrent_ratio=… second_token_gap_ratio=…
