@@ -313,10 +313,11 @@ class _GrpcCeiling(_Baseline):
         self._max_chunk_bytes, self._block_bytes = max_chunk_bytes, block_bytes
         self._proc, self._conn = _start(_grpc_server, max_chunk_bytes)
         port = self._conn.recv()
-        # One channel, as the puller keeps one to each prefill worker.
-        self._channel = grpc.insecure_channel(
-            f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)]
-        )
+        # One channel, as the puller keeps one to each prefill worker, with the puller's options (a stream
+        # read on the thread that iterates it: faster for small pulls, so the ceiling has it too).
+        from tandem.worker.kv_connector.puller import CLIENT_OPTIONS
+
+        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CLIENT_OPTIONS)
         self._call = self._channel.unary_stream(
             GRPC_METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b
         )

@@ -262,6 +262,26 @@ def test_staging_is_bounded_and_an_abort_frees_it() -> None:
         pair.close()
 
 
+def test_an_abort_ends_a_prefetch_stream_that_waits_for_the_prefill() -> None:
+    """The stream is read on the prefetch's own thread (the puller's channels are single-threaded for
+    streams); the abort cancels it from another thread, and the thread comes back at once."""
+    pair = _pair()
+    try:
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        prefetch = pair.decode.puller._prefetches[REQUEST]
+        pair.step(num_computed=0, num_after=4)  # one block of the prompt computed: the stream waits for more
+        wait_until(lambda: prefetch.call is not None, timeout_s=10)
+        time.sleep(0.2)
+        assert not prefetch.done.is_set()
+        aborted_s = time.perf_counter()
+        assert pair.decode.release(REQUEST)  # the worker service's Abort
+        wait_until(prefetch.done.is_set, timeout_s=5)
+        assert time.perf_counter() - aborted_s < 2.0
+        assert prefetch.error and pair.decode.stats().staged_bytes == 0
+    finally:
+        pair.close()
+
+
 def test_a_prefetch_nobody_uses_is_dropped_after_its_keep_time_even_on_an_idle_engine() -> None:
     pair = _pair()
     try:

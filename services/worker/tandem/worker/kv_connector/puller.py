@@ -25,8 +25,10 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent import futures
 from dataclasses import dataclass, field, replace
+from typing import Any, Final
 
 import grpc
+import grpc.experimental
 import torch
 from google.protobuf.message import Message
 
@@ -42,10 +44,15 @@ from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord, extern
 logger = logging.getLogger(__name__)
 
 #: Client channels to other engines' KV servers: a prefill worker restarted on the same address is
-#: dialled again within two seconds (gRPC's default backoff grows to two minutes).
-_CLIENT_OPTIONS = [
+#: dialled again within two seconds (gRPC's default backoff grows to two minutes). A pull's or a
+#: prefetch's stream is read on the thread that iterates it (``SingleThreadedUnaryStream``), not handed
+#: over message by message from the channel's own thread, which gRPC starts afresh for each call on an
+#: idle channel: alternated in one process (2026-12-06), a 1-block pull took 4.09 ms against 4.58 ms, a
+#: ~1k-token one the same. Cancelling such a stream from another thread (a dropped prefetch) still ends it.
+CLIENT_OPTIONS: Final[list[tuple[str, Any]]] = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
     *RECONNECT_BACKOFF_OPTIONS,
 ]
 
@@ -222,7 +229,7 @@ class KVPuller:
         with self._channels_lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = tls_channel(address, self._tls, options=list(_CLIENT_OPTIONS))
+                channel = tls_channel(address, self._tls, options=list(CLIENT_OPTIONS))
                 self._channels[address] = channel
         return channel
 
