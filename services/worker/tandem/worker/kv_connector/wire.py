@@ -79,7 +79,8 @@ class Run:
 
 #: A pull asks for messages small enough to cut it into at least this many (see :func:`pull_chunk_bytes`).
 MIN_MESSAGES_PER_PULL: Final = 6
-#: ... but no smaller than this: below it, the per-message costs of gRPC's Python stack outweigh the overlap.
+#: ... but no smaller than this: below it, the per-message costs of gRPC's Python stack outweigh the overlap
+#: (a 1-block pull in 512 KiB messages took 6.6 ms against 4.5 ms in 1 MiB ones, on 2026-12-06).
 MIN_PULL_CHUNK_BYTES: Final = 1 << 20
 
 
