@@ -376,8 +376,8 @@ def measure_transport(
     loopback and gRPC streams at once.
     Each size (and the concurrent round) starts with ``warmup`` untimed rounds of all three ways: the
     first transfers after a process starts, or after a size change, run on heaps and sockets not yet
-    grown to the messages (on 2026-12-06 the first five 1-block rounds took 2-6x the steady ones, the
-    pull's and gRPC's alike); a serving worker is past them after its first requests. The first pull
+    grown to the messages (on 2026-12-06 the first five 1-block rounds took up to 5x the steady ones'
+    time for the pull, up to 7x for gRPC); a serving worker is past them after its first requests. The first pull
     of each size (and the first concurrent round) lands in a zeroed cache and must then equal the
     prefill cache's blocks byte for byte."""
     import torch
