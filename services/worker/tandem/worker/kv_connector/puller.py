@@ -129,7 +129,6 @@ class KVPuller:
         self._tls = tls
         self._caches: list[torch.Tensor] = []
         self._block_dim = 0
-        self._block_bytes = 0
         self._writer = wire.BlockWriter([], 0)
         self._layout: KVLayout | None = None
         self._lock = threading.Lock()
@@ -159,8 +158,6 @@ class KVPuller:
     def start(self, caches: list[torch.Tensor], block_dim: int, layout: KVLayout) -> None:
         self._caches, self._block_dim, self._layout = caches, block_dim, layout
         self._writer = wire.BlockWriter(caches, block_dim)
-        #: One block of one layer, in bytes.
-        self._block_bytes = self._writer.block_bytes
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -252,7 +249,7 @@ class KVPuller:
             return "nothing to prefetch"
         if request_id in self._loaded:
             return "the request's KV is loaded already"
-        num_staged_bytes = self._block_bytes * num_blocks * len(self._caches)
+        num_staged_bytes = self._writer.block_bytes * num_blocks * len(self._caches)
         self.drop_prefetch(request_id, wasted=True)
         with self._lock:
             if self._num_prefetching >= MAX_PREFETCHES_IN_FLIGHT:
@@ -413,7 +410,7 @@ class KVPuller:
             while len(self._loaded) > _NUM_LOADED_REMEMBERED:
                 self._loaded.popitem(last=False)
         chunk_bytes = wire.pull_chunk_bytes(
-            self._block_bytes * len(spec.remote_block_ids) * len(self._caches), self._max_chunk_bytes
+            self._writer.block_bytes * len(spec.remote_block_ids) * len(self._caches), self._max_chunk_bytes
         )
         try:
             stream = self._raw_stream(

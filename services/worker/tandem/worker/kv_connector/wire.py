@@ -231,13 +231,6 @@ class BlockReader:
         return bytes(self._staging[:offset].numpy().tobytes())
 
 
-def read_chunks(
-    layers: Sequence[torch.Tensor], block_dim: int, block_ids: Sequence[int], max_chunk_bytes: int
-) -> Iterator[bytes]:
-    """The bytes of blocks ``block_ids`` of every layer's cache, chunk by chunk in wire order."""
-    return BlockReader(layers, block_dim).chunks(block_ids, max_chunk_bytes)
-
-
 def ready_pieces(sent: list[int], ready: Sequence[int], max_chunk_blocks: int) -> list[Piece]:
     """The next stream message of a running prefill: blocks computed (``ready[layer]`` blocks of every
     layer) and not sent yet (``sent[layer]``, advanced here), layer by layer from layer 0, at most
