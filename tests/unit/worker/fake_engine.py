@@ -14,6 +14,7 @@ import grpc
 from tandem.v1 import kv_transfer_pb2
 from tandem.worker.engine_api import EngineLoad
 from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.validation import ModelLimits
 
 FIRST_TOKEN, FIRST_TEXT = 11, "Hi"
 
@@ -68,6 +69,9 @@ class ScriptedEngine:
     #: kv_prefetch calls (request id, kv address, prompt tokens, cached tokens), and what it answers.
     prefetched: list[tuple[str, str, int, int]] = field(default_factory=list)
     prefetch_refusal: str = ""
+    #: What is_dead answers, and the engine's step count.
+    dead: bool = False
+    steps: int = 0
 
     async def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
         self.params.append(params)
@@ -101,6 +105,15 @@ class ScriptedEngine:
 
     def load(self) -> EngineLoad:
         return EngineLoad(num_waiting_requests=2, kv_usage=0.25, num_kv_blocks=64)
+
+    def limits(self) -> ModelLimits:
+        return ModelLimits(vocab_size=50_000, max_model_len=4096, max_logprobs=20, block_size_tokens=4)
+
+    def is_dead(self) -> bool:
+        return self.dead
+
+    def num_steps(self) -> int:
+        return self.steps
 
     async def kv_stats(self) -> kv_transfer_pb2.KVStats:
         await asyncio.sleep(self.kv_stats_delay_s)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from tandem.v1 import kv_transfer_pb2
 from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.validation import ModelLimits
 
 
 @dataclass(frozen=True)
@@ -58,4 +59,16 @@ class WorkerEngine(Protocol):
 
     def load(self) -> EngineLoad:
         """Requests waiting in the engine's scheduler and KV usage, as the engine last reported them."""
+        ...
+
+    def limits(self) -> ModelLimits:
+        """What a request must stay within (the model's vocabulary, its context, vLLM's limits)."""
+        ...
+
+    def is_dead(self) -> bool:
+        """True once the engine can serve nothing again (tandem.worker.liveness)."""
+        ...
+
+    def num_steps(self) -> int:
+        """A count that moves with every engine step (tandem.worker.liveness)."""
         ...

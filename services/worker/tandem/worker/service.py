@@ -1,8 +1,13 @@
 """The gRPC ``tandem.v1.Worker`` service: one engine, one role.
 
-Called by the gateway (Prefill, Decode, Abort). GetLoad and Health answer
+Called by the gateway (Prefill, Decode, PrefetchKV, Abort). GetLoad and Health answer
 people and tools (``grpcurl``); no Tandem component calls them: the router
-reads load from the registry heartbeat, Kubernetes probes the gRPC port.
+reads load from the registry heartbeat, Kubernetes probes the standard
+``grpc.health.v1`` service (served beside this one by ``__main__``, NOT_SERVING
+once the engine died). Every field of a request is checked against the model
+and the engine (:mod:`tandem.worker.validation`) before the engine sees it;
+once the engine died (:meth:`WorkerService.engine_died`) every call answers
+UNAVAILABLE.
 The role's work is in :mod:`prefill` or :mod:`decode`, over the
 :class:`~tandem.worker.engine_api.WorkerEngine` protocol; the engine's KV
 server is reached through the engine itself, never over gRPC from here."""
@@ -23,6 +28,7 @@ from tandem.worker.handling import Admission, Ctx, WorkerCounters
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.prefill import PrefillRole
 from tandem.worker.settings import WorkerSettings
+from tandem.worker.validation import ModelLimits, check_abort, check_decode, check_prefetch, check_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +54,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         #: The model's sampling defaults, applied to options the client left unset.
         self._model_defaults = dict(engine.sampling_defaults())
         self._model_defaults.pop("max_tokens", None)  # the gateway decides max_tokens
+        #: What every request is checked against (tandem.worker.validation).
+        self.limits: ModelLimits = engine.limits()
         self.layout: KVLayout | None = None
         self._prefill: PrefillRole | None = None
         self._decode: DecodeRole | None = None
@@ -75,6 +83,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     @draining.setter
     def draining(self, value: bool) -> None:
         self._admission.draining = value
+
+    @property
+    def engine_dead(self) -> bool:
+        return self._admission.engine_dead
+
+    def engine_died(self) -> None:
+        """From now on every call answers UNAVAILABLE (tandem.worker.liveness)."""
+        self._admission.engine_dead = True
 
     @property
     def num_running(self) -> int:
@@ -129,16 +145,24 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         await self._admission.check(context, role, 1)  # names the wrong role or the drain
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self._worker_id} is starting")
 
+    async def _invalid(self, context: Ctx, error: str) -> None:
+        if error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: Ctx) -> worker_pb2.PrefillResponse:
         if self._prefill is None:
             await self._not_serving(context, "prefill")
         assert self._prefill is not None
+        await self._admission.check(context, "prefill", 1)
+        await self._invalid(context, check_prefill(request, self.limits))
         return await self._prefill.prefill(request, context)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: Ctx) -> AsyncIterator[worker_pb2.DecodeChunk]:
         if self._decode is None:
             await self._not_serving(context, "decode")
         assert self._decode is not None
+        await self._admission.check(context, "decode", 1)
+        await self._invalid(context, check_decode(request, self.limits))
         async for chunk in self._decode.decode(request, context):
             yield chunk
 
@@ -146,16 +170,22 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if self._decode is None:
             await self._not_serving(context, "decode")
         assert self._decode is not None
+        await self._admission.check(context, "decode", 1)
+        await self._invalid(context, check_prefetch(request, self.limits))
         return await self._decode.prefetch(request, context)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: Ctx) -> worker_pb2.AbortResponse:
         """Abort the request in the engine and free the KV kept for it: the blocks the KV server holds
         (prefill), the prefetch's staging (decode). found: there was such KV. Unknown ids are not an
-        error."""
+        error; on a dead engine nothing is held (its memory went with it)."""
+        await self._invalid(context, check_abort(request))
+        if self.engine_dead:
+            return worker_pb2.AbortResponse(found=False)
         await self._engine.abort(request.request_id)
         return worker_pb2.AbortResponse(found=await self._engine.kv_release(request.request_id))
 
     async def GetLoad(self, request: worker_pb2.LoadRequest, context: Ctx) -> worker_pb2.LoadReport:
+        await self._admission.check_serving(context)
         stats = await self.refresh_kv_stats()
         engine = self.engine_load()
         return worker_pb2.LoadReport(
@@ -176,7 +206,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             worker_id=self._worker_id,
             role=self._role,
             model=self._model,
-            ready=self.layout is not None and not self.draining,
+            ready=self.layout is not None and not self.draining and not self.engine_dead,
         )
 
 
