@@ -258,3 +258,68 @@ async def test_metrics_count_decodes_by_how_they_continued() -> None:
     (family,) = [m for m in KVCollector(service).collect() if m.name == "tandem_decode_continuations"]
     by_mode = {s.labels["mode"]: s.value for s in family.samples if s.name.endswith("_total")}
     assert by_mode == {"appended": 1.0, "replayed": 1.0, "local": 0.0}
+
+
+class _DyingEngine(ScriptedEngine):
+    """Streams one token, then raises vLLM's EngineDeadError, as every request of a dead engine gets."""
+
+    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str):  # type: ignore[no-untyped-def,override]
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self.params.append(params)
+        yield Output([Completion([12], " there")])
+        raise EngineDeadError()
+
+
+async def test_an_engine_that_dies_mid_stream_is_unavailable_and_names_nothing_inside() -> None:
+    service = await _service("decode", _DyingEngine())
+    context = Context()
+    chunks = []
+    with pytest.raises(Refused):
+        async for chunk in service.Decode(_decode_request(), context):  # type: ignore[arg-type]
+            chunks.append(chunk)
+    assert [c.text for c in chunks] == [" there"]
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+    assert "EngineDead" not in context.details and "127.0.0.1" not in context.details
+
+
+async def test_once_the_engine_died_every_call_is_unavailable_and_health_says_not_ready() -> None:
+    engine = ScriptedEngine()
+    service = await _service("decode", engine)
+    service.engine_died()
+    for call in (
+        lambda ctx: _decode_collect(service, ctx),
+        lambda ctx: service.PrefetchKV(
+            worker_pb2.PrefetchKVRequest(request_id="r1", kv_address="127.0.0.1:1", num_prompt_tokens=3), ctx
+        ),
+        lambda ctx: service.GetLoad(worker_pb2.LoadRequest(), ctx),
+    ):
+        context = Context()
+        with pytest.raises(Refused):
+            await call(context)  # type: ignore[no-untyped-call]
+        assert context.code == grpc.StatusCode.UNAVAILABLE
+    assert engine.params == [] and engine.prefetched == []
+    assert not (await service.Health(worker_pb2.HealthRequest(), Context())).ready  # type: ignore[arg-type]
+    # Abort is still answered (the gateway's cleanup), and touches nothing: the dead engine holds nothing.
+    answer = await service.Abort(worker_pb2.AbortRequest(request_id="r1"), Context())  # type: ignore[arg-type]
+    assert not answer.found and engine.aborted == []
+
+
+async def _decode_collect(service: WorkerService, context: Context) -> list[worker_pb2.DecodeChunk]:
+    return [c async for c in service.Decode(_decode_request(), context)]  # type: ignore[arg-type]
+
+
+async def test_a_first_token_beyond_the_vocabulary_never_reaches_the_engine() -> None:
+    engine = ScriptedEngine()
+    service = await _service("decode", engine)
+    context = Context()
+    with pytest.raises(Refused):
+        await _decode_collect_request(service, _decode_request(first_token_id=4_000_000_000), context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "first_token_id" in context.details
+    assert engine.params == []
+
+
+async def _decode_collect_request(
+    service: WorkerService, request: worker_pb2.DecodeRequest, context: Context
+) -> list[worker_pb2.DecodeChunk]:
+    return [c async for c in service.Decode(request, context)]  # type: ignore[arg-type]

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 #: Every failpoint in the code base, with where it sits.
 KNOWN = {
     "kv_server.before_pull": "prefill worker's KV server, after the held blocks were found, before sending them",
+    "engine.step": "every engine step of a worker, in its model-runner process, before the forward pass "
+    "(``sleep``: a stuck step; ``error``: a step that raises and kills the engine)",
 }
 
 _DIR = os.environ.get("TANDEM_FAILPOINTS_DIR")

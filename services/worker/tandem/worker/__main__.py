@@ -1,26 +1,38 @@
 """``python -m tandem.worker --role prefill|decode``: start the engine, the
-gRPC worker service, the registry heartbeat and (optionally) a Prometheus
-endpoint; drain on SIGTERM (unregister, finish in-flight, stop)."""
+gRPC worker service with the standard health service beside it, the registry
+heartbeat and (optionally) a Prometheus endpoint; drain on SIGTERM (unregister,
+finish in-flight, stop, exit 0). When the engine dies (tandem.worker.liveness):
+NOT_SERVING, UNAVAILABLE for every call, unregister at once, and exit
+:data:`~tandem.worker.liveness.EXIT_ENGINE_DEAD` for the supervisor to restart."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 import signal
+import sys
+import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.common.ids import new_worker_id
 from tandem.common.logging import configure_logging
 from tandem.common.registry import WorkerRegistry
 from tandem.common.tls import add_port
 from tandem.v1 import worker_pb2_grpc
+from tandem.worker.liveness import EXIT_ENGINE_DEAD, EngineWatch
 from tandem.worker.registration import build_record, heartbeat_forever
 from tandem.worker.service import WorkerService, wait_idle
 from tandem.worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from tandem.worker.engine import VLLMEngine
 
 logger = logging.getLogger("tandem.worker")
 
@@ -55,7 +67,29 @@ def parse_settings(argv: list[str] | None = None) -> WorkerSettings:
     return settings.model_copy(update=updates)
 
 
-async def serve(settings: WorkerSettings) -> None:
+#: The names the health service answers for: the server as a whole ("") and the Worker service.
+HEALTH_SERVICES = ("", "tandem.v1.Worker")
+#: A worker whose engine died stops within this long even if the engine does not shut down.
+_DEATH_EXIT_S = 15.0
+
+
+def _grpc_server() -> grpc.aio.Server:
+    # so_reuseport off: a port someone else holds must fail the bind, not share its traffic.
+    return grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+
+
+def _set_health(servicer: health.aio.HealthServicer, status: int) -> list[asyncio.Task[None]]:
+    return [asyncio.ensure_future(servicer.set(name, status)) for name in HEALTH_SERVICES]
+
+
+async def serve(settings: WorkerSettings) -> int:
+    """Serve until SIGTERM (0) or until the engine dies (EXIT_ENGINE_DEAD)."""
     from tandem.worker.engine import build_engine
     from tandem.worker.metrics import start_metrics_server
 
@@ -65,19 +99,24 @@ async def serve(settings: WorkerSettings) -> None:
     engine_start_s = time.perf_counter() - started
     service = WorkerService(settings, engine, worker_id=worker_id)
     await service.start()
-    # so_reuseport off: a port someone else holds must fail the bind, not share its traffic.
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.so_reuseport", 0),
-        ]
-    )
+    health_servicer = health.aio.HealthServicer()
+    await asyncio.gather(*_set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING))
+    server = _grpc_server()
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{settings.bind_host}:{settings.port}"
     if add_port(server, address, settings.tls) == 0:
         raise SystemExit(f"cannot bind {address}")
     await server.start()
+    servers = [server]
+    if settings.health_port:
+        # Health alone, in plaintext: what it says (SERVING or not) is no secret, and probes speak no TLS.
+        health_server = _grpc_server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        if health_server.add_insecure_port(f"{settings.bind_host}:{settings.health_port}") == 0:
+            raise SystemExit(f"cannot bind {settings.bind_host}:{settings.health_port}")
+        await health_server.start()
+        servers.append(health_server)
     if settings.metrics_port:
         start_metrics_server(settings.bind_host, settings.metrics_port, service)
 
@@ -108,9 +147,19 @@ async def serve(settings: WorkerSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    watch = EngineWatch(
+        engine, has_work=lambda: service.num_running > 0, step_timeout_s=settings.engine.step_timeout_s
+    )
+    stopped = asyncio.ensure_future(stop.wait())
+    died = asyncio.ensure_future(watch.wait_dead())
+    await asyncio.wait([stopped, died], return_when=asyncio.FIRST_COMPLETED)
 
+    if died.done():
+        stopped.cancel()
+        return await _die(died.result(), worker_id, service, health_servicer, registry, heartbeat, servers, engine)
+    died.cancel()
     logger.info("draining", extra={"worker_id": worker_id, "num_running": service.num_running})
+    await asyncio.gather(*_set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING))
     service.draining = True
     try:
         await registry.unregister(worker_id)
@@ -118,16 +167,65 @@ async def serve(settings: WorkerSettings) -> None:
         logger.warning("unregister failed: %s", exc)
     await wait_idle(service, settings.drain_timeout_s)
     heartbeat.cancel()
-    await server.stop(grace=1.0)
+    for each in servers:
+        await each.stop(grace=1.0)
     await registry.aclose()
     engine.shutdown()
     logger.info("worker stopped", extra={"worker_id": worker_id})
+    return 0
+
+
+async def _die(
+    reason: str,
+    worker_id: str,
+    service: WorkerService,
+    health_servicer: health.aio.HealthServicer,
+    registry: WorkerRegistry,
+    heartbeat: asyncio.Task[None],
+    servers: list[grpc.aio.Server],
+    engine: VLLMEngine,
+) -> int:
+    """The engine died: stop being found (health, every call, the registry) first, then go.
+
+    A stuck engine is shut down here, which ends its requests with vLLM's ``EngineDeadError`` (their
+    callers get UNAVAILABLE and place them elsewhere); a dead one has ended them already."""
+    died_at = time.monotonic()
+    # The process goes even if a step below hangs on the dead engine.
+    threading.Timer(_DEATH_EXIT_S, os._exit, args=(EXIT_ENGINE_DEAD,)).start()
+    service.engine_died()
+    heartbeat.cancel()
+    await asyncio.gather(*_set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING))
+    try:
+        await asyncio.wait_for(registry.unregister(worker_id), 2.0)
+    except Exception as exc:  # the registration expires after its TTL
+        logger.warning("unregister failed: %s", exc)
+    logger.error(
+        "engine died; worker unregistered and exiting",
+        extra={
+            "worker_id": worker_id,
+            "reason": reason,
+            "num_running": service.num_running,
+            "unregistered_after_s": round(time.monotonic() - died_at, 3),
+        },
+    )
+    if reason == "engine_stuck":
+        await asyncio.to_thread(engine.shutdown)
+    # In-flight calls have ended or are ending with UNAVAILABLE; give their last messages a moment.
+    for each in servers:
+        await each.stop(grace=1.0)
+    with contextlib.suppress(Exception):
+        await registry.aclose()
+    if reason != "engine_stuck":
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(engine.shutdown)
+    logger.info("worker stopped", extra={"worker_id": worker_id, "exit_status": EXIT_ENGINE_DEAD})
+    return EXIT_ENGINE_DEAD
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_logging(settings.log_level)
-    asyncio.run(serve(settings))
+    sys.exit(asyncio.run(serve(settings)))
 
 
 if __name__ == "__main__":

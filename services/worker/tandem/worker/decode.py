@@ -16,7 +16,16 @@ import grpc
 from tandem.v1 import worker_pb2
 from tandem.worker.continuation import ReplaySkipper, StreamAll, appended_options, appends_first_token
 from tandem.worker.first_token import replay_args
-from tandem.worker.handling import Ctx, Role, engine_prompt, engine_refusals, sampling_params
+from tandem.worker.handling import (
+    ENGINE_DEAD_MESSAGE,
+    Ctx,
+    Role,
+    engine_deaths,
+    engine_failures,
+    engine_prompt,
+    engine_refusals,
+    sampling_params,
+)
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.params import KVHandleParams, decode_params, load_record_of
 from tandem.worker.sampling import logprobs_messages, sampling_kwargs
@@ -125,6 +134,10 @@ class DecodeRole(Role):
                             chunk.stats.engine_first_token_after_seconds,
                         ) = timeline
                 yield chunk
+        except engine_deaths():  # the caller places the request on another worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_DEAD_MESSAGE)
+        except engine_failures():  # logged by vLLM with its cause; the engine lives on
+            await context.abort(grpc.StatusCode.INTERNAL, "the engine failed the request")
         except engine_refusals() as exc:  # the engine refused the request's parameters (e.g. a bad grammar)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {exc}")
         finally:

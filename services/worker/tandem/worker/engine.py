@@ -17,6 +17,7 @@ from tandem.worker.kv_connector.extension import WORKER_EXTENSION
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_events_relay import KVEventEndpoints, KVEventRelay, plan_endpoints
 from tandem.worker.settings import WorkerSettings
+from tandem.worker.validation import ModelLimits
 
 CONNECTOR_MODULE = "tandem.worker.kv_connector.connector"
 #: tandem.worker.first_token.ReplayFirstToken by name: vLLM imports it in the model-runner process.
@@ -214,6 +215,30 @@ class VLLMEngine:
             kv_usage=min(1.0, max(0.0, float(usage or 0.0))),
             num_kv_blocks=self.kv_cache_shape()[0],
         )
+
+    def limits(self) -> ModelLimits:
+        model = self.llm.model_config
+        max_logprobs = int(model.max_logprobs)
+        return ModelLimits(
+            vocab_size=int(model.get_vocab_size()),
+            max_model_len=int(model.max_model_len),
+            max_logprobs=max_logprobs if max_logprobs >= 0 else int(model.get_vocab_size()),
+            block_size_tokens=self.kv_cache_shape()[1],
+        )
+
+    def is_dead(self) -> bool:
+        """vLLM's own verdict: the engine-core process exited (its monitor thread saw it) or a step raised
+        and the engine core reported itself dead, or the output loop ended."""
+        return bool(self.llm.errored)
+
+    def num_steps(self) -> int:
+        """Engine steps whose outputs this process took in: vLLM's ``vllm:iteration_tokens_total``
+        histogram, observed once per step by its stat logger (the engine core sends each step's stats,
+        with or without request outputs)."""
+        from prometheus_client import REGISTRY
+
+        labels = {"engine": "0", "model_name": str(self.llm.model_config.served_model_name)}
+        return int(REGISTRY.get_sample_value("vllm:iteration_tokens_total_count", labels) or 0)
 
     def kv_cache_shape(self) -> tuple[int, int]:
         """(number of KV blocks, tokens per block) of this engine."""

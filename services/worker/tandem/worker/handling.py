@@ -24,6 +24,25 @@ def engine_refusals() -> tuple[type[Exception], ...]:
     return (ValueError, VLLMClientError)
 
 
+def engine_deaths() -> tuple[type[Exception], ...]:
+    """What vLLM raises into every request in flight when its engine died (the engine-core process exited,
+    a step raised, or tandem.worker.liveness shut a stuck engine down)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return (EngineDeadError,)
+
+
+def engine_failures() -> tuple[type[Exception], ...]:
+    """What vLLM raises for one request that failed inside the engine without killing it."""
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    return (EngineGenerateError,)
+
+
+#: What a caller is told when the engine died under its request: retry elsewhere (UNAVAILABLE).
+ENGINE_DEAD_MESSAGE = "the worker's engine died; place the request on another worker"
+
+
 #: How a decode continued the prefill's first token: ``appended`` (as the last prompt token),
 #: ``replayed`` (tandem.worker.first_token), ``local`` (a local prefill: the whole request here).
 CONTINUATION_MODES = ("appended", "replayed", "local")
@@ -49,8 +68,15 @@ class Admission:
     role: str
     max_model_len: int
     draining: bool = False
+    #: Set once the engine died (tandem.worker.liveness): every call answers UNAVAILABLE from then on.
+    engine_dead: bool = False
+
+    async def check_serving(self, context: Ctx) -> None:
+        if self.engine_dead:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_DEAD_MESSAGE)
 
     async def check(self, context: Ctx, role: str, prompt_len: int) -> None:
+        await self.check_serving(context)
         if self.role != role:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"worker {self.worker_id} is a {self.role} worker, not {role}"

@@ -10,7 +10,16 @@ import grpc
 
 from tandem.v1 import worker_pb2
 from tandem.worker.continuation import first_streamed_text
-from tandem.worker.handling import Ctx, Role, engine_prompt, engine_refusals, sampling_params
+from tandem.worker.handling import (
+    ENGINE_DEAD_MESSAGE,
+    Ctx,
+    Role,
+    engine_deaths,
+    engine_failures,
+    engine_prompt,
+    engine_refusals,
+    sampling_params,
+)
 from tandem.worker.kv_connector.params import HANDLE, KVHandleParams, prefill_params
 from tandem.worker.sampling import logprobs_messages
 
@@ -38,6 +47,10 @@ class PrefillRole(Role):
                 engine_prompt(prompt_ids, request.cache_salt), params, request.request_id
             ):
                 final = out
+        except engine_deaths():  # the caller places the request on another worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_DEAD_MESSAGE)
+        except engine_failures():  # logged by vLLM with its cause; the engine lives on
+            await context.abort(grpc.StatusCode.INTERNAL, "the engine failed the request")
         except engine_refusals() as exc:  # the engine refused the request's parameters (e.g. a bad grammar)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {exc}")
         finally:

@@ -47,7 +47,7 @@ async def heartbeat_forever(
     """Refresh the registration every ``interval_s`` until cancelled; survives Redis outages."""
     was_down = False
     while True:
-        if not service.draining:
+        if not (service.draining or service.engine_dead):
             try:
                 await registry.heartbeat(await _current(record, service))
                 if was_down:

@@ -43,6 +43,11 @@ class EngineSettings(BaseModel):
     #: message). None: 0.0005 on vLLM's CPU backend, where a spinning process takes the share of a
     #: core that forward passes need (see tandem.worker.vllm_plugin), else 0.
     mq_poll_s: float | None = Field(None, ge=0)
+    #: The engine is stuck, and the worker exits, when requests are in flight and no engine step ended
+    #: for this long (tandem.worker.liveness). Longer than the slowest step a healthy engine takes (a
+    #: whole long prompt's prefill on a CPU: ~7 s at 4k tokens) and than ``kv.pull_timeout_s`` (a
+    #: decode waiting for a pull steps no forward pass).
+    step_timeout_s: float = Field(120.0, gt=0)
 
 
 class KVSettings(BaseModel):
@@ -113,6 +118,9 @@ class WorkerSettings(BaseSettings):
     #: Address registered for others to call ("" = bind_host).
     advertise_host: str = ""
     port: int = 50051
+    #: The standard gRPC health service (grpc.health.v1) alone, in plaintext, on this port, for probes
+    #: that cannot speak TLS (Kubernetes' gRPC probes); 0: off. The Worker port serves it too.
+    health_port: int = Field(0, ge=0, le=65535)
     #: Prometheus metrics (vLLM's and Tandem's) on this port; 0 = off.
     metrics_port: int = 0
     engine: EngineSettings = Field(default_factory=EngineSettings)
@@ -125,3 +133,12 @@ class WorkerSettings(BaseSettings):
     log_level: str = "INFO"
     #: How long a stopping worker lets in-flight requests finish.
     drain_timeout_s: float = Field(30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _stuck_is_longer_than_a_pull(self) -> WorkerSettings:
+        if self.engine.step_timeout_s <= self.kv.pull_timeout_s:
+            raise ValueError(
+                f"engine.step_timeout_s ({self.engine.step_timeout_s}) must be more than kv.pull_timeout_s "
+                f"({self.kv.pull_timeout_s}): a decode waiting for its pull steps no forward pass"
+            )
+        return self

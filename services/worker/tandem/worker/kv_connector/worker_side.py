@@ -17,6 +17,7 @@ import re
 
 import torch
 
+from tandem.common import failpoints
 from tandem.common.errors import KVLayoutMismatchError
 from tandem.common.tls import TLSSettings
 from tandem.v1 import kv_transfer_pb2
@@ -128,6 +129,7 @@ class WorkerSide:
         """A step's work from its connector metadata, before its forward pass (the connector calls this
         when vLLM binds the metadata: vLLM's own ``start_load_kv`` comes after the forward): new holds, a
         running prefill's progress and the prompts that ended, loads to start, holds to release."""
+        failpoints.hit("engine.step")
         self.server.hold(meta.holds)
         self.server.progress(meta.progress, meta.ended)
         self._idle_step = meta.idle_step
