@@ -60,7 +60,9 @@ class WorkerChannels:
 
 
 def map_worker_error(exc: grpc.aio.AioRpcError, *, role: str, address: str) -> TandemError:
-    """A worker's gRPC status as a Tandem error (retryable or permanent)."""
+    """A worker's gRPC status as a Tandem error (retryable or permanent). The message names the worker
+    and its gRPC status, for the log; the client is told a fixed text (``api_error_from``), except for
+    INVALID_ARGUMENT, whose details the worker writes for the client (what was out of bounds)."""
     code = exc.code()
     where = f"{role} worker {address}: {code.name}: {exc.details()}"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -68,7 +70,7 @@ def map_worker_error(exc: grpc.aio.AioRpcError, *, role: str, address: str) -> T
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED):
         return WorkerUnavailableError(where)
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-        return InvalidRequestError(exc.details() or where)
+        return InvalidRequestError(exc.details() or f"the {role} worker refused the request")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return KVLayoutMismatchError(where)
     return PermanentError(where)

@@ -33,7 +33,7 @@ class CompleteResponse(GenerationResponse):
                 elif isinstance(event, Finished):
                     self._finished = event
         except TandemError as exc:
-            return await send_error(send, api_error_from(exc))
+            return await send_error(send, api_error_from(exc, request_id=self._job.request_id))
         except Exception:
             logger.exception("generation failed", extra={"request_id": self._job.request_id})
             return await send_error(send, internal_error())

@@ -8,6 +8,7 @@ the stream's last event (see :mod:`tandem.gateway.sse`).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,19 @@ from tandem.common.errors import (
     WorkerUnavailableError,
 )
 from tandem.gateway.errors import AuthenticationError, PermissionDeniedError, RateLimitedError, ShuttingDownError
+
+logger = logging.getLogger(__name__)
+
+#: What a client is told of a failure on the server's side, by code. Fixed texts: the errors behind them
+#: name workers' addresses, gRPC details, Redis hosts and engine exceptions, which stay in the log
+#: (with the request id), never in a response.
+PUBLIC_MESSAGES = {
+    "no_capacity": "No worker can take this request now; retry after the Retry-After delay.",
+    "backend_unavailable": "A service the gateway depends on is unavailable; retry after the Retry-After delay.",
+    "worker_unavailable": "The model's workers are unavailable; retry after the Retry-After delay.",
+    "unavailable": "The service is unavailable; retry after the Retry-After delay.",
+    "upstream_error": "The model server failed to complete the request.",
+}
 
 
 @dataclass(frozen=True)
@@ -51,8 +65,10 @@ class RequestTooLargeError(InvalidRequestError):
     """The request body is over the configured limit (413)."""
 
 
-def api_error_from(exc: TandemError) -> ApiError:
-    """Map a Tandem error to what the client sees."""
+def api_error_from(exc: TandemError, *, request_id: str = "") -> ApiError:
+    """Map a Tandem error to what the client sees. The client's own errors (4xx) keep their message,
+    written for the client; a server-side error gets a fixed one (:data:`PUBLIC_MESSAGES`) and its
+    detail goes to the log under ``request_id``."""
     if isinstance(exc, AuthenticationError):
         return ApiError(401, str(exc), code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="tandem"'})
     if isinstance(exc, PermissionDeniedError):
@@ -81,8 +97,16 @@ def api_error_from(exc: TandemError) -> ApiError:
             WorkerUnavailableError: "worker_unavailable",
         }.get(type(exc), "unavailable")
         retry_after = str(max(1, math.ceil(exc.retry_after_s)))
-        return ApiError(503, str(exc), type="server_error", code=code, headers={"Retry-After": retry_after})
-    return ApiError(502, str(exc), type="server_error", code="upstream_error")
+        _log_detail(exc, code, request_id)
+        return ApiError(
+            503, PUBLIC_MESSAGES[code], type="server_error", code=code, headers={"Retry-After": retry_after}
+        )
+    _log_detail(exc, "upstream_error", request_id)
+    return ApiError(502, PUBLIC_MESSAGES["upstream_error"], type="server_error", code="upstream_error")
+
+
+def _log_detail(exc: TandemError, code: str, request_id: str) -> None:
+    logger.warning("%s: %s", code, exc, extra={"request_id": request_id, "error_type": type(exc).__name__})
 
 
 def internal_error() -> ApiError:

@@ -135,9 +135,10 @@ class StreamedResponse(GenerationResponse):
                     await writer.write(HEARTBEAT)
                     first = await source.next(timeout_s=limits.heartbeat_interval_s)
             except TandemError as exc:
+                error = api_error_from(exc, request_id=self._job.request_id)
                 if writer_task is None:
-                    return await send_error(send, api_error_from(exc))
-                return await self._end_with_error(writer, writer_task, api_error_from(exc), exc)
+                    return await send_error(send, error)
+                return await self._end_with_error(writer, writer_task, error, exc)
             except (SlowReaderError, ClientGoneError):
                 raise
             except Exception:
@@ -191,7 +192,8 @@ class StreamedResponse(GenerationResponse):
                     await writer.write(unsent + encoder.finish(event.finish_reason) + encoder.usage(event.usage))
         except TandemError as exc:
             logger.warning("stream failed: %s", exc, extra={"request_id": self._job.request_id})
-            return await self._end_with_error(writer, writer_task, api_error_from(exc), exc)
+            error = api_error_from(exc, request_id=self._job.request_id)
+            return await self._end_with_error(writer, writer_task, error, exc)
         except (SlowReaderError, ClientGoneError):
             raise
         except Exception:
