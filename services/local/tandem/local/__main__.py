@@ -1,27 +1,67 @@
 """``python -m tandem.local`` (``make run``): start the local stack, print the
-gateway URL and a ready-to-paste ``curl -N`` line, stop everything on Ctrl-C."""
+gateway URL and a ready-to-paste ``curl -N`` line, keep every process running
+(a component that exits is started again, as Kubernetes would) and stop
+everything on Ctrl-C. ``--help`` lists the flags."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
-from tandem.local.stack import LocalStack, StackConfig, StackError
+from tandem.local.stack import LocalStack, StackConfig, StackError, WorkerPorts
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tandem.local",
+        description=(
+            "Start Tandem on this machine: Redis (unless one answers already), the Ray Serve router, "
+            "vLLM prefill and decode workers and the gateway. Components that exit are restarted. "
+            "Environment: TANDEM_MODEL_DIR (a Hugging Face model folder), TANDEM_SERVED_MODEL_NAME, "
+            "TANDEM_REDIS_DATA_DIR."
+        ),
+    )
+    parser.add_argument("--prefill-workers", type=_at_least_one, default=1, metavar="N",
+                        help="number of prefill workers (default 1)")
+    parser.add_argument("--decode-workers", type=_at_least_one, default=1, metavar="N",
+                        help="number of decode workers (default 1)")
+    parser.add_argument("--gateway-port", type=int, default=8080, metavar="PORT",
+                        help="the gateway's HTTP port (default 8080)")
+    parser.add_argument("--no-supervise", action="store_true",
+                        help="do not restart a component that exits (the stack keeps running without it)")
+    return parser.parse_args(argv)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def config_from_args(args: argparse.Namespace) -> StackConfig:
     # A Redis the stack starts itself keeps tenants, keys and usage across restarts (append-only file);
     # a Redis already running at the URL keeps its own persistence settings.
     config = StackConfig(
-        redis_data_dir=Path(os.environ.get("TANDEM_REDIS_DATA_DIR", Path.home() / ".cache" / "tandem" / "redis"))
+        redis_data_dir=Path(os.environ.get("TANDEM_REDIS_DATA_DIR", Path.home() / ".cache" / "tandem" / "redis")),
+        gateway_port=args.gateway_port,
+        extra_prefill_workers=[WorkerPorts.free() for _ in range(args.prefill_workers - 1)],
+        extra_decode_workers=[WorkerPorts.free() for _ in range(args.decode_workers - 1)],
+        supervise=not args.no_supervise,
     )
     model_dir = os.environ.get("TANDEM_MODEL_DIR")
     if model_dir:
         config.model_dir = Path(model_dir).expanduser()
         config.served_model_name = os.environ.get("TANDEM_SERVED_MODEL_NAME", config.model_dir.name)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = config_from_args(parse_args(argv))
     started = time.monotonic()
     stack = LocalStack(config, progress=lambda msg: print(f"[tandem] {msg}", flush=True))
     stopping = False

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -127,6 +128,14 @@ class StackConfig:
     auth_mode: str = "api_key"
     #: Tenant the local stack creates and hands a key for.
     dev_tenant_id: str = "local-dev"
+    #: Start a component again when it exits (after the stack is up), as Kubernetes restarts a pod's
+    #: container: a worker whose engine died exits, and comes back. Off for tests that kill and
+    #: restart components themselves.
+    supervise: bool = False
+    #: The supervisor's first wait before a restart; doubled for each restart within a minute of the last
+    #: one, up to ``max_restart_backoff_s`` (Kubernetes' CrashLoopBackOff, shortened).
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
 
     @classmethod
     def with_free_ports(cls, **overrides: object) -> StackConfig:
@@ -225,6 +234,12 @@ class LocalStack:
         self.api_key = ""
         #: Credential of the gateway's admin endpoints, fresh at every start.
         self.admin_key = secrets.token_urlsafe(24)
+        #: Restarts by the supervisor, by component (``config.supervise``).
+        self.restarts: dict[str, int] = {}
+        self._supervisor: threading.Thread | None = None
+        self._stopping = threading.Event()
+        #: Held while a component is (re)started, so that the supervisor and a caller never race.
+        self._lifecycle = threading.RLock()
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -412,6 +427,44 @@ class LocalStack:
         self._progress("starting gateway")
         self._spawn("gateway", [py, "-m", "tandem.gateway"], self._gateway_env())
         self._wait("gateway", self._gateway_ready, timeout_s)
+        self._start_supervisor()
+
+    # -- supervision -------------------------------------------------------------
+
+    def _start_supervisor(self) -> None:
+        if not self.config.supervise or self._supervisor is not None:
+            return
+        self._stopping.clear()
+        self._supervisor = threading.Thread(target=self._supervise, name="tandem-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _supervise(self) -> None:
+        """Every 0.2 s: a component that exited is killed whole (an engine's processes may outlive the
+        worker that started them, holding its ports) and started again after a backoff."""
+        backoff_s: dict[str, float] = {}
+        last_restart_s: dict[str, float] = {}
+        while not self._stopping.wait(0.2):
+            for name in list(self._children):
+                child = self._children.get(name)
+                if child is None or child.proc.poll() is None:
+                    continue
+                now = time.monotonic()
+                if now - last_restart_s.get(name, -1e9) > 60:
+                    backoff_s[name] = self.config.restart_backoff_s
+                wait_s = backoff_s.get(name, self.config.restart_backoff_s)
+                self._progress(f"{name} exited with {child.proc.returncode}; restarting in {wait_s:.0f} s")
+                if self._stopping.wait(wait_s):
+                    return
+                backoff_s[name] = min(self.config.max_restart_backoff_s, wait_s * 2)
+                last_restart_s[name] = time.monotonic()
+                try:
+                    with self._lifecycle:
+                        if self._stopping.is_set() or self.is_running(name):
+                            continue
+                        self.restarts[name] = self.restarts.get(name, 0) + 1
+                        self.restart(name)
+                except StackError as exc:
+                    self._progress(f"{name} did not come back: {exc}")
 
     def start_gateway_variant(self, name: str, port: int, env: dict[str, str], *, timeout_s: float = 120.0) -> str:
         """Another gateway in front of the same router and workers, configured as the first one plus
@@ -429,6 +482,8 @@ class LocalStack:
         deadline = time.monotonic() + timeout_s
         last_note = time.monotonic()
         while time.monotonic() < deadline:
+            if self._stopping.is_set() and threading.current_thread() is self._supervisor:
+                raise StackError(f"{name}: the stack is stopping")
             child = self._children.get(name)
             if child is not None and child.proc.poll() is not None:
                 raise StackError(
@@ -472,9 +527,10 @@ class LocalStack:
 
     def restart(self, name: str, *, timeout_s: float = 600.0) -> None:
         """Start a component again with its first command line (after a fault test killed it) and wait
-        until it is ready. A running one is killed first."""
-        if self.is_running(name):
-            self.kill(name, signal.SIGKILL)
+        until it is ready. A running one is killed first, and so is what is left of a dead one (an
+        engine's processes may outlive their worker)."""
+        self.kill(name, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self._children[name].proc.wait(timeout=30)
         args, env = self._commands[name]
         self._spawn(name, args, env)
@@ -521,6 +577,10 @@ class LocalStack:
 
     def stop(self, *, timeout_s: float = 30.0) -> None:
         """SIGTERM every child (gateway first), then SIGKILL what is left."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
+            self._supervisor = None
         order = [
             *[n for n in self._children if n.startswith("gateway")],
             "router",

@@ -1,0 +1,64 @@
+"""The local stack's supervisor and ``python -m tandem.local``'s flags: a component that exits is
+started again (a real child process, killed for real), and the command line takes --help and the
+pool sizes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tandem.local.__main__ import config_from_args, parse_args
+from tandem.local.stack import LocalStack, StackConfig, free_port
+
+#: A stand-in gateway: answers /readyz, nothing else (the supervisor restarts what exited and waits for
+#: its readiness as it would for the real gateway).
+_READY_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_component_that_exits_is_started_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    config = StackConfig(gateway_port=port, log_dir=tmp_path, supervise=True, restart_backoff_s=0.2)
+    stack = LocalStack(config)
+    try:
+        stack._spawn("gateway", [sys.executable, "-c", _READY_SERVER, str(port)], stack._base_env())
+        stack._wait("gateway", stack._gateway_ready, timeout_s=30)
+        stack._start_supervisor()
+        first_pid = stack.pid("gateway")
+        stack.kill("gateway", signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (stack.restarts.get("gateway") and stack._gateway_ready()):
+            time.sleep(0.1)
+        assert stack.restarts == {"gateway": 1}
+        assert stack.is_running("gateway") and stack.pid("gateway") != first_pid
+    finally:
+        stack.stop()
+    assert not stack.is_running("gateway")
+
+
+def test_flags_set_the_pool_sizes_and_supervision() -> None:
+    config = config_from_args(parse_args(["--prefill-workers", "2", "--decode-workers", "3"]))
+    assert list(config.worker_ports()) == ["prefill", "prefill-1", "decode", "decode-1", "decode-2"]
+    assert config.supervise
+    assert not config_from_args(parse_args(["--no-supervise"])).supervise
+    with pytest.raises(SystemExit):
+        parse_args(["--decode-workers", "0"])
+
+
+def test_help_prints_the_flags_and_starts_nothing() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tandem.local", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0
+    assert "--prefill-workers" in result.stdout and "--decode-workers" in result.stdout
+    assert "starting" not in result.stdout
