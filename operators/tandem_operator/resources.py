@@ -6,10 +6,12 @@ it should apply; nothing here talks to the API server.
 
 The pod contract with the worker (``python -m tandem.worker``): gRPC on
 :data:`WORKER_PORT`, KV transfer on :data:`KV_PORT`, metrics on
-:data:`METRICS_PORT`; it advertises its pod IP (downward API), and on SIGTERM
-unregisters, finishes in-flight requests for up to ``drainTimeoutSeconds``,
-then exits. The grace period is longer than the drain so the kubelet never
-kills a draining worker; that is how a scale-down drains.
+:data:`METRICS_PORT`, and the gRPC health service alone, in plaintext, for
+the kubelet's probes on :data:`HEALTH_PORT`; it advertises its pod IP
+(downward API), and on SIGTERM unregisters, finishes in-flight requests for up
+to ``drainTimeoutSeconds``, then exits. The grace period is longer than the
+drain so the kubelet never kills a draining worker; that is how a scale-down
+drains.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from tandem_operator.spec import GROUP, KIND, VERSION, PoolSpec, Role, TandemSpe
 WORKER_PORT = 50051
 KV_PORT = 50061
 METRICS_PORT = 9101
+#: grpc.health.v1 alone, in plaintext (TANDEM_WORKER_HEALTH_PORT): the kubelet's gRPC probes speak no TLS.
+HEALTH_PORT = 50071
+#: The health service name the probes ask about (the worker also answers "").
+HEALTH_SERVICE = "tandem.v1.Worker"
 #: Where the TLS Secret (spec.tls) is mounted.
 TLS_DIR = "/etc/tandem/tls"
 #: Seconds of grace on top of the drain timeout (process exit, engine shutdown).
@@ -80,6 +86,7 @@ def _env(spec: TandemSpec, role: Role, pool: PoolSpec) -> list[dict[str, Any]]:
         {"name": "TANDEM_WORKER_ADVERTISE_HOST", "valueFrom": field},
         {"name": "TANDEM_WORKER_PORT", "value": str(WORKER_PORT)},
         {"name": "TANDEM_WORKER_METRICS_PORT", "value": str(METRICS_PORT)},
+        {"name": "TANDEM_WORKER_HEALTH_PORT", "value": str(HEALTH_PORT)},
         {"name": "TANDEM_WORKER_KV__HOST", "valueFrom": field},
         {"name": "TANDEM_WORKER_KV__PORT", "value": str(KV_PORT)},
         {"name": "TANDEM_WORKER_ENGINE__MODEL_DIR", "value": spec.model.path},
@@ -114,6 +121,11 @@ def _env(spec: TandemSpec, role: Role, pool: PoolSpec) -> list[dict[str, Any]]:
         ]
     env.extend({"name": name, "value": value} for name, value in sorted(pool.engine_args.extra_env.items()))
     return env
+
+
+def _health_check() -> dict[str, Any]:
+    """A probe's ``grpc`` action (a fresh dict per probe, so no two probes share one object)."""
+    return {"port": HEALTH_PORT, "service": HEALTH_SERVICE}
 
 
 def _volumes(spec: TandemSpec, pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -163,12 +175,19 @@ def build_pool_deployment(
             {"name": "grpc", "containerPort": WORKER_PORT, "protocol": "TCP"},
             {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+            {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
         ],
-        # The engine loads the model before the gRPC port opens; the startup
-        # probe gives it up to 20 minutes, then liveness takes over.
-        "startupProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 10, "failureThreshold": 120},
-        "livenessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 15, "failureThreshold": 4},
-        "readinessProbe": {"tcpSocket": {"port": "grpc"}, "periodSeconds": 5, "failureThreshold": 2},
+        # gRPC health checks (grpc.health.v1), not TCP. A worker whose engine died
+        # keeps no port open for long (it exits with status 70), but a TCP check
+        # passes for as long as the process is still up; the health service
+        # reflects the engine: NOT_SERVING once it died (and while draining).
+        # They ask the plaintext health port because the kubelet's gRPC probes
+        # speak no TLS and the gRPC port may be mTLS; a gRPC probe takes a port
+        # number, not a name. The engine loads the model before any port opens;
+        # the startup probe gives it up to 20 minutes, then liveness takes over.
+        "startupProbe": {"grpc": _health_check(), "periodSeconds": 10, "failureThreshold": 120},
+        "livenessProbe": {"grpc": _health_check(), "periodSeconds": 15, "failureThreshold": 4},
+        "readinessProbe": {"grpc": _health_check(), "periodSeconds": 5, "failureThreshold": 2},
         "resources": pool.resources.model_dump(),
         "securityContext": RESTRICTED_SECURITY_CONTEXT,
         "volumeMounts": mounts,

@@ -178,11 +178,18 @@ def test_probes_point_at_the_service_endpoints() -> None:
     assert "--liveness=http://0.0.0.0:8081/healthz" in operator["args"]
     assert operator["livenessProbe"]["httpGet"]["port"] == "health"
     for pool in _operator_pools(docs):
+        # Kubernetes' schema too: a gRPC probe's port must be a number (a name fails here).
+        kubernetes_validate.validate(pool, K8S_VERSION, strict=True)
         if pool["kind"] != "Deployment":
             continue
         worker = pool["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in worker["env"]}
+        health_port = {p["name"]: p["containerPort"] for p in worker["ports"]}["health"]
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert worker[probe]["tcpSocket"]["port"] == "grpc"
+            # grpc.health.v1 on the worker's plaintext health port (kubelet gRPC probes speak no TLS).
+            assert worker[probe]["grpc"] == {"port": health_port, "service": "tandem.v1.Worker"}, probe
+            assert "tcpSocket" not in worker[probe], probe
+        assert env["TANDEM_WORKER_HEALTH_PORT"] == str(health_port)
 
 
 def test_gateway_reaches_the_router_service() -> None:
@@ -288,6 +295,12 @@ def test_network_policies_isolate_the_workers() -> None:
     assert {"grpc", "kv"} <= worker_ports  # the named ports exist on the operator's pods
     monitoring = workers["ingress"][3]
     assert monitoring["ports"] == [{"port": 9101, "protocol": "TCP"}] and "namespaceSelector" in _peers(monitoring)[0]
+    # The plaintext health port is for the kubelet's probes (node traffic, which NetworkPolicy
+    # always admits): no rule opens it to any pod or namespace.
+    worker_container = pools[0]["spec"]["template"]["spec"]["containers"][0]
+    health_port = {p["name"]: p["containerPort"] for p in worker_container["ports"]}["health"]
+    opened = {q["port"] for r in workers["ingress"] for q in r["ports"]}
+    assert not opened & {"health", health_port}
     # Redis: only Tandem components.
     redis_from = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
                   for p in _peers(policies[f"{FULL}-redis"]["ingress"][0])]

@@ -7,7 +7,7 @@ from typing import Any
 import jsonschema
 import pytest
 from pydantic import BaseModel
-from tandem_operator.resources import build_pool_deployment
+from tandem_operator.resources import HEALTH_PORT, build_pool_deployment
 from tandem_operator.spec import SpecError, TandemSpec, parse_spec
 
 from tests.chart.crd_schema import crd_version_schema, validate_custom_resource
@@ -57,6 +57,34 @@ def test_valid_spec_passes_both() -> None:
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["TANDEM_WORKER_ROLE"] == "decode" and env["TANDEM_WORKER_X"] == "1"
     assert env["TANDEM_WORKER_REDIS__URL"] == "redis://r:6379/0"
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "mtls"])
+def test_worker_probes_ask_the_plaintext_health_service(tls: bool) -> None:
+    """gRPC health probes (the engine's state, not an open port) on the worker's plaintext health port."""
+    spec = parse_spec({**VALID, "tls": {"secretName": "internal-tls"}} if tls else VALID)
+    dep = build_pool_deployment(name="x", namespace="ns", uid="u", cr_labels={}, spec=spec, role="decode", replicas=2)
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    expected = {
+        "startupProbe": (10, 120),
+        "livenessProbe": (15, 4),
+        "readinessProbe": (5, 2),
+    }
+    for probe, (period, failures) in expected.items():
+        assert container[probe] == {
+            "grpc": {"port": HEALTH_PORT, "service": "tandem.v1.Worker"},
+            "periodSeconds": period,
+            "failureThreshold": failures,
+        }, probe
+        port = container[probe]["grpc"]["port"]
+        # A number (the kubelet's gRPC probes take no port name), the one the worker serves health on.
+        assert isinstance(port, int) and str(port) == env["TANDEM_WORKER_HEALTH_PORT"], probe
+        assert port in ports.values() and ports["health"] == port, probe
+    # Health has its own port, apart from the (possibly mTLS) gRPC port.
+    assert len(set(ports.values())) == len(ports) and ports["health"] != ports["grpc"]
+    assert (env.get("TANDEM_WORKER_TLS__ENABLED") == "true") is tls
 
 
 @pytest.mark.parametrize(
