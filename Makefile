@@ -140,8 +140,9 @@ faults: setup redis  ## break the stack on purpose (workers, router, Redis, chur
 	@status=0; TANDEM_FAULTS_LEDGER=$(FAULTS_LEDGER) $(PY) -m pytest tests/faults --durations=15 $(FAULTS_PYTEST_ARGS) || status=$$?; \
 	$(PY) -m tests.faults.report $(FAULTS_LEDGER) || status=1; exit $$status
 
-run: setup  ## start the local stack; prints the gateway URL and a curl line when ready
-	$(PY) -m tandem.local
+RUN_ARGS ?=
+run: setup  ## start the local stack (RUN_ARGS="--decode-workers 2 ...", see --help); prints the gateway URL
+	$(PY) -m tandem.local $(RUN_ARGS)
 
 bench-path: setup redis  ## disaggregated path vs plain vLLM side by side: TTFT, ITL, KV transfer GB/s, start-up
 	$(PY) benchmarks/request_path.py

@@ -69,9 +69,8 @@ class ScriptedEngine:
     #: kv_prefetch calls (request id, kv address, prompt tokens, cached tokens), and what it answers.
     prefetched: list[tuple[str, str, int, int]] = field(default_factory=list)
     prefetch_refusal: str = ""
-    #: What is_dead answers, and the engine's step count.
+    #: What is_dead answers.
     dead: bool = False
-    steps: int = 0
 
     async def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
         self.params.append(params)
@@ -112,8 +111,8 @@ class ScriptedEngine:
     def is_dead(self) -> bool:
         return self.dead
 
-    def num_steps(self) -> int:
-        return self.steps
+    async def probe(self) -> None:
+        return None
 
     async def kv_stats(self) -> kv_transfer_pb2.KVStats:
         await asyncio.sleep(self.kv_stats_delay_s)

@@ -1,5 +1,6 @@
-"""EngineWatch: a dead engine at once, a stuck one after step_timeout_s of work without a step, an idle
-one never (a fake engine and a fake clock)."""
+"""EngineWatch: a dead engine at once; a stuck one when its probe goes unanswered for step_timeout_s
+while there is work; an idle engine is not probed, and a slow but answering one is alive (a fake
+engine whose probe the test answers, and a fake clock)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from tandem.worker.liveness import EngineWatch
 class Engine:
     def __init__(self) -> None:
         self.dead = False
-        self.steps = 0
+        self.num_probes = 0
+        self.answer = asyncio.Event()
 
     def is_dead(self) -> bool:
         return self.dead
 
-    def num_steps(self) -> int:
-        return self.steps
+    async def probe(self) -> None:
+        self.num_probes += 1
+        await self.answer.wait()
 
 
 class Clock:
@@ -29,10 +32,10 @@ class Clock:
 
 
 def _watch(engine: Engine, clock: Clock, busy: list[bool]) -> EngineWatch:
-    return EngineWatch(engine, has_work=lambda: busy[0], step_timeout_s=10.0, clock=clock)
+    return EngineWatch(engine, has_work=lambda: busy[0], step_timeout_s=10.0, probe_interval_s=1.0, clock=clock)
 
 
-def test_a_dead_engine_is_seen_at_the_first_check() -> None:
+async def test_a_dead_engine_is_seen_at_the_first_check() -> None:
     engine, clock = Engine(), Clock()
     watch = _watch(engine, clock, [True])
     assert watch.check() == ""
@@ -40,31 +43,37 @@ def test_a_dead_engine_is_seen_at_the_first_check() -> None:
     assert watch.check() == "engine_dead"
 
 
-def test_work_without_a_step_for_longer_than_the_timeout_is_a_stuck_engine() -> None:
+async def test_a_probe_unanswered_past_the_timeout_while_busy_is_a_stuck_engine() -> None:
     engine, clock = Engine(), Clock()
     watch = _watch(engine, clock, [True])
-    assert watch.check() == ""
+    assert watch.check() == ""  # sends a probe
+    await asyncio.sleep(0)
+    assert engine.num_probes == 1
     clock.now_s += 9.9
     assert watch.check() == ""
     clock.now_s += 0.2
     assert watch.check() == "engine_stuck"
 
 
-def test_steps_keep_a_busy_engine_alive_and_an_idle_engine_is_never_stuck() -> None:
+async def test_answered_probes_keep_a_slow_engine_alive_and_an_idle_engine_is_not_probed() -> None:
     engine, clock = Engine(), Clock()
-    busy = [True]
+    busy = [False]
     watch = _watch(engine, clock, busy)
-    for _ in range(5):  # 40 s of work, a step every 8 s
-        clock.now_s += 8.0
-        engine.steps += 1
+    clock.now_s += 1000.0
+    assert watch.check() == ""
+    await asyncio.sleep(0)
+    assert engine.num_probes == 0  # nothing waits on an idle engine
+    busy[0] = True
+    engine.answer.set()  # each probe answered, however long the steps take between them
+    for _ in range(20):
         assert watch.check() == ""
-    busy[0] = False
-    clock.now_s += 1000.0  # idle: no steps, and nothing waits for one
+        await asyncio.sleep(0)
+        clock.now_s += 8.0
+    assert engine.num_probes >= 10
+    engine.answer.clear()  # now a step hangs
     assert watch.check() == ""
-    busy[0] = True  # new work: the clock starts now, not at the last step
-    clock.now_s += 5.0
-    assert watch.check() == ""
-    clock.now_s += 6.0
+    await asyncio.sleep(0)
+    clock.now_s += 10.5
     assert watch.check() == "engine_stuck"
 
 

@@ -231,14 +231,10 @@ class VLLMEngine:
         and the engine core reported itself dead, or the output loop ended."""
         return bool(self.llm.errored)
 
-    def num_steps(self) -> int:
-        """Engine steps whose outputs this process took in: vLLM's ``vllm:iteration_tokens_total``
-        histogram, observed once per step by its stat logger (the engine core sends each step's stats,
-        with or without request outputs)."""
-        from prometheus_client import REGISTRY
-
-        labels = {"engine": "0", "model_name": str(self.llm.model_config.served_model_name)}
-        return int(REGISTRY.get_sample_value("vllm:iteration_tokens_total_count", labels) or 0)
+    async def probe(self) -> None:
+        """A round trip to the engine-core process, answered between two steps (``is_sleeping`` reads a
+        flag there and reaches no model runner; tandem.worker.liveness)."""
+        await self.llm.is_sleeping()
 
     def kv_cache_shape(self) -> tuple[int, int]:
         """(number of KV blocks, tokens per block) of this engine."""

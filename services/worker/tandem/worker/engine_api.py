@@ -69,6 +69,6 @@ class WorkerEngine(Protocol):
         """True once the engine can serve nothing again (tandem.worker.liveness)."""
         ...
 
-    def num_steps(self) -> int:
-        """A count that moves with every engine step (tandem.worker.liveness)."""
+    async def probe(self) -> None:
+        """Return once the engine core answered a round trip it serves between steps (liveness)."""
         ...

@@ -8,8 +8,15 @@ returns, with the reason, as soon as one of these holds (checked every
   engine-core process exited, or an exception in a step killed it; vLLM's own
   monitor thread notices the process at once, and every request in flight gets
   ``EngineDeadError``);
-* ``engine_stuck``: requests are in flight and the engine has finished no step
-  for ``step_timeout_s`` (a hung kernel, a deadlocked collective). The caller
+* ``engine_stuck``: requests are in flight and the engine core has not answered
+  a probe for ``step_timeout_s`` (a hung kernel, a deadlocked collective). The
+  probe is a round trip to the engine-core process that it answers between two
+  steps (vLLM's ``is_sleeping`` utility call, which touches no model runner), so a
+  step that never ends leaves it unanswered; one probe is in flight at a time,
+  at most every ``probe_interval_s``, and only while there is work. (Counting the
+  steps that produced outputs was tried first: a long chunked prefill, or a
+  request waiting for its grammar, makes none for many seconds, and the
+  hypothesis test of hostile calls tripped it on a healthy engine.) The caller
   then shuts the engine down, which turns the stuck requests into
   ``EngineDeadError`` too.
 
@@ -36,8 +43,8 @@ class WatchedEngine(Protocol):
         """True once the engine can serve nothing again."""
         ...
 
-    def num_steps(self) -> int:
-        """Engine steps finished so far (any monotonic count that moves with each step)."""
+    async def probe(self) -> None:
+        """Return once the engine core has answered a round trip it serves between two steps."""
         ...
 
 
@@ -51,35 +58,46 @@ class EngineWatch:
         has_work: Callable[[], bool],
         step_timeout_s: float,
         poll_s: float = 0.1,
+        probe_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
         self._has_work = has_work
         self._step_timeout_s = step_timeout_s
         self._poll_s = poll_s
+        self._probe_interval_s = probe_interval_s
         self._clock = clock
-        self._last_steps = -1
-        #: When the step count last moved, or the engine last had nothing to do.
-        self._progress_at_s = clock()
+        self._probe: asyncio.Task[None] | None = None
+        self._probe_sent_s = 0.0
+        self._probe_done_s = -float("inf")
 
     def check(self) -> str:
-        """"" while the engine is alive, else ``engine_dead`` or ``engine_stuck``."""
+        """"" while the engine is alive, else ``engine_dead`` or ``engine_stuck``; starts a probe when
+        one is due."""
         if self._engine.is_dead():
             return "engine_dead"
         now_s = self._clock()
-        steps = self._engine.num_steps()
-        if steps != self._last_steps or not self._has_work():
-            self._last_steps = steps
-            self._progress_at_s = now_s
-            return ""
-        if now_s - self._progress_at_s > self._step_timeout_s:
-            return "engine_stuck"
+        probe = self._probe
+        if probe is not None and not probe.done():
+            return "engine_stuck" if now_s - self._probe_sent_s > self._step_timeout_s else ""
+        if probe is not None:
+            self._probe = None
+            self._probe_done_s = now_s
+            if not probe.cancelled() and probe.exception() is not None and self._engine.is_dead():
+                return "engine_dead"
+        if self._has_work() and now_s - self._probe_done_s >= self._probe_interval_s:
+            self._probe_sent_s = now_s
+            self._probe = asyncio.ensure_future(self._engine.probe())
         return ""
 
     async def wait_dead(self) -> str:
         """Return the reason as soon as :meth:`check` gives one."""
-        while True:
-            reason = self.check()
-            if reason:
-                return reason
-            await asyncio.sleep(self._poll_s)
+        try:
+            while True:
+                reason = self.check()
+                if reason:
+                    return reason
+                await asyncio.sleep(self._poll_s)
+        finally:
+            if self._probe is not None:
+                self._probe.cancel()

@@ -43,10 +43,10 @@ class EngineSettings(BaseModel):
     #: message). None: 0.0005 on vLLM's CPU backend, where a spinning process takes the share of a
     #: core that forward passes need (see tandem.worker.vllm_plugin), else 0.
     mq_poll_s: float | None = Field(None, ge=0)
-    #: The engine is stuck, and the worker exits, when requests are in flight and no engine step ended
-    #: for this long (tandem.worker.liveness). Longer than the slowest step a healthy engine takes (a
-    #: whole long prompt's prefill on a CPU: ~7 s at 4k tokens) and than ``kv.pull_timeout_s`` (a
-    #: decode waiting for a pull steps no forward pass).
+    #: The engine is stuck, and the worker exits, when requests are in flight and the engine core has
+    #: not answered a probe (served between two steps) for this long (tandem.worker.liveness). Longer
+    #: than the slowest step a healthy engine takes (a whole long prompt's prefill chunk on a CPU takes
+    #: seconds) and than ``kv.pull_timeout_s``.
     step_timeout_s: float = Field(120.0, gt=0)
 
 

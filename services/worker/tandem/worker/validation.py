@@ -42,6 +42,8 @@ MAX_ABS_LOGIT_BIAS = 100.0
 MAX_TEMPERATURE = 100.0
 MAX_ABS_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 100.0
+#: Above zero (vLLM's own bound) by enough that dividing a logit by it stays finite in float32.
+MIN_REPETITION_PENALTY = 1e-3
 MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_CHOICES = 1024
 
@@ -93,7 +95,7 @@ def check_sampling(options: common_pb2.SamplingOptions, limits: ModelLimits) -> 
         ("min_p", 0.0, 1.0),
         ("presence_penalty", -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
         ("frequency_penalty", -MAX_ABS_PENALTY, MAX_ABS_PENALTY),
-        ("repetition_penalty", 0.0, MAX_REPETITION_PENALTY),
+        ("repetition_penalty", MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
     ]
     for name, low, high in checks:
         if options.HasField(name):
