@@ -37,7 +37,7 @@ from tandem.local.stack import LocalStack, free_port
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tandem.worker.liveness import EXIT_ENGINE_DEAD
 from tests.faults.backend.client import chat_body, num_content_events, stream_chat
-from tests.faults.backend.conftest import registered_workers
+from tests.faults.backend.conftest import BackendStack, registered_workers
 from tests.faults.conftest import running_stack
 from tests.faults.ledger import FaultLedger
 from tests.probes import quiesce, wait_until, worker_names
@@ -51,21 +51,8 @@ REGISTRY_TTL_S = 5.0
 DEREGISTER_BOUND_S = 1.0
 
 
-class DeathStack:
-    def __init__(self, stack: LocalStack, failpoints_dir: Path) -> None:
-        self.stack = stack
-        self.failpoints_dir = failpoints_dir
-
-    def arm(self, failpoint: str, action: str) -> None:
-        (self.failpoints_dir / failpoint).write_text(action)
-
-    def disarm_all(self) -> None:
-        for path in self.failpoints_dir.iterdir():
-            path.unlink()
-
-
 @pytest.fixture(scope="module")
-def death_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeathStack]:
+def death_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackendStack]:
     failpoints = Path(tmp_path_factory.mktemp("death-failpoints"))
     with running_stack(
         tmp_path_factory,
@@ -83,11 +70,11 @@ def death_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeathStack
             "TANDEM_WORKER_REGISTRY__TTL_S": str(REGISTRY_TTL_S),
         },
     ) as stack:
-        yield DeathStack(stack, failpoints)
+        yield BackendStack(stack, failpoints)
 
 
 @pytest.fixture
-def death(death_stack: DeathStack) -> DeathStack:
+def death(death_stack: BackendStack) -> BackendStack:
     """Every worker up and registered, failpoints disarmed."""
     stack = death_stack.stack
     death_stack.disarm_all()
@@ -154,7 +141,7 @@ def _wait_deregistered(stack: LocalStack, name: str, since_s: float, timeout_s: 
 # -- hostile internal calls ----------------------------------------------------------------------
 
 
-def test_the_call_that_killed_an_engine_is_refused(death: DeathStack, ledger: FaultLedger) -> None:
+def test_the_call_that_killed_an_engine_is_refused(death: BackendStack, ledger: FaultLedger) -> None:
     stack = death.stack
     pid = stack.pid("decode")
     with ledger.fault("Decode with first_token_id 4,000,000,000 sent straight to a decode worker") as f:
@@ -273,7 +260,7 @@ def _code_of(call: Callable[[], object]) -> grpc.StatusCode:
 _ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
 
 
-def test_hostile_values_in_every_internal_rpc_kill_no_engine(death: DeathStack, ledger: FaultLedger) -> None:
+def test_hostile_values_in_every_internal_rpc_kill_no_engine(death: BackendStack, ledger: FaultLedger) -> None:
     stack = death.stack
     pids = {n: stack.pid(n) for n in worker_names(stack)}
     kv_address = f"{stack.config.host}:{stack.config.worker_ports()['prefill'].kv_port}"
@@ -368,7 +355,7 @@ def _quietly(call: Callable[[], object]) -> None:
 # -- an engine that dies ----------------------------------------------------------------------
 
 
-def test_engine_process_killed_while_the_worker_lives(death: DeathStack, ledger: FaultLedger) -> None:
+def test_engine_process_killed_while_the_worker_lives(death: BackendStack, ledger: FaultLedger) -> None:
     stack = death.stack
     name = "decode-1"
     proc = stack._children[name].proc
@@ -396,7 +383,7 @@ def test_engine_process_killed_while_the_worker_lives(death: DeathStack, ledger:
 
 
 @pytest.mark.parametrize("fault", ["raises", "hangs"])
-def test_engine_step_fails_mid_stream(death: DeathStack, ledger: FaultLedger, fault: str) -> None:
+def test_engine_step_fails_mid_stream(death: BackendStack, ledger: FaultLedger, fault: str) -> None:
     """Only the stream's engines step while it runs (idle engines take no steps), so arming the step
     failpoint mid-stream fails the decode engine serving it; it is disarmed once that worker is gone."""
     stack = death.stack

@@ -528,12 +528,17 @@ class LocalStack:
     def restart(self, name: str, *, timeout_s: float = 600.0) -> None:
         """Start a component again with its first command line (after a fault test killed it) and wait
         until it is ready. A running one is killed first, and so is what is left of a dead one (an
-        engine's processes may outlive their worker)."""
-        self.kill(name, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._children[name].proc.wait(timeout=30)
-        args, env = self._commands[name]
-        self._spawn(name, args, env)
+        engine's processes may outlive their worker). Holds the stack's lifecycle lock: the supervisor
+        and a caller never start the same component at once."""
+        with self._lifecycle:
+            self.kill(name, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._children[name].proc.wait(timeout=30)
+            args, env = self._commands[name]
+            self._spawn(name, args, env)
+        self._wait_ready(name, timeout_s)
+
+    def _wait_ready(self, name: str, timeout_s: float) -> None:
         if name == "redis":
             client = redis.Redis.from_url(self.config.redis_url, socket_connect_timeout=1)
             self._wait(name, lambda: bool(client.ping()), timeout_s)

@@ -185,10 +185,8 @@ async def _die(
     servers: list[grpc.aio.Server],
     engine: VLLMEngine,
 ) -> int:
-    """The engine died: stop being found (health, every call, the registry) first, then go.
-
-    A stuck engine is shut down here, which ends its requests with vLLM's ``EngineDeadError`` (their
-    callers get UNAVAILABLE and place them elsewhere); a dead one has ended them already."""
+    """The engine died: stop being found (health, every call, the registry) first, then shut the engine
+    down and go."""
     died_at = time.monotonic()
     # The process goes even if a step below hangs on the dead engine.
     threading.Timer(_DEATH_EXIT_S, os._exit, args=(EXIT_ENGINE_DEAD,)).start()
@@ -208,16 +206,15 @@ async def _die(
             "unregistered_after_s": round(time.monotonic() - died_at, 3),
         },
     )
-    if reason == "engine_stuck":
+    # Shutting a stuck engine down ends its requests with EngineDeadError (UNAVAILABLE to their callers);
+    # a dead one has ended them already, and its shutdown only frees what is left.
+    with contextlib.suppress(Exception):
         await asyncio.to_thread(engine.shutdown)
-    # In-flight calls have ended or are ending with UNAVAILABLE; give their last messages a moment.
+    # Give the in-flight calls' last messages a moment.
     for each in servers:
         await each.stop(grace=1.0)
     with contextlib.suppress(Exception):
         await registry.aclose()
-    if reason != "engine_stuck":
-        with contextlib.suppress(Exception):
-            await asyncio.to_thread(engine.shutdown)
     logger.info("worker stopped", extra={"worker_id": worker_id, "exit_status": EXIT_ENGINE_DEAD})
     return EXIT_ENGINE_DEAD
 

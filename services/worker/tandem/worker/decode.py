@@ -16,16 +16,7 @@ import grpc
 from tandem.v1 import worker_pb2
 from tandem.worker.continuation import ReplaySkipper, StreamAll, appended_options, appends_first_token
 from tandem.worker.first_token import replay_args
-from tandem.worker.handling import (
-    ENGINE_DEAD_MESSAGE,
-    Ctx,
-    Role,
-    engine_deaths,
-    engine_failures,
-    engine_prompt,
-    engine_refusals,
-    sampling_params,
-)
+from tandem.worker.handling import Ctx, Role, engine_errors, engine_prompt, sampling_params
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.params import KVHandleParams, decode_params, load_record_of
 from tandem.worker.sampling import logprobs_messages, sampling_kwargs
@@ -35,9 +26,6 @@ class DecodeRole(Role):
     async def prefetch(self, request: worker_pb2.PrefetchKVRequest, context: Ctx) -> worker_pb2.PrefetchKVResponse:
         """Start streaming a running prefill's KV into staging (see the puller); the Decode of the same
         request id loads from there. A refusal is an answer, not an error: the Decode pulls as usual."""
-        await self._admission.check(context, "decode", request.num_prompt_tokens)
-        if not request.request_id or not request.kv_address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and kv_address are required")
         reason = await self._engine.kv_prefetch(
             request.request_id, request.kv_address, request.num_prompt_tokens, request.num_cached_tokens
         )
@@ -48,7 +36,6 @@ class DecodeRole(Role):
         from vllm.sampling_params import RequestOutputKind
 
         prompt_ids = list(request.prompt_token_ids)
-        await self._admission.check(context, "decode", len(prompt_ids))
         local = request.local_prefill
         if local and (request.HasField("kv_handle") or request.first_token_id or request.first_text):
             await context.abort(
@@ -107,39 +94,34 @@ class DecodeRole(Role):
         self._counters.num_running += 1
         self._counters.num_kv_tokens_in_flight += num_kv_tokens
         try:
-            async for out in self._engine.generate(
-                engine_prompt(engine_prompt_ids, request.cache_salt), params, request.request_id
-            ):
-                completion = out.outputs[0]
-                token_ids, logprobs = skipper.tokens(completion.token_ids, completion.logprobs)
-                if not num_output and token_ids:
-                    first_token_s = time.perf_counter() - started
-                    timeline = _engine_timeline(getattr(out, "metrics", None), started_monotonic)
-                num_output += len(token_ids)
-                chunk = worker_pb2.DecodeChunk(
-                    text=skipper.text(completion.text),
-                    token_ids=token_ids,
-                    logprobs=logprobs_messages(token_ids, logprobs, num_top_logprobs),
-                )
-                if not (chunk.text or token_ids or out.finished):
-                    continue  # the replayed first token alone: prefill streamed it already
-                if out.finished:
-                    chunk.finish_reason = completion.finish_reason or "stop"
-                    chunk.stats.CopyFrom(self._stats(out, len(prompt_ids), num_output))
-                    chunk.stats.first_token_seconds = first_token_s
-                    if timeline is not None:
-                        (
-                            chunk.stats.engine_queued_after_seconds,
-                            chunk.stats.engine_scheduled_after_seconds,
-                            chunk.stats.engine_first_token_after_seconds,
-                        ) = timeline
-                yield chunk
-        except engine_deaths():  # the caller places the request on another worker
-            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_DEAD_MESSAGE)
-        except engine_failures():  # logged by vLLM with its cause; the engine lives on
-            await context.abort(grpc.StatusCode.INTERNAL, "the engine failed the request")
-        except engine_refusals() as exc:  # the engine refused the request's parameters (e.g. a bad grammar)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {exc}")
+            async with engine_errors(context):
+                async for out in self._engine.generate(
+                    engine_prompt(engine_prompt_ids, request.cache_salt), params, request.request_id
+                ):
+                    completion = out.outputs[0]
+                    token_ids, logprobs = skipper.tokens(completion.token_ids, completion.logprobs)
+                    if not num_output and token_ids:
+                        first_token_s = time.perf_counter() - started
+                        timeline = _engine_timeline(getattr(out, "metrics", None), started_monotonic)
+                    num_output += len(token_ids)
+                    chunk = worker_pb2.DecodeChunk(
+                        text=skipper.text(completion.text),
+                        token_ids=token_ids,
+                        logprobs=logprobs_messages(token_ids, logprobs, num_top_logprobs),
+                    )
+                    if not (chunk.text or token_ids or out.finished):
+                        continue  # the replayed first token alone: prefill streamed it already
+                    if out.finished:
+                        chunk.finish_reason = completion.finish_reason or "stop"
+                        chunk.stats.CopyFrom(self._stats(out, len(prompt_ids), num_output))
+                        chunk.stats.first_token_seconds = first_token_s
+                        if timeline is not None:
+                            (
+                                chunk.stats.engine_queued_after_seconds,
+                                chunk.stats.engine_scheduled_after_seconds,
+                                chunk.stats.engine_first_token_after_seconds,
+                            ) = timeline
+                    yield chunk
         finally:
             self._counters.num_running -= 1
             self._counters.num_kv_tokens_in_flight -= num_kv_tokens

@@ -3,7 +3,9 @@ what cannot run, build the engine's prompt and ``SamplingParams``, count."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,22 @@ def engine_failures() -> tuple[type[Exception], ...]:
 ENGINE_DEAD_MESSAGE = "the worker's engine died; place the request on another worker"
 
 
+@contextlib.asynccontextmanager
+async def engine_errors(context: Ctx) -> AsyncIterator[None]:
+    """Around a request's run in the engine: what the engine raises, as the caller's gRPC status. A dead
+    engine is UNAVAILABLE (the caller places the request on another worker); one request failed inside
+    the engine is INTERNAL (vLLM logged its cause; the engine lives on); parameters the engine refuses
+    (e.g. a bad grammar) are INVALID_ARGUMENT."""
+    try:
+        yield
+    except engine_deaths():
+        await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_DEAD_MESSAGE)
+    except engine_failures():
+        await context.abort(grpc.StatusCode.INTERNAL, "the engine failed the request")
+    except engine_refusals() as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {exc}")
+
+
 #: How a decode continued the prefill's first token: ``appended`` (as the last prompt token),
 #: ``replayed`` (tandem.worker.first_token), ``local`` (a local prefill: the whole request here).
 CONTINUATION_MODES = ("appended", "replayed", "local")
@@ -62,11 +80,11 @@ class WorkerCounters:
 
 @dataclass
 class Admission:
-    """Who may run here: checks every request against the worker's state and limits."""
+    """Who may run here: checks every request against the worker's state (its role, a drain, a dead
+    engine). What the request holds is checked by tandem.worker.validation, after this."""
 
     worker_id: str
     role: str
-    max_model_len: int
     draining: bool = False
     #: Set once the engine died (tandem.worker.liveness): every call answers UNAVAILABLE from then on.
     engine_dead: bool = False
@@ -75,7 +93,7 @@ class Admission:
         if self.engine_dead:
             await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_DEAD_MESSAGE)
 
-    async def check(self, context: Ctx, role: str, prompt_len: int) -> None:
+    async def check(self, context: Ctx, role: str) -> None:
         await self.check_serving(context)
         if self.role != role:
             await context.abort(
@@ -83,13 +101,6 @@ class Admission:
             )
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id} is draining")
-        if prompt_len == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
-        if prompt_len >= self.max_model_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt of {prompt_len} tokens does not fit max_model_len {self.max_model_len}",
-            )
 
 
 class Role:

@@ -10,16 +10,7 @@ import grpc
 
 from tandem.v1 import worker_pb2
 from tandem.worker.continuation import first_streamed_text
-from tandem.worker.handling import (
-    ENGINE_DEAD_MESSAGE,
-    Ctx,
-    Role,
-    engine_deaths,
-    engine_failures,
-    engine_prompt,
-    engine_refusals,
-    sampling_params,
-)
+from tandem.worker.handling import Ctx, Role, engine_errors, engine_prompt, sampling_params
 from tandem.worker.kv_connector.params import HANDLE, KVHandleParams, prefill_params
 from tandem.worker.sampling import logprobs_messages
 
@@ -29,7 +20,6 @@ class PrefillRole(Role):
         from vllm.sampling_params import RequestOutputKind
 
         prompt_ids = list(request.prompt_token_ids)
-        await self._admission.check(context, "prefill", len(prompt_ids))
         params = await sampling_params(
             context,
             request.sampling,
@@ -43,16 +33,11 @@ class PrefillRole(Role):
         self._counters.num_running += 1
         self._counters.num_prompt_tokens_in_flight += len(prompt_ids)
         try:
-            async for out in self._engine.generate(
-                engine_prompt(prompt_ids, request.cache_salt), params, request.request_id
-            ):
-                final = out
-        except engine_deaths():  # the caller places the request on another worker
-            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_DEAD_MESSAGE)
-        except engine_failures():  # logged by vLLM with its cause; the engine lives on
-            await context.abort(grpc.StatusCode.INTERNAL, "the engine failed the request")
-        except engine_refusals() as exc:  # the engine refused the request's parameters (e.g. a bad grammar)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {exc}")
+            async with engine_errors(context):
+                async for out in self._engine.generate(
+                    engine_prompt(prompt_ids, request.cache_salt), params, request.request_id
+                ):
+                    final = out
         finally:
             self._counters.num_running -= 1
             self._counters.num_prompt_tokens_in_flight -= len(prompt_ids)

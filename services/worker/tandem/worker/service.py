@@ -49,7 +49,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._worker_id = worker_id
         self._role = settings.role
         self._model = settings.engine.served_model_name
-        self._admission = Admission(worker_id, settings.role, settings.engine.max_model_len)
+        self._admission = Admission(worker_id, settings.role)
         self._counters = WorkerCounters()
         #: The model's sampling defaults, applied to options the client left unset.
         self._model_defaults = dict(engine.sampling_defaults())
@@ -142,7 +142,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     # -- RPCs --------------------------------------------------------------------
 
     async def _not_serving(self, context: Ctx, role: str) -> None:
-        await self._admission.check(context, role, 1)  # names the wrong role or the drain
+        await self._admission.check(context, role)  # names the wrong role or the drain
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self._worker_id} is starting")
 
     async def _invalid(self, context: Ctx, error: str) -> None:
@@ -153,7 +153,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if self._prefill is None:
             await self._not_serving(context, "prefill")
         assert self._prefill is not None
-        await self._admission.check(context, "prefill", 1)
+        await self._admission.check(context, "prefill")
         await self._invalid(context, check_prefill(request, self.limits))
         return await self._prefill.prefill(request, context)
 
@@ -161,7 +161,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if self._decode is None:
             await self._not_serving(context, "decode")
         assert self._decode is not None
-        await self._admission.check(context, "decode", 1)
+        await self._admission.check(context, "decode")
         await self._invalid(context, check_decode(request, self.limits))
         async for chunk in self._decode.decode(request, context):
             yield chunk
@@ -170,7 +170,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if self._decode is None:
             await self._not_serving(context, "decode")
         assert self._decode is not None
-        await self._admission.check(context, "decode", 1)
+        await self._admission.check(context, "decode")
         await self._invalid(context, check_prefetch(request, self.limits))
         return await self._decode.prefetch(request, context)
 

@@ -185,8 +185,9 @@ def check_decode(request: worker_pb2.DecodeRequest, limits: ModelLimits) -> str:
 
 
 def check_prefetch(request: worker_pb2.PrefetchKVRequest, limits: ModelLimits) -> str:
-    if check_request_id(request.request_id):
-        return check_request_id(request.request_id)
+    error = check_request_id(request.request_id)
+    if error:
+        return error
     if not _HOST_PORT.fullmatch(request.kv_address):
         return "kv_address must be host:port"
     if not 0 < request.num_prompt_tokens < limits.max_model_len:
