@@ -135,7 +135,7 @@ def disaggregated_run(
         )
         return Run([first_text, *appended.deltas], appended.finish_reason, appended.num_tokens + 1)
     decode = engine_run(tokenizer, prompt_ids, output_ids, params=engine_params(max_tokens, **sampling), delta=True)
-    skipper = ReplaySkipper(output_ids[0], first_text)
+    skipper = ReplaySkipper([output_ids[0]], first_text)
     rest = []
     for index, text in enumerate(decode.deltas):
         skipper.tokens([output_ids[index]])
@@ -259,14 +259,14 @@ def test_first_streamed_text_rules() -> None:
 
 
 def test_replay_skipper_flags_a_disagreement() -> None:
-    skipper = ReplaySkipper(7, "ab")
+    skipper = ReplaySkipper([7], "ab")
     assert skipper.tokens([8, 9]) == ([9], [])
     assert skipper.mismatch
-    skipper = ReplaySkipper(7, "ab")
+    skipper = ReplaySkipper([7], "ab")
     assert skipper.text("a") == ""
     assert skipper.text("xcd") == "cd"
     assert skipper.mismatch
-    skipper = ReplaySkipper(7, "ab")
+    skipper = ReplaySkipper([7], "ab")
     assert skipper.tokens([7], ["lp7"]) == ([], [])
     assert skipper.tokens([8], ["lp8"]) == ([8], ["lp8"])
     assert skipper.text("abc") == "c" and not skipper.mismatch

@@ -105,7 +105,7 @@ async def test_a_decode_with_a_stop_string_replays_the_first_token() -> None:
     assert stats.num_output_tokens == 2
     assert engine.prompts[0]["prompt_token_ids"] == [1, 2, 3, 4, 5]
     (params,) = engine.params
-    assert params.max_tokens == 3 and params.extra_args[REPLAY_TOKEN_ID] == FIRST_TOKEN
+    assert params.max_tokens == 3 and params.extra_args[REPLAY_TOKEN_ID] == [FIRST_TOKEN]
     assert service.decodes_by_continuation == {"replayed": 1}
 
 
@@ -257,7 +257,7 @@ async def test_metrics_count_decodes_by_how_they_continued() -> None:
     await _decode(service, _decode_request(sampling=common_pb2.SamplingOptions(max_tokens=3, seed=1, temperature=1.0)))
     (family,) = [m for m in KVCollector(service).collect() if m.name == "tandem_decode_continuations"]
     by_mode = {s.labels["mode"]: s.value for s in family.samples if s.name.endswith("_total")}
-    assert by_mode == {"appended": 1.0, "replayed": 1.0, "local": 0.0}
+    assert by_mode == {"appended": 1.0, "replayed": 1.0, "local": 0.0, "resumed": 0.0}
 
 
 class _DyingEngine(ScriptedEngine):
@@ -323,3 +323,60 @@ async def _decode_collect_request(
     service: WorkerService, request: worker_pb2.DecodeRequest, context: Context
 ) -> list[worker_pb2.DecodeChunk]:
     return [c async for c in service.Decode(request, context)]  # type: ignore[arg-type]
+
+
+async def test_a_resumed_decode_replays_what_the_client_has_and_streams_only_what_follows() -> None:
+    """A migrated stream: the prompt is computed here, the tokens the client received are forced as the
+    engine's first outputs (so penalties, seeds and grammars continue), and neither their ids nor their
+    text (emoji and CJK here) are streamed again."""
+    engine = ScriptedEngine(
+        outputs=[
+            Output([Completion([11], "Olá")]),
+            Output([Completion([12, 13], " 👋 東")]),  # the client has 東 already, as the 3rd token's text
+            Output([Completion([14], "京!", finish_reason="stop")], finished=True),
+        ]
+    )
+    service = await _service("decode", engine)
+    request = worker_pb2.DecodeRequest(
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        local_prefill=True,
+        resume_token_ids=[11, 12, 13],
+        resume_text="Olá 👋 東",
+        sampling=common_pb2.SamplingOptions(max_tokens=8, temperature=0.0, presence_penalty=1.0, seed=7),
+    )
+    chunks = await _decode(service, request)
+    assert [(c.text, list(c.token_ids)) for c in chunks] == [("京!", [14])]
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stats.num_output_tokens == 1
+    (params,) = engine.params
+    assert params.extra_args[REPLAY_TOKEN_ID] == [11, 12, 13] and params.max_tokens == 8
+    assert engine.prompts == [{"prompt_token_ids": [1, 2, 3]}]
+    assert service.decodes_by_continuation["resumed"] == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"local_prefill": False, "first_token_id": 11}, "come with local_prefill"),
+        ({"sampling": common_pb2.SamplingOptions(max_tokens=3)}, "max_tokens must be at least 1 more"),
+        ({"resume_token_ids": [4_000_000_000]}, "resume_token_ids"),
+        ({"resume_text": "x" * 1000}, "resume_text"),
+    ],
+)
+async def test_a_resumed_decode_the_engine_could_not_run_is_refused(fields: dict[str, Any], message: str) -> None:
+    engine = ScriptedEngine()
+    service = await _service("decode", engine)
+    values: dict[str, Any] = {
+        "request_id": "r1",
+        "prompt_token_ids": [1, 2, 3],
+        "local_prefill": True,
+        "resume_token_ids": [11, 12, 13],
+        "resume_text": "Hi",
+        "sampling": common_pb2.SamplingOptions(max_tokens=8),
+        **fields,
+    }
+    context = Context()
+    with pytest.raises(Refused):
+        await _decode_collect_request(service, worker_pb2.DecodeRequest(**values), context)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and message in context.details, context.details
+    assert engine.params == []

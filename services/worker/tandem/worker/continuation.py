@@ -101,22 +101,24 @@ class StreamAll:
 
 
 class ReplaySkipper:
-    """Drops what the prefill worker already streamed from decode's delta outputs."""
+    """Drops what the client already received from decode's delta outputs: the replayed tokens (the
+    prefill's first token; a migrated stream's tokens so far) and exactly the text streamed of them."""
 
-    def __init__(self, first_token_id: int, first_text: str) -> None:
-        self._first_token_id = first_token_id
-        self._first_text = first_text
-        self._num_tokens_to_skip = 1
-        self._num_chars_to_skip = len(first_text)
+    def __init__(self, replayed_token_ids: Sequence[int], streamed_text: str) -> None:
+        self._replayed = list(replayed_token_ids)
+        self._first_text = streamed_text
+        self._num_tokens_skipped = 0
+        self._num_chars_to_skip = len(streamed_text)
         self._skipped_text: list[str] = []
         self.mismatch = False
 
     def tokens(self, token_ids: Sequence[int], per_token: Sequence[T] | None = None) -> tuple[list[int], list[T]]:
-        """``token_ids`` (and their per-token data, e.g. log-probabilities) without the replayed token."""
-        num_skip = min(self._num_tokens_to_skip, len(token_ids))
-        if num_skip and token_ids[0] != self._first_token_id:
-            self._mismatch(f"first output token {token_ids[0]} is not the replayed {self._first_token_id}")
-        self._num_tokens_to_skip -= num_skip
+        """``token_ids`` (and their per-token data, e.g. log-probabilities) without the replayed tokens."""
+        num_skip = min(len(self._replayed) - self._num_tokens_skipped, len(token_ids))
+        expected = self._replayed[self._num_tokens_skipped : self._num_tokens_skipped + num_skip]
+        if list(token_ids[:num_skip]) != expected:
+            self._mismatch(f"output tokens {list(token_ids[:num_skip])} are not the replayed {expected}")
+        self._num_tokens_skipped += num_skip
         return list(token_ids[num_skip:]), list(per_token[num_skip:]) if per_token else []
 
     def text(self, delta: str) -> str:
@@ -127,12 +129,12 @@ class ReplaySkipper:
         self._skipped_text.append(delta[:num_skip])
         self._num_chars_to_skip -= num_skip
         if not self._num_chars_to_skip and "".join(self._skipped_text) != self._first_text:
-            self._mismatch("decode's text does not start with what prefill streamed")
+            self._mismatch("decode's text does not start with what the client received")
         return delta[num_skip:]
 
     def _mismatch(self, what: str) -> None:
         # Same model, tokenizer and parameters on both sides make this impossible; if it happens the
         # two workers disagree (different model folders?), and the client's text may be off.
         if not self.mismatch:
-            logger.error("replayed first token: %s", what)
+            logger.error("replayed tokens: %s", what)
         self.mismatch = True

@@ -36,20 +36,13 @@ class DecodeRole(Role):
         from vllm.sampling_params import RequestOutputKind
 
         prompt_ids = list(request.prompt_token_ids)
-        local = request.local_prefill
-        if local and (request.HasField("kv_handle") or request.first_token_id or request.first_text):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "a local prefill carries no kv_handle, first_token_id or first_text (no prefill worker ran)",
-            )
+        local = request.local_prefill  # the request's shape is checked already (tandem.worker.validation)
         max_tokens = request.sampling.max_tokens
-        if max_tokens < (1 if local else 2):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "max_tokens must be at least 1"
-                if local
-                else "max_tokens must be at least 2 (the first token came from the prefill worker)",
-            )
+        # What the client has received already and this engine replays: the prefill's first token, or a
+        # migrated stream's tokens so far (tandem.worker.first_token); nothing for a plain local prefill.
+        resumed = list(request.resume_token_ids)
+        replayed = resumed or ([] if local else [request.first_token_id])
+        streamed_text = request.resume_text if resumed else request.first_text
         # The first token is appended to the prompt where that is the same request, else replayed (see
         # tandem.worker.continuation and tandem.worker.first_token).
         options = request.sampling
@@ -63,8 +56,8 @@ class DecodeRole(Role):
         if append:
             engine_prompt_ids = [*prompt_ids, request.first_token_id]
             options, max_tokens = appended_options(options), max_tokens - 1
-        elif not local:
-            extra_args = replay_args(request.first_token_id)
+        elif replayed:
+            extra_args = replay_args(replayed)
         if request.HasField("kv_handle"):
             try:
                 self._layout.check_compatible(KVLayout.from_proto(request.kv_handle.layout))
@@ -80,9 +73,9 @@ class DecodeRole(Role):
             extra_args=extra_args or None,
         )
         skipper: ReplaySkipper | StreamAll = (
-            StreamAll() if local or append else ReplaySkipper(request.first_token_id, request.first_text)
+            ReplaySkipper(replayed, streamed_text) if replayed and not append else StreamAll()
         )
-        mode = "local" if local else "appended" if append else "replayed"
+        mode = "resumed" if resumed else "local" if local else "appended" if append else "replayed"
         self._counters.decodes_by_continuation[mode] += 1
         num_top_logprobs = params.logprobs or 0
         num_output = 0

@@ -62,8 +62,9 @@ async def engine_errors(context: Ctx) -> AsyncIterator[None]:
 
 
 #: How a decode continued the prefill's first token: ``appended`` (as the last prompt token),
-#: ``replayed`` (tandem.worker.first_token), ``local`` (a local prefill: the whole request here).
-CONTINUATION_MODES = ("appended", "replayed", "local")
+#: ``replayed`` (tandem.worker.first_token), ``local`` (a local prefill: the whole request here),
+#: ``resumed`` (a migrated stream: the prompt computed here, the tokens so far replayed).
+CONTINUATION_MODES = ("appended", "replayed", "local", "resumed")
 
 
 @dataclass

@@ -34,6 +34,8 @@ _HOST_PORT = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,253}:[0-9]{1,5}")
 MAX_CACHE_SALT_CHARS = 256
 #: The text of one token (``first_text``): a token is a few bytes; the stop buffer may hold a few more.
 MAX_FIRST_TEXT_CHARS = 1024
+#: A migrated stream's text so far (``resume_text``), per resumed token: a token is a few characters.
+MAX_CHARS_PER_TOKEN = 64
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -167,20 +169,43 @@ def check_prefill(request: worker_pb2.PrefillRequest, limits: ModelLimits) -> st
 
 def check_decode(request: worker_pb2.DecodeRequest, limits: ModelLimits) -> str:
     prompt_ids = list(request.prompt_token_ids)
+    resumed = list(request.resume_token_ids)
     error = (
         check_request_id(request.request_id)
-        or check_prompt(prompt_ids, limits)
+        or check_prompt(prompt_ids, limits, num_more_tokens=len(resumed))
         or check_sampling(request.sampling, limits)
         or _check_salt(request.cache_salt)
+        or _check_shape(request)
     )
     if error:
         return error
+    if resumed and max(resumed) >= limits.vocab_size:
+        return f"resume_token_ids holds a token id >= the vocabulary size {limits.vocab_size}"
+    if len(request.resume_text) > MAX_CHARS_PER_TOKEN * len(resumed):
+        return f"resume_text must be at most {MAX_CHARS_PER_TOKEN} characters a resumed token"
     if request.first_token_id >= limits.vocab_size:
         return f"first_token_id must be below the vocabulary size {limits.vocab_size}"
     if len(request.first_text) > MAX_FIRST_TEXT_CHARS:
         return f"first_text must be at most {MAX_FIRST_TEXT_CHARS} characters"
     if request.HasField("kv_handle"):
         return check_kv_handle(request.kv_handle, len(prompt_ids), limits)
+    return ""
+
+
+def _check_shape(request: worker_pb2.DecodeRequest) -> str:
+    """A decode continues a prefill worker's first token (with or without its KV), or runs here from the
+    prompt (``local_prefill``), possibly resuming a migrated stream; max_tokens counts every token."""
+    num_resumed = len(request.resume_token_ids)
+    if request.local_prefill:
+        if request.HasField("kv_handle") or request.first_token_id or request.first_text:
+            return "a local prefill carries no kv_handle, first_token_id or first_text (no prefill worker ran)"
+        if request.sampling.max_tokens < num_resumed + 1:
+            return "max_tokens must be at least 1" + (" more than resume_token_ids" if num_resumed else "")
+        return ""
+    if num_resumed or request.resume_text:
+        return "resume_token_ids and resume_text come with local_prefill (the resuming engine computes the prompt)"
+    if request.sampling.max_tokens < 2:
+        return "max_tokens must be at least 2 (the first token came from the prefill worker)"
     return ""
 
 
