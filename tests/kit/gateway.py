@@ -89,6 +89,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     decode_hang_after: int | None = None
     #: After this many steps the stream fails with INTERNAL (None: never).
     decode_fail_after: int | None = None
+    #: After this many steps the stream fails with UNAVAILABLE, as a worker whose engine died (None: never).
+    decode_unavailable_after: int | None = None
     address: str = ""
     prefill_requests: list[worker_pb2.PrefillRequest] = field(default_factory=list)
     decode_requests: list[worker_pb2.DecodeRequest] = field(default_factory=list)
@@ -132,6 +134,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     await asyncio.sleep(3600)
                 if self.decode_fail_after is not None and index >= self.decode_fail_after:
                     await context.abort(grpc.StatusCode.INTERNAL, "scripted decode failure")
+                if self.decode_unavailable_after is not None and index >= self.decode_unavailable_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted engine death")
                 if self.decode_step_delay_s:
                     await asyncio.sleep(self.decode_step_delay_s)
                 chunk = worker_pb2.DecodeChunk(

@@ -199,14 +199,21 @@ async def test_a_refused_decode_replacement_releases_once_and_frees_the_kv(
     assert stack.router.calls == [("schedule", request_id), ("schedule", request_id), ("release", request_id)]
 
 
-async def test_decode_unavailable_twice_is_a_final_error_event(stack: Any, free_dead_address: str) -> None:
+async def test_decode_unavailable_past_the_migration_limit_is_a_final_error_event(
+    stack: Any, free_dead_address: str
+) -> None:
+    """Every decode worker the router names is dead: one replacement that keeps the prefill worker's KV,
+    then the stream migrates (decode-only, resuming after the first token) up to the limit (3), then the
+    client gets the error event."""
     dead = router_pb2.WorkerRef(worker_id="decode-dead", role="decode", address=free_dead_address)
     stack.router.placements[:] = [router_pb2.Placement(prefill=stack.prefill.ref("prefill"), decode=dead)]
     response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
     assert response.status_code == 200  # the first token was already sent
     assert '"worker_unavailable"' in response.text and response.text.endswith("data: [DONE]\n\n")
-    assert len(stack.router.schedule_calls) == 2
+    assert len(stack.router.schedule_calls) == 1 + 1 + 3
     assert stack.router.schedule_calls[1]["prefill_done_on_worker_id"] == "prefill-0"
+    for call in stack.router.schedule_calls[2:]:
+        assert call["local_prefill_only"] and "decode-dead" in call["exclude_worker_ids"], call
 
 
 async def test_client_gone_while_the_router_places_releases_the_placement(stack: Any, live_url: str, wait: Any) -> None:
@@ -355,3 +362,66 @@ async def test_readyz_reports_the_check(stack: Any) -> None:
     assert response.status_code == 503
     assert response.json()["detail"] == "no decode worker"
     assert (await stack.client.get("/healthz")).status_code == 200
+
+
+async def test_a_decode_worker_that_dies_mid_stream_is_migrated_and_the_client_sees_one_stream(
+    stack: Any, start_worker: Any, wait: Any
+) -> None:
+    """The decode worker sends " world" and an empty-text token, then answers UNAVAILABLE (its engine
+    died). The stream is placed again decode-only without it; the new decode worker computes the prompt,
+    resumes after the three tokens the client has (the prefill's first and decode's two) and streams the
+    rest. The client sees one stream: no token twice, none missing, one finish, usage billed once."""
+    stack.decode.decode_unavailable_after = 2
+    survivor = await start_worker(
+        "decode-1", decode_steps=[DecodeStep(" 👋", [105]), DecodeStep(" 東京", [106], "length")]
+    )
+    stack.router.placements.append(
+        router_pb2.Placement(decode=survivor.ref("decode"), local_prefill=True, lease_s=30.0)
+    )
+    response = await stack.client.post(
+        "/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True})
+    )
+    assert response.status_code == 200
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+    assert text == "Hello world 👋 東京"
+    assert [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")] == ["length"]
+    assert not [e for e in events if "error" in e]
+    assert events[-1]["usage"]["completion_tokens"] == 1 + 2 + 2
+    (resumed,) = survivor.decode_requests
+    assert resumed.local_prefill and not resumed.HasField("kv_handle") and not resumed.first_token_id
+    assert list(resumed.resume_token_ids) == [101, 102, 103] and resumed.resume_text == "Hello world"
+    assert resumed.sampling.max_tokens == 8 and len({e["id"] for e in events}) == 1
+    migrate = stack.router.schedule_calls[1]
+    assert migrate["local_prefill_only"] and migrate["exclude_worker_ids"] == ["decode-0"]
+    assert stack.metrics.registry.get_sample_value(
+        "tandem_gateway_migrations_total", {"role": "decode", "reason": "unavailable"}
+    ) == 1
+    await wait(stack.prefill.aborted_event)  # its hold, if any is left, is of no use now
+
+
+async def test_migration_off_ends_the_stream_with_the_error_event(
+    start_worker: Any, fake_router: Any, prompt_tokenizer: Any, make_placement: Any
+) -> None:
+    from tandem.gateway.app import build_app
+    from tests.kit.gateway import FakeReadiness
+
+    from .conftest import gateway_settings
+
+    prefill, decode = await start_worker("p"), await start_worker("d", decode_unavailable_after=1)
+    fake_router.placements.append(make_placement(prefill, decode))
+    app = build_app(
+        gateway_settings(max_migrations_per_request=0),
+        router=fake_router,
+        tokenizer=prompt_tokenizer,
+        readiness=FakeReadiness(),
+    )
+    async with (
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client,
+        app.router.lifespan_context(app),
+    ):
+        response = await client.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert response.status_code == 200
+    assert '"worker_unavailable"' in response.text and response.text.endswith("data: [DONE]\n\n")
+    assert '"content":"Hello"' in response.text.replace(" ", "") and "world" in response.text
+    assert len(fake_router.schedule_calls) == 1

@@ -116,6 +116,7 @@ def build_app(
         router_unavailable_wait_s=settings.router_unavailable_wait_s,
         prompt_hasher=prompt_hasher,
         kv_prefetch=settings.kv_prefetch,
+        max_migrations=settings.max_migrations_per_request,
     )
     services = GatewayServices(
         limits=ModelLimits(

@@ -123,6 +123,14 @@ class GatewayMetrics:
             ["role"],
             registry=self.registry,
         )
+        self.migrations_total = Counter(
+            "tandem_gateway_migrations_total",
+            "Requests moved to another worker after theirs failed: role=decode, a stream whose decode worker "
+            "died mid-stream, resumed on another after the tokens already sent; role=prefill, a prefill "
+            "placed again before its first token. reason: the worker's gRPC status (unavailable).",
+            ["role", "reason"],
+            registry=self.registry,
+        )
         self.kv_prefetches_total = Counter(
             "tandem_gateway_kv_prefetches_total",
             "PrefetchKV calls to decode workers (KV pulled while the prefill runs) by outcome: started, "

@@ -17,8 +17,12 @@ through :class:`~tandem.gateway.workers.WorkerChannels`:
    for a local prefill), unless the first token already finished the request
    (placed once more on another decode worker when the first one is
    UNAVAILABLE before it sent anything: a decode-only ``Schedule`` that keeps
-   the prefill worker holding the KV; a decode worker that dies mid-stream
-   ends the stream with an error);
+   the prefill worker holding the KV). A decode worker that dies mid-stream
+   (UNAVAILABLE: its process or its engine died) is *migrated*: a decode-only
+   ``Schedule`` without the dead worker, and a ``Decode`` that computes the
+   prompt and resumes after the tokens the client has received (the worker
+   replays them: tandem.worker.first_token), so the client sees one stream,
+   no token twice and none missing; at most ``max_migrations`` times a request;
 4. always: ``Release`` on the router, and ``Abort`` on both workers when the
    generation did not complete (error, timeout, client gone), so that held KV
    blocks are freed at once rather than when their lease runs out.
@@ -110,6 +114,16 @@ class _Progress:
     decode_call: grpc.aio.UnaryStreamCall | None = None  # type: ignore[type-arg]
     #: The prompt's block hashes, computed for its first Schedule and sent again with any retry.
     prompt_block_hashes: list[router_pb2.PromptBlockHashes] | None = None
+    #: Decode workers that died under this request (never placed on again).
+    dead_worker_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Sent:
+    """What the client has received of the answer: a migrated stream resumes after it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
 
 
 async def _logged(work: Coroutine[Any, Any, None]) -> None:
@@ -155,8 +169,12 @@ class Orchestrator:
         router_unavailable_wait_s: float = 0.0,
         prompt_hasher: PromptHasher | None = None,
         kv_prefetch: bool = False,
+        max_migrations: int = 3,
     ) -> None:
         self._router = router
+        #: A stream's decode worker may die this many times before the client gets the error (0: never
+        #: migrate; the stream ends with an error event, as before migration existed).
+        self._max_migrations = max_migrations
         #: Ask the decode worker to prefetch the prompt's KV while the prefill runs.
         self._kv_prefetch = kv_prefetch
         #: The prompt's prefix hashes for Schedule (None: none sent, the router places as if all were cold).
@@ -194,8 +212,12 @@ class Orchestrator:
             num_decoded_tokens = 0
             num_cached_tokens = 0 if prefill is None else prefill.num_cached_tokens
             finish_reason = ""
-            for attempt in range(2):
-                call = self._start_decode(job, progress.placement, prefill, deadline)
+            sent = _Sent() if prefill is None else _Sent([prefill.first_token_id], prefill.first_text)
+            resume: _Sent | None = None  # set once the stream migrated
+            migrated_at_s: float | None = None
+            num_migrations = 0
+            while not finish_reason:
+                call = self._start_decode(job, progress.placement, None if resume else prefill, deadline, resume)
                 progress.decode_call = call
                 num_chunks = 0
                 try:
@@ -207,23 +229,41 @@ class Orchestrator:
                                 num_cached_tokens = chunk.stats.num_local_cached_tokens
                         if prefill is None and chunk.token_ids:
                             job.clock.mark("prefill_done")  # the decode worker's own prefill
+                        if migrated_at_s is not None and chunk.token_ids:
+                            job.clock.worker["migration_s"] = (
+                                job.clock.worker.get("migration_s", 0.0) + time.monotonic() - migrated_at_s
+                            )
+                            migrated_at_s = None
                         num_decoded_tokens += len(chunk.token_ids)
+                        sent.token_ids.extend(chunk.token_ids)
+                        sent.text += chunk.text
                         if chunk.text or chunk.token_ids:
                             # Empty text (a token that completes no character yet) still counts as a token.
                             yield TextDelta(chunk.text, len(chunk.token_ids), tuple(chunk.logprobs))
                         if chunk.finish_reason:
                             finish_reason = chunk.finish_reason
-                    break
+                    if not finish_reason:
+                        raise WorkerUnavailableError("decode stream ended without a finish reason")
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.UNAVAILABLE and num_chunks == 0 and attempt == 0:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
+                    if num_chunks == 0 and resume is None and not progress.dead_worker_ids:
                         # The decode worker was gone before it sent anything (it died between requests and
                         # its registration has not expired yet): the prefill worker still holds the KV under
                         # its lease, so another decode worker can take over without the client noticing.
                         await self._replace_decode_worker(job, progress)
                         continue
-                    raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
-            if not finish_reason:
-                raise WorkerUnavailableError("decode stream ended without a finish reason")
+                    if len(sent.token_ids) >= job.max_tokens:
+                        finish_reason = "length"  # it died after the last token, before saying it was the last
+                        break
+                    if num_migrations >= self._max_migrations:
+                        raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
+                    num_migrations += 1
+                    job.clock.worker["num_migrations"] = num_migrations
+                    migrated_at_s = time.monotonic()
+                    reason = exc.code().name.lower()
+                    await self._migrate_decode(job, progress, reason=reason, num_sent=len(sent.token_ids))
+                    resume = sent
             progress.completed = True
             num_output_tokens = num_decoded_tokens + (0 if prefill is None else 1)
             yield Finished(finish_reason, Usage(len(job.prompt_token_ids), num_output_tokens, num_cached_tokens))
@@ -266,6 +306,7 @@ class Orchestrator:
                         extra={"request_id": job.request_id, "worker_id": placement.prefill.worker_id},
                     )
                     self._metrics.worker_retries_total.labels(role="prefill").inc()
+                    self._metrics.migrations_total.labels(role="prefill", reason="unavailable").inc()
                     progress.placement = None
                     await self._release(job.request_id)
                     excluded.append(placement.prefill.worker_id)
@@ -370,6 +411,7 @@ class Orchestrator:
         assert progress.placement is not None
         previous = progress.placement
         dead = previous.decode
+        progress.dead_worker_ids.append(dead.worker_id)
         prefill_done_on = "" if previous.local_prefill else previous.prefill.worker_id
         logger.warning(
             "decode worker unavailable before its first token; placing the decode once more",
@@ -383,7 +425,7 @@ class Orchestrator:
         self._metrics.worker_retries_total.labels(role="decode").inc()
         placement = await self._place(
             job,
-            [dead.worker_id],
+            list(progress.dead_worker_ids),
             progress,
             prefill_done_on_worker_id=prefill_done_on,
             local_prefill_only=previous.local_prefill,
@@ -398,6 +440,33 @@ class Orchestrator:
         else:
             replaced.prefill.CopyFrom(previous.prefill)
         progress.placement = replaced
+
+    async def _migrate_decode(self, job: GenerationJob, progress: _Progress, *, reason: str, num_sent: int) -> None:
+        """Place a stream whose decode worker died mid-stream again, decode-only and without every
+        worker that died under it: the new decode worker computes the prompt (from its prefix cache
+        where it has it: the router places by cache locality) and replays the tokens sent so far. The
+        prefill worker's hold, if it still has one, is dropped: nothing will pull it now."""
+        assert progress.placement is not None
+        previous = progress.placement
+        progress.dead_worker_ids.append(previous.decode.worker_id)
+        logger.warning(
+            "decode worker failed mid-stream; migrating the stream",
+            extra={
+                "request_id": job.request_id,
+                "worker_id": previous.decode.worker_id,
+                "reason": reason,
+                "num_tokens_sent": num_sent,
+            },
+        )
+        self._metrics.migrations_total.labels(role="decode", reason=reason).inc()
+        if previous.prefill.address:
+            self.run_in_background(self._abort(previous.prefill.address, job.request_id))
+        placement = await self._place(job, list(progress.dead_worker_ids), progress, local_prefill_only=True)
+        migrated = router_pb2.Placement()
+        migrated.CopyFrom(placement)
+        migrated.local_prefill = True
+        migrated.ClearField("prefill")
+        progress.placement = migrated
 
     def _start_prefetch(self, job: GenerationJob, placement: router_pb2.Placement) -> None:
         """``PrefetchKV`` on the decode worker, in the background: the Prefill is not held up by it,
@@ -430,7 +499,10 @@ class Orchestrator:
         placement: router_pb2.Placement,
         prefill: worker_pb2.PrefillResponse | None,
         deadline: float,
+        resume: _Sent | None = None,
     ) -> grpc.aio.UnaryStreamCall:  # type: ignore[type-arg]
+        """``Decode`` after ``prefill``'s first token; for a local prefill (``prefill`` None) from the
+        prompt, resuming after ``resume`` (a migrated stream) when given."""
         request = worker_pb2.DecodeRequest(
             request_id=job.request_id,
             prompt_token_ids=job.prompt_token_ids,
@@ -439,6 +511,9 @@ class Orchestrator:
         )
         if prefill is None:
             request.local_prefill = True
+            if resume is not None:
+                request.resume_token_ids.extend(resume.token_ids)
+                request.resume_text = resume.text
         elif not prefill.HasField("kv_handle"):
             raise PermanentError("prefill worker kept no KV for the decode worker")
         else:

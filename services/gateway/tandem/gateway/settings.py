@@ -139,6 +139,9 @@ class GatewaySettings(BaseSettings):
     #: It costs the decode worker staging memory (bounded by TANDEM_WORKER_KV__PREFETCH_MAX_BYTES) and
     #: a thread per prompt in flight. Off: decode pulls after the prefill.
     kv_prefetch: bool = True
+    #: A stream whose decode worker dies mid-stream is resumed on another decode worker, after the tokens
+    #: already sent, at most this many times (0: off; the stream ends with an error event instead).
+    max_migrations_per_request: int = Field(3, ge=0)
     #: How long a /readyz answer is reused before the router and registry are asked again.
     readiness_cache_s: float = Field(2.0, ge=0)
     #: Deadline of each readiness check (router connect, registry read).

@@ -48,7 +48,13 @@ logger = logging.getLogger(__name__)
 
 STATUS_CLIENT_GONE = 499
 #: Worker figures (StageClock.worker) that are stages of their own in the histogram.
-_WORKER_STAGES = (("prefill_engine_s", "prefill_engine"), ("kv_transfer_s", "kv_transfer"))
+#: Worker figures that are stages of their own: the prefill engine's time, the KV pull's, and a migrated
+#: stream's gap (the failure seen → the first token from the new decode worker).
+_WORKER_STAGES = (
+    ("prefill_engine_s", "prefill_engine"),
+    ("kv_transfer_s", "kv_transfer"),
+    ("migration_s", "migration"),
+)
 
 
 @dataclass(frozen=True)
