@@ -55,7 +55,7 @@ empty :=
 space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS) $(TOOL_DIRS))
 
-.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv bench-local-prefill bench-trim
+.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv bench-local-prefill bench-migration bench-trim
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -153,6 +153,10 @@ bench-kv: setup redis  ## KV pull vs loopback TCP vs a bare gRPC stream, where t
 
 bench-local-prefill: setup redis  ## handoff vs the decode worker prefilling alone, by prompt length: the router's threshold
 	$(PY) benchmarks/local_prefill.py
+
+BENCH_MIGRATION_ARGS ?=
+bench-migration: setup redis  ## streams whose decode worker is SIGKILLed mid-answer, against undisturbed runs (--streams N)
+	PYTHONPATH=. $(PY) benchmarks/migration.py $(BENCH_MIGRATION_ARGS)
 
 bench-trim: setup  ## context trimming: one rendering prices every turn vs bisection, side by side
 	$(PY) benchmarks/context_trimming.py

@@ -25,7 +25,9 @@ def worker_names(stack: LocalStack, role: str | None = None) -> list[str]:
 
 def load(stack: LocalStack, name: str) -> worker_pb2.LoadReport:
     with stack.worker_channel(name) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=20)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        report: worker_pb2.LoadReport = stub.GetLoad(worker_pb2.LoadRequest(), timeout=20)
+        return report
 
 
 def kv_stats(stack: LocalStack, name: str) -> kv_transfer_pb2.KVStats:
@@ -37,7 +39,10 @@ def kv_stats(stack: LocalStack, name: str) -> kv_transfer_pb2.KVStats:
         else grpc.insecure_channel(address)
     )
     with channel:
-        return kv_transfer_pb2_grpc.KVTransferStub(channel).GetStats(kv_transfer_pb2.KVStatsRequest(), timeout=20)
+        stats: kv_transfer_pb2.KVStats = kv_transfer_pb2_grpc.KVTransferStub(channel).GetStats(
+            kv_transfer_pb2.KVStatsRequest(), timeout=20
+        )
+        return stats
 
 
 def gauge(stack: LocalStack, name: str, metric: str) -> float:

@@ -11,8 +11,10 @@ again) with one prefill and two decode workers, real vLLM engines:
   answers NOT_SERVING, leaves the registry within 1 s, exits 70, and the
   supervisor brings it back; requests meanwhile are all served;
 * an engine step that raises mid-stream (failpoint ``engine.step``) and a step
-  that hangs past the watchdog: the worker goes the same way, and what the
-  client is told names nothing inside.
+  that hangs past the watchdog: the worker goes the same way, and the stream
+  migrates to the other decode worker, identical to an uninterrupted one;
+  through a gateway with migration off, what the client is told names nothing
+  inside.
 """
 
 from __future__ import annotations
@@ -382,15 +384,34 @@ def test_engine_process_killed_while_the_worker_lives(death: BackendStack, ledge
         f.leaked("running or held requests", sum(r.total for r in left.values()))
 
 
-@pytest.mark.parametrize("fault", ["raises", "hangs"])
-def test_engine_step_fails_mid_stream(death: BackendStack, ledger: FaultLedger, fault: str) -> None:
+@pytest.fixture(scope="module")
+def no_migration_gateway(death_stack: BackendStack) -> str:
+    """A second gateway in front of the same stack, with migration off; its base URL."""
+    return death_stack.stack.start_gateway_variant(
+        "gateway-no-migration", free_port(), {"TANDEM_GATEWAY_MAX_MIGRATIONS_PER_REQUEST": "0"}
+    )
+
+
+@pytest.mark.parametrize(
+    ("fault", "migrate"),
+    [("raises", True), ("hangs", True), ("raises", False)],
+    ids=["raises", "hangs", "no-migration"],
+)
+def test_engine_step_fails_mid_stream(
+    death: BackendStack, ledger: FaultLedger, request: pytest.FixtureRequest, fault: str, migrate: bool
+) -> None:
     """Only the stream's engines step while it runs (idle engines take no steps), so arming the step
-    failpoint mid-stream fails the decode engine serving it; it is disarmed once that worker is gone."""
+    failpoint mid-stream fails the decode engine serving it; it is disarmed once that worker is gone.
+    The stream migrates to the other decode worker and reads exactly as an uninterrupted one; through a
+    gateway with migration off it ends with one error event that names nothing inside."""
     stack = death.stack
-    body = chat_body(stack, max_tokens=400, ignore_eos=True)
+    body = chat_body(stack, "Écris 👋 東京 <|im_start|>system une histoire.", max_tokens=150, ignore_eos=True)
+    gateway_url = str(request.getfixturevalue("no_migration_gateway")) if not migrate else ""
+    reference = stream_chat(stack, body, timeout_s=180)
+    assert reference.done and not reference.errors, reference
     procs = {n: stack._children[n].proc for n in worker_names(stack, "decode")}
     name = "step raises mid-stream (failpoint)" if fault == "raises" else "step hangs past the watchdog"
-    with ledger.fault(f"decode engine: {name}") as f:
+    with ledger.fault(f"decode engine: {name}{'' if migrate else ', migration off'}") as f:
         armed_at: list[float] = []
 
         def arm_when_streaming(lines: list[str]) -> None:
@@ -410,14 +431,21 @@ def test_engine_step_fails_mid_stream(death: BackendStack, ledger: FaultLedger, 
 
         disarm = threading.Thread(target=disarm_when_a_worker_left)
         disarm.start()
-        result = stream_chat(stack, body, on_line=arm_when_streaming, timeout_s=180)
+        result = stream_chat(stack, body, on_line=arm_when_streaming, timeout_s=180, gateway_url=gateway_url)
         disarm.join()
         assert armed_at, "the stream ended before the failpoint was armed"
         ended_after_s = time.monotonic() - armed_at[0]
         assert result.status == 200 and result.done
-        assert len(result.errors) == 1, result.errors
-        _assert_public(result.errors[0])
-        f.saw(f"one error event after {ended_after_s:.1f} s, naming nothing inside")
+        if migrate:
+            assert not result.errors, result.errors
+            assert result.text == reference.text, (result.text, reference.text)
+            assert result.usage is not None and result.usage["completion_tokens"] == 150, result.usage
+            f.saw(f"one stream identical to the uninterrupted one, done {ended_after_s:.1f} s after the fault")
+        else:
+            assert len(result.errors) == 1, result.errors
+            _assert_public(result.errors[0])
+            assert reference.text.startswith(result.text) and len(result.text) < len(reference.text)
+            f.saw(f"one error event after {ended_after_s:.1f} s, naming nothing inside")
         wait_until(lambda: any(p.poll() is not None for p in procs.values()), timeout_s=30)
         dead = [n for n, p in procs.items() if p.poll() is not None]
         assert len(dead) == 1 and procs[dead[0]].returncode == EXIT_ENGINE_DEAD, {

@@ -36,11 +36,13 @@ def stream_chat(
     on_line: Callable[[list[str]], None] | None = None,
     timeout_s: float = 120.0,
     headers: dict[str, str] | None = None,
+    gateway_url: str = "",
 ) -> StreamResult:
-    """POST a streamed chat completion; ``on_line`` sees the lines so far after each one."""
+    """POST a streamed chat completion (to the stack's gateway, or ``gateway_url``); ``on_line`` sees the
+    lines so far after each one."""
     lines: list[str] = []
     with (
-        httpx.Client(base_url=stack.config.gateway_url, timeout=timeout_s) as client,
+        httpx.Client(base_url=gateway_url or stack.config.gateway_url, timeout=timeout_s) as client,
         client.stream("POST", "/v1/chat/completions", json=body, headers=headers or stack.auth_headers) as resp,
     ):
         if resp.status_code != 200:

@@ -23,8 +23,8 @@ from tests.probes import gauge, kv_stats, load, quiesce, wait_until, worker_name
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
 
-#: A terminal error must reach the client this soon after its decode worker died.
-ERROR_BOUND_S = 10.0
+#: A story prompt long enough that the greedy answer does not end before max_tokens (ignore_eos anyway).
+PROMPT_TAIL = "a lighthouse keeper finds a map."
 
 
 def _running_on(backend: BackendStack, role: str) -> list[str]:
@@ -45,19 +45,25 @@ def _assert_no_residue(backend: BackendStack, f: object) -> None:
     f.leaked("KV prefetch bytes staged", sum(r.staged_bytes for r in left.values()))
 
 
-def test_decode_killed_mid_stream(backend: BackendStack, ledger: FaultLedger) -> None:
+@pytest.mark.parametrize("kill_at", [10, 47])
+def test_decode_killed_mid_stream(backend: BackendStack, ledger: FaultLedger, kill_at: int) -> None:
+    """The stream migrates: the gateway places it again on the other decode worker, which computes the
+    prompt and replays the tokens the client has; the client sees one stream, identical to one that
+    nothing interrupted, billed once. The prompt starts with emoji and CJK, and the kill lands at
+    different tokens (10, 47)."""
     stack = backend.stack
-    body = chat_body(stack, max_tokens=120, ignore_eos=True)
+    body = chat_body(stack, "Écris 👋 東京 une histoire: " + PROMPT_TAIL, max_tokens=120, ignore_eos=True)
     reference = stream_chat(stack, body)
     assert reference.done and reference.finish_reasons == ["length"], reference
     usage_before = usage_total(stack)
+    migrations_before = gateway_counter(stack, "tandem_gateway_migrations_total", role="decode")
 
-    with ledger.fault("decode worker SIGKILLed mid-stream") as f:
+    with ledger.fault(f"decode worker SIGKILLed mid-stream (token ~{kill_at})") as f:
         killed: list[str] = []
         killed_at: list[float] = []
 
         def kill_when_streaming(lines: list[str]) -> None:
-            if not killed and num_content_events(lines) >= 10:
+            if not killed and num_content_events(lines) >= kill_at:
                 victims = _running_on(backend, "decode")
                 assert len(victims) == 1, victims
                 stack.kill(victims[0])
@@ -66,25 +72,22 @@ def test_decode_killed_mid_stream(backend: BackendStack, ledger: FaultLedger) ->
                 f.tried()
 
         result = stream_chat(stack, body, on_line=kill_when_streaming)
-        error_after_s = time.monotonic() - killed_at[0]
-        assert result.status == 200 and killed
-        assert len(result.errors) == 1, result.errors
-        error = result.errors[0]
-        f.saw(f"SSE error event ({error.get('code') or error.get('type')}) after {num_tokens(result)} tokens")
-        assert {"message", "type"} <= set(error), error
-        assert result.done, "the stream must still end with [DONE]"
-        assert result.finish_reasons == [], "no finish chunk after an error"
-        assert error_after_s < ERROR_BOUND_S, error_after_s
-        # Nothing duplicated or missing: what arrived is exactly the start of the greedy answer.
-        assert result.text and reference.text.startswith(result.text), (result.text, reference.text)
-        assert len(result.text) < len(reference.text)
+        assert result.status == 200 and killed, result
+        assert not result.errors and result.done, result
+        assert result.finish_reasons == ["length"], result.finish_reasons
+        # Nothing duplicated or missing: the very answer an uninterrupted stream gave.
+        assert result.text == reference.text, (result.text, reference.text)
+        assert len({e.get("id") for e in result.events if e.get("id")}) == 1
+        assert result.usage is not None and result.usage["completion_tokens"] == 120, result.usage
+        migrations = gateway_counter(stack, "tandem_gateway_migrations_total", role="decode") - migrations_before
+        assert migrations == 1, migrations
+        f.saw("200, one stream identical to the uninterrupted one (migrated once)")
 
-        # Usage is recorded for what was generated; the registration goes; new requests go elsewhere.
+        # Usage is billed once, for what the client got; the registration goes; new requests go elsewhere.
         assert wait_until(
-            lambda: usage_total(stack)["aborted_requests"] == usage_before["aborted_requests"] + 1, timeout_s=10
+            lambda: usage_total(stack)["completion_tokens"] - usage_before["completion_tokens"] >= 120, timeout_s=10
         )
-        usage_after = usage_total(stack)
-        assert usage_after["completion_tokens"] - usage_before["completion_tokens"] >= num_tokens(result)
+        assert usage_total(stack)["completion_tokens"] - usage_before["completion_tokens"] == 120
         assert wait_until(lambda: killed[0] not in backend.registered(), timeout_s=REGISTRY_TTL_S + 5)
         survivor = next(n for n in worker_names(stack, "decode") if n != killed[0])
         done_before = gauge(stack, survivor, "vllm:request_success_total")

@@ -260,6 +260,7 @@ class Orchestrator:
                         raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
                     num_migrations += 1
                     job.clock.worker["num_migrations"] = num_migrations
+                    job.clock.worker["num_resumed_tokens"] = len(sent.token_ids)
                     migrated_at_s = time.monotonic()
                     reason = exc.code().name.lower()
                     await self._migrate_decode(job, progress, reason=reason, num_sent=len(sent.token_ids))
