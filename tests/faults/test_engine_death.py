@@ -416,7 +416,7 @@ def test_engine_step_fails_mid_stream(
 
         def arm_when_streaming(lines: list[str]) -> None:
             if not armed_at and num_content_events(lines) >= 5:
-                death.arm("engine.step", "error engine step failpoint" if fault == "raises" else "sleep 300")
+                death.arm("engine.step", "once error engine step failpoint" if fault == "raises" else "once sleep 300")
                 armed_at.append(time.monotonic())
                 f.tried()
 

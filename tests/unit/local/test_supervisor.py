@@ -34,7 +34,7 @@ def test_a_component_that_exits_is_started_again(tmp_path) -> None:  # type: ign
     try:
         stack._spawn("gateway", [sys.executable, "-c", _READY_SERVER, str(port)], stack._base_env())
         stack._wait("gateway", stack._gateway_ready, timeout_s=30)
-        stack._start_supervisor()
+        stack.supervisor.start()
         first_pid = stack.pid("gateway")
         stack.kill("gateway", signal.SIGKILL)
         deadline = time.monotonic() + 30

@@ -7,7 +7,9 @@ production deployments never do; then :func:`hit` costs one ``stat`` of
 into that file and disarms it by deleting the file:
 
 * ``sleep <seconds>``: stall here (a hung peer, a slow disk);
-* ``error <message>``: raise :class:`FailpointError` here.
+* ``error <message>``: raise :class:`FailpointError` here;
+* ``once <action>``: the action, once: the first hit deletes the file (a fault in one process, not in
+  every process that passes the same place after it).
 
 The names in use are listed in :data:`KNOWN`; :func:`hit` refuses others so a
 typo in a test cannot silently arm nothing.
@@ -42,11 +44,18 @@ def hit(name: str) -> None:
         return
     if name not in KNOWN:
         raise ValueError(f"unknown failpoint {name!r}")
+    path = Path(_DIR) / name
     try:
-        action = (Path(_DIR) / name).read_text().strip()
+        action = path.read_text().strip()
     except FileNotFoundError:
         return
     verb, _, argument = action.partition(" ")
+    if verb == "once":
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return  # another hit took it first
+        verb, _, argument = argument.partition(" ")
     logger.warning("failpoint %s: %s", name, action)
     if verb == "sleep":
         time.sleep(float(argument))

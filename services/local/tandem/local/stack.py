@@ -27,6 +27,7 @@ import httpx
 import redis
 
 from tandem.common.tls import TLSSettings, channel_credentials
+from tandem.local.supervisor import Supervisor
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 #: Ports handed to the stack's servers come from here: below Linux's ephemeral range (where
@@ -234,12 +235,15 @@ class LocalStack:
         self.api_key = ""
         #: Credential of the gateway's admin endpoints, fresh at every start.
         self.admin_key = secrets.token_urlsafe(24)
-        #: Restarts by the supervisor, by component (``config.supervise``).
-        self.restarts: dict[str, int] = {}
-        self._supervisor: threading.Thread | None = None
-        self._stopping = threading.Event()
         #: Held while a component is (re)started, so that the supervisor and a caller never race.
-        self._lifecycle = threading.RLock()
+        self.lifecycle = threading.RLock()
+        #: Restarts components that exit, once the stack is up (``config.supervise``).
+        self.supervisor = Supervisor(
+            self,
+            backoff_s=config.restart_backoff_s,
+            max_backoff_s=config.max_restart_backoff_s,
+            progress=self._progress,
+        )
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -427,44 +431,16 @@ class LocalStack:
         self._progress("starting gateway")
         self._spawn("gateway", [py, "-m", "tandem.gateway"], self._gateway_env())
         self._wait("gateway", self._gateway_ready, timeout_s)
-        self._start_supervisor()
+        if c.supervise:
+            self.supervisor.start()
 
-    # -- supervision -------------------------------------------------------------
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts by the supervisor so far, by component."""
+        return self.supervisor.restarts
 
-    def _start_supervisor(self) -> None:
-        if not self.config.supervise or self._supervisor is not None:
-            return
-        self._stopping.clear()
-        self._supervisor = threading.Thread(target=self._supervise, name="tandem-supervisor", daemon=True)
-        self._supervisor.start()
-
-    def _supervise(self) -> None:
-        """Every 0.2 s: a component that exited is killed whole (an engine's processes may outlive the
-        worker that started them, holding its ports) and started again after a backoff."""
-        backoff_s: dict[str, float] = {}
-        last_restart_s: dict[str, float] = {}
-        while not self._stopping.wait(0.2):
-            for name in list(self._children):
-                child = self._children.get(name)
-                if child is None or child.proc.poll() is None:
-                    continue
-                now = time.monotonic()
-                if now - last_restart_s.get(name, -1e9) > 60:
-                    backoff_s[name] = self.config.restart_backoff_s
-                wait_s = backoff_s.get(name, self.config.restart_backoff_s)
-                self._progress(f"{name} exited with {child.proc.returncode}; restarting in {wait_s:.0f} s")
-                if self._stopping.wait(wait_s):
-                    return
-                backoff_s[name] = min(self.config.max_restart_backoff_s, wait_s * 2)
-                last_restart_s[name] = time.monotonic()
-                try:
-                    with self._lifecycle:
-                        if self._stopping.is_set() or self.is_running(name):
-                            continue
-                        self.restarts[name] = self.restarts.get(name, 0) + 1
-                        self.restart(name)
-                except StackError as exc:
-                    self._progress(f"{name} did not come back: {exc}")
+    def exit_status(self, name: str) -> int | None:
+        return self._children[name].proc.poll()
 
     def start_gateway_variant(self, name: str, port: int, env: dict[str, str], *, timeout_s: float = 120.0) -> str:
         """Another gateway in front of the same router and workers, configured as the first one plus
@@ -482,7 +458,7 @@ class LocalStack:
         deadline = time.monotonic() + timeout_s
         last_note = time.monotonic()
         while time.monotonic() < deadline:
-            if self._stopping.is_set() and threading.current_thread() is self._supervisor:
+            if self.supervisor.stopping_in_own_thread():
                 raise StackError(f"{name}: the stack is stopping")
             child = self._children.get(name)
             if child is not None and child.proc.poll() is not None:
@@ -530,7 +506,7 @@ class LocalStack:
         until it is ready. A running one is killed first, and so is what is left of a dead one (an
         engine's processes may outlive their worker). Holds the stack's lifecycle lock: the supervisor
         and a caller never start the same component at once."""
-        with self._lifecycle:
+        with self.lifecycle:
             self.kill(name, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._children[name].proc.wait(timeout=30)
@@ -582,10 +558,7 @@ class LocalStack:
 
     def stop(self, *, timeout_s: float = 30.0) -> None:
         """SIGTERM every child (gateway first), then SIGKILL what is left."""
-        self._stopping.set()
-        if self._supervisor is not None:
-            self._supervisor.join(timeout=5)
-            self._supervisor = None
+        self.supervisor.stop()
         order = [
             *[n for n in self._children if n.startswith("gateway")],
             "router",
