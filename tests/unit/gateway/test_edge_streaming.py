@@ -57,7 +57,7 @@ class SlowRouter:
 
 async def test_heartbeats_while_queued_and_timings_only_when_asked(edge: Any) -> None:
     key = await edge.tenant("acme")
-    edge.app.state.services.orchestrator._router = SlowRouter(edge.router, 1.0)
+    edge.app.state.services.orchestrator._placer._router = SlowRouter(edge.router, 1.0)
     response = await edge.client.post(
         "/v1/chat/completions", json=chat(stream=True), headers={**bearer(key), "X-Tandem-Timings": "1"}
     )
@@ -81,7 +81,7 @@ async def test_heartbeats_while_queued_and_timings_only_when_asked(edge: Any) ->
         "/v1/chat/completions", json=chat(), headers={**bearer(key), "X-Tandem-Timings": "1"}
     )
     assert "prefill" in unary.json()["tandem_timings"]["stages_ms"]
-    edge.app.state.services.orchestrator._router = edge.router
+    edge.app.state.services.orchestrator._placer._router = edge.router
     assert (
         "tandem_timings"
         not in (await edge.client.post("/v1/chat/completions", json=chat(), headers=bearer(key))).json()

@@ -24,7 +24,7 @@ from tandem_loadtest.records import RequestRecord
 from tandem.common.errors import InvalidRequestError
 from tandem.gateway.api.errors import api_error_from
 from tandem.gateway.api.validation import ChatCompletionRequest, CompletionRequest, check_content_type, parse_body
-from tandem.gateway.orchestrator import Usage
+from tandem.gateway.job import Usage
 from tandem.gateway.sse import DONE_EVENT, HEARTBEAT, ChunkEncoder, ResponseMeta
 
 MODEL = "SmolLM2-135M-Instruct"

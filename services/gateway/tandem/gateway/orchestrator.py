@@ -1,8 +1,9 @@
 """One request's path through the disaggregated back end.
 
 Called by the route handlers (through :meth:`Orchestrator.generate`); calls the
-router through a :class:`~tandem.gateway.router.Router` and the workers
-through :class:`~tandem.gateway.workers.WorkerChannels`:
+router through a :class:`~tandem.gateway.placement.Placer` (each placement, and
+each placement again when a worker died) and the workers through
+:class:`~tandem.gateway.workers.WorkerChannels`:
 
 1. ``Schedule`` → a (prefill, decode) placement, or a decode worker alone
    (``local_prefill``: little of the prompt is uncached there, so it prefills
@@ -36,86 +37,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from tandem.common.backoff import backoff_delays
-from tandem.common.errors import BackendUnavailableError, PermanentError, TandemError, WorkerUnavailableError
+from tandem.common.errors import PermanentError, WorkerUnavailableError
+from tandem.gateway.job import Finished, GenerationEvent, GenerationJob, TextDelta, Usage
 from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.placement import RELEASE_RETRY_S, Placer, Placing
 from tandem.gateway.prefix_hashes import PromptHasher
 from tandem.gateway.router import Router
-from tandem.gateway.sampling import SamplingParams
 from tandem.gateway.timings import StageClock
 from tandem.gateway.workers import WorkerChannels, map_worker_error
-from tandem.v1 import common_pb2, router_pb2, worker_pb2
+from tandem.v1 import router_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
-#: How long cleanup keeps retrying a router Release that failed or timed out (it runs in the background).
-_RELEASE_RETRY_S = 30.0
-
-
-@dataclass(frozen=True)
-class GenerationJob:
-    """A validated, tokenized request, ready to be placed."""
-
-    request_id: str
-    model: str
-    prompt_token_ids: Sequence[int]
-    max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    tenant: str = "default"
-    cache_salt: str = ""
-    #: The tenant's priority class for the router's admission queue ("": the router's default).
-    priority: str = ""
-    #: Marks scheduled / prefill_done and collects the workers' timings (mutable, owned by this request).
-    clock: StageClock = field(default_factory=StageClock)
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    """Newly generated tokens and their text (may be empty: a character not complete yet, or text a
-    stop string may still claim), with one log-probability entry per token when the client asked."""
-
-    text: str
-    num_tokens: int
-    logprobs: tuple[common_pb2.TokenLogprobs, ...] = ()
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str
-    usage: Usage
-
-
-GenerationEvent = TextDelta | Finished
-
-
 @dataclass
-class _Progress:
-    """What cleanup needs to know about how far a request got."""
+class _Progress(Placing):
+    """What cleanup needs to know about how far a request got (where it is placed: :class:`Placing`)."""
 
-    placement: router_pb2.Placement | None = None
     completed: bool = False
     decode_call: grpc.aio.UnaryStreamCall | None = None  # type: ignore[type-arg]
-    #: The prompt's block hashes, computed for its first Schedule and sent again with any retry.
-    prompt_block_hashes: list[router_pb2.PromptBlockHashes] | None = None
-    #: Decode workers that died under this request (never placed on again).
-    dead_worker_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -171,23 +116,25 @@ class Orchestrator:
         kv_prefetch: bool = False,
         max_migrations: int = 3,
     ) -> None:
-        self._router = router
         #: A stream's decode worker may die this many times before the client gets the error (0: never
         #: migrate; the stream ends with an error event, as before migration existed).
         self._max_migrations = max_migrations
         #: Ask the decode worker to prefetch the prompt's KV while the prefill runs.
         self._kv_prefetch = kv_prefetch
-        #: The prompt's prefix hashes for Schedule (None: none sent, the router places as if all were cold).
-        self._prompt_hasher = prompt_hasher
         self._workers = workers
         self._metrics = metrics
         self._prefill_timeout_s = prefill_timeout_s
         self._request_timeout_s = request_timeout_s
         self._cleanup_timeout_s = cleanup_timeout_s
-        self._router_unavailable_wait_s = router_unavailable_wait_s
-        #: Set at shutdown: background Release retries give up (their leases free the budget).
-        self._closing = False
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
+        self._placer = Placer(
+            router,
+            metrics=metrics,
+            router_unavailable_wait_s=router_unavailable_wait_s,
+            cleanup_timeout_s=cleanup_timeout_s,
+            prompt_hasher=prompt_hasher,
+            run_in_background=self.run_in_background,
+        )
 
     async def generate(self, job: GenerationJob) -> AsyncGenerator[GenerationEvent, None]:
         """Yield the first token's delta, further deltas, then one :class:`Finished`.
@@ -251,7 +198,7 @@ class Orchestrator:
                         # The decode worker was gone before it sent anything (it died between requests and
                         # its registration has not expired yet): the prefill worker still holds the KV under
                         # its lease, so another decode worker can take over without the client noticing.
-                        await self._replace_decode_worker(job, progress)
+                        await self._placer.replace_decode_worker(job, progress)
                         continue
                     if len(sent.token_ids) >= job.max_tokens:
                         finish_reason = "length"  # it died after the last token, before saying it was the last
@@ -263,7 +210,9 @@ class Orchestrator:
                     job.clock.worker["num_resumed_tokens"] = len(sent.token_ids)
                     migrated_at_s = time.monotonic()
                     reason = exc.code().name.lower()
-                    await self._migrate_decode(job, progress, reason=reason, num_sent=len(sent.token_ids))
+                    if progress.placement.prefill.address:  # its hold, if any is left, is of no use now
+                        self.run_in_background(self._abort(progress.placement.prefill.address, job.request_id))
+                    await self._placer.migrate_decode(job, progress, reason=reason, num_sent=len(sent.token_ids))
                     resume = sent
             progress.completed = True
             num_output_tokens = num_decoded_tokens + (0 if prefill is None else 1)
@@ -280,7 +229,7 @@ class Orchestrator:
         """The prefill worker's answer, or None when the router placed a local prefill."""
         excluded: list[str] = []
         for attempt in range(2):
-            placement = await self._place(job, excluded, progress)
+            placement = await self._placer.place(job, excluded, progress)
             progress.placement = placement
             job.clock.remark("scheduled")
             job.clock.worker["num_router_expected_decode_cached_tokens"] = placement.num_decode_cached_tokens
@@ -309,7 +258,7 @@ class Orchestrator:
                     self._metrics.worker_retries_total.labels(role="prefill").inc()
                     self._metrics.migrations_total.labels(role="prefill", reason="unavailable").inc()
                     progress.placement = None
-                    await self._release(job.request_id)
+                    await self._placer.release(job.request_id)
                     excluded.append(placement.prefill.worker_id)
                     continue
                 raise map_worker_error(exc, role="prefill", address=placement.prefill.address) from exc
@@ -319,155 +268,6 @@ class Orchestrator:
             job.clock.worker["num_router_expected_cached_tokens"] = placement.num_cached_tokens
             return response
         raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _place(
-        self,
-        job: GenerationJob,
-        exclude_worker_ids: list[str],
-        progress: _Progress,
-        *,
-        prefill_done_on_worker_id: str = "",
-        local_prefill_only: bool = False,
-    ) -> router_pb2.Placement:
-        """``Schedule`` on the router, asked again while the router is unreachable (a replica or the
-        whole router restarting) for up to ``router_unavailable_wait_s``: the request waits (a stream
-        sends its heartbeats) rather than failing at once, and fails with the router's
-        error when the wait is over. Schedule is idempotent per request id (a second one replaces the
-        first one's reservation). ``prefill_done_on_worker_id``, ``local_prefill_only``: a decode-only
-        Schedule (see :meth:`_replace_decode_worker`)."""
-        if progress.prompt_block_hashes is None:
-            progress.prompt_block_hashes = (
-                await self._prompt_hasher.hashes(job.model, job.prompt_token_ids, job.cache_salt)
-                if self._prompt_hasher is not None
-                else []
-            )
-        delays = backoff_delays(within_s=self._router_unavailable_wait_s)
-        while True:
-            try:
-                return await self._schedule_once(
-                    job,
-                    exclude_worker_ids,
-                    progress.prompt_block_hashes,
-                    prefill_done_on_worker_id=prefill_done_on_worker_id,
-                    local_prefill_only=local_prefill_only,
-                )
-            except BackendUnavailableError:
-                delay_s = next(delays, None)
-                if delay_s is None:
-                    raise
-                self._metrics.router_unavailable_retries_total.inc()
-                await asyncio.sleep(delay_s)
-
-    async def _schedule_once(
-        self,
-        job: GenerationJob,
-        exclude_worker_ids: list[str],
-        hashes: list[router_pb2.PromptBlockHashes],
-        *,
-        prefill_done_on_worker_id: str = "",
-        local_prefill_only: bool = False,
-    ) -> router_pb2.Placement:
-        """One ``Schedule``. If the request is cancelled meanwhile (the client left), the call
-        is not cancelled with it: the router may already have reserved a pair, so the call runs to its
-        end in the background and what it reserved is released, rather than held until its lease ends."""
-        schedule = asyncio.ensure_future(
-            self._router.schedule(
-                request_id=job.request_id,
-                model=job.model,
-                num_prompt_tokens=len(job.prompt_token_ids),
-                prompt_block_hashes=hashes,
-                max_tokens=job.max_tokens,
-                tenant=job.tenant,
-                exclude_worker_ids=list(exclude_worker_ids),
-                priority=job.priority,
-                prefill_done_on_worker_id=prefill_done_on_worker_id,
-                local_prefill_only=local_prefill_only,
-            )
-        )
-        try:
-            return await asyncio.shield(schedule)
-        except asyncio.CancelledError:
-            self.run_in_background(self._release_once_placed(job.request_id, schedule))
-            raise
-
-    async def _release_once_placed(self, request_id: str, schedule: asyncio.Future[router_pb2.Placement]) -> None:
-        try:
-            await schedule
-        except Exception:  # it failed: nothing was reserved
-            return
-        await self._release(request_id, retry_for_s=_RELEASE_RETRY_S)
-
-    async def _replace_decode_worker(self, job: GenerationJob, progress: _Progress) -> None:
-        """Ask the router for another decode worker, keeping the prefill worker that holds the KV.
-
-        A disaggregated placement is placed again decode-only (``prefill_done_on_worker_id`` names the
-        prefill worker), a local prefill as a local prefill again (``local_prefill_only``: nothing was
-        streamed, the new decode worker prefills the prompt): either way the router reserves decode
-        budget alone, none on a prefill worker that would do nothing. Nothing is released first: a
-        second Schedule of one request id replaces its earlier reservation in the router in one step
-        (the dead pair's budget released, the new one reserved). Meanwhile ``progress.placement`` stays
-        the previous one, so that if this Schedule fails (or the client leaves) cleanup still releases
-        the reservation and aborts the prefill worker's held KV rather than leaving it to its lease.
-        """
-        assert progress.placement is not None
-        previous = progress.placement
-        dead = previous.decode
-        progress.dead_worker_ids.append(dead.worker_id)
-        prefill_done_on = "" if previous.local_prefill else previous.prefill.worker_id
-        logger.warning(
-            "decode worker unavailable before its first token; placing the decode once more",
-            extra={
-                "request_id": job.request_id,
-                "worker_id": dead.worker_id,
-                "prefill_worker_id": prefill_done_on,
-                "local_prefill": previous.local_prefill,
-            },
-        )
-        self._metrics.worker_retries_total.labels(role="decode").inc()
-        placement = await self._place(
-            job,
-            list(progress.dead_worker_ids),
-            progress,
-            prefill_done_on_worker_id=prefill_done_on,
-            local_prefill_only=previous.local_prefill,
-        )
-        # The KV stays where it was computed, and a local prefill stays local, even should a router of
-        # an older version name another prefill worker.
-        replaced = router_pb2.Placement()
-        replaced.CopyFrom(placement)
-        replaced.local_prefill = previous.local_prefill
-        if previous.local_prefill:
-            replaced.ClearField("prefill")
-        else:
-            replaced.prefill.CopyFrom(previous.prefill)
-        progress.placement = replaced
-
-    async def _migrate_decode(self, job: GenerationJob, progress: _Progress, *, reason: str, num_sent: int) -> None:
-        """Place a stream whose decode worker died mid-stream again, decode-only and without every
-        worker that died under it: the new decode worker computes the prompt (from its prefix cache
-        where it has it: the router places by cache locality) and replays the tokens sent so far. The
-        prefill worker's hold, if it still has one, is dropped: nothing will pull it now."""
-        assert progress.placement is not None
-        previous = progress.placement
-        progress.dead_worker_ids.append(previous.decode.worker_id)
-        logger.warning(
-            "decode worker failed mid-stream; migrating the stream",
-            extra={
-                "request_id": job.request_id,
-                "worker_id": previous.decode.worker_id,
-                "reason": reason,
-                "num_tokens_sent": num_sent,
-            },
-        )
-        self._metrics.migrations_total.labels(role="decode", reason=reason).inc()
-        if previous.prefill.address:
-            self.run_in_background(self._abort(previous.prefill.address, job.request_id))
-        placement = await self._place(job, list(progress.dead_worker_ids), progress, local_prefill_only=True)
-        migrated = router_pb2.Placement()
-        migrated.CopyFrom(placement)
-        migrated.local_prefill = True
-        migrated.ClearField("prefill")
-        progress.placement = migrated
 
     def _start_prefetch(self, job: GenerationJob, placement: router_pb2.Placement) -> None:
         """``PrefetchKV`` on the decode worker, in the background: the Prefill is not held up by it,
@@ -535,29 +335,11 @@ class Orchestrator:
         task.add_done_callback(self._cleanup_tasks.discard)
 
     async def _cleanup(self, request_id: str, placement: router_pb2.Placement, *, aborted: bool) -> None:
-        calls = [self._release(request_id, retry_for_s=_RELEASE_RETRY_S)]
+        calls = [self._placer.release(request_id, retry_for_s=RELEASE_RETRY_S)]
         if aborted:
             addresses = {placement.prefill.address, placement.decode.address} - {""}
             calls += [self._abort(address, request_id) for address in sorted(addresses)]
         await asyncio.gather(*calls)
-
-    async def _release(self, request_id: str, *, retry_for_s: float = 0.0) -> None:
-        """``Release`` on the router; idempotent, so a background caller retries it for ``retry_for_s``
-        (a busy or restarting router) rather than leaving the budget held until the lease ends."""
-        delays = backoff_delays(within_s=retry_for_s)
-        while True:
-            try:
-                await asyncio.wait_for(self._router.release(request_id), self._cleanup_timeout_s)
-                return
-            except (TandemError, TimeoutError) as exc:
-                delay_s = next(delays, None)
-                if self._closing or delay_s is None:
-                    # The reservation is a lease in the router: it expires by itself.
-                    logger.warning(
-                        "router release failed: %s", exc or type(exc).__name__, extra={"request_id": request_id}
-                    )
-                    return
-            await asyncio.sleep(delay_s)
 
     async def _abort(self, address: str, request_id: str) -> None:
         try:
@@ -576,6 +358,6 @@ class Orchestrator:
 
     async def drain(self) -> None:
         """Wait for cleanup started so far (at shutdown)."""
-        self._closing = True
+        self._placer.closing = True
         if self._cleanup_tasks:
             await asyncio.gather(*list(self._cleanup_tasks), return_exceptions=True)

@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tandem.gateway.job import Usage
 from tandem.gateway.logprobs import chat_logprobs, completion_logprobs
-from tandem.gateway.orchestrator import Usage
 from tandem.gateway.timings import TIMINGS_EVENT
 from tandem.v1 import common_pb2
 

@@ -15,7 +15,7 @@ from starlette.types import Send
 from tandem.common.errors import TandemError
 from tandem.gateway.api.errors import api_error_from, internal_error
 from tandem.gateway.api.generation import EventSource, GenerationResponse, raw_headers, send_body, send_error
-from tandem.gateway.orchestrator import Finished, TextDelta
+from tandem.gateway.job import Finished, TextDelta
 from tandem.gateway.sse import full_response
 
 logger = logging.getLogger(__name__)

@@ -39,8 +39,9 @@ from starlette.types import Message, Receive, Scope, Send
 from tandem.gateway.api.errors import ApiError
 from tandem.gateway.drain import Drain
 from tandem.gateway.errors import ShuttingDownError
+from tandem.gateway.job import Finished, GenerationEvent, GenerationJob, TextDelta
 from tandem.gateway.metrics import GatewayMetrics
-from tandem.gateway.orchestrator import Finished, GenerationEvent, GenerationJob, Orchestrator, TextDelta
+from tandem.gateway.orchestrator import Orchestrator
 from tandem.gateway.sse import ResponseMeta
 from tandem.v1 import common_pb2
 

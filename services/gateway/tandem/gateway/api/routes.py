@@ -40,7 +40,7 @@ from tandem.gateway.errors import (
     RateLimitedError,
     ShuttingDownError,
 )
-from tandem.gateway.orchestrator import GenerationJob
+from tandem.gateway.job import GenerationJob
 from tandem.gateway.quota.base import Admission
 from tandem.gateway.sse import ResponseMeta
 from tandem.gateway.tenancy.auth import check_admin

@@ -33,7 +33,7 @@ from tandem.gateway.api.generation import (
     raw_headers,
     send_error,
 )
-from tandem.gateway.orchestrator import Finished, GenerationEvent, TextDelta
+from tandem.gateway.job import Finished, GenerationEvent, TextDelta
 from tandem.gateway.sse import DONE_EVENT, HEARTBEAT, SSE_HEADERS, ChunkEncoder, stream_end
 
 logger = logging.getLogger(__name__)
