@@ -5,7 +5,7 @@ given, as vLLM's DELTA outputs do, and records what it was asked."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,8 @@ class ScriptedEngine:
     prefetch_refusal: str = ""
     #: What is_dead answers.
     dead: bool = False
+    #: decode_tokens' tokenizer: token id -> text (ids it lacks decode to U+FFFD, a split character).
+    vocab: dict[int, str] = field(default_factory=dict)
 
     async def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
         self.params.append(params)
@@ -104,6 +106,9 @@ class ScriptedEngine:
 
     def load(self) -> EngineLoad:
         return EngineLoad(num_waiting_requests=2, kv_usage=0.25, num_kv_blocks=64)
+
+    def decode_tokens(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+        return "".join(self.vocab.get(t, "\ufffd") for t in token_ids)
 
     def limits(self) -> ModelLimits:
         return ModelLimits(vocab_size=50_000, max_model_len=4096, max_logprobs=20, block_size_tokens=4)

@@ -30,6 +30,7 @@ delta after the first, with the same finish.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.v1 import common_pb2
-from tandem.worker.continuation import ReplaySkipper, appended_options, appends_first_token, first_streamed_text
+from tandem.worker.continuation import (
+    ReplaySkipper,
+    appended_options,
+    appends_first_token,
+    first_streamed_text,
+    resumed_split,
+)
 from tandem.worker.sampling import sampling_kwargs
 
 MODEL_DIR = Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
@@ -291,3 +298,45 @@ def test_the_first_token_is_appended_only_where_that_is_the_same_request() -> No
     assert appends(skip_special_tokens=False)
     assert appended_options(common_pb2.SamplingOptions(min_tokens=3, max_tokens=9)).min_tokens == 2
     assert appended_options(common_pb2.SamplingOptions(min_tokens=0)).min_tokens == 0
+
+
+# -- a migrated stream: which resumed tokens become prompt ------------------------------------------
+
+_VOCAB = {11: "Olá", 12: " 👋", 13: " 東", 14: "京", 15: "<|im_end|>"}
+
+
+def _decode(ids: Sequence[int]) -> str:
+    return "".join(_VOCAB.get(t, "\ufffd") for t in ids)
+
+
+def _split(resume_text: str, resumed: Sequence[int] = (11, 12, 13), **options: Any) -> tuple[int, int]:
+    sampling = common_pb2.SamplingOptions(max_tokens=50, **options)
+    return resumed_split(sampling, sampling_kwargs(sampling, max_tokens=50), list(resumed), resume_text, _decode)
+
+
+def test_a_greedy_stream_takes_every_resumed_token_as_prompt() -> None:
+    assert _split("Olá 👋 東", temperature=0.0) == (3, 7)
+
+
+def test_stop_strings_keep_enough_replayed_text_to_be_matched_across_the_failure() -> None:
+    # "END" (3 characters): the replayed text must hold at least 2; " 東" has 2.
+    assert _split("Olá 👋 東", temperature=0.0, stop=["END"]) == (2, 5)
+    # "THE END": 6 characters are needed, and only all three tokens hold that: replay them all.
+    assert _split("Olá 👋 東", temperature=0.0, stop=["THE END"]) == (0, 0)
+
+
+def test_a_prefix_that_ends_inside_a_character_is_not_taken() -> None:
+    # Token 99 is half a character (U+FFFD alone); the client has none of it.
+    assert _split("Olá 👋", resumed=(11, 12, 99), temperature=0.0) == (2, 5)
+
+
+def test_state_that_counts_output_tokens_replays_them_all() -> None:
+    assert _split("Olá 👋 東", temperature=0.0, presence_penalty=0.5) == (0, 0)
+    assert _split("Olá 👋 東", temperature=0.7, seed=3) == (0, 0)
+    grammar = common_pb2.StructuredOutput(regex=".*")
+    assert _split("Olá 👋 東", temperature=0.0, structured_output=grammar) == (0, 0)
+
+
+def test_text_the_client_never_got_is_never_taken_as_said() -> None:
+    # What the client has does not start with the tokens' text (a stop buffer held it back): replay.
+    assert _split("Olá", temperature=0.0) == (1, 3)

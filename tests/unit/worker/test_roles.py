@@ -380,3 +380,31 @@ async def test_a_resumed_decode_the_engine_could_not_run_is_refused(fields: dict
         await _decode_collect_request(service, worker_pb2.DecodeRequest(**values), context)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and message in context.details, context.details
     assert engine.params == []
+
+
+async def test_a_greedy_resumed_decode_takes_the_tokens_so_far_as_prompt_and_replays_only_a_stop_tail() -> None:
+    """Greedy, no output-counting state: the resumed tokens become prompt (one prefill, not a step each),
+    except the tail a stop string could still end in, which is replayed and not streamed again."""
+    engine = ScriptedEngine(
+        vocab={11: "Olá", 12: " 👋", 13: " 東"},
+        outputs=[
+            Output([Completion([13], " 東")]),
+            Output([Completion([14], "京")]),
+            Output([Completion([15], "!", finish_reason="stop")], finished=True),
+        ],
+    )
+    service = await _service("decode", engine)
+    request = worker_pb2.DecodeRequest(
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        local_prefill=True,
+        resume_token_ids=[11, 12, 13],
+        resume_text="Olá 👋 東",
+        sampling=common_pb2.SamplingOptions(max_tokens=8, temperature=0.0, min_tokens=4, stop=["END"]),
+    )
+    chunks = await _decode(service, request)
+    assert "".join(c.text for c in chunks) == "京!" and [t for c in chunks for t in c.token_ids] == [14, 15]
+    (params,) = engine.params
+    assert engine.prompts == [{"prompt_token_ids": [1, 2, 3, 11, 12]}]
+    assert params.extra_args[REPLAY_TOKEN_ID] == [13]
+    assert (params.max_tokens, params.min_tokens) == (6, 2)

@@ -15,6 +15,10 @@ in ``tests/unit/worker/test_continuation.py``.
   and exactly the characters prefill already streamed, and passes the rest.
 * A local prefill (the decode worker ran the whole request) streams all of it:
   :class:`StreamAll`.
+* A migrated stream (its decode worker died after k tokens) resumes on another
+  decode worker: :func:`resumed_split` says how many of the k tokens it takes as
+  prompt (one prefill) and how many it replays (a step each), and
+  :class:`ReplaySkipper` drops what the client already has of the replayed ones.
 
 Replay costs one engine step at the boundary: the decode engine computes the
 last prompt position again only to sample the token it is told to. Where the
@@ -38,7 +42,7 @@ in the colocated request and are one lower in the appended one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from tandem.v1 import common_pb2
@@ -61,28 +65,68 @@ def first_streamed_text(text: str, *, finished: bool, stop_buffer_chars: int) ->
     return text[: max(0, len(text) - stop_buffer_chars)]
 
 
-def appends_first_token(options: common_pb2.SamplingOptions, effective: Mapping[str, Any], first_text: str) -> bool:
-    """Whether decode may take the first token as its last prompt token instead of replaying it (see
-    the module docstring). ``effective``: the ``SamplingParams`` keyword arguments the worker builds
-    from ``options`` (tandem.worker.sampling.sampling_kwargs: the model's defaults filled in)."""
-    if options.stop or (options.HasField("structured_output") and options.structured_output.WhichOneof("kind")):
+def _output_state_free(options: common_pb2.SamplingOptions, effective: Mapping[str, Any]) -> bool:
+    """No sampling state counts the output tokens: output tokens taken as prompt leave the request the
+    same (stop strings and characters split at the boundary aside: each caller checks those)."""
+    if options.HasField("structured_output") and options.structured_output.WhichOneof("kind"):
         return False
     if effective.get("presence_penalty", 0.0) or effective.get("frequency_penalty", 0.0):
         return False
     if effective.get("seed") is not None and effective.get("temperature", 1.0) >= _GREEDY_TEMPERATURE:
         return False
-    if not effective.get("skip_special_tokens", True) and not effective.get("spaces_between_special_tokens", True):
+    return bool(effective.get("skip_special_tokens", True) or effective.get("spaces_between_special_tokens", True))
+
+
+def appends_first_token(options: common_pb2.SamplingOptions, effective: Mapping[str, Any], first_text: str) -> bool:
+    """Whether decode may take the first token as its last prompt token instead of replaying it (see
+    the module docstring). ``effective``: the ``SamplingParams`` keyword arguments the worker builds
+    from ``options`` (tandem.worker.sampling.sampling_kwargs: the model's defaults filled in)."""
+    if options.stop or not _output_state_free(options, effective):
         return False
     # A first token that ends inside a character streams nothing (vLLM holds the partial bytes back).
     return bool(first_text)
 
 
-def appended_options(options: common_pb2.SamplingOptions) -> common_pb2.SamplingOptions:
-    """``options`` for the appended decode request: ``min_tokens`` one lower (the first token, now
-    prompt, counted towards it); the caller lowers ``max_tokens`` the same way."""
+#: At most this many prefix lengths are tried for a resumed stream (each one is decoded once).
+_MAX_SPLIT_TRIES = 64
+
+
+def resumed_split(
+    options: common_pb2.SamplingOptions,
+    effective: Mapping[str, Any],
+    resumed: Sequence[int],
+    resume_text: str,
+    decode: Callable[[Sequence[int]], str],
+) -> tuple[int, int]:
+    """How a migrated stream resumes: (n, c): the first ``n`` of the ``resumed`` tokens become prompt,
+    the rest are replayed, and the first ``c`` characters of ``resume_text`` are those prompt tokens'.
+
+    Replaying costs an engine step a token (a hundred tokens take seconds on a CPU); taking tokens as
+    prompt costs one prefill for all of them. Taking them is the same request where no sampling state
+    counts output tokens (:func:`_output_state_free`) and the tokens replayed still carry what vLLM
+    checks in the output alone: the prefix must end on a whole character (``decode``, the engine's
+    tokenizer, gives exactly the start of ``resume_text``, no U+FFFD), and the replayed text must hold
+    at least a stop string's length less one character, so that a stop string that began before the
+    failure and ends after it is still matched in the output. (0, 0): replay them all."""
+    if not resumed or not _output_state_free(options, effective):
+        return 0, 0
+    min_tail_chars = max((len(s) for s in options.stop), default=1) - 1
+    for n in range(len(resumed), max(0, len(resumed) - _MAX_SPLIT_TRIES), -1):
+        prefix = decode(resumed[:n])
+        if prefix.endswith("\ufffd") or not resume_text.startswith(prefix):
+            continue
+        if len(resume_text) - len(prefix) >= min_tail_chars:
+            return n, len(prefix)
+    return 0, 0
+
+
+def appended_options(options: common_pb2.SamplingOptions, num_appended: int = 1) -> common_pb2.SamplingOptions:
+    """``options`` for a decode request with ``num_appended`` output tokens taken as prompt:
+    ``min_tokens`` that much lower (they counted towards it); the caller lowers ``max_tokens`` the same
+    way."""
     appended = common_pb2.SamplingOptions()
     appended.CopyFrom(options)
-    appended.min_tokens = max(0, options.min_tokens - 1)
+    appended.min_tokens = max(0, options.min_tokens - num_appended)
     return appended
 
 

@@ -14,7 +14,13 @@ from typing import Any
 import grpc
 
 from tandem.v1 import worker_pb2
-from tandem.worker.continuation import ReplaySkipper, StreamAll, appended_options, appends_first_token
+from tandem.worker.continuation import (
+    ReplaySkipper,
+    StreamAll,
+    appended_options,
+    appends_first_token,
+    resumed_split,
+)
 from tandem.worker.first_token import replay_args
 from tandem.worker.handling import Ctx, Role, engine_errors, engine_prompt, sampling_params
 from tandem.worker.kv_connector.layout import KVLayout
@@ -38,26 +44,35 @@ class DecodeRole(Role):
         prompt_ids = list(request.prompt_token_ids)
         local = request.local_prefill  # the request's shape is checked already (tandem.worker.validation)
         max_tokens = request.sampling.max_tokens
-        # What the client has received already and this engine replays: the prefill's first token, or a
-        # migrated stream's tokens so far (tandem.worker.first_token); nothing for a plain local prefill.
+        # What the client has received already: the prefill's first token, or a migrated stream's tokens so
+        # far. This engine takes them as prompt where that is the same request, and replays the rest
+        # (tandem.worker.continuation, tandem.worker.first_token); a plain local prefill has none.
         resumed = list(request.resume_token_ids)
-        replayed = resumed or ([] if local else [request.first_token_id])
-        streamed_text = request.resume_text if resumed else request.first_text
-        # The first token is appended to the prompt where that is the same request, else replayed (see
-        # tandem.worker.continuation and tandem.worker.first_token).
         options = request.sampling
-        append = not local and appends_first_token(
-            options,
-            sampling_kwargs(options, max_tokens=max_tokens, model_defaults=self._model_defaults),
-            request.first_text,
-        )
-        engine_prompt_ids = prompt_ids
-        extra_args: dict[str, Any] = {}
-        if append:
-            engine_prompt_ids = [*prompt_ids, request.first_token_id]
-            options, max_tokens = appended_options(options), max_tokens - 1
-        elif replayed:
-            extra_args = replay_args(replayed)
+        effective = sampling_kwargs(options, max_tokens=max_tokens, model_defaults=self._model_defaults)
+        appended: list[int]
+        replayed: list[int]
+        if resumed:
+            skip_special = bool(effective.get("skip_special_tokens", True))
+            num_appended, num_chars = resumed_split(
+                options,
+                effective,
+                resumed,
+                request.resume_text,
+                lambda ids: self._engine.decode_tokens(ids, skip_special_tokens=skip_special),
+            )
+            appended, replayed = resumed[:num_appended], resumed[num_appended:]
+            streamed_text = request.resume_text[num_chars:]
+        elif local:
+            appended, replayed, streamed_text = [], [], ""
+        elif appends_first_token(options, effective, request.first_text):
+            appended, replayed, streamed_text = [request.first_token_id], [], ""
+        else:
+            appended, replayed, streamed_text = [], [request.first_token_id], request.first_text
+        engine_prompt_ids = [*prompt_ids, *appended]
+        if appended:
+            options, max_tokens = appended_options(options, len(appended)), max_tokens - len(appended)
+        extra_args: dict[str, Any] = replay_args(replayed) if replayed else {}
         if request.HasField("kv_handle"):
             try:
                 self._layout.check_compatible(KVLayout.from_proto(request.kv_handle.layout))
@@ -72,10 +87,8 @@ class DecodeRole(Role):
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra_args or None,
         )
-        skipper: ReplaySkipper | StreamAll = (
-            ReplaySkipper(replayed, streamed_text) if replayed and not append else StreamAll()
-        )
-        mode = "resumed" if resumed else "local" if local else "appended" if append else "replayed"
+        skipper: ReplaySkipper | StreamAll = ReplaySkipper(replayed, streamed_text) if replayed else StreamAll()
+        mode = "resumed" if resumed else "local" if local else "appended" if appended else "replayed"
         self._counters.decodes_by_continuation[mode] += 1
         num_top_logprobs = params.logprobs or 0
         num_output = 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from tandem.v1 import kv_transfer_pb2
@@ -215,6 +215,9 @@ class VLLMEngine:
             kv_usage=min(1.0, max(0.0, float(usage or 0.0))),
             num_kv_blocks=self.kv_cache_shape()[0],
         )
+
+    def decode_tokens(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+        return str(self.llm.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def limits(self) -> ModelLimits:
         model = self.llm.model_config

@@ -8,7 +8,7 @@ scripted fake."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -59,6 +59,10 @@ class WorkerEngine(Protocol):
 
     def load(self) -> EngineLoad:
         """Requests waiting in the engine's scheduler and KV usage, as the engine last reported them."""
+        ...
+
+    def decode_tokens(self, token_ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+        """The text of ``token_ids`` as the engine's tokenizer decodes them alone."""
         ...
 
     def limits(self) -> ModelLimits:
