@@ -390,7 +390,9 @@ async def test_a_greedy_resumed_decode_takes_the_tokens_so_far_as_prompt_and_rep
         outputs=[
             Output([Completion([13], " 東")]),
             Output([Completion([14], "京")]),
-            Output([Completion([15], "!", finish_reason="stop")], finished=True),
+            # This engine's prefix cache held the prompt and the two appended tokens (it had served the
+            # same answer before): more cached tokens than the client's prompt has.
+            Output([Completion([15], "!", finish_reason="stop")], finished=True, num_cached_tokens=5),
         ],
     )
     service = await _service("decode", engine)
@@ -403,6 +405,8 @@ async def test_a_greedy_resumed_decode_takes_the_tokens_so_far_as_prompt_and_rep
         sampling=common_pb2.SamplingOptions(max_tokens=8, temperature=0.0, min_tokens=4, stop=["END"]),
     )
     chunks = await _decode(service, request)
+    stats = chunks[-1].stats
+    assert (stats.num_local_cached_tokens, stats.num_computed_prompt_tokens) == (5, 0)
     assert "".join(c.text for c in chunks) == "京!" and [t for c in chunks for t in c.token_ids] == [14, 15]
     (params,) = engine.params
     assert engine.prompts == [{"prompt_token_ids": [1, 2, 3, 11, 12]}]

@@ -70,6 +70,9 @@ class DecodeRole(Role):
         else:
             appended, replayed, streamed_text = [], [request.first_token_id], request.first_text
         engine_prompt_ids = [*prompt_ids, *appended]
+        # The stats' prompt: the client's, and a resumed stream's tokens this engine computed as prompt
+        # (its prefix cache may hold them too); an appended first token stays the output it is.
+        num_prompt = len(prompt_ids) + (len(appended) if resumed else 0)
         if appended:
             options, max_tokens = appended_options(options, len(appended)), max_tokens - len(appended)
         extra_args: dict[str, Any] = replay_args(replayed) if replayed else {}
@@ -119,7 +122,7 @@ class DecodeRole(Role):
                         continue  # the replayed first token alone: prefill streamed it already
                     if out.finished:
                         chunk.finish_reason = completion.finish_reason or "stop"
-                        chunk.stats.CopyFrom(self._stats(out, len(prompt_ids), num_output))
+                        chunk.stats.CopyFrom(self._stats(out, num_prompt, num_output))
                         chunk.stats.first_token_seconds = first_token_s
                         if timeline is not None:
                             (
