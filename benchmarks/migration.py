@@ -128,8 +128,15 @@ def first_difference(a: str, b: str) -> int:
 
 
 def running_decodes(stack: LocalStack) -> list[str]:
-    names = worker_names(stack, "decode")
-    return [n for n in names if stack.is_running(n) and gauge(stack, n, "vllm:num_requests_running")]
+    """Decode workers with a request running now (one whose metrics do not answer is not serving)."""
+    running = []
+    for name in worker_names(stack, "decode"):
+        try:
+            if stack.is_running(name) and gauge(stack, name, "vllm:num_requests_running"):
+                running.append(name)
+        except httpx.HTTPError:
+            continue
+    return running
 
 
 class Round:
@@ -182,7 +189,14 @@ def everyone_back(stack: LocalStack, timeout_s: float = 600) -> None:
                 found.add(by_port.get(int(json.loads(raw)["address"].rpartition(":")[2]), ""))
         return found
 
-    if not wait_until(lambda: all(stack.is_running(n) for n in names) and registered() >= names, timeout_s=timeout_s):
+    def ready(name: str) -> bool:
+        try:
+            return stack.is_running(name) and stack._worker_ready(name)
+        except Exception:  # grpc.RpcError while it starts
+            return False
+
+    # A SIGKILLed worker's registration outlives it by the registry's TTL: ask each one itself too.
+    if not wait_until(lambda: all(ready(n) for n in names) and registered() >= names, timeout_s=timeout_s):
         raise RuntimeError(f"workers not back: {registered()} of {names}")
     time.sleep(2.5)  # channels redial a restarted address within their reconnect backoff
 
