@@ -156,7 +156,6 @@ class Orchestrator:
                     yield Finished(prefill.finish_reason or "length", usage)
                     return
             assert progress.placement is not None
-            num_decoded_tokens = 0
             num_cached_tokens = 0 if prefill is None else prefill.num_cached_tokens
             finish_reason = ""
             sent = _Sent() if prefill is None else _Sent([prefill.first_token_id], prefill.first_text)
@@ -181,7 +180,6 @@ class Orchestrator:
                                 job.clock.worker.get("migration_s", 0.0) + time.monotonic() - migrated_at_s
                             )
                             migrated_at_s = None
-                        num_decoded_tokens += len(chunk.token_ids)
                         sent.token_ids.extend(chunk.token_ids)
                         sent.text += chunk.text
                         if chunk.text or chunk.token_ids:
@@ -215,8 +213,8 @@ class Orchestrator:
                     await self._placer.migrate_decode(job, progress, reason=reason, num_sent=len(sent.token_ids))
                     resume = sent
             progress.completed = True
-            num_output_tokens = num_decoded_tokens + (0 if prefill is None else 1)
-            yield Finished(finish_reason, Usage(len(job.prompt_token_ids), num_output_tokens, num_cached_tokens))
+            # Every token the client received, once: a resumed worker streams none of those it was given.
+            yield Finished(finish_reason, Usage(len(job.prompt_token_ids), len(sent.token_ids), num_cached_tokens))
         finally:
             if progress.decode_call is not None and not progress.decode_call.done():
                 progress.decode_call.cancel()
