@@ -1,0 +1,158 @@
+"""Who may do what in Redis: one ACL user per component, least privilege.
+
+The one source of truth for the Redis rights of every Tandem component. Read by
+the local stack (:mod:`tandem.local.stack`, which creates the users with
+``ACL SETUSER`` on start) and checked against the chart's ACL file
+(``charts/tandem/templates/secret-redis.yaml``, by ``tests/chart/test_redis_acl.py``);
+the rights themselves are proven by ``tests/unit/common/test_redis_acl.py``,
+which runs each component's real Redis code under its own user.
+
+Without users, whoever reaches Redis is root of the platform: one SET of a key
+hash mints an API key, one SET of a worker record makes a fake worker that then
+receives prompts. With them:
+
+=========  =====================================================================
+user       may
+=========  =====================================================================
+gateway    read API keys and tenants; read worker registrations; read and write
+           quotas, usage and conversations (``<prefix>:gw:{quota,usage,conv}:*``)
+router     read worker registrations; its ledger (``<prefix>:router:*``) and its
+           pub/sub channel
+worker     write worker registrations (it registers itself), read them
+admin      tenants, keys, quotas, usage, conversations (``<prefix>:gw:*``): the
+           ``tandem-admin`` CLI, the only writer of keys and tenants
+=========  =====================================================================
+
+Nobody but the router publishes on the ledger channel; nobody but the admin
+writes a key or a tenant; nobody but a worker writes a registration. Readers of
+the registry may ZREM its index (``<prefix>:workers``): they prune the ids whose
+record expired (:meth:`tandem.common.registry.WorkerRegistry.list_raw_records`);
+at worst a compromised reader hides a live worker until its next heartbeat.
+
+Commands are listed one by one (``+@read``-style categories hold far more than
+we use), including those the Lua scripts call: Redis checks a script's commands
+and keys against the caller's user. A script's declared ``KEYS`` need read *and*
+write rights, so a key a script only reads (a tenant record, for the salt
+guard) is passed in ``ARGV``. A new key space or command in the code needs its
+line here, or that component gets NOPERM: the unit test above fails first.
+
+What ACLs cannot express: one worker may overwrite another worker's
+registration (both are the same user), and the gateway may write any tenant's
+usage (it bills every tenant).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+GATEWAY = "gateway"
+ROUTER = "router"
+WORKER = "worker"
+ADMIN = "admin"
+#: Every component with a Redis user, in the order of the docs' table.
+COMPONENTS = (GATEWAY, ROUTER, WORKER, ADMIN)
+
+#: What a key prefix may hold: it goes into glob patterns and user names unquoted.
+_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+#: Every client: PING, and SELECT of the URL's db. (redis-py also sends CLIENT SETINFO, which Redis
+#: 7.0 does not know and redis-py's handshake ignores when refused.)
+_CONNECTION = ("+ping", "+select")
+
+#: Redis-py runs a registered script with EVALSHA and loads it once on NOSCRIPT.
+_SCRIPTS = ("+evalsha", "+script|load")
+
+#: Reading the registry (WorkerRegistry.list_raw_records): the index, the records, and pruning the index.
+_REGISTRY_READ = ("+zrange", "+mget")
+
+
+def _registry_read_keys(p: str) -> tuple[str, ...]:
+    # Read-only root rights on the records and the index; ZREM on the index alone, in a selector.
+    return (f"%R~{p}:worker:*", f"%R~{p}:workers", f"(~{p}:workers +zrem)")
+
+
+def _gateway(p: str) -> tuple[str, ...]:
+    commands = (
+        *_CONNECTION,
+        *_SCRIPTS,
+        *_REGISTRY_READ,
+        # tenancy.store.lookup_key; usage and conversations; the scripts' own commands
+        "+get", "+set", "+del", "+exists", "+expire", "+pexpire", "+time",
+        "+hget", "+hgetall", "+hmget", "+hset", "+hincrby",
+        "+sadd", "+srem", "+smembers", "+scard",
+        "+zadd", "+zrem", "+zcard", "+zcount", "+zremrangebyscore", "+zremrangebyrank",
+        "+lrange", "+rpush", "+ltrim",
+        "+multi", "+exec", "+discard",
+    )  # fmt: skip
+    keys = (
+        f"%R~{p}:gw:key:*",
+        f"%R~{p}:gw:tenant:*",
+        f"~{p}:gw:quota:*",
+        f"~{p}:gw:usage:*",
+        f"~{p}:gw:conv:*",
+    )
+    return (*commands, *keys, *_registry_read_keys(p))
+
+
+def _router(p: str) -> tuple[str, ...]:
+    commands = (
+        *_CONNECTION,
+        *_REGISTRY_READ,
+        # ledger.Ledger.tick / leave; pubsub.Publisher / Subscription
+        "+set", "+del", "+zadd", "+zrem",
+        "+publish", "+subscribe", "+unsubscribe",
+    )  # fmt: skip
+    return (*commands, f"~{p}:router:*", f"&{p}:router:ledger", *_registry_read_keys(p))
+
+
+def _worker(p: str) -> tuple[str, ...]:
+    # registry.WorkerRegistry.heartbeat / unregister (MULTI ... EXEC), and reading the others.
+    commands = (*_CONNECTION, *_REGISTRY_READ, "+set", "+del", "+zadd", "+zrem", "+multi", "+exec", "+discard")
+    return (*commands, f"~{p}:worker:*", f"~{p}:workers")
+
+
+def _admin(p: str) -> tuple[str, ...]:
+    # tenancy.store.TenantStore (salting a legacy record: WATCH ... MULTI ... EXEC; a tenant's deletion
+    # finds its keys with SCAN) and usage.UsageStore's readers.
+    commands = (
+        *_CONNECTION,
+        "+get", "+set", "+mget", "+del", "+scan",
+        "+sadd", "+srem", "+smembers", "+hgetall",
+        "+watch", "+unwatch", "+multi", "+exec", "+discard",
+    )  # fmt: skip
+    return (*commands, f"~{p}:gw:*")
+
+
+_RULES = {GATEWAY: _gateway, ROUTER: _router, WORKER: _worker, ADMIN: _admin}
+
+
+def check_prefix(key_prefix: str) -> str:
+    """``key_prefix`` when it can go into ACL patterns and user names as is; ValueError otherwise."""
+    if not _PREFIX.match(key_prefix):
+        raise ValueError(f"key prefix {key_prefix!r}: use 1-64 of A-Z a-z 0-9 _ . - (it goes into Redis ACL rules)")
+    return key_prefix
+
+
+def username(component: str, key_prefix: str) -> str:
+    """The component's Redis user: ``<prefix>-<component>`` (``tandem-gateway``)."""
+    if component not in _RULES:
+        raise ValueError(f"no Redis user for {component!r}; components: {', '.join(COMPONENTS)}")
+    return f"{check_prefix(key_prefix)}-{component}"
+
+
+def rules(component: str, key_prefix: str) -> list[str]:
+    """The component's ACL rules, after a ``reset`` (no password, no rights, user off)."""
+    username(component, key_prefix)  # validates both
+    return ["resetchannels", *_RULES[component](key_prefix)]
+
+
+def setuser_args(component: str, key_prefix: str, password: str) -> list[str]:
+    """Arguments of ``ACL SETUSER``: the user from scratch, on, with this password and its rules."""
+    return [username(component, key_prefix), "reset", "on", f">{password}", *rules(component, key_prefix)]
+
+
+def acl_file_line(component: str, key_prefix: str, password: str) -> str:
+    """The user as a line of a Redis ACL file (``aclfile``): the password as its SHA-256 only."""
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    return " ".join(["user", username(component, key_prefix), "on", f"#{digest}", *rules(component, key_prefix)])
