@@ -68,7 +68,7 @@ async def serve(settings: GatewaySettings) -> None:
     tokenizer = HfPromptTokenizer.from_dir(settings.model_dir)
     router = connect_router(settings.router_address, timeout_s=settings.router_timeout_s)
     registry = WorkerRegistry(
-        settings.redis.url, key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
+        settings.redis.connection_url(), key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
     )
     readiness = RouterAndWorkersReadiness(
         GrpcConnectProbe(settings.router_address, timeout_s=settings.readiness_timeout_s),

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def run(args: argparse.Namespace, settings: GatewaySettings) -> list[dict[str, Any]]:
-    client = connect(settings.redis.url, timeout_s=max(2.0, settings.tenancy.redis_timeout_s))
+    client = connect(settings.redis.connection_url(), timeout_s=max(2.0, settings.tenancy.redis_timeout_s))
     store = TenantStore(client, key_prefix=settings.tenancy.key_prefix)
     try:
         return await _dispatch(args, store, UsageStore(client, key_prefix=settings.tenancy.key_prefix))
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tandem-admin: {exc}", file=sys.stderr)
         return 2
     except BackendUnavailableError as exc:
-        print(f"tandem-admin: {exc} ({settings.redis.url})", file=sys.stderr)
+        print(f"tandem-admin: {exc} ({settings.redis.address()})", file=sys.stderr)
         return 3
     return 0
 

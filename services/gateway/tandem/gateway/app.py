@@ -91,7 +91,7 @@ def build_app(
     client = (
         redis_client
         if redis_client is not None
-        else connect(settings.redis.url, timeout_s=settings.tenancy.redis_timeout_s)
+        else connect(settings.redis.connection_url(), timeout_s=settings.tenancy.redis_timeout_s)
     )
     tenancy = settings.tenancy
     prefix = tenancy.key_prefix

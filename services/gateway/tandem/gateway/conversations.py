@@ -42,20 +42,22 @@ def check_conversation_id(conversation_id: str) -> None:
         )
 
 
-#: Appends a turn and applies every bound, atomically. KEYS: the conversation, the tenant's index, the
-#: tenant's record ('' for no check). ARGV: stored turns to forget first, max messages, TTL (s), now
-#: (ms), conversation id, max conversations, the tenant's conversation key prefix, the tenant's salt,
-#: then the messages. Deletes the evicted conversations' keys, which are built here (one Redis, not a
-#: cluster: fine). A tenant deleted (or created again) since the request was admitted gets nothing.
+#: Appends a turn and applies every bound, atomically. KEYS: the conversation, the tenant's index. ARGV:
+#: stored turns to forget first, max messages, TTL (s), now (ms), conversation id, max conversations, the
+#: tenant's conversation key prefix, the tenant's salt, the tenant's record ('' for no check; an ARGV, not
+#: a KEY: a script's KEYS need write rights, and the gateway's Redis user may only read tenant records,
+#: see tandem.common.redis_acl), then the messages. Deletes the evicted conversations' keys, which are
+#: built here (one Redis, not a cluster: fine). A tenant deleted (or created again) since the request was
+#: admitted gets nothing.
 _APPEND = (
     "#!lua\n"
-    + tenant_salt_guard_lua(key="KEYS[3]", salt="ARGV[8]", refused="-1")
+    + tenant_salt_guard_lua(key="ARGV[9]", salt="ARGV[8]", refused="-1")
     + """local key, index = KEYS[1], KEYS[2]
 local ttl_s, now_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
 if tonumber(ARGV[1]) > 0 then
   redis.call('LTRIM', key, ARGV[1], -1)
 end
-redis.call('RPUSH', key, unpack(ARGV, 9))
+redis.call('RPUSH', key, unpack(ARGV, 10))
 redis.call('LTRIM', key, -tonumber(ARGV[2]), -1)
 redis.call('EXPIRE', key, ttl_s)
 redis.call('ZADD', index, now_ms, ARGV[5])
@@ -126,12 +128,9 @@ class ConversationStore:
             self._max_conversations,
             f"{self._p}:{tenant_id}:",
             tenant_salt,
+            tenant_record_key(self._key_prefix, tenant_id) if tenant_salt else "",
             *[json.dumps(m, ensure_ascii=False) for m in messages],
         ]
-        keys = [
-            self._key(tenant_id, conversation_id),
-            self._index_key(tenant_id),
-            tenant_record_key(self._key_prefix, tenant_id) if tenant_salt else "",
-        ]
+        keys = [self._key(tenant_id, conversation_id), self._index_key(tenant_id)]
         with redis_errors("conversation write"):
             await self._append(keys=keys, args=args)

@@ -58,10 +58,12 @@ class UsageRecord:
 
 #: Adds one request's counters to both hashes, once: a retry after a lost reply finds the marker and
 #: adds nothing. KEYS: all-time hash, day hash, tenants set, marker ('' for none), open record, the open
-#: records' set of its replica (both '' for none), the tenant's record ('' for no check). ARGV: model,
-#: day TTL, marker TTL, tenant id, request id, the tenant's salt, then counter name / value pairs. A
-#: tenant deleted (or deleted and created again) since the request was admitted gets nothing: its
-#: cached key may serve for ``auth.cache_s`` after the deletion, and must not bring its usage back.
+#: records' set of its replica (both '' for none). ARGV: model, day TTL, marker TTL, tenant id, request
+#: id, the tenant's salt, the tenant's record ('' for no check; an ARGV because the gateway's Redis user
+#: may only read it, and a script's KEYS need write rights: tandem.common.redis_acl), then counter name /
+#: value pairs. A tenant deleted (or deleted and created again) since the request was admitted gets
+#: nothing: its cached key may serve for ``auth.cache_s`` after the deletion, and must not bring its
+#: usage back.
 _RECORD_ONCE = (
     """
 if KEYS[5] ~= '' then
@@ -69,11 +71,11 @@ if KEYS[5] ~= '' then
   redis.call('SREM', KEYS[6], ARGV[5])
 end
 """
-    + tenant_salt_guard_lua(key="KEYS[7]", salt="ARGV[6]", refused="0")
+    + tenant_salt_guard_lua(key="ARGV[7]", salt="ARGV[6]", refused="0")
     + """if KEYS[4] ~= '' and redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[3]) == false then
   return 0
 end
-for i = 7, #ARGV, 2 do
+for i = 8, #ARGV, 2 do
   local field = ARGV[1] .. '|' .. ARGV[i]
   redis.call('HINCRBY', KEYS[1], field, ARGV[i + 1])
   redis.call('HINCRBY', KEYS[2], field, ARGV[i + 1])
@@ -294,7 +296,6 @@ class UsageStore:
             f"{self._p}:_recorded:{record.request_id}" if record.request_id else "",
             self._open_key(record.request_id) if has_open else "",
             self._open_by_key(replica_id) if has_open else "",
-            tenant_record_key(self._key_prefix, record.tenant_id) if record.tenant_salt else "",
         ]
         args: list[str | int] = [
             record.model,
@@ -303,6 +304,7 @@ class UsageStore:
             record.tenant_id,
             record.request_id,
             record.tenant_salt,
+            tenant_record_key(self._key_prefix, record.tenant_id) if record.tenant_salt else "",
         ]
         for name, value in values.items():
             if value:

@@ -61,7 +61,8 @@ class RouterDeployment:
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = RouterConfig.model_validate(config)
         tune_gc(cfg.gc_young_threshold)
-        self._registry = WorkerRegistry(cfg.redis.url, key_prefix=cfg.registry.key_prefix, ttl_s=cfg.registry.ttl_s)
+        redis_url = cfg.redis.connection_url()  # the router's own Redis user (tandem.common.redis_acl)
+        self._registry = WorkerRegistry(redis_url, key_prefix=cfg.registry.key_prefix, ttl_s=cfg.registry.ttl_s)
         view = CachedWorkerView(
             self._registry,
             refresh_interval_s=cfg.registry_refresh_interval_s,
@@ -71,7 +72,7 @@ class RouterDeployment:
         q = cfg.queue
         young_s = 2 * cfg.registry.heartbeat_interval_s + 1.0
         self._ledger = Ledger(
-            cfg.redis.url,
+            redis_url,
             key_prefix=cfg.registry.key_prefix,
             replica_id=uuid.uuid4().hex[:12],
             lease_s=cfg.lease_s,

@@ -122,7 +122,7 @@ async def serve(settings: WorkerSettings) -> int:
 
     num_blocks, block_size = engine.kv_cache_shape()
     registry = WorkerRegistry(
-        settings.redis.url, key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
+        settings.redis.connection_url(), key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
     )
     record = build_record(settings, worker_id, num_kv_blocks=num_blocks, block_size_tokens=block_size)
     heartbeat = asyncio.create_task(

@@ -16,8 +16,9 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
+from redis.exceptions import NoPermissionError, WatchError
 
+from tandem.common.errors import BackendUnavailableError
 from tandem.gateway.redis_client import redis_errors
 from tandem.gateway.tenancy.keys import hash_key, new_api_key
 from tandem.gateway.tenancy.models import ApiKeyRecord, Tenant, valid_tenant_id
@@ -93,6 +94,12 @@ class TenantStore:
                         return tenant
             except WatchError:
                 pass
+            except NoPermissionError as exc:
+                # The gateway's Redis user may not write tenants (tandem.common.redis_acl); the admin's may.
+                raise BackendUnavailableError(
+                    f"tenant {tenant.id!r} predates cache salts and this Redis user may not salt it: "
+                    "run `tandem-admin tenant list` once"
+                ) from exc
             again = await self._redis.get(key)
         return tenant if again is None else Tenant.model_validate_json(again)
 
