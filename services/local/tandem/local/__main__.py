@@ -33,6 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the gateway's HTTP port (default 8080)")
     parser.add_argument("--no-supervise", action="store_true",
                         help="do not restart a component that exits (the stack keeps running without it)")
+    parser.add_argument("--no-redis-users", action="store_true",
+                        help="every process logs in to Redis as the URL's user (default: one ACL user per "
+                             "component, created at start; needs a Redis you may administer)")
     return parser.parse_args(argv)
 
 
@@ -52,6 +55,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         extra_prefill_workers=[WorkerPorts.free() for _ in range(args.prefill_workers - 1)],
         extra_decode_workers=[WorkerPorts.free() for _ in range(args.decode_workers - 1)],
         supervise=not args.no_supervise,
+        redis_users=not args.no_redis_users,
+        keep_redis_users=True,  # reused by the next start, with the passwords kept in ~/.cache/tandem/redis-users
     )
     model_dir = os.environ.get("TANDEM_MODEL_DIR")
     if model_dir:

@@ -27,6 +27,7 @@ import httpx
 import redis
 
 from tandem.common.tls import TLSSettings, channel_credentials
+from tandem.local.redis_users import RedisLogin, RedisUsersError, default_users_dir, drop_users, ensure_users
 from tandem.local.supervisor import Supervisor
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -113,6 +114,15 @@ class StackConfig:
     #: When the stack starts its own Redis: keep its data here (append-only file), so that a restarted
     #: Redis comes back with its tenants and keys, as a production Redis does. None: in memory only.
     redis_data_dir: Path | None = None
+    #: One Redis ACL user per component (tandem.common.redis_acl), as in the chart: created at start through
+    #: ``redis_url`` (which must be allowed ACL SETUSER; locally Redis's default user), each process logging
+    #: in as its own with its own password file. False: every process logs in as ``redis_url``'s user.
+    redis_users: bool = True
+    #: Where the users' passwords are kept (mode 0600), found again at the next start.
+    redis_users_dir: Path = field(default_factory=default_users_dir)
+    #: Keep the users and their password files after stop (``make run``); False: the stack leaves none (a
+    #: test's stack, with a key prefix of its own).
+    keep_redis_users: bool = False
     #: mTLS for the workers' gRPC and KV transfer, and the gateway's calls to them (None: plaintext).
     tls: TLSSettings | None = None
     key_prefix: str = "tandem"
@@ -229,6 +239,8 @@ class LocalStack:
         self._children: dict[str, _Child] = {}
         self._commands: dict[str, tuple[list[str], dict[str, str]]] = {}
         self._redis_args: list[str] = []
+        #: Each component's Redis user (``config.redis_users``), by component: gateway, router, worker, admin.
+        self.redis_logins: dict[str, RedisLogin] = {}
         self.started_at: dict[str, float] = {}
         self.ready_after_s: dict[str, float] = {}
         #: The dev tenant's API key (``Authorization: Bearer …``), created at start; "" with auth disabled.
@@ -281,6 +293,7 @@ class LocalStack:
                 "TANDEM_WORKER_REGISTRY__KEY_PREFIX": c.key_prefix,
             }
         )
+        env.update(self._redis_env("TANDEM_WORKER_", "worker"))
         num_cpus = os.cpu_count() or 1
         if c.pin_engine_cores and num_cpus >= 2:
             # Prefill workers one core each, round the cores; the first decode on the last core
@@ -314,6 +327,7 @@ class LocalStack:
                 "TANDEM_ROUTER_REGISTRY__KEY_PREFIX": c.key_prefix,
             }
         )
+        env.update(self._redis_env("TANDEM_ROUTER_", "router"))
         if c.router_metrics_port:
             env["TANDEM_ROUTER_METRICS_PORT"] = str(c.router_metrics_port)
         if c.router_policy:
@@ -340,8 +354,27 @@ class LocalStack:
                 "TANDEM_GATEWAY_AUTH__ADMIN_KEY": self.admin_key,
             }
         )
+        env.update(self._redis_env("TANDEM_GATEWAY_", "gateway"))
         env.update(self._tls_env("TANDEM_GATEWAY_TLS__"))
         return env
+
+    def _redis_env(self, prefix: str, component: str) -> dict[str, str]:
+        login = self.redis_logins.get(component)
+        return login.env(prefix) if login is not None else {}
+
+    @property
+    def admin_redis_url(self) -> str:
+        """Redis as the admin CLI logs in (tenants, keys): its own user, or ``redis_url`` without users."""
+        login = self.redis_logins.get("admin")
+        return login.url(self.config.redis_url) if login is not None else self.config.redis_url
+
+    def _ensure_redis_users(self) -> None:
+        c = self.config
+        if c.redis_users:
+            try:
+                self.redis_logins = ensure_users(c.redis_url, c.key_prefix, c.redis_users_dir)
+            except RedisUsersError as exc:
+                raise StackError(str(exc)) from exc
 
     def _create_dev_key(self) -> None:
         """The dev tenant (unlimited) and a fresh key; the previous start's keys are revoked."""
@@ -355,7 +388,7 @@ class LocalStack:
         from tandem.gateway.tenancy.store import TenantStore
 
         async def create() -> str:
-            client = connect(self.config.redis_url, timeout_s=5.0)
+            client = connect(self.admin_redis_url, timeout_s=5.0)
             try:
                 store = TenantStore(client, key_prefix=self.config.key_prefix)
                 if await store.get_tenant(tenant_id) is None:
@@ -408,6 +441,7 @@ class LocalStack:
             raise StackError(f"model folder {c.model_dir} is missing; run `make model`")
         self._progress("starting redis")
         self._ensure_redis()
+        self._ensure_redis_users()
         workers = c.worker_ports() if c.start_workers else {}
         self._progress(
             ("starting router (Ray Serve), " if c.start_router else "starting ")
@@ -513,6 +547,8 @@ class LocalStack:
             args, env = self._commands[name]
             self._spawn(name, args, env)
         self._wait_ready(name, timeout_s)
+        if name == "redis":
+            self._ensure_redis_users()  # a Redis of its own comes back without them (users are not data)
 
     def _wait_ready(self, name: str, timeout_s: float) -> None:
         if name == "redis":
@@ -580,6 +616,10 @@ class LocalStack:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(timeout=5)
         self._children.clear()
+        if self.redis_logins and not self.config.keep_redis_users:
+            with contextlib.suppress(redis.RedisError):
+                drop_users(self.config.redis_url, self.config.key_prefix, self.config.redis_users_dir)
+            self.redis_logins = {}
 
     def __enter__(self) -> LocalStack:
         try:
