@@ -1,5 +1,7 @@
-"""KV transfer over mutual TLS: a peer with a certificate from the cluster's CA
-pulls blocks; one without a trusted certificate gets nothing."""
+"""KV transfer over mutual TLS, each side with its role's certificate from the local CA
+(tandem.local.pki): a decode worker pulls blocks; a peer without a trusted certificate gets nothing,
+and a trusted certificate of another role (a gateway's) may neither read a prompt's KV nor release
+its hold (PERMISSION_DENIED, the hold kept)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ import grpc
 import pytest
 import torch
 
+from tandem.common.identity import DENIED_MESSAGE
 from tandem.common.tls import TLSSettings, channel
-from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tandem.local.pki import ensure_pki
+from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from tandem.worker.kv_connector import wire
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
 from tests.kit.net import free_port
 
@@ -19,10 +24,54 @@ from ..certs import make_pki
 from .test_kv_connector import make_handle, make_side, wait_until
 
 
+def _kv_calls(
+    address: str, tls: TLSSettings, handle_id: str, layout: common_pb2.KVLayout
+) -> dict[str, grpc.RpcError | None]:
+    """Each KV endpoint called once as ``tls``'s holder, as a decode worker would: the error it answered,
+    or None."""
+    answers: dict[str, grpc.RpcError | None] = {}
+    with channel(address, tls) as ch:
+        stub = kv_transfer_pb2_grpc.KVTransferStub(ch)
+        calls = {
+            "Describe": lambda: stub.Describe(kv_transfer_pb2.DescribeRequest(), timeout=3),
+            "PullBlockBytes": lambda: list(
+                ch.unary_stream(
+                    wire.PULL_METHOD, request_serializer=kv_transfer_pb2.PullBlocksRequest.SerializeToString
+                )(
+                    kv_transfer_pb2.PullBlocksRequest(
+                        remote_request_id=handle_id, block_ids=[3], expected_layout=layout
+                    ),
+                    timeout=3,
+                )
+            ),
+            "StreamBlockBytes": lambda: list(
+                ch.unary_stream(
+                    wire.STREAM_METHOD, request_serializer=kv_transfer_pb2.StreamBlocksRequest.SerializeToString
+                )(
+                    kv_transfer_pb2.StreamBlocksRequest(
+                        request_id="req-1", num_blocks=1, num_prompt_tokens=4, expected_layout=layout
+                    ),
+                    timeout=3,
+                )
+            ),
+            "Release": lambda: stub.Release(
+                kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=handle_id), timeout=3
+            ),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+                answers[name] = None
+            except grpc.RpcError as exc:
+                answers[name] = exc
+    return answers
+
+
 def test_blocks_move_over_mutual_tls_and_strangers_are_refused(tmp_path: Path) -> None:
-    trusted, stranger = make_pki(tmp_path)
-    prefill, p_caches = make_side(free_port(), tls=trusted, max_chunk_bytes=1 << 20)
-    decode, d_caches = make_side(free_port(), fill=0.0, tls=trusted, max_chunk_bytes=1 << 20)
+    pki = ensure_pki(tmp_path / "pki")
+    _, stranger = make_pki(tmp_path)
+    prefill, p_caches = make_side(free_port(), tls=pki["prefill"], max_chunk_bytes=1 << 20)
+    decode, d_caches = make_side(free_port(), fill=0.0, tls=pki["decode"], max_chunk_bytes=1 << 20)
     try:
         handle = make_handle((3,), num_tokens=4, kv_address=prefill.server.address)
         prefill.begin_step(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
@@ -42,6 +91,37 @@ def test_blocks_move_over_mutual_tls_and_strangers_are_refused(tmp_path: Path) -
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_only_a_decode_workers_certificate_reads_or_releases_kv(tmp_path: Path) -> None:
+    """A gateway's certificate (trusted, but not a decode worker's) gets PERMISSION_DENIED from every KV
+    endpoint and the hold stays; then a decode worker's certificate reads the block and releases it."""
+    pki = ensure_pki(tmp_path / "pki")
+    prefill, _caches = make_side(free_port(), tls=pki["prefill"], max_chunk_bytes=1 << 20)
+    try:
+        handle = make_handle((3,), num_tokens=4, kv_address=prefill.server.address)
+        prefill.begin_step(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        address = prefill.server.address
+        assert prefill.server.layout is not None
+        layout = prefill.server.layout.to_proto()
+        for role in ("gateway", "prefill", "router", "operator"):
+            refused = _kv_calls(address, pki[role], handle.remote_request_id, layout)
+            for name, error in refused.items():
+                assert error is not None, (role, name)
+                assert error.code() == grpc.StatusCode.PERMISSION_DENIED, (role, name, error)  # type: ignore[attr-defined]
+                assert error.details() == DENIED_MESSAGE  # type: ignore[attr-defined]
+        # Nothing was released: the decode worker's certificate reads the block, then releases it.
+        answers = _kv_calls(address, pki["decode"], handle.remote_request_id, layout)
+        assert answers["Describe"] is None and answers["PullBlockBytes"] is None and answers["Release"] is None
+        with channel(address, pki["decode"]) as ch:
+            stub = kv_transfer_pb2_grpc.KVTransferStub(ch)
+            again = stub.Release(kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=handle.remote_request_id))
+            assert again.found is False  # the first decode Release above took it
+            # Stats (no prompt in them) answer any component.
+        with channel(address, pki["operator"]) as ch:
+            kv_transfer_pb2_grpc.KVTransferStub(ch).GetStats(kv_transfer_pb2.KVStatsRequest(), timeout=3)
+    finally:
+        prefill.shutdown()
 
 
 def test_tls_settings_demand_their_files() -> None:

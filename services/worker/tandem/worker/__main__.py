@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tandem.common.identity import role_checks
 from tandem.common.ids import new_worker_id
 from tandem.common.logging import configure_logging
 from tandem.common.registry import WorkerRegistry
-from tandem.common.tls import add_port
+from tandem.common.tls import add_port, warn_if_plaintext
 from tandem.v1 import worker_pb2_grpc
 from tandem.worker.liveness import EXIT_ENGINE_DEAD, EngineWatch
 from tandem.worker.registration import build_record, heartbeat_forever
@@ -73,15 +74,34 @@ HEALTH_SERVICES = ("", "tandem.v1.Worker")
 _DEATH_EXIT_S = 15.0
 
 
-def _grpc_server() -> grpc.aio.Server:
+def _grpc_server(*, check_roles: bool = False) -> grpc.aio.Server:
+    """``check_roles``: refuse callers whose certificate's role may not call the method
+    (tandem.common.identity; only with TLS on, which gives the certificate)."""
     # so_reuseport off: a port someone else holds must fail the bind, not share its traffic.
     return grpc.aio.server(
+        interceptors=role_checks(check_roles),
         options=[
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),
         ]
     )
+
+
+def build_server(
+    settings: WorkerSettings, service: worker_pb2_grpc.WorkerServicer, health_servicer: health.aio.HealthServicer
+) -> tuple[grpc.aio.Server, str]:
+    """The Worker service and the health service on ``bind_host:port`` (not started): over mutual TLS
+    with the worker's certificate, each call checked for its caller's role (tandem.common.identity),
+    when ``settings.tls`` is enabled; in plaintext, checking nobody, when not. Returns it and its address."""
+    server = _grpc_server(check_roles=settings.tls.enabled)
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{settings.bind_host}:{settings.port}"
+    port = add_port(server, address, settings.tls)
+    if port == 0:
+        raise SystemExit(f"cannot bind {address}")
+    return server, f"{settings.bind_host}:{port}"
 
 
 def _set_health(servicer: health.aio.HealthServicer, status: int) -> list[asyncio.Task[None]]:
@@ -101,12 +121,8 @@ async def serve(settings: WorkerSettings) -> int:
     await service.start()
     health_servicer = health.aio.HealthServicer()
     await asyncio.gather(*_set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING))
-    server = _grpc_server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{settings.bind_host}:{settings.port}"
-    if add_port(server, address, settings.tls) == 0:
-        raise SystemExit(f"cannot bind {address}")
+    warn_if_plaintext(settings.tls, f"the {settings.role} worker")
+    server, address = build_server(settings, service, health_servicer)
     await server.start()
     servers = [server]
     if settings.health_port:

@@ -17,7 +17,9 @@ prefill.
 
 It serves ``tandem.v1.KVTransfer`` on its own threads: ``PullBlockBytes`` and
 ``StreamBlockBytes`` (raw bytes, see :mod:`wire`), ``Release``, and
-``Describe``/``GetStats`` for people and tools."""
+``Describe``/``GetStats`` for people and tools. With internal TLS on, only a
+decode worker's certificate may call the first four (GetStats: any role; see
+:data:`tandem.common.identity.ALLOWED_ROLES`)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch
 
 from tandem.common import failpoints
 from tandem.common.errors import KVLayoutMismatchError
+from tandem.common.identity import sync_role_checks
 from tandem.common.tls import TLSSettings, add_port
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector import wire
@@ -147,7 +150,8 @@ class KVServer:
             initargs=(self._thread_cpus,),
         )
         with threads_started_on(self._thread_cpus):  # gRPC's pollers and the serving loop
-            server = grpc.server(self._pool, options=_SERVER_OPTIONS)
+            # With TLS on, only decode workers' certificates read or release KV (tandem.common.identity).
+            server = grpc.server(self._pool, options=_SERVER_OPTIONS, interceptors=sync_role_checks(self._tls.enabled))
             servicer = _KVTransferServicer(self, stats)
             kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
             server.add_generic_rpc_handlers((servicer.raw_handlers(),))

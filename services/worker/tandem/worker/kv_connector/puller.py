@@ -32,7 +32,7 @@ import grpc.experimental
 import torch
 from google.protobuf.message import Message
 
-from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, TLSSettings
+from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, CredentialFiles, TLSSettings
 from tandem.common.tls import channel as tls_channel
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector import wire
@@ -154,6 +154,8 @@ class KVPuller:
         )
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
+        #: After the certificate files change, pulls dial new channels (the old ones close once theirs end).
+        self._files = CredentialFiles(tls)
 
     def start(self, caches: list[torch.Tensor], block_dim: int, layout: KVLayout) -> None:
         self._caches, self._block_dim, self._layout = caches, block_dim, layout
@@ -224,6 +226,11 @@ class KVPuller:
         host, _, port = kv_address.rpartition(":")
         address = f"{host}:{int(port) + self._tp_rank}"
         with self._channels_lock:
+            if self._files.changed():
+                for old in self._channels.values():
+                    # Pulls under way keep their channel until their deadline.
+                    threading.Timer(self._pull_timeout_s + 1.0, old.close).start()
+                self._channels = {}
             channel = self._channels.get(address)
             if channel is None:
                 channel = tls_channel(address, self._tls, options=list(CLIENT_OPTIONS))
