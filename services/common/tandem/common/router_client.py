@@ -6,12 +6,16 @@ Serve's gRPC proxy with the ``application`` metadata that selects the router
 app, and with the request id as Serve's ``session_id`` so that Schedule and
 Release of one request reach the same router replica. gRPC failures come back
 as tandem.common.errors (see :func:`tandem.common.router_wire.error_from_status`).
+With TLS settings enabled the call goes over mutual TLS to the router's TLS
+front (``tandem.router.tls_front``), which forwards it to the proxy; after the
+certificate files change, the next call dials a new channel with them.
 
 Imports only grpc, tandem.common and tandem.v1 (no Ray): the gateway loads it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from types import TracebackType
 
@@ -27,18 +31,41 @@ from tandem.common.router_wire import (
     METADATA_SESSION_ID,
     error_from_status,
 )
+from tandem.common.tls import CredentialFiles, TLSSettings, aio_channel
 from tandem.v1 import router_pb2, router_pb2_grpc
+
+#: A channel replaced after a certificate rotation is closed this long after, so that calls on it end.
+_RETIRED_CHANNEL_GRACE_S = 30.0
 
 
 class RouterClient:
     """One channel to the router's gRPC address (host:port), shared by all requests."""
 
-    def __init__(self, address: str, *, timeout_s: float = 2.0, application: str = APPLICATION_NAME) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 2.0,
+        application: str = APPLICATION_NAME,
+        tls: TLSSettings | None = None,
+    ) -> None:
         self._address = address
         self._timeout_s = timeout_s
         self._application = application
-        self._channel = grpc.aio.insecure_channel(address)
+        self._tls = tls if tls is not None else TLSSettings()
+        self._files = CredentialFiles(self._tls)
+        self._channel = aio_channel(address, self._tls)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    def _current_stub(self) -> router_pb2_grpc.RouterStub:
+        if self._files.changed():
+            old, self._channel = self._channel, aio_channel(self._address, self._tls)
+            self._stub = router_pb2_grpc.RouterStub(self._channel)
+            task = asyncio.ensure_future(old.close(grace=_RETIRED_CHANNEL_GRACE_S))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        return self._stub
 
     @property
     def address(self) -> str:
@@ -99,7 +126,7 @@ class RouterClient:
             local_prefill_only=local_prefill_only,
         )
         try:
-            placement: router_pb2.Placement = await self._stub.Schedule(
+            placement: router_pb2.Placement = await self._current_stub().Schedule(
                 request,
                 timeout=self._timeout_s,
                 metadata=self._metadata(request_id) + (((METADATA_PRIORITY, str(priority)),) if priority else ()),
@@ -111,7 +138,7 @@ class RouterClient:
     async def release(self, request_id: str) -> bool:
         """Release the request's reservation; False when the router had none (idempotent)."""
         try:
-            response: router_pb2.RouterReleaseResponse = await self._stub.Release(
+            response: router_pb2.RouterReleaseResponse = await self._current_stub().Release(
                 router_pb2.RouterReleaseRequest(request_id=request_id),
                 timeout=self._timeout_s,
                 metadata=self._metadata(request_id),

@@ -19,6 +19,7 @@ import uvicorn
 
 from tandem.common.logging import configure_logging
 from tandem.common.registry import WorkerRegistry
+from tandem.common.tls import warn_if_plaintext
 from tandem.gateway.app import build_app
 from tandem.gateway.drain import Drain
 from tandem.gateway.http_server import guarded_protocol
@@ -66,12 +67,13 @@ class _DrainingServer(uvicorn.Server):
 
 async def serve(settings: GatewaySettings) -> None:
     tokenizer = HfPromptTokenizer.from_dir(settings.model_dir)
-    router = connect_router(settings.router_address, timeout_s=settings.router_timeout_s)
+    warn_if_plaintext(settings.tls, "the gateway (calls to the router and the workers)")
+    router = connect_router(settings.router_address, timeout_s=settings.router_timeout_s, tls=settings.tls)
     registry = WorkerRegistry(
         settings.redis.connection_url(), key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
     )
     readiness = RouterAndWorkersReadiness(
-        GrpcConnectProbe(settings.router_address, timeout_s=settings.readiness_timeout_s),
+        GrpcConnectProbe(settings.router_address, timeout_s=settings.readiness_timeout_s, tls=settings.tls),
         registry,
         cache_s=settings.readiness_cache_s,
         timeout_s=settings.readiness_timeout_s,
@@ -113,6 +115,7 @@ async def serve(settings: GatewaySettings) -> None:
                     "router_address": settings.router_address,
                     "auth_mode": settings.auth.mode,
                     "worker_tls": settings.tls.enabled,
+                    "router_tls": settings.tls.enabled,
                 },
             )
         await task

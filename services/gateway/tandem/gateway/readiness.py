@@ -19,6 +19,7 @@ import grpc
 
 from tandem.common.errors import BackendUnavailableError
 from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
+from tandem.common.tls import TLSSettings, aio_channel
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,14 @@ class GrpcConnectProbe:
     report a router that came back as unreachable for up to two minutes.
     """
 
-    def __init__(self, address: str, *, timeout_s: float) -> None:
+    def __init__(self, address: str, *, timeout_s: float, tls: TLSSettings | None = None) -> None:
         self._address = address
         self._timeout_s = timeout_s
+        #: With TLS on the connection comes up only once the handshake (both certificates) passed.
+        self._tls = tls if tls is not None else TLSSettings()
 
     async def reachable(self) -> bool:
-        channel = grpc.aio.insecure_channel(self._address)
+        channel = aio_channel(self._address, self._tls)
         try:
             await asyncio.wait_for(channel.channel_ready(), self._timeout_s)
             return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+from tandem.common.tls import TLSSettings
 from tandem.v1 import router_pb2
 
 
@@ -55,8 +56,8 @@ class ClosableRouter(Router, Protocol):
     async def aclose(self) -> None: ...
 
 
-def connect_router(address: str, *, timeout_s: float) -> ClosableRouter:
-    """The production router client."""
+def connect_router(address: str, *, timeout_s: float, tls: TLSSettings | None = None) -> ClosableRouter:
+    """The production router client (over mutual TLS to the router's TLS front when ``tls`` is enabled)."""
     from tandem.common.router_client import RouterClient
 
-    return RouterClient(address, timeout_s=timeout_s)
+    return RouterClient(address, timeout_s=timeout_s, tls=tls)

@@ -117,7 +117,8 @@ class GatewaySettings(BaseSettings):
     #: is longer; the default lets a client send up to ~16x the context and have it trimmed).
     max_prompt_bytes: int = Field(0, ge=0)
 
-    #: host:port of the router's gRPC endpoint (Ray Serve gRPC proxy).
+    #: host:port of the router's gRPC endpoint: its TLS front (``tandem.router.tls_front``) when ``tls`` is
+    #: enabled, else Ray Serve's gRPC proxy.
     router_address: str = "127.0.0.1:9000"
     #: Deadline of one Schedule or Release call.
     router_timeout_s: float = Field(10.0, gt=0)
@@ -153,8 +154,10 @@ class GatewaySettings(BaseSettings):
     tenancy: TenancySettings = Field(default_factory=TenancySettings)
     stream: StreamSettings = Field(default_factory=StreamSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
-    #: mTLS of the calls to the workers (``TANDEM_GATEWAY_TLS__ENABLED``, ``__CERT_FILE``, ``__KEY_FILE``,
-    #: ``__CA_FILE``); off: plaintext, fenced by NetworkPolicies (see docs/security.md).
+    #: mTLS of the calls to the workers and the router (``TANDEM_GATEWAY_TLS__ENABLED``, ``__CERT_FILE``,
+    #: ``__KEY_FILE``, ``__CA_FILE``), with the gateway's own certificate (role ``gateway``); on in the chart
+    #: and the local stack; off: plaintext, fenced by NetworkPolicies only, with a warning at start
+    #: (see docs/security.md).
     tls: TLSSettings = Field(default_factory=TLSSettings)
 
     #: Log level of the root logger.

@@ -4,12 +4,15 @@ gRPC errors into Tandem errors.
 Called by the orchestrator; calls ``tandem.v1.Worker`` through grpc.aio, over
 mutual TLS when the gateway's ``tls`` settings are enabled (the gateway
 presents its certificate and checks the worker's against the CA; see
-docs/security.md). Channels are created on first use and kept for the process
-lifetime: workers come and go, but an idle HTTP/2 connection is cheap and
-reconnects by itself.
+docs/security.md). Channels are created on first use and kept: workers come
+and go, but an idle HTTP/2 connection is cheap and reconnects by itself. After
+the certificate files change (a rotation), the next call dials new channels with
+them; the old ones close once their calls had time to end.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 
@@ -21,7 +24,7 @@ from tandem.common.errors import (
     TandemError,
     WorkerUnavailableError,
 )
-from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, TLSSettings, aio_channel
+from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, CredentialFiles, TLSSettings, aio_channel
 from tandem.v1 import worker_pb2_grpc
 
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -35,6 +38,8 @@ _CHANNEL_OPTIONS: list[tuple[str, object]] = [
     # A restarted worker must not look dead to a channel still backing off from its predecessor.
     *RECONNECT_BACKOFF_OPTIONS,
 ]
+#: Channels replaced after a certificate rotation close this long after (a decode stream on one ends first).
+_RETIRED_CHANNEL_GRACE_S = 600.0
 
 
 class WorkerChannels:
@@ -42,10 +47,14 @@ class WorkerChannels:
 
     def __init__(self, tls: TLSSettings | None = None) -> None:
         self._tls = tls if tls is not None else TLSSettings()
+        self._files = CredentialFiles(self._tls)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        if self._files.changed():
+            self._retire()
         stub = self._stubs.get(address)
         if stub is None:
             channel = aio_channel(address, self._tls, options=_CHANNEL_OPTIONS)
@@ -53,10 +62,20 @@ class WorkerChannels:
             stub = self._stubs[address] = worker_pb2_grpc.WorkerStub(channel)
         return stub
 
+    def _retire(self) -> None:
+        """Dial every worker anew (with the rotated files); close the old channels after a grace."""
+        channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for channel in channels:
+            task = asyncio.ensure_future(channel.close(grace=_RETIRED_CHANNEL_GRACE_S))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
     async def aclose(self) -> None:
         channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
         for channel in channels:
             await channel.close()
+        for task in list(self._retiring):
+            task.cancel()
 
 
 def map_worker_error(exc: grpc.aio.AioRpcError, *, role: str, address: str) -> TandemError:

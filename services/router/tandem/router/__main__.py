@@ -4,11 +4,14 @@ Reads :class:`tandem.router.settings.TandemRouterSettings` once, starts a
 local Ray (or connects to ``RAY_ADDRESS``), starts Serve with its gRPC proxy
 serving tandem.v1.Router, deploys :mod:`tandem.router.deployment` as the
 application ``tandem-router``, logs one line when it answers, and shuts Serve
-and Ray down on SIGTERM/SIGINT.
+and Ray down on SIGTERM/SIGINT. With ``TANDEM_ROUTER_TLS__ENABLED`` it also
+serves the gateway over mutual TLS on ``TANDEM_ROUTER_TLS_PORT``
+(:mod:`tandem.router.tls_front`, on a thread of its own).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -21,8 +24,10 @@ import grpc
 
 from tandem.common.logging import configure_logging
 from tandem.common.router_wire import APPLICATION_NAME, METADATA_APPLICATION
+from tandem.common.tls import warn_if_plaintext
 from tandem.router.policy import create_policy
 from tandem.router.settings import TandemRouterSettings
+from tandem.router.tls_front import TLSFrontSettings, start_front
 from tandem.v1 import router_pb2, router_pb2_grpc
 
 logger = logging.getLogger("tandem.router")
@@ -97,6 +102,32 @@ def _wait_until_answering(grpc_port: int, timeout_s: float) -> None:
     raise TimeoutError(f"router not answering on :{grpc_port} after {timeout_s:.0f} s ({last_error})")
 
 
+def _start_tls_front(settings: TLSFrontSettings) -> threading.Event:
+    """The TLS front on a thread with its own event loop; set the returned event to stop it."""
+    stop = threading.Event()
+    started = threading.Event()
+    failed: list[BaseException] = []
+
+    async def run() -> None:
+        try:
+            server, front = await start_front(settings)
+        except BaseException as exc:
+            failed.append(exc)
+            started.set()
+            return
+        started.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+        await server.stop(grace=2.0)
+        await front.aclose()
+
+    threading.Thread(target=asyncio.run, args=(run(),), name="tandem-router-tls-front", daemon=True).start()
+    started.wait(30.0)
+    if failed:
+        raise RuntimeError(f"the router's TLS front did not start: {failed[0]}")
+    return stop
+
+
 def _shutdown(settings: TandemRouterSettings) -> None:
     import ray
     from ray import serve
@@ -123,6 +154,9 @@ def main() -> int:
         stop.set()
 
     started_s = time.monotonic()
+    front_settings = TLSFrontSettings()
+    warn_if_plaintext(front_settings.tls, "the router (gateway → router hop)")
+    front_stop: threading.Event | None = None
     try:
         _start_ray(settings)
         # After ray.init: Ray's core worker installs its own SIGTERM handler,
@@ -131,6 +165,8 @@ def main() -> int:
         signal.signal(signal.SIGINT, _on_signal)
         _start_serve(settings)
         _wait_until_answering(settings.grpc_port, _READY_TIMEOUT_S)
+        if front_settings.tls.enabled:
+            front_stop = _start_tls_front(front_settings)
     except Exception:
         logger.exception("router failed to start")
         _shutdown(settings)
@@ -139,6 +175,7 @@ def main() -> int:
         "router ready",
         extra={
             "grpc_address": f"0.0.0.0:{settings.grpc_port}",
+            "tls_address": f"{front_settings.tls_host}:{front_settings.tls_port}" if front_stop else None,
             "application": APPLICATION_NAME,
             "policy": settings.policy,
             "num_replicas": settings.num_replicas,
@@ -146,6 +183,8 @@ def main() -> int:
         },
     )
     stop.wait()
+    if front_stop is not None:
+        front_stop.set()
     _shutdown(settings)
     logger.info("router stopped")
     return 0
