@@ -46,19 +46,42 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/*
+The key of the Redis Secret that holds a component's Redis URL; pass (dict "ctx" $ "component" "gateway").
+With redis.auth.enabled each component logs in as its own ACL user: "<component>-url" (gateway, router,
+worker; admin-url is for tandem-admin and mounted nowhere). Without: every one reads the same URL.
+*/}}
 {{- define "tandem.redisSecretKey" -}}
-{{- if .Values.redis.existingSecret -}}{{ .Values.redis.existingSecretKey }}{{- else -}}url{{- end -}}
+{{- if .ctx.Values.redis.auth.enabled -}}
+{{- printf "%s-url" .component -}}
+{{- else if .ctx.Values.redis.existingSecret -}}
+{{- .ctx.Values.redis.existingSecretKey -}}
+{{- else -}}url{{- end -}}
 {{- end -}}
 
-{{/* The Redis URL env var for a component; pass (dict "ctx" $ "prefix" "TANDEM_GATEWAY_"). */}}
+{{/* The Redis env of a component; pass (dict "ctx" $ "prefix" "TANDEM_GATEWAY_" "component" "gateway"). */}}
 {{- define "tandem.redisEnv" -}}
 - name: {{ .prefix }}REDIS__URL
   valueFrom:
     secretKeyRef:
       name: {{ include "tandem.redisSecretName" .ctx }}
-      key: {{ include "tandem.redisSecretKey" .ctx }}
+      key: {{ include "tandem.redisSecretKey" . }}
 - name: {{ .prefix }}REGISTRY__KEY_PREFIX
   value: {{ .ctx.Values.redis.keyPrefix | quote }}
+{{- end -}}
+
+{{/*
+The Redis ACL file: Redis's default user off, and one user per component with the rules of
+tandem.common.redis_acl (the one source of truth; tests/chart/test_redis_acl.py checks that these lines are
+the ones it writes). Passwords only as their SHA-256. Pass (dict "ctx" $ "passwords" (dict "gateway" ...)).
+*/}}
+{{- define "tandem.redisAclFile" -}}
+{{- $p := .ctx.Values.redis.keyPrefix -}}
+user default off
+user {{ $p }}-gateway on #{{ sha256sum (index .passwords "gateway") }} resetchannels +ping +select +evalsha +script|load +zrange +mget +get +set +del +exists +expire +pexpire +time +hget +hgetall +hmget +hset +hincrby +sadd +srem +smembers +scard +zadd +zrem +zcard +zcount +zremrangebyscore +zremrangebyrank +lrange +rpush +ltrim +multi +exec +discard %R~{{ $p }}:gw:key:* %R~{{ $p }}:gw:tenant:* ~{{ $p }}:gw:quota:* ~{{ $p }}:gw:usage:* ~{{ $p }}:gw:conv:* %R~{{ $p }}:worker:* %R~{{ $p }}:workers (~{{ $p }}:workers +zrem)
+user {{ $p }}-router on #{{ sha256sum (index .passwords "router") }} resetchannels +ping +select +zrange +mget +set +del +zadd +zrem +publish +subscribe +unsubscribe ~{{ $p }}:router:* &{{ $p }}:router:ledger %R~{{ $p }}:worker:* %R~{{ $p }}:workers (~{{ $p }}:workers +zrem)
+user {{ $p }}-worker on #{{ sha256sum (index .passwords "worker") }} resetchannels +ping +select +zrange +mget +set +del +zadd +zrem +multi +exec +discard ~{{ $p }}:worker:* ~{{ $p }}:workers
+user {{ $p }}-admin on #{{ sha256sum (index .passwords "admin") }} resetchannels +ping +select +get +set +mget +del +scan +sadd +srem +smembers +hgetall +watch +unwatch +multi +exec +discard ~{{ $p }}:gw:*
 {{- end -}}
 
 {{- define "tandem.routerAddress" -}}
@@ -139,7 +162,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "tandem.routerContainerCommon" -}}
 imagePullPolicy: {{ .ctx.Values.images.router.pullPolicy }}
 env:
-  {{- include "tandem.redisEnv" (dict "ctx" .ctx "prefix" "TANDEM_ROUTER_") | nindent 2 }}
+  {{- include "tandem.redisEnv" (dict "ctx" .ctx "prefix" "TANDEM_ROUTER_" "component" "router") | nindent 2 }}
   - name: TANDEM_ROUTER_POLICY
     value: {{ .ctx.Values.router.policy | quote }}
   - name: TANDEM_ROUTER_DISAGGREGATION__MIN_UNCACHED_TOKENS
