@@ -175,6 +175,17 @@ async def test_the_admin_cli_manages_tenants_keys_and_usage_under_its_own_user(u
         await conn.aclose()
 
 
+def test_the_admin_cli_logged_in_as_the_gateway_says_which_user_to_use(
+    users: AclUsers, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tandem.gateway.admin import main
+
+    monkeypatch.setenv("TANDEM_GATEWAY_REDIS__URL", users.url("gateway"))
+    monkeypatch.setenv("TANDEM_GATEWAY_TENANCY__KEY_PREFIX", users.key_prefix)
+    assert main(["tenant", "create", "acme"]) == 4
+    assert "Log in as the admin user" in capsys.readouterr().err
+
+
 async def test_only_the_admin_salts_a_tenant_written_before_salts(users: AclUsers) -> None:
     """The gateway may not rewrite a tenant: an unsalted (legacy) record is a clear 503 for it, and
     any ``tandem-admin`` read salts it once."""

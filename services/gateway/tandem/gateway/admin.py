@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import NoPermissionError
+
 from tandem.common.errors import BackendUnavailableError
 from tandem.gateway.redis_client import connect
 from tandem.gateway.settings import GatewaySettings
@@ -159,6 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BackendUnavailableError as exc:
         print(f"tandem-admin: {exc} ({settings.redis.address()})", file=sys.stderr)
         return 3
+    except NoPermissionError as exc:
+        # Logged in as a component's user (the gateway's may read keys, never write one).
+        print(
+            f"tandem-admin: Redis refused: {exc}. Log in as the admin user: TANDEM_GATEWAY_REDIS__USERNAME="
+            "<prefix>-admin and TANDEM_GATEWAY_REDIS__PASSWORD_FILE (docs/security.md, Redis)",
+            file=sys.stderr,
+        )
+        return 4
     return 0
 
 
