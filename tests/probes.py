@@ -10,10 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import httpx
 
-from tandem.common.tls import channel_credentials
+from tandem.common.tls import channel
 from tandem.local.stack import LocalStack
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -32,14 +31,9 @@ def load(stack: LocalStack, name: str) -> worker_pb2.LoadReport:
 
 def kv_stats(stack: LocalStack, name: str) -> kv_transfer_pb2.KVStats:
     address = f"{stack.config.host}:{stack.config.worker_ports()[name].kv_port}"
-    tls = stack.config.tls
-    channel = (
-        grpc.secure_channel(address, channel_credentials(tls))
-        if tls is not None and tls.enabled
-        else grpc.insecure_channel(address)
-    )
-    with channel:
-        stats: kv_transfer_pb2.KVStats = kv_transfer_pb2_grpc.KVTransferStub(channel).GetStats(
+    # As a tool would: the operator's certificate (GetStats answers any component; KV itself only decode).
+    with channel(address, stack.tls("operator")) as kv_channel:
+        stats: kv_transfer_pb2.KVStats = kv_transfer_pb2_grpc.KVTransferStub(kv_channel).GetStats(
             kv_transfer_pb2.KVStatsRequest(), timeout=20
         )
         return stats

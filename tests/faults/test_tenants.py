@@ -12,8 +12,11 @@ conversations, the engines' prefix caches), not only against status codes:
   a wrong admin key; the admin credential does work;
 * headers that name another tenant, user, request or priority change nothing;
 * a revoked key, or a disabled tenant's key, stops working;
-* over mTLS the answer comes back end to end, and a client without the
-  cluster's certificate gets nothing from a worker's gRPC or KV port.
+* over mTLS (gateway → router's TLS front, gateway → workers, decode → prefill
+  KV, each component with its own role's certificate) the answer comes back
+  end to end; a client without the cluster's certificate gets nothing from a
+  worker's gRPC or KV port, and a component of the wrong role gets
+  PERMISSION_DENIED (only gateways call Decode, only decode workers the KV).
 
 The unit tests (tests/unit/gateway/test_tenancy.py, test_worker_tls.py) cover
 the same rules against fakes; this module proves them on the real request path.
@@ -36,10 +39,19 @@ import pytest
 import redis
 
 from tandem.common.tls import TLSSettings, channel_credentials
+from tandem.common.tls import channel as tls_channel
 from tandem.gateway.tenancy.models import Tenant
 from tandem.gateway.tenancy.store import TenantStore
 from tandem.local.stack import LocalStack
-from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tandem.v1 import (
+    common_pb2,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from tests.faults.conftest import running_stack
 from tests.faults.ledger import FaultLedger
 from tests.probes import wait_until, worker_names
@@ -55,16 +67,16 @@ BLOCK_TOKENS = 128
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[TLSSettings, TLSSettings, Path]:
-    folder = tmp_path_factory.mktemp("pki")
-    good, stranger = make_pki(folder)
-    return good, stranger, folder
+def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TLSSettings]:
+    """The stack's own CA folder (one certificate per role), and a certificate from a stranger CA."""
+    _, stranger = make_pki(tmp_path_factory.mktemp("stranger"))
+    return Path(tmp_path_factory.mktemp("pki")), stranger
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, pki: tuple[TLSSettings, TLSSettings, Path]) -> Iterator[LocalStack]:
-    good, _stranger, _folder = pki
-    with running_stack(tmp_path_factory, "tenants", tls=good) as s:
+def stack(tmp_path_factory: pytest.TempPathFactory, pki: tuple[Path, TLSSettings]) -> Iterator[LocalStack]:
+    folder, _stranger = pki
+    with running_stack(tmp_path_factory, "tenants", pki_dir=folder) as s:
         yield s
 
 
@@ -199,7 +211,7 @@ def key_id(key: str) -> str:
 
 def test_the_answer_comes_back_over_mtls(stack: LocalStack, keys: dict[str, str], ledger: FaultLedger) -> None:
     with ledger.fault("request path over mTLS (gateway → workers, prefill → decode KV)") as f:
-        assert stack.config.tls is not None and stack.config.tls.enabled
+        assert stack.config.internal_tls
         f.tried()
         response = chat(stack, keys[A], "What is the capital of France?", max_tokens=8)
         assert response.status_code == 200, response.text
@@ -208,7 +220,36 @@ def test_the_answer_comes_back_over_mtls(stack: LocalStack, keys: dict[str, str]
         assert body["choices"][0]["message"]["content"].strip()
         assert body["usage"]["completion_tokens"] >= 2  # the decode worker ran too (KV pulled over mTLS)
         ready = next(line for line in stack.tail("gateway", 2000).splitlines() if "gateway ready" in line)
-        assert json.loads(ready)["worker_tls"] is True
+        assert json.loads(ready)["worker_tls"] is True and json.loads(ready)["router_tls"] is True
+        router_ready = next(line for line in stack.tail("router", 2000).splitlines() if "router ready" in line)
+        assert json.loads(router_ready)["tls_address"] == stack.router_address
+
+
+def test_a_component_of_the_wrong_role_is_refused(stack: LocalStack, ledger: FaultLedger) -> None:
+    decode_call = worker_pb2.DecodeRequest(
+        request_id="hostile-role", prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingOptions(max_tokens=2)
+    )
+    with ledger.fault("another component's certificate on a worker's Decode, the KV port, the router") as f:
+        for role in ("prefill", "decode", "router", "operator"):
+            f.tried()
+            with stack.worker_channel("decode", role=role) as channel, pytest.raises(grpc.RpcError) as refused:
+                list(worker_pb2_grpc.WorkerStub(channel).Decode(decode_call, timeout=10))
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+            f.saw(f"Decode as {role}: PERMISSION_DENIED")
+        kv_address = f"{stack.config.host}:{stack.config.worker_ports()['prefill'].kv_port}"
+        for role in ("gateway", "prefill", "router"):
+            f.tried()
+            with tls_channel(kv_address, stack.tls(role)) as channel, pytest.raises(grpc.RpcError) as refused:
+                kv_transfer_pb2_grpc.KVTransferStub(channel).Release(
+                    kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id="hostile-role"), timeout=10
+                )
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+            f.saw(f"KV Release as {role}: PERMISSION_DENIED")
+        f.tried()
+        with tls_channel(stack.router_address, stack.tls("decode")) as channel, pytest.raises(grpc.RpcError) as refused:
+            router_pb2_grpc.RouterStub(channel).Release(router_pb2.RouterReleaseRequest(request_id="x"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+        f.saw("router Release as decode: PERMISSION_DENIED")
 
 
 def _kv_stats(channel: grpc.Channel) -> kv_transfer_pb2.KVStats:
@@ -220,10 +261,11 @@ def _health(channel: grpc.Channel) -> worker_pb2.HealthResponse:
 
 
 def test_workers_refuse_clients_without_the_cluster_certificate(
-    stack: LocalStack, pki: tuple[TLSSettings, TLSSettings, Path], ledger: FaultLedger
+    stack: LocalStack, pki: tuple[Path, TLSSettings], ledger: FaultLedger
 ) -> None:
-    good, stranger, folder = pki
-    ca = (folder / "trusted-ca.pem").read_bytes()
+    folder, stranger = pki
+    good = stack.tls("operator")  # health and KV stats answer any component of the cluster
+    ca = (folder / "ca.crt").read_bytes()
     callers: dict[str, Callable[[str], grpc.Channel]] = {
         "plaintext": grpc.insecure_channel,
         "TLS without a client certificate": lambda a: grpc.secure_channel(a, grpc.ssl_channel_credentials(ca)),

@@ -24,3 +24,27 @@ def test_worker_env_has_kv_event_ports_and_pins_cores(monkeypatch) -> None:  # t
     pins = {name: e["TANDEM_WORKER_ENGINE__CPU_THREADS_BIND"] for name, e in env.items()}
     assert pins == {"prefill": "0", "prefill-1": "1", "decode": "1"}
     assert stack._router_env()["TANDEM_ROUTER_POLICY"] == "round_robin"
+
+
+def test_every_component_gets_its_own_roles_certificate_by_default(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = StackConfig.with_free_ports(pki_dir=tmp_path / "pki")
+    stack = LocalStack(config)
+    assert config.internal_tls
+    gateway, router = stack._gateway_env(), stack._router_env()
+    workers = {name: stack._worker_env(name) for name in config.worker_ports()}
+    assert gateway["TANDEM_GATEWAY_TLS__ENABLED"] == "True"
+    assert gateway["TANDEM_GATEWAY_TLS__CERT_FILE"] == str(tmp_path / "pki" / "gateway.crt")
+    assert gateway["TANDEM_GATEWAY_ROUTER_ADDRESS"] == f"127.0.0.1:{config.router_tls_port}"  # the TLS front
+    assert router["TANDEM_ROUTER_TLS__KEY_FILE"] == str(tmp_path / "pki" / "router.key")
+    assert router["TANDEM_ROUTER_TLS_PORT"] == str(config.router_tls_port)
+    assert workers["prefill"]["TANDEM_WORKER_TLS__CERT_FILE"] == str(tmp_path / "pki" / "prefill.crt")
+    assert workers["decode"]["TANDEM_WORKER_TLS__CERT_FILE"] == str(tmp_path / "pki" / "decode.crt")
+    ca_files = {gateway["TANDEM_GATEWAY_TLS__CA_FILE"], *(e["TANDEM_WORKER_TLS__CA_FILE"] for e in workers.values())}
+    assert ca_files == {str(tmp_path / "pki" / "ca.crt")}
+
+
+def test_plaintext_is_said_explicitly() -> None:
+    stack = LocalStack(StackConfig.with_free_ports(internal_tls=False))
+    assert stack._gateway_env()["TANDEM_GATEWAY_TLS__ENABLED"] == "false"
+    assert stack._worker_env("decode")["TANDEM_WORKER_TLS__ENABLED"] == "false"
+    assert stack._gateway_env()["TANDEM_GATEWAY_ROUTER_ADDRESS"] == f"127.0.0.1:{stack.config.router_grpc_port}"

@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-redis-users", action="store_true",
                         help="every process logs in to Redis as the URL's user (default: one ACL user per "
                              "component, created at start; needs a Redis you may administer)")
+    parser.add_argument("--plaintext-internal", action="store_true",
+                        help="internal gRPC without TLS and without role checks (default: mutual TLS, one "
+                             "certificate per role from the local CA in ~/.cache/tandem/pki)")
     return parser.parse_args(argv)
 
 
@@ -57,6 +60,7 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
         supervise=not args.no_supervise,
         redis_users=not args.no_redis_users,
         keep_redis_users=True,  # reused by the next start, with the passwords kept in ~/.cache/tandem/redis-users
+        internal_tls=not args.plaintext_internal,
     )
     model_dir = os.environ.get("TANDEM_MODEL_DIR")
     if model_dir:

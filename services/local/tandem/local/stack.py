@@ -2,7 +2,13 @@
 Ray Serve router, one prefill (or ``num_prefill_workers``) and one decode
 (or ``num_decode_workers``) worker, and the gateway, each a child process with
 its own log file. Readiness is probed the way a client
-would see it (Health RPC, a router Release call, the gateway's /readyz)."""
+would see it (Health RPC, a router Release call, the gateway's /readyz).
+
+Internal gRPC runs over mutual TLS unless the config says otherwise: before
+anything starts, the local CA in the cache folder (:mod:`tandem.local.pki`)
+issues or renews one certificate per role, and each component gets its own
+(the gateway's, the router's for its TLS front, prefill's, decode's), as in
+the chart."""
 
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ import grpc
 import httpx
 import redis
 
-from tandem.common.tls import TLSSettings, channel_credentials
+from tandem.common.tls import TLSSettings, channel
+from tandem.local.pki import default_pki_dir, ensure_pki, settings_for
 from tandem.local.redis_users import RedisLogin, RedisUsersError, default_users_dir, drop_users, ensure_users
 from tandem.local.supervisor import Supervisor
 from tandem.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -81,6 +88,8 @@ class StackConfig:
     host: str = "127.0.0.1"
     gateway_port: int = 8080
     router_grpc_port: int = 9000
+    #: The router's TLS front (mTLS for the gateway; Serve's proxy on router_grpc_port has no TLS).
+    router_tls_port: int = 9443
     router_http_port: int = 8001
     #: Ray's Prometheus export of the router's metrics (ray_tandem_router_*); 0: a port Ray picks. A fixed
     #: port is for a scraper (the live-query test, the autoscaling demo); a router SIGKILLed and restarted at
@@ -123,8 +132,12 @@ class StackConfig:
     #: Keep the users and their password files after stop (``make run``); False: the stack leaves none (a
     #: test's stack, with a key prefix of its own).
     keep_redis_users: bool = False
-    #: mTLS for the workers' gRPC and KV transfer, and the gateway's calls to them (None: plaintext).
-    tls: TLSSettings | None = None
+    #: Mutual TLS on every internal gRPC hop (gateway → router's TLS front, gateway → workers, decode →
+    #: prefill KV), each component with its role's certificate, and each RPC checking the caller's role.
+    #: False: plaintext, and no role checks (the components warn at start).
+    internal_tls: bool = True
+    #: The local CA and the roles' keys and certificates (tandem.local.pki; created or renewed at start).
+    pki_dir: Path = field(default_factory=default_pki_dir)
     key_prefix: str = "tandem"
     max_model_len: int = 4096
     kv_cache_bytes: int = 1 << 30
@@ -155,6 +168,7 @@ class StackConfig:
             for name in (
                 "gateway_port",
                 "router_grpc_port",
+                "router_tls_port",
                 "router_http_port",
                 "prefill_port",
                 "prefill_kv_port",
@@ -306,13 +320,19 @@ class LocalStack:
             else:
                 core = names.index(name) % num_cpus
             env["TANDEM_WORKER_ENGINE__CPU_THREADS_BIND"] = str(core)
-        env.update(self._tls_env("TANDEM_WORKER_TLS__"))
+        env.update(self._tls_env("TANDEM_WORKER_TLS__", role))
         return env
 
-    def _tls_env(self, prefix: str) -> dict[str, str]:
-        tls = self.config.tls
-        if tls is None or not tls.enabled:
-            return {}
+    def tls(self, role: str) -> TLSSettings:
+        """The TLS settings of a component (or a tool) of ``role``; disabled when the stack runs plaintext."""
+        if not self.config.internal_tls:
+            return TLSSettings(enabled=False)
+        return settings_for(self.config.pki_dir, role)
+
+    def _tls_env(self, prefix: str, role: str) -> dict[str, str]:
+        tls = self.tls(role)
+        if not tls.enabled:
+            return {f"{prefix}ENABLED": "false"}  # plaintext, said explicitly
         return {f"{prefix}{key.upper()}": str(value) for key, value in tls.to_dict().items() if value is not None}
 
     def _router_env(self) -> dict[str, str]:
@@ -328,6 +348,9 @@ class LocalStack:
             }
         )
         env.update(self._redis_env("TANDEM_ROUTER_", "router"))
+        if c.internal_tls:
+            env.update({"TANDEM_ROUTER_TLS_HOST": c.host, "TANDEM_ROUTER_TLS_PORT": str(c.router_tls_port)})
+        env.update(self._tls_env("TANDEM_ROUTER_TLS__", "router"))
         if c.router_metrics_port:
             env["TANDEM_ROUTER_METRICS_PORT"] = str(c.router_metrics_port)
         if c.router_policy:
@@ -346,7 +369,7 @@ class LocalStack:
                 "TANDEM_GATEWAY_SERVED_MODEL_NAME": c.served_model_name,
                 "TANDEM_GATEWAY_MODEL_DIR": str(c.model_dir),
                 "TANDEM_GATEWAY_MAX_MODEL_LEN": str(c.max_model_len),
-                "TANDEM_GATEWAY_ROUTER_ADDRESS": f"{c.host}:{c.router_grpc_port}",
+                "TANDEM_GATEWAY_ROUTER_ADDRESS": self.router_address,
                 "TANDEM_GATEWAY_REDIS__URL": c.redis_url,
                 "TANDEM_GATEWAY_REGISTRY__KEY_PREFIX": c.key_prefix,
                 "TANDEM_GATEWAY_TENANCY__KEY_PREFIX": c.key_prefix,
@@ -355,8 +378,14 @@ class LocalStack:
             }
         )
         env.update(self._redis_env("TANDEM_GATEWAY_", "gateway"))
-        env.update(self._tls_env("TANDEM_GATEWAY_TLS__"))
+        env.update(self._tls_env("TANDEM_GATEWAY_TLS__", "gateway"))
         return env
+
+    @property
+    def router_address(self) -> str:
+        """What the gateway dials: the router's TLS front, or Serve's proxy when the stack runs plaintext."""
+        c = self.config
+        return f"{c.host}:{c.router_tls_port if c.internal_tls else c.router_grpc_port}"
 
     def _redis_env(self, prefix: str, component: str) -> dict[str, str]:
         login = self.redis_logins.get(component)
@@ -439,6 +468,9 @@ class LocalStack:
         c = self.config
         if not (c.model_dir / "config.json").exists():
             raise StackError(f"model folder {c.model_dir} is missing; run `make model`")
+        if c.internal_tls:
+            ensure_pki(c.pki_dir)
+            self._progress(f"internal gRPC over mutual TLS, one certificate per role ({c.pki_dir})")
         self._progress("starting redis")
         self._ensure_redis()
         self._ensure_redis_users()
@@ -513,17 +545,14 @@ class LocalStack:
             f"{self._children[name].log_path if name in self._children else '-'}:\n" + self.tail(name)
         )
 
-    def worker_channel(self, name: str) -> grpc.Channel:
-        """A blocking channel to a worker's gRPC service (over mTLS when the stack runs it)."""
-        address = f"{self.config.host}:{self.config.worker_ports()[name].port}"
-        tls = self.config.tls
-        if tls is not None and tls.enabled:
-            return grpc.secure_channel(address, channel_credentials(tls))
-        return grpc.insecure_channel(address)
+    def worker_channel(self, name: str, *, role: str = "gateway") -> grpc.Channel:
+        """A blocking channel to a worker's gRPC service, as a component of ``role`` would dial it (over
+        mTLS with that role's certificate when the stack runs it)."""
+        return channel(f"{self.config.host}:{self.config.worker_ports()[name].port}", self.tls(role))
 
     def _worker_ready(self, name: str) -> bool:
-        with self.worker_channel(name) as channel:
-            reply = worker_pb2_grpc.WorkerStub(channel).Health(worker_pb2.HealthRequest(), timeout=2)
+        with self.worker_channel(name, role="operator") as probe_channel:
+            reply = worker_pb2_grpc.WorkerStub(probe_channel).Health(worker_pb2.HealthRequest(), timeout=2)
             return bool(reply.ready)
 
     @property
@@ -562,8 +591,9 @@ class LocalStack:
             self._wait(name, lambda: self._worker_ready(name), timeout_s)
 
     def _router_ready(self) -> bool:
-        with grpc.insecure_channel(f"{self.config.host}:{self.config.router_grpc_port}") as channel:
-            router_pb2_grpc.RouterStub(channel).Release(
+        # The way the gateway reaches it (through the TLS front, as a gateway, when the stack runs mTLS).
+        with channel(self.router_address, self.tls("gateway")) as router_channel:
+            router_pb2_grpc.RouterStub(router_channel).Release(
                 router_pb2.RouterReleaseRequest(request_id="readiness-probe"),
                 timeout=2,
                 metadata=(("application", "tandem-router"),),
