@@ -2,8 +2,10 @@
 
 Every internal certificate names one role (gateway, router, prefill, decode,
 operator) in a URI subject alternative name, ``spiffe://tandem/role/<role>``
-(:func:`role_uri`); the local CA (:mod:`tandem.local.pki`) and the chart
-(cert-manager or its generated CA) issue them so. A gRPC server built with
+(:func:`role_uri`), or in a DNS name ``<role>.role.tandem`` (:func:`role_dns_name`:
+Helm's ``genSignedCert``, which the chart uses when there is no cert-manager,
+can write DNS names only). The local CA (:mod:`tandem.local.pki`) and
+cert-manager write both; a certificate whose names disagree has no role. A gRPC server built with
 :func:`tandem.common.tls.add_port` verifies the certificate chain; the server
 interceptors here then look up the caller's role and the method's
 :data:`ALLOWED_ROLES` before the servicer runs, and answer PERMISSION_DENIED
@@ -32,6 +34,8 @@ _Resp = TypeVar("_Resp")
 ROLES = ("gateway", "router", "prefill", "decode", "operator")
 #: A certificate's role URI starts with this.
 ROLE_URI_PREFIX = "spiffe://tandem/role/"
+#: A certificate's role DNS name ends with this.
+ROLE_DNS_SUFFIX = ".role.tandem"
 #: The status message of a refused call: it names no method, role or rule.
 DENIED_MESSAGE = "not allowed for this caller"
 
@@ -72,13 +76,21 @@ def role_uri(role: str) -> str:
     return ROLE_URI_PREFIX + role
 
 
+def role_dns_name(role: str) -> str:
+    """The DNS SAN that names ``role`` in a certificate."""
+    role_uri(role)  # the same check
+    return role + ROLE_DNS_SUFFIX
+
+
 def role_from_auth_context(auth_context: Mapping[str, Iterable[bytes]] | Mapping[str, Any]) -> str:
     """The role named by a verified peer's certificate; "" when it names none or several."""
-    roles = {
-        name[len(ROLE_URI_PREFIX) :]
-        for value in auth_context.get("x509_subject_alternative_name", ())
-        if (name := value.decode(errors="replace")).startswith(ROLE_URI_PREFIX)
-    }
+    roles = set()
+    for value in auth_context.get("x509_subject_alternative_name", ()):
+        name = value.decode(errors="replace")
+        if name.startswith(ROLE_URI_PREFIX):
+            roles.add(name[len(ROLE_URI_PREFIX) :])
+        elif name.endswith(ROLE_DNS_SUFFIX):
+            roles.add(name[: -len(ROLE_DNS_SUFFIX)])
     if len(roles) != 1:
         return ""
     (role,) = roles
@@ -190,6 +202,7 @@ __all__ = [
     "allowed",
     "caller_role",
     "role_checks",
+    "role_dns_name",
     "role_from_auth_context",
     "role_uri",
     "sync_role_checks",

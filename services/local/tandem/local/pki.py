@@ -11,9 +11,9 @@ certificate in place: running servers use them for their next handshake and
 clients for their next channel, with no restart (:mod:`tandem.common.tls`).
 
 Each certificate names its role in a URI SAN (:func:`tandem.common.identity.role_uri`)
-and carries the DNS names ``tandem-internal`` (the name callers check, as in
-the chart) and ``localhost``, and the IP 127.0.0.1. Keys are EC P-256, written
-with mode 0600; files are replaced atomically (written aside, then renamed),
+and a DNS SAN (:func:`~tandem.common.identity.role_dns_name`), and carries the
+DNS names ``tandem-internal`` (the name callers check, as in the chart) and
+``localhost``, and the IP 127.0.0.1. Keys are EC P-256, written with mode 0600; files are replaced atomically (written aside, then renamed),
 under a lock so that two stacks starting at once share one CA.
 """
 
@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from tandem.common.identity import ROLES, role_uri
+from tandem.common.identity import ROLES, role_dns_name, role_uri
 from tandem.common.tls import TLSSettings
 
 #: The name callers check in a server's certificate (TLSSettings.server_name_override), as in the chart.
@@ -167,6 +167,7 @@ def issue(
             x509.SubjectAlternativeName(
                 [
                     x509.UniformResourceIdentifier(role_uri(role)),
+                    x509.DNSName(role_dns_name(role)),
                     x509.DNSName(SERVER_NAME),
                     x509.DNSName("localhost"),
                     x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
