@@ -13,8 +13,9 @@ clients for their next channel, with no restart (:mod:`tandem.common.tls`).
 Each certificate names its role in a URI SAN (:func:`tandem.common.identity.role_uri`)
 and a DNS SAN (:func:`~tandem.common.identity.role_dns_name`), and carries the
 DNS names ``tandem-internal`` (the name callers check, as in the chart) and
-``localhost``, and the IP 127.0.0.1. Keys are EC P-256, written with mode 0600; files are replaced atomically (written aside, then renamed),
-under a lock so that two stacks starting at once share one CA.
+``localhost``, and the IP 127.0.0.1. Keys are EC P-256, written with mode 0600;
+files are replaced atomically (written aside, then renamed), under a lock so
+that two stacks starting at once share one CA.
 """
 
 from __future__ import annotations
