@@ -27,7 +27,7 @@ METRICS_PORT = 9101
 HEALTH_PORT = 50071
 #: The health service name the probes ask about (the worker also answers "").
 HEALTH_SERVICE = "tandem.v1.Worker"
-#: Where the TLS Secret (spec.tls) is mounted.
+#: Where the pool's TLS Secret (spec.tls: its role's certificate) is mounted.
 TLS_DIR = "/etc/tandem/tls"
 #: Seconds of grace on top of the drain timeout (process exit, engine shutdown).
 GRACE_MARGIN_S = 30
@@ -119,6 +119,9 @@ def _env(spec: TandemSpec, role: Role, pool: PoolSpec) -> list[dict[str, Any]]:
             {"name": "TANDEM_WORKER_TLS__CA_FILE", "value": f"{TLS_DIR}/ca.crt"},
             {"name": "TANDEM_WORKER_TLS__SERVER_NAME_OVERRIDE", "value": spec.tls.server_name},
         ]
+    else:
+        # Plaintext, said explicitly (the worker warns at start: no caller is checked).
+        env.append({"name": "TANDEM_WORKER_TLS__ENABLED", "value": "false"})
     env.extend({"name": name, "value": value} for name, value in sorted(pool.engine_args.extra_env.items()))
     return env
 
@@ -128,7 +131,7 @@ def _health_check() -> dict[str, Any]:
     return {"port": HEALTH_PORT, "service": HEALTH_SERVICE}
 
 
-def _volumes(spec: TandemSpec, pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(spec: TandemSpec, role: Role, pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, mounts): the model under /models, a writable /tmp, and /dev/shm for tensor parallelism."""
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
@@ -146,7 +149,8 @@ def _volumes(spec: TandemSpec, pool: PoolSpec) -> tuple[list[dict[str, Any]], li
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if spec.tls is not None:
-        volumes.append({"name": "internal-tls", "secret": {"secretName": spec.tls.secret_name, "defaultMode": 0o440}})
+        secret = {"secretName": spec.tls.secret_for(role), "defaultMode": 0o440}
+        volumes.append({"name": "internal-tls", "secret": secret})
         mounts.append({"name": "internal-tls", "mountPath": TLS_DIR, "readOnly": True})
     return volumes, mounts
 
@@ -164,7 +168,7 @@ def build_pool_deployment(
     """The Deployment of one pool, owned by the TandemDeployment ``name``."""
     pool = spec.pools.get(role)
     labels = pool_labels(name, role, cr_labels, spec)
-    volumes, mounts = _volumes(spec, pool)
+    volumes, mounts = _volumes(spec, role, pool)
     container: dict[str, Any] = {
         "name": "worker",
         "image": spec.image.ref,

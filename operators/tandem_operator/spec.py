@@ -86,11 +86,30 @@ class RedisRef(_Model):
 
 
 class TLSRef(_Model):
-    """Mutual TLS of the pools' gRPC (Worker service, KV transfer): a Secret with tls.crt, tls.key, ca.crt."""
+    """Mutual TLS of the pools' gRPC (Worker service, KV transfer): Secrets with tls.crt, tls.key, ca.crt.
 
-    secret_name: str = Field(min_length=1)
+    Each pool should have its own role's certificate (``prefillSecretName``, ``decodeSecretName``: the
+    workers check each caller's role, and a decode worker's KV pulls need the decode role);
+    ``secretName`` is the one Secret of a pool that names none (one certificate for every role)."""
+
+    secret_name: str | None = Field(default=None, min_length=1)
+    prefill_secret_name: str | None = Field(default=None, min_length=1)
+    decode_secret_name: str | None = Field(default=None, min_length=1)
     #: DNS name in the certificate that callers check (workers are dialled by pod IP); "" = the IP.
     server_name: str = ""
+
+    @model_validator(mode="after")
+    def _a_secret_per_pool(self) -> TLSRef:
+        if self.secret_name is None and (self.prefill_secret_name is None or self.decode_secret_name is None):
+            raise ValueError("tls needs secretName, or both prefillSecretName and decodeSecretName")
+        return self
+
+    def secret_for(self, role: str) -> str:
+        """The Secret mounted into ``role``'s pool."""
+        own = self.prefill_secret_name if role == "prefill" else self.decode_secret_name
+        secret = own or self.secret_name
+        assert secret is not None  # the validator
+        return secret
 
 
 class EngineArgs(_Model):

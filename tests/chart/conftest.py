@@ -48,9 +48,13 @@ def values_args(values: str | None, extra: tuple[str, ...] = ()) -> list[str]:
 
 
 @functools.cache
-def render(values: str | None, extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], ...]:
+def render(
+    values: str | None, extra: tuple[str, ...] = (), api_versions: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], ...]:
+    """The chart's manifests; ``api_versions``: what the cluster serves beyond the defaults (cert-manager.io/v1)."""
+    served = [arg for version in api_versions for arg in ("--api-versions", version)]
     out = run_helm("template", RELEASE, str(CHART), "--namespace", "tandem", "--include-crds",
-                   *values_args(values, extra)).stdout
+                   *served, *values_args(values, extra)).stdout
     return tuple(doc for doc in yaml.safe_load_all(out) if doc)
 
 

@@ -202,7 +202,13 @@ def test_gateway_reaches_the_router_service() -> None:
     ray = one(docs, "RayService", f"{FULL}-router")
     serve = yaml.safe_load(ray["spec"]["serveConfigV2"])
     assert serve["applications"][0]["name"] == "tandem-router"
-    assert serve["grpc_options"]["port"] == router_svc["spec"]["ports"][0]["port"]
+    # The Service leads to each pod's TLS front, which forwards to Serve's proxy on the pod's loopback.
+    (front,) = [c for c in ray["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]
+                if c["name"] == "tls-front"]
+    assert router_svc["spec"]["ports"][0]["targetPort"] == front["ports"][0]["name"]
+    front_env = {e["name"]: e.get("value") for e in front["env"]}
+    assert front_env["TANDEM_ROUTER_TLS_PORT"] == str(router_svc["spec"]["ports"][0]["port"])
+    assert serve["grpc_options"]["port"] == int(front_env["TANDEM_ROUTER_GRPC_PORT"])
     assert serve["grpc_options"]["grpc_servicer_functions"] == [
         "tandem.v1.router_pb2_grpc.add_RouterServicer_to_server"
     ]

@@ -85,7 +85,12 @@ user {{ $p }}-admin on #{{ sha256sum (index .passwords "admin") }} resetchannels
 {{- end -}}
 
 {{- define "tandem.routerAddress" -}}
-{{- printf "%s-router:%d" (include "tandem.fullname" .) (int .Values.router.grpcPort) -}}
+{{- printf "%s-router:%d" (include "tandem.fullname" .) (int (include "tandem.routerPort" .)) -}}
+{{- end -}}
+
+{{/* The router port the gateway dials: the TLS front's with internalTLS, else Serve's proxy's. */}}
+{{- define "tandem.routerPort" -}}
+{{- if .Values.internalTLS.enabled }}{{ .Values.router.tlsPort }}{{ else }}{{ .Values.router.grpcPort }}{{ end -}}
 {{- end -}}
 
 {{/* The model volume; the init container variant fills an emptyDir. */}}
@@ -144,11 +149,31 @@ user {{ $p }}-admin on #{{ sha256sum (index .passwords "admin") }} resetchannels
   value: {{ .ctx.Values.internalTLS.serverName | quote }}
 {{- end -}}
 
-{{/* The internal TLS Secret as a volume, and its read-only mount (when internalTLS.enabled). */}}
+{{/* Who issues the internal certificates: certManager, helm or existing ("auto" resolved). */}}
+{{- define "tandem.internalTLSIssuer" -}}
+{{- $issuer := .Values.internalTLS.issuer -}}
+{{- if eq $issuer "auto" -}}
+{{- if .Capabilities.APIVersions.Has "cert-manager.io/v1" }}certManager{{ else }}helm{{ end -}}
+{{- else -}}
+{{- $issuer -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Prefix of the internal TLS Secrets (<prefix>-<role>, <prefix>-ca). */}}
+{{- define "tandem.internalTLSPrefix" -}}
+{{- .Values.internalTLS.secretPrefix | default (printf "%s-tls" (include "tandem.fullname" .)) -}}
+{{- end -}}
+
+{{/* A role's internal TLS Secret; pass (dict "ctx" $ "role" "gateway"). */}}
+{{- define "tandem.internalTLSSecret" -}}
+{{- printf "%s-%s" (include "tandem.internalTLSPrefix" .ctx) .role -}}
+{{- end -}}
+
+{{/* A role's internal TLS Secret as a volume (when internalTLS.enabled); pass (dict "ctx" $ "role" "gateway"). */}}
 {{- define "tandem.internalTLSVolume" -}}
 - name: internal-tls
   secret:
-    secretName: {{ .Values.internalTLS.secretName }}
+    secretName: {{ include "tandem.internalTLSSecret" . }}
     defaultMode: 0440
 {{- end -}}
 
@@ -156,6 +181,35 @@ user {{ $p }}-admin on #{{ sha256sum (index .passwords "admin") }} resetchannels
 - name: internal-tls
   mountPath: {{ include "tandem.internalTLSDir" . }}
   readOnly: true
+{{- end -}}
+
+{{/* The router pod's TLS front container (with internalTLS): mutual TLS for the gateway on tlsPort,
+forwarded to Serve's gRPC proxy on the pod's loopback; pass (dict "ctx" $ "image" $image). */}}
+{{- define "tandem.routerTLSFront" -}}
+- name: tls-front
+  image: {{ .image }}
+  imagePullPolicy: {{ .ctx.Values.images.router.pullPolicy }}
+  command: ["python", "-m", "tandem.router.tls_front"]
+  env:
+    - name: TANDEM_ROUTER_GRPC_PORT
+      value: {{ .ctx.Values.router.grpcPort | quote }}
+    - name: TANDEM_ROUTER_TLS_PORT
+      value: {{ .ctx.Values.router.tlsPort | quote }}
+    {{- include "tandem.internalTLSEnv" (dict "ctx" .ctx "prefix" "TANDEM_ROUTER_") | nindent 4 }}
+    - name: HOME
+      value: /tmp
+  ports:
+    - {name: grpc-tls, containerPort: {{ .ctx.Values.router.tlsPort }}, protocol: TCP}
+  readinessProbe:
+    tcpSocket: {port: grpc-tls}
+    periodSeconds: 5
+  resources:
+    {{- toYaml .ctx.Values.router.tlsFrontResources | nindent 4 }}
+  securityContext:
+    {{- toYaml .ctx.Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - {name: tmp, mountPath: /tmp}
+    {{- include "tandem.internalTLSMount" .ctx | nindent 4 }}
 {{- end -}}
 
 {{/* Shared parts of the Ray head and worker containers; pass (dict "ctx" $). */}}

@@ -84,7 +84,17 @@ def test_worker_probes_ask_the_plaintext_health_service(tls: bool) -> None:
         assert port in ports.values() and ports["health"] == port, probe
     # Health has its own port, apart from the (possibly mTLS) gRPC port.
     assert len(set(ports.values())) == len(ports) and ports["health"] != ports["grpc"]
-    assert (env.get("TANDEM_WORKER_TLS__ENABLED") == "true") is tls
+    assert env["TANDEM_WORKER_TLS__ENABLED"] == ("true" if tls else "false")  # plaintext is said explicitly
+
+
+def test_each_pool_mounts_its_own_roles_secret() -> None:
+    spec = parse_spec({**VALID, "tls": {"prefillSecretName": "p-tls", "decodeSecretName": "d-tls"}})
+    for role, secret in (("prefill", "p-tls"), ("decode", "d-tls")):
+        dep = build_pool_deployment(name="x", namespace="ns", uid="u", cr_labels={}, spec=spec, role=role, replicas=1)
+        (volume,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "internal-tls"]
+        assert volume["secret"]["secretName"] == secret
+    with pytest.raises(SpecError, match="both prefillSecretName and decodeSecretName"):
+        parse_spec({**VALID, "tls": {"prefillSecretName": "p-tls"}})
 
 
 @pytest.mark.parametrize(
