@@ -36,3 +36,35 @@ def test_bench_kv_transport_runs_and_ends_with_its_line() -> None:
         r" second_token_gap_ratio_without_prefetch=n/a",
         last,
     ), last
+
+
+def test_bench_router_tls_runs_and_ends_with_its_line() -> None:
+    """The real router with its TLS front (Ray Serve, needs Redis on 127.0.0.1:6379), a few calls each way."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_router_tls.py",
+            "--calls",
+            "20",
+            "--block",
+            "10",
+            "--warmup",
+            "2",
+            "--concurrency",
+            "4",
+            "--concurrent-calls",
+            "20",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    number = r"[0-9]+\.[0-9]+"
+    assert re.fullmatch(
+        rf"bench-router-tls: schedule_p50_ms plain={number} tls={number} ratio={number} added_ms=-?{number}"
+        rf" \| schedule_p99_ms plain={number} tls={number} \| concurrent_calls_per_s plain=[0-9]+ tls=[0-9]+",
+        last,
+    ), last
