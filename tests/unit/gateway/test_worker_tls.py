@@ -9,6 +9,7 @@ any request arrives at the worker.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,14 +18,16 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from cryptography import x509
 from pydantic import ValidationError
 
 from tandem.common.errors import WorkerUnavailableError
-from tandem.common.tls import TLSSettings
+from tandem.common.tls import CHECK_INTERVAL_S, TLSSettings
 from tandem.gateway.app import build_app
 from tandem.gateway.prompt import HfPromptTokenizer
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.workers import WorkerChannels, map_worker_error
+from tandem.local import pki as local_pki
 from tandem.v1 import worker_pb2
 from tests.kit.gateway import MODEL, FakeReadiness, FakeRouter, FakeWorker, placement
 
@@ -137,6 +140,39 @@ async def test_the_app_dials_the_workers_with_its_tls_settings(
     else:
         assert response.json()["error"]["type"] == "server_error"
         assert prefill.prefill_requests == [] and decode.decode_requests == []
+
+
+@dataclass
+class SerialRecordingWorker(FakeWorker):
+    """A FakeWorker that records the serial number of each caller's certificate."""
+
+    serials: list[int] = field(default_factory=list)
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: Any) -> worker_pb2.PrefillResponse:
+        (pem,) = context.auth_context()["x509_pem_cert"]
+        self.serials.append(x509.load_pem_x509_certificate(pem).serial_number)
+        return await super().Prefill(request, context)
+
+
+async def test_after_a_rotation_the_gateway_dials_with_its_new_certificate(
+    tmp_path: Path, start_worker: Callable[..., Any]
+) -> None:
+    """The local CA's tool rotates the files under a running gateway's WorkerChannels: the next call
+    (after the client's once-a-second look at its files) presents the new certificate, no restart."""
+    roles = local_pki.ensure_pki(tmp_path / "pki")
+    worker = await start_worker("prefill-0", tls=roles["prefill"], worker_cls=SerialRecordingWorker)
+    assert isinstance(worker, SerialRecordingWorker)
+    channels = WorkerChannels(roles["gateway"])
+    try:
+        await channels.stub(worker.address).Prefill(_prefill("req-1"), timeout=10)
+        local_pki.rotate(tmp_path / "pki")
+        await asyncio.sleep(CHECK_INTERVAL_S + 0.2)
+        await channels.stub(worker.address).Prefill(_prefill("req-2"), timeout=10)
+    finally:
+        await channels.aclose()
+    first, second = worker.serials
+    assert first != second
+    assert second == x509.load_pem_x509_certificate(roles["gateway"].cert_file.read_bytes()).serial_number  # type: ignore[union-attr]
 
 
 def test_tls_settings_come_from_the_environment(pki: Pki, monkeypatch: pytest.MonkeyPatch) -> None:
