@@ -4,9 +4,10 @@ Called by :meth:`tandem.gateway.orchestrator.Orchestrator` before each Schedule;
 reads the engines' hashing configurations (block size, hash seed) from the
 worker registry in Redis, refreshed every ``refresh_s``. The router needs only
 these hashes (to look them up in its KV-event index) and the token count: the
-gateway → router hop is Ray Serve's gRPC proxy, which has no TLS, so sending the
-prompt's token ids there would put every tenant's prompt on the wire in the
-clear. Hashes of salted requests are keyed by the tenant's random cache salt,
+prompt goes no further than it must (the gateway → router hop is mutual TLS to
+the router's front, but behind it Ray Serve's proxy and replicas would see every
+tenant's prompt in the clear, and the hop is plaintext where internal TLS is
+turned off). Hashes of salted requests are keyed by the tenant's random cache salt,
 which does not travel either. The hashing (vLLM's, :mod:`tandem.common.block_hash`)
 also moves off the router, which is one process per replica, onto the gateways.
 """
