@@ -56,6 +56,7 @@ from pathlib import Path
 import grpc
 
 from tandem.common.registry import WorkerRecord, WorkerRegistry
+from tandem.common.tls import TLSSettings, aio_channel
 from tandem.local.simulated_worker import (
     DEFAULT_LATENCY_MODEL_PATH,
     SimulatedCluster,
@@ -139,10 +140,10 @@ def build_prompts(model_dir: Path, num_tenants: int, num_questions: int, doc_tok
     return requests
 
 
-async def computed_totals(workers: list[WorkerRecord]) -> dict[str, int]:
+async def computed_totals(workers: list[WorkerRecord], tls: TLSSettings) -> dict[str, int]:
     totals = {}
     for w in workers:
-        async with grpc.aio.insecure_channel(w.address) as channel:
+        async with aio_channel(w.address, tls) as channel:
             report = await worker_pb2_grpc.WorkerStub(channel).GetLoad(worker_pb2.LoadRequest(), timeout=10)
             totals[w.worker_id] = int(report.prompt_tokens_computed_total)
     return totals
@@ -155,19 +156,18 @@ async def run_policy(
     subscriber: KVEventSubscriber,
     max_tokens: int,
     with_decode: bool,
+    tls: TLSSettings,
 ) -> PolicyResult:
     scheduler = Scheduler(view, create_policy(policy), ReservationTable(lease_s=600), subscriber=subscriber)
     workers = await view.workers()
     prefills = [w for w in workers if w.role == "prefill"]
-    before = await computed_totals(prefills)
+    before = await computed_totals(prefills, tls)
     result = PolicyResult(policy)
     channels: dict[str, grpc.aio.Channel] = {}
 
     def stub(address: str) -> worker_pb2_grpc.WorkerStub:
         if address not in channels:
-            channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 << 20)]
-            )
+            channels[address] = aio_channel(address, tls, options=[("grpc.max_receive_message_length", 64 << 20)])
         return worker_pb2_grpc.WorkerStub(channels[address])
 
     for i, (tenant, prompt) in enumerate(requests):
@@ -225,20 +225,22 @@ async def run_policy(
             f"ttft={ttft_s * 1e3:7.0f} ms cached={prefill.num_cached_tokens}/{len(prompt)} "
             f"(router expected {placement.num_cached_tokens})"
         )
-    after = await computed_totals(prefills)
+    after = await computed_totals(prefills, tls)
     result.num_computed_tokens = sum(after[w] - before.get(w, 0) for w in after)
     for channel in channels.values():
         await channel.close()
     return result
 
 
-async def measure_decode(view: CachedWorkerView, max_tokens: int, num_requests: int = 3) -> list[float]:
+async def measure_decode(
+    view: CachedWorkerView, max_tokens: int, tls: TLSSettings, num_requests: int = 3
+) -> list[float]:
     """Inter-token gaps of a few short requests through prefill and decode (for the latency model)."""
     workers = await view.workers()
     prefill = next(w for w in workers if w.role == "prefill")
     decode = next(w for w in workers if w.role == "decode")
     gaps: list[float] = []
-    async with grpc.aio.insecure_channel(prefill.address) as pch, grpc.aio.insecure_channel(decode.address) as dch:
+    async with aio_channel(prefill.address, tls) as pch, aio_channel(decode.address, tls) as dch:
         for i in range(num_requests):
             prompt = [100 + (i * 31 + k) % 20000 for k in range(256)]
             rid = f"bench-decode-{i}-{uuid.uuid4().hex[:6]}"
@@ -297,7 +299,10 @@ def fit_latency_model(results: list[PolicyResult], path: Path, load_avg: tuple[f
     log(f"wrote the fitted latency model to {path}: {data['model']}")
 
 
-async def bench_real(config: StackConfig, args: argparse.Namespace) -> tuple[PolicyResult, PolicyResult]:
+async def bench_real(
+    config: StackConfig, args: argparse.Namespace, tls: TLSSettings
+) -> tuple[PolicyResult, PolicyResult]:
+    """``tls``: what the benchmark dials the workers with, as the gateway would (the stack's mTLS)."""
     requests = build_prompts(config.model_dir, args.tenants, args.questions, args.doc_tokens, args.seed)
     log(f"{len(requests)} requests per policy: {args.tenants} tenants x {args.questions} questions, "
         f"~{sum(len(p) for _, p in requests) // len(requests)} prompt tokens each")
@@ -318,10 +323,10 @@ async def bench_real(config: StackConfig, args: argparse.Namespace) -> tuple[Pol
         )
     results = []
     for policy in ("round_robin", "cache_aware"):
-        results.append(await run_policy(policy, requests, view, subscriber, args.max_tokens, args.with_decode))
+        results.append(await run_policy(policy, requests, view, subscriber, args.max_tokens, args.with_decode, tls))
     log(f"KV events: {subscriber.stats}")
     if args.write_latency_model:
-        results[0].itl_s.extend(await measure_decode(view, args.max_tokens))
+        results[0].itl_s.extend(await measure_decode(view, args.max_tokens, tls))
     await subscriber.aclose()
     await registry.aclose()
     if args.write_latency_model:
@@ -454,8 +459,8 @@ def main() -> int:
         kv_cache_bytes=args.kv_blocks * CPU_BLOCK_SIZE_TOKENS * SMOLLM2_KV_BYTES_PER_TOKEN,
         log_dir=Path(".run/bench-router-logs"),
     )
-    with LocalStack(config, progress=log):
-        rr, ca = asyncio.run(bench_real(config, args))
+    with LocalStack(config, progress=log) as stack:
+        rr, ca = asyncio.run(bench_real(config, args, stack.tls("gateway")))
     for r in (rr, ca):
         log(
             f"{r.policy:12} computed={r.num_computed_tokens:7d} prompt={r.num_prompt_tokens:7d} "

@@ -136,9 +136,9 @@ class Figures:
 
 
 def measure(stack: LocalStack, repeats: int) -> dict[int, Figures]:
-    c = stack.config
-    prefill = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"{c.host}:{c.prefill_port}"))
-    decode = worker_pb2_grpc.WorkerStub(grpc.insecure_channel(f"{c.host}:{c.decode_port}"))
+    # As the gateway calls them (over the stack's mTLS, with the gateway's certificate).
+    prefill = worker_pb2_grpc.WorkerStub(stack.worker_channel("prefill"))
+    decode = worker_pb2_grpc.WorkerStub(stack.worker_channel("decode"))
     handoff(prefill, decode, _prompt(64, salt=-1))  # warm both paths up
     local(decode, _prompt(64, salt=-2))
     results: dict[int, Figures] = {}

@@ -266,11 +266,12 @@ def main() -> None:
             print(f"[bench] {i + 1}/{len(questions)}", flush=True)
 
         # KV transfer throughput on ~2,000-token prompts (distinct so nothing is prefix-cached).
-        import grpc
-
+        from tandem.common.tls import channel as tls_channel
         from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
-        kv = kv_transfer_pb2_grpc.KVTransferStub(grpc.insecure_channel(f"127.0.0.1:{config.decode_kv_port}"))
+        # The counters answer any component of the cluster (a tool's certificate: the operator's).
+        kv_channel = tls_channel(f"127.0.0.1:{config.decode_kv_port}", stack.tls("operator"))
+        kv = kv_transfer_pb2_grpc.KVTransferStub(kv_channel)
         before = kv.GetStats(kv_transfer_pb2.KVStatsRequest())
         long_ttft_s = []
         for i in range(args.num_long):

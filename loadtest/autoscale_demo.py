@@ -358,6 +358,8 @@ async def demo(out: Path) -> str:
         key_prefix=f"tandem-autoscale-{uuid.uuid4().hex[:8]}",
         log_dir=out / "logs",
         start_workers=False,
+        # Its SIMULATED workers serve plaintext gRPC: the gateway must call them so (said explicitly).
+        internal_tls=False,
         router_metrics_port=free_port(),  # scraped by the demo's Prometheus
         extra_env={
             "TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT": str(PREFILL_BUDGET_TOKENS),

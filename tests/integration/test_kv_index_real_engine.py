@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import grpc
 import pytest
 
 from tandem.common.block_hash import BlockHasher
 from tandem.common.registry import WorkerRegistry
+from tandem.common.tls import aio_channel
 from tandem.local.stack import LocalStack
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
@@ -25,8 +25,9 @@ from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio, pytest.mark.timeout(600)]
 
 
-async def _prefill(address: str, prompt: list[int], salt: str) -> worker_pb2.PrefillResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def _prefill(stack: LocalStack, address: str, prompt: list[int], salt: str) -> worker_pb2.PrefillResponse:
+    # As the gateway calls it: over the stack's mTLS with the gateway's certificate.
+    async with aio_channel(address, stack.tls("gateway")) as channel:
         response: worker_pb2.PrefillResponse = await worker_pb2_grpc.WorkerStub(channel).Prefill(
             worker_pb2.PrefillRequest(
                 request_id=f"kv-index-{uuid.uuid4().hex[:8]}",
@@ -56,7 +57,7 @@ async def test_engine_kv_events_carry_the_routers_block_hashes(stack: LocalStack
         prompt = [(17 * i + 5) % 30000 + 100 for i in range(3 * block + 50 % block)]  # 3 full blocks + a tail
         ours = BlockHasher(prefill.block_size_tokens, prefill.block_hash_seed).block_hashes(prompt, cache_salt=salt)
         assert len(ours) == 3
-        first = await _prefill(prefill.address, prompt, salt)
+        first = await _prefill(stack, prefill.address, prompt, salt)
         assert first.num_cached_tokens == 0
         deadline = asyncio.get_running_loop().time() + 30
         while subscriber.index.match(ours).get(prefill.worker_id, 0) < 3:
@@ -85,7 +86,7 @@ async def test_engine_kv_events_carry_the_routers_block_hashes(stack: LocalStack
         )
         scheduler.release("kv-index-check")
         assert placement.num_cached_tokens == 3 * block
-        second = await _prefill(placement.prefill.address, prompt, salt)
+        second = await _prefill(stack, placement.prefill.address, prompt, salt)
         assert second.num_cached_tokens == placement.num_cached_tokens
         assert subscriber.stats.num_decode_errors == 0
     finally:
