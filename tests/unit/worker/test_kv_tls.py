@@ -5,6 +5,7 @@ its hold (PERMISSION_DENIED, the hold kept)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from tandem.common.identity import DENIED_MESSAGE
-from tandem.common.tls import TLSSettings, channel
-from tandem.local.pki import ensure_pki
+from tandem.common.tls import CHECK_INTERVAL_S, TLSSettings, channel
+from tandem.local.pki import ensure_pki, rotate
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector import wire
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
@@ -127,3 +128,33 @@ def test_only_a_decode_workers_certificate_reads_or_releases_kv(tmp_path: Path) 
 def test_tls_settings_demand_their_files() -> None:
     with pytest.raises(ValueError, match="cert_file, key_file, ca_file"):
         TLSSettings(enabled=True)
+
+
+def test_pulls_go_on_across_a_rotation_of_both_sides_certificates(tmp_path: Path) -> None:
+    """Every role's key and certificate are issued anew under a running prefill KV server and a running
+    decode puller (the local CA's --rotate): the next pull works, with the new files on both sides."""
+    pki = ensure_pki(tmp_path / "pki")
+    prefill, p_caches = make_side(free_port(), tls=pki["prefill"], max_chunk_bytes=1 << 20)
+    decode, d_caches = make_side(free_port(), fill=0.0, tls=pki["decode"], max_chunk_bytes=1 << 20)
+    try:
+        for n, block in enumerate((3, 5)):
+            if n == 1:
+                first_channels = dict(decode.puller._channels)
+                rotate(tmp_path / "pki")
+                time.sleep(CHECK_INTERVAL_S + 0.2)  # the puller looks at its files at most this often
+            request_id = f"req-{n}-abcdefgh"
+            handle = make_handle((block,), num_tokens=4, kv_address=prefill.server.address)
+            handle = dataclasses.replace(handle, remote_request_id=request_id)
+            prefill.begin_step(GrpcKVMetadata(holds={request_id: (handle.block_ids, time.time() + 60)}))
+            decode.begin_step(GrpcKVMetadata(loads=[LoadSpec(request_id, handle, (block,), (n,), 4, 0)]))
+            wait_until(lambda request_id=request_id: request_id in decode.puller._ended)  # type: ignore[misc]
+            decode.get_transfer_results(set())
+            assert not decode.take_load_records()[request_id].failed
+            for name in p_caches:
+                assert torch.equal(d_caches[name][n], p_caches[name][block])
+        # A new channel, dialled with the new files (the old one closes after the pull deadline).
+        assert decode.puller._channels.keys() == first_channels.keys()
+        assert all(decode.puller._channels[a] is not first_channels[a] for a in first_channels)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -228,8 +228,10 @@ class KVPuller:
         with self._channels_lock:
             if self._files.changed():
                 for old in self._channels.values():
-                    # Pulls under way keep their channel until their deadline.
-                    threading.Timer(self._pull_timeout_s + 1.0, old.close).start()
+                    # Pulls under way keep their channel until their deadline (a daemon: never holds up exit).
+                    closer = threading.Timer(self._pull_timeout_s + 1.0, old.close)
+                    closer.daemon = True
+                    closer.start()
                 self._channels = {}
             channel = self._channels.get(address)
             if channel is None:
