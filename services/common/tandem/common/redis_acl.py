@@ -1,11 +1,12 @@
 """Who may do what in Redis: one ACL user per component, least privilege.
 
 The one source of truth for the Redis rights of every Tandem component. Read by
-the local stack (:mod:`tandem.local.stack`, which creates the users with
-``ACL SETUSER`` on start) and checked against the chart's ACL file
-(``charts/tandem/templates/secret-redis.yaml``, by ``tests/chart/test_redis_acl.py``);
-the rights themselves are proven by ``tests/unit/common/test_redis_acl.py``,
-which runs each component's real Redis code under its own user.
+the local stack (:mod:`tandem.local.redis_users`, which creates the users with
+``ACL SETUSER`` on start) and by the tests, which check the chart's ACL file
+against it (``tandem.redisAclFile`` in ``charts/tandem/templates/_helpers.tpl``,
+``tests/chart/test_redis_acl.py``). The rights themselves are proven by
+``tests/unit/{common,gateway,router}/test_redis_acl.py``, which run each
+component's real Redis code under its own user and what it must be refused.
 
 Without users, whoever reaches Redis is root of the platform: one SET of a key
 hash mints an API key, one SET of a worker record makes a fake worker that then
