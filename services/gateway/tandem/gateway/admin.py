@@ -56,6 +56,14 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="whether clients may send their own system messages",
     )
+    parser.add_argument(
+        "--allow-raw-prompts",
+        dest="allow_raw_prompts",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether /v1/completions serves raw prompts for a tenant with a system prompt or without "
+        "client system messages (a raw prompt skips that policy; default: refused with 403)",
+    )
 
 
 def _help(name: str) -> str:
@@ -64,7 +72,7 @@ def _help(name: str) -> str:
 
 
 def _policy_changes(args: argparse.Namespace) -> dict[str, Any]:
-    names = [*_POLICY_FLAGS, "allowed_models", "allow_client_system_prompt"]
+    names = [*_POLICY_FLAGS, "allowed_models", "allow_client_system_prompt", "allow_raw_prompts"]
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

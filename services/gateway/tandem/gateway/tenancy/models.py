@@ -38,6 +38,10 @@ class TenantPolicy(BaseModel):
     system_prompt: str = ""
     #: Whether clients may send their own ``system``/``developer`` messages (appended after the trusted one).
     allow_client_system_prompt: bool = True
+    #: Whether raw prompts (``/v1/completions``: text or token ids sent to the model as they are) are
+    #: served when the tenant has a prompt policy (a system prompt, or no client system messages). A raw
+    #: prompt can open with its own system turn, so it would skip that policy: refused (403) unless set.
+    allow_raw_prompts: bool = False
 
 
 class Tenant(TenantPolicy):
@@ -58,6 +62,15 @@ class Tenant(TenantPolicy):
     def public(self) -> dict[str, Any]:
         """The record as admins see it (the salt stays inside)."""
         return self.model_dump(exclude={"salt"})
+
+    @property
+    def has_prompt_policy(self) -> bool:
+        """Whether the server shapes this tenant's prompts (a trusted system prompt, or client system
+        messages refused), which a raw prompt would skip."""
+        return bool(self.system_prompt) or not self.allow_client_system_prompt
+
+    def may_send_raw_prompts(self) -> bool:
+        return self.allow_raw_prompts or not self.has_prompt_policy
 
     def may_use(self, model: str) -> bool:
         return not self.allowed_models or model in self.allowed_models
