@@ -54,6 +54,10 @@ class Counting:
     def text_prompt_ids(self, text: str) -> list[int]:
         return self.inner.text_prompt_ids(text)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
 
 def conversation(num_turns: int, seed: int) -> list[dict[str, str]]:
     rng = random.Random(seed)

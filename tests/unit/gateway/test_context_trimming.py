@@ -57,6 +57,10 @@ class CountingTokenizer:
     def text_prompt_ids(self, text: str) -> list[int]:
         return self.inner.text_prompt_ids(text)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.vocab_size
+
 
 def load(chat_template: str | None = None) -> CountingTokenizer:
     from transformers import AutoTokenizer

@@ -66,6 +66,9 @@ BODY_CASES = [
     pytest.param(chat(presence_penalty=-2.5), "invalid_value", "presence_penalty", id="penalty-negative"),
     pytest.param(chat(max_tokens=-1), "invalid_value", "max_tokens", id="max-tokens-negative"),
     pytest.param(chat(max_tokens=10**30), "context_length_exceeded", "messages", id="max-tokens-huge"),
+    # Issue 38: 2**32 overflowed the wire's uint32 and answered 500.
+    pytest.param(chat(min_tokens=2**32), "invalid_value", "min_tokens", id="min-tokens-beyond-uint32"),
+    pytest.param(chat(min_tokens=9, max_tokens=4), "invalid_value", "min_tokens", id="min-tokens-beyond-max-tokens"),
     pytest.param(chat(stop=["x"] * 17), "invalid_value", "stop", id="too-many-stop-sequences"),
     pytest.param(chat(messages=[{"role": "user"}] * 2049), "invalid_value", "messages", id="too-many-messages"),
     pytest.param(raw_chat(f'"extra": {nested(MAX_JSON_DEPTH)}'), "invalid_json", None, id="nested-one-level-too-deep"),

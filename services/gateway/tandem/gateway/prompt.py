@@ -70,6 +70,11 @@ class PromptTokenizer(Protocol):
         """Tokenize a raw completion prompt (special tokens in it are live)."""
         ...
 
+    @property
+    def vocab_size(self) -> int:
+        """Every token id a client may send is below this (as vLLM's own server checks prompts)."""
+        ...
+
 
 class ChatPrompt(NamedTuple):
     """A rendered and tokenized chat prompt."""
@@ -125,6 +130,10 @@ class HfPromptTokenizer:
         self._stand_in = f"Tandem{nonce}m{{}}e"  # .format(message index)
         self._stand_in_pattern = re.compile(f"Tandem{nonce}m([0-9]+)e")
         self._warned_refusal = False
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> HfPromptTokenizer:

@@ -82,6 +82,13 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
         parse_body(raw, ChatCompletionRequest) if endpoint == "chat" else parse_body(raw, CompletionRequest)
     )
     check_model(body.model, limits, tenant)
+    if endpoint == "completions" and not tenant.may_send_raw_prompts():
+        raise PermissionDeniedError(
+            "This API key's tenant has a prompt policy (a system prompt, or no client system messages) that "
+            "a raw prompt would skip: use /v1/chat/completions.",
+            code="raw_prompts_not_allowed",
+            param="prompt",
+        )
     # Cheap checks before the expensive ones (rendering the chat template, tokenizing, trimming): the
     # size of the text, then the tenant's stream slot and quota for the fewest tokens it can be.
     num_text_bytes, min_input_tokens = _text_size(body)
@@ -127,6 +134,13 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
             context_tokens=context_tokens,
             param="prompt",
         )
+    _check_prompt_ids(body, prompt_ids, services.tokenizer.vocab_size)
+    if body.min_tokens > max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({body.min_tokens}) is more than the {max_tokens} tokens this answer may have.",
+            param="min_tokens",
+            code="invalid_value",
+        )
     clock.mark("prompt_built")
     return PreparedRequest(
         endpoint=endpoint,
@@ -159,6 +173,18 @@ def _text_size(body: ChatCompletionRequest | CompletionRequest) -> tuple[int, in
         return len(prompt) * 4, len(prompt)
     num_bytes = sum(len(str(p).encode()) for p in prompt)
     return num_bytes, num_bytes // MAX_BYTES_PER_TOKEN
+
+
+def _check_prompt_ids(body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], vocab_size: int) -> None:
+    """A raw prompt's token ids must name tokens of this model, as vLLM's own server checks (a worker
+    refuses them too, after a round trip; stop_token_ids and logit_bias are left to the worker, which
+    checks them against the model's logits)."""
+    if isinstance(body, CompletionRequest) and max(prompt_ids) >= vocab_size:
+        raise InvalidRequestError(
+            f"prompt holds a token id beyond this model's vocabulary ({vocab_size} tokens).",
+            param="prompt",
+            code="invalid_value",
+        )
 
 
 def _default_max_tokens(default: int, tenant: Tenant) -> int:

@@ -147,7 +147,7 @@ class _SamplingFields(_Lenient):
     """Fields shared by chat and text completions."""
 
     model: StrictStr = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)  # fitted into the context before it goes on the wire
     temperature: StrictNumber | None = Field(None, ge=0.0, le=2.0)
     top_p: StrictNumber | None = Field(None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(None, ge=-1, lt=2**31)  # int32 on the wire
@@ -163,7 +163,7 @@ class _SamplingFields(_Lenient):
     # vLLM's extensions (see tandem.gateway.api.parameters).
     min_p: StrictNumber | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: StrictNumber | None = Field(None, gt=0.0, le=2.0)
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: StrictInt = Field(0, ge=0, lt=2**32)  # uint32 on the wire; at most max_tokens (prepare)
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_NUM_BIASED_TOKENS, fail_fast=True)] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool | None = None
