@@ -8,9 +8,13 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+import pytest
 import pytest_asyncio
 
+from tandem.gateway.errors import RateLimitedError
+from tandem.gateway.quota.redis_quota import RedisQuota
 from tandem.gateway.redis_client import connect
+from tandem.gateway.tenancy.models import TenantPolicy
 from tandem.gateway.usage import UsageRecord, UsageStore
 from tandem.gateway.usage_sweeper import UsageSweeper
 from tests.kit.redis import delete_prefix
@@ -83,7 +87,11 @@ async def test_a_dead_replicas_requests_are_billed_once_by_another(prefix: str) 
         other = UsageStore(client, key_prefix=prefix, replica_id="gw-other")
         settled = await asyncio.gather(live.settle_orphans(), other.settle_orphans())
         # Both may find the orphans (the marker counts r-streamed once); together they find both.
-        assert set(settled[0]) | set(settled[1]) == {"r-streamed", "r-queued"}
+        assert {o.request_id for o in (*settled[0], *settled[1])} == {"r-streamed", "r-queued"}
+        assert {(o.request_id, o.tenant_id) for o in (*settled[0], *settled[1])} == {
+            ("r-streamed", "acme"),
+            ("r-queued", "zeta"),
+        }
         assert (await live.tenant_usage("acme"))["total"] == {
             "requests": 1,
             "aborted_requests": 1,
@@ -128,6 +136,43 @@ async def test_a_restarted_gateway_settles_its_predecessor_at_start(prefix: str)
         assert released == ["r-1"]  # its router reservation too, not held until its lease ends
         assert (await successor.tenant_usage("acme"))["total"]["completion_tokens"] == 11
         assert not await client.exists(successor.alive_key("gw-2"))  # stopped: no longer claims to be alive
+    finally:
+        await client.aclose()
+
+
+async def test_a_dead_replicas_quota_slots_are_freed_by_the_sweeper(prefix: str) -> None:
+    """Issue 38: a killed gateway held its tenant's concurrency slot until the quota lease ran out (~630 s
+    with the defaults); a live replica's sweeper frees it once the dead one's liveness key expires. A
+    settle arriving after that (the same request settled twice) refunds nothing more."""
+    client = connect("redis://127.0.0.1:6379/0", timeout_s=2.0)
+    try:
+        quota = RedisQuota(client, key_prefix=prefix, lease_s=630)
+        policy = TenantPolicy(max_concurrent_streams=1, output_tokens_per_minute=1000)
+        admission = await quota.admit("acme", policy, "r-1", 10, 100)
+        killed = UsageStore(client, key_prefix=prefix, replica_id="gw-killed")
+        assert await killed.open(_opened("r-1"))
+        await killed.progress("r-1", 4)
+        with pytest.raises(RateLimitedError):  # the one slot is taken
+            await quota.admit("acme", policy, "r-2", 10, 100)
+
+        successor = UsageStore(client, key_prefix=prefix, replica_id="gw-successor")
+        sweeper = UsageSweeper(successor, liveness_s=5, sweep_interval_s=60, free_slot=quota.free_slot)
+        sweeper.start()
+        try:
+            for _ in range(50):
+                if sweeper.num_settled:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await sweeper.stop()
+        assert sweeper.num_settled == 1
+        assert await client.zcard(f"{prefix}:gw:quota:acme:streams") == 0
+        second = await quota.admit("acme", policy, "r-2", 10, 100)  # at once, not ~630 s later
+        await quota.settle(admission, 4)  # the dead replica's request: nothing left to refund
+        out_left = float(await client.hget(f"{prefix}:gw:quota:acme:out", "tokens"))
+        # Both reservations still charged: a refund would add 96; refilling by time adds ~17 a second.
+        assert out_left < 1000 - 100 - 100 + 50
+        await quota.settle(second, 100)
     finally:
         await client.aclose()
 

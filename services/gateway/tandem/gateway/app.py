@@ -100,11 +100,14 @@ def build_app(
     if settings.auth.mode == "disabled":
         logger.warning("authentication is disabled: every request is the anonymous tenant")
     usage = UsageStore(client, key_prefix=prefix, replica_id=replica_id(), fail_open=fail_open)
+    # A concurrency slot outlives the longest request, so a replica that dies cannot hold it for long.
+    quota = RedisQuota(client, key_prefix=prefix, lease_s=settings.request_timeout_s + 30, fail_open=fail_open)
     sweeper = UsageSweeper(
         usage,
         liveness_s=tenancy.usage_liveness_s,
         sweep_interval_s=tenancy.usage_sweep_interval_s,
         release=router.release,
+        free_slot=quota.free_slot,
     )
     orchestrator = Orchestrator(
         router,
@@ -132,8 +135,7 @@ def build_app(
         metrics=metrics,
         started_unix_s=int(time.time()),
         authenticator=Authenticator(store, mode=settings.auth.mode, cache_s=settings.auth.cache_s, fail_open=fail_open),
-        # A concurrency slot outlives the longest request, so a replica that dies cannot hold it for long.
-        quota=RedisQuota(client, key_prefix=prefix, lease_s=settings.request_timeout_s + 30, fail_open=fail_open),
+        quota=quota,
         usage=usage,
         conversations=ConversationStore(
             client,
@@ -149,6 +151,8 @@ def build_app(
             slow_reader_timeout_s=settings.stream.slow_reader_timeout_s,
         ),
         admin_key=settings.auth.admin_key.get_secret_value() if settings.auth.admin_key is not None else None,
+        usage_progress_interval_s=tenancy.usage_progress_interval_s,
+        usage_max_unsaved_tokens=tenancy.usage_max_unsaved_tokens,
     )
 
     @contextlib.asynccontextmanager

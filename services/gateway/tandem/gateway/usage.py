@@ -56,6 +56,14 @@ class UsageRecord:
     tenant_salt: str = ""
 
 
+@dataclass(frozen=True)
+class Orphan:
+    """An open record of a dead replica, settled by :meth:`UsageStore.settle_orphans`."""
+
+    request_id: str
+    tenant_id: str
+
+
 #: Adds one request's counters to both hashes, once: a retry after a lost reply finds the marker and
 #: adds nothing. KEYS: all-time hash, day hash, tenants set, marker ('' for none), open record, the open
 #: records' set of its replica (both '' for none). ARGV: model, day TTL, marker TTL, tenant id, request
@@ -211,14 +219,15 @@ class UsageStore:
         with redis_errors("usage liveness"):
             await self._redis.delete(self.alive_key(self.replica_id))
 
-    async def settle_orphans(self) -> list[str]:
+    async def settle_orphans(self) -> list[Orphan]:
         """Record the open records of every replica whose liveness key expired (it died mid-request),
-        with the figures they last held; returns the request ids of every orphan found (billed, or
-        dropped for having no token). Safe to run on every replica at once: each record is counted once
+        with the figures they last held; returns every orphan found (billed, or dropped for having no
+        token), for the caller to free what else the dead replica held for them (quota slot, router
+        reservation). Safe to run on every replica at once: each record is counted once
         (its request id marks it recorded)."""
         with redis_errors("usage orphans"):
             replicas = await self._redis.smembers(self.replicas_key)
-        orphans: list[str] = []
+        orphans: list[Orphan] = []
         for replica in sorted(str(r) for r in replicas):
             if replica == self.replica_id:
                 continue
@@ -230,7 +239,7 @@ class UsageStore:
                 with redis_errors("usage orphans"):
                     fields = await self._redis.hgetall(self._open_key(request_id))
                     if fields:
-                        orphans.append(request_id)
+                        orphans.append(Orphan(request_id, str(fields.get("tenant", ""))))
                     if not fields or not int(fields.get("completion", 0)):
                         # Settled meanwhile, or died before its first token: that costs nothing.
                         await self._close_open(request_id, replica)

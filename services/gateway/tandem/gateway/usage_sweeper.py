@@ -7,9 +7,11 @@ settles the open records of replicas whose key expired: a gateway SIGKILLed
 mid-stream (OOM kill, node loss) has its requests billed with the tokens its
 records last held, within ``liveness_s + sweep_interval_s`` of its death, by
 any live replica (its own successor included: a restart is a new replica).
-It also releases their router reservations (Release is idempotent), so that a
-dead replica's requests do not hold prefill and decode budget until their
-leases run out. A Redis outage only delays both; the loop keeps going.
+It also frees their tenants' concurrency slots (a killed gateway held its
+tenant's slot until the quota lease ran out, ~630 s) and releases their router
+reservations (both idempotent), so that a dead replica's requests hold neither
+a tenant's streams nor prefill and decode budget until their leases run out. A
+Redis outage only delays all of it; the loop keeps going.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from tandem.common.errors import BackendUnavailableError
-from tandem.gateway.usage import UsageStore
+from tandem.gateway.usage import Orphan, UsageStore
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class UsageSweeper:
         liveness_s: float,
         sweep_interval_s: float,
         release: Callable[[str], Awaitable[object]] | None = None,
+        free_slot: Callable[[str, str], Awaitable[object]] | None = None,
     ) -> None:
         if not store.replica_id:
             raise ValueError("the usage store needs this replica's id")
@@ -44,6 +47,8 @@ class UsageSweeper:
         #: Ends a dead replica's router reservation (idempotent), so that its budget is not held until
         #: the lease runs out.
         self._release = release
+        #: Frees a dead replica's request's concurrency slot of its tenant: ``(tenant_id, request_id)``.
+        self._free_slot = free_slot
         self._task: asyncio.Task[None] | None = None
         # A stop signal rather than only cancellation: redis-py may absorb a CancelledError that
         # arrives mid-command (seen: the loop went on for another round).
@@ -60,8 +65,8 @@ class UsageSweeper:
                     next_sweep_s = time.monotonic() + self._sweep_interval_s
                     orphans = await self._store.settle_orphans()
                     self.num_settled += len(orphans)
-                    for request_id in orphans:
-                        await self._release_reservation(request_id)
+                    for orphan in orphans:
+                        await self._free(orphan)
             except BackendUnavailableError as exc:
                 logger.warning("usage liveness or sweep skipped: %s", exc)
             except Exception:
@@ -69,13 +74,17 @@ class UsageSweeper:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), min(self._renew_s, self._sweep_interval_s))
 
-    async def _release_reservation(self, request_id: str) -> None:
-        if self._release is None:
-            return
-        try:
-            await self._release(request_id)
-        except Exception as exc:  # its lease frees it anyway
-            logger.warning("reservation of a dead replica's request not released: %s", exc)
+    async def _free(self, orphan: Orphan) -> None:
+        if self._free_slot is not None and orphan.tenant_id:
+            try:
+                await self._free_slot(orphan.tenant_id, orphan.request_id)
+            except Exception as exc:  # its lease frees it anyway
+                logger.warning("quota slot of a dead replica's request not freed: %s", exc)
+        if self._release is not None:
+            try:
+                await self._release(orphan.request_id)
+            except Exception as exc:  # its lease frees it anyway
+                logger.warning("reservation of a dead replica's request not released: %s", exc)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="usage-sweeper")

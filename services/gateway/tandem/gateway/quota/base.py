@@ -42,3 +42,8 @@ class Quota(Protocol):
         """Refund the unused reservation and free the concurrency slot; a request not ``served`` (it
         failed before its first token) gets its input charge back too. Never raises."""
         ...
+
+    async def free_slot(self, tenant_id: str, request_id: str) -> None:
+        """Free a request's concurrency slot without refunding anything: its gateway died before it
+        could settle (called by the usage sweeper). Idempotent; raises BackendUnavailableError."""
+        ...

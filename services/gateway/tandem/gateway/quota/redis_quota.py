@@ -6,8 +6,10 @@ check and the charge are one atomic step: N replicas racing for a tenant's last
 tokens admit no more than the bucket holds. A request is charged its prompt
 tokens plus its whole ``max_tokens`` at admission; settle refunds what was not
 generated, also when the client went away half-way. A replica that dies between
-the two keeps the reservation charged (it refills within a minute) and its
-concurrency slot expires with its lease.
+the two keeps the reservation charged (it refills within a minute); its
+concurrency slot is freed by the usage sweeper of a live replica once the dead
+one's liveness key expires (:meth:`RedisQuota.free_slot`), and else expires with
+its lease.
 
 Redis keys (prefix ``<prefix>:gw:quota:<tenant>:``): ``in`` and ``out`` buckets
 (hash ``tokens``, ``ts``), ``streams`` (zset request id → lease end, ms), and
@@ -183,6 +185,14 @@ class RedisQuota:
         except BackendUnavailableError as exc:
             # The slot's lease expires by itself; the unrefunded tokens refill within a minute.
             logger.warning("quota settle failed: %s", exc, extra={"request_id": admission.request_id})
+
+    async def free_slot(self, tenant_id: str, request_id: str) -> None:
+        _, _, streams_key = self._keys(tenant_id)
+        with redis_errors("quota free slot"):
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.zrem(streams_key, request_id)
+                pipe.delete(self._marker(tenant_id, request_id))  # a late settle refunds nothing
+                await pipe.execute()
 
 
 def _rate_limited(
