@@ -26,6 +26,9 @@ PULL_TIMEOUT_S = 8.0
 REGISTRY_TTL_S = 5.0
 #: A gateway replica silent this long is dead, and its in-flight requests are billed by another.
 GATEWAY_LIVENESS_S = 3.0
+#: Tokens a stream may send beyond what its open usage record holds (small here, so that the bound bites
+#: within a test's answer; the default is 256).
+USAGE_MAX_UNSAVED_TOKENS = 8
 #: The longest reconnect backoff of Tandem's gRPC clients (gateway → workers, decode → prefill KV).
 RECONNECT_BACKOFF_S = 2.5
 
@@ -83,6 +86,7 @@ def backend_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackendS
             "TANDEM_WORKER_REGISTRY__TTL_S": str(REGISTRY_TTL_S),
             "TANDEM_GATEWAY_TENANCY__USAGE_LIVENESS_S": str(GATEWAY_LIVENESS_S),
             "TANDEM_GATEWAY_TENANCY__USAGE_SWEEP_INTERVAL_S": "1",
+            "TANDEM_GATEWAY_TENANCY__USAGE_MAX_UNSAVED_TOKENS": str(USAGE_MAX_UNSAVED_TOKENS),
         },
     ) as stack:
         yield BackendStack(stack, failpoints)

@@ -53,6 +53,11 @@ class TenancySettings(BaseModel):
     usage_liveness_s: float = Field(30.0, ge=1)
     #: How often each replica looks for dead replicas' open usage records.
     usage_sweep_interval_s: float = Field(10.0, gt=0)
+    #: A streaming request's open usage record is written at most this often, off the token path.
+    usage_progress_interval_s: float = Field(0.2, gt=0)
+    #: Tokens a stream may send beyond what its open record holds before it waits for the record (what a
+    #: gateway killed during a Redis stall can leave unbilled, per request).
+    usage_max_unsaved_tokens: int = Field(256, ge=0)
 
 
 class StreamSettings(BaseModel):

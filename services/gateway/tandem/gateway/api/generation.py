@@ -92,8 +92,8 @@ class ResponseOptions:
     #: Extra top-level fields of the non-streamed body (e.g. conversation_id).
     extra_fields: dict[str, Any] = field(default_factory=dict)
     on_finish: Callable[[Outcome], Coroutine[Any, Any, None]] | None = None
-    #: Saves the number of tokens generated so far (the open usage record), awaited before they are
-    #: written to the client: a gateway killed mid-answer leaves a record of at least what was sent.
+    #: Passes on the number of tokens about to be sent, for the open usage record (written off the token
+    #: path: a gateway killed mid-answer leaves a record short by at most the writer's bound).
     on_progress: Callable[[int], Coroutine[Any, Any, None]] | None = None
 
 
@@ -271,7 +271,8 @@ class GenerationResponse(Response):
         return event
 
     async def _save_progress(self) -> None:
-        """Write ahead: the open usage record counts every token before the client can see it."""
+        """Have the open usage record follow the tokens about to be sent (off the token path: the hook
+        waits only while the record lags too far, tandem.gateway.usage_progress)."""
         hook = self._options.on_progress
         if hook is not None and self._num_completion_tokens > self._num_tokens_saved:
             await hook(self._num_completion_tokens)

@@ -46,6 +46,7 @@ from tandem.gateway.sse import ResponseMeta
 from tandem.gateway.tenancy.auth import check_admin
 from tandem.gateway.timings import TIMINGS_HEADER, wants_timings
 from tandem.gateway.usage import UsageRecord
+from tandem.gateway.usage_progress import ProgressWriter
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,16 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
                 extra={"request_id": prepared.request_id, "num_dropped_messages": prepared.num_dropped_messages},
             )
 
+        # The open usage record follows the tokens sent, written off the token path (usage_progress).
+        progress = ProgressWriter(
+            lambda n: services.usage.progress(prepared.request_id, n),
+            interval_s=services.usage_progress_interval_s,
+            max_unsaved_tokens=services.usage_max_unsaved_tokens,
+            request_id=prepared.request_id,
+        )
+
         async def on_finish(outcome: Outcome) -> None:
+            progress.close()
             await _settle(services, admission, prepared.body.model, outcome, tenant_salt)
             conversation = prepared.conversation
             if conversation is not None and outcome.finished is not None:
@@ -137,15 +147,8 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
                 except BackendUnavailableError as exc:
                     logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})
 
-        async def on_progress(num_completion_tokens: int) -> None:
-            try:
-                await services.usage.progress(prepared.request_id, num_completion_tokens)
-            except BackendUnavailableError as exc:
-                # The final record retries on its own; only a gateway killed during this outage bills less.
-                logger.warning("usage progress not saved: %s", exc, extra={"request_id": prepared.request_id})
-
         return _generation_response(
-            services, request, prepared, path, admission, on_finish, on_progress if opened else None
+            services, request, prepared, path, admission, on_finish, progress.advance if opened else None
         )
 
     return _openai_errors(path, handle)

@@ -44,3 +44,7 @@ class GatewayServices:
     drain: Drain
     stream_limits: StreamLimits
     admin_key: str | None = None
+    #: How often a request's open usage record is written as its answer streams, and how far it may lag
+    #: the tokens sent before the stream waits for it (tandem.gateway.usage_progress).
+    usage_progress_interval_s: float = 0.2
+    usage_max_unsaved_tokens: int = 256
