@@ -394,9 +394,12 @@ async def test_a_decode_worker_that_dies_mid_stream_is_migrated_and_the_client_s
     assert resumed.sampling.max_tokens == 8 and len({e["id"] for e in events}) == 1
     migrate = stack.router.schedule_calls[1]
     assert migrate["local_prefill_only"] and migrate["exclude_worker_ids"] == ["decode-0"]
-    assert stack.metrics.registry.get_sample_value(
-        "tandem_gateway_migrations_total", {"role": "decode", "reason": "unavailable"}
-    ) == 1
+    assert (
+        stack.metrics.registry.get_sample_value(
+            "tandem_gateway_migrations_total", {"role": "decode", "reason": "unavailable"}
+        )
+        == 1
+    )
     await wait(stack.prefill.aborted_event)  # its hold, if any is left, is of no use now
 
 

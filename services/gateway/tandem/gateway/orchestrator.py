@@ -55,6 +55,7 @@ from tandem.v1 import router_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _Progress(Placing):
     """What cleanup needs to know about how far a request got (where it is placed: :class:`Placing`)."""
