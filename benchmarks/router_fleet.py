@@ -83,6 +83,8 @@ from tandem.router.worker_view import CachedWorkerView
 from tandem.v1 import worker_pb2
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
+#: The replicas' shared ledger secret (each message and snapshot carries an HMAC-SHA256 tag made with it).
+LEDGER_SECRET = uuid.uuid4().bytes + uuid.uuid4().bytes
 BLOCK_TOKENS = 16
 HASH_SEED = "vllm-none-hash"
 TAIL_BLOCKS = 4
@@ -173,7 +175,14 @@ def make_replica(
     registry = WorkerRegistry(REDIS_URL, key_prefix=key_prefix, ttl_s=10.0)
     view = CachedWorkerView(registry, refresh_interval_s=0.5, max_stale_s=10.0, refresh_in_background=True)
     subscriber = KVEventSubscriber(KVIndex(), drop_fraction=drop_fraction, drop_seed=drop_seed)
-    ledger = Ledger(REDIS_URL, key_prefix=ledger_prefix or key_prefix, replica_id=name, lease_s=600, young_s=3.0)
+    ledger = Ledger(
+        REDIS_URL,
+        key_prefix=ledger_prefix or key_prefix,
+        replica_id=name,
+        secret=LEDGER_SECRET,
+        lease_s=600,
+        young_s=3.0,
+    )
     scheduler = Scheduler(
         view,
         create_policy("cache_aware"),
@@ -787,7 +796,9 @@ async def fair_run(args: argparse.Namespace, loads: Sequence[TenantLoad], second
         registry = WorkerRegistry(REDIS_URL, key_prefix=key_prefix, ttl_s=10.0)
         view = CachedWorkerView(registry, refresh_interval_s=0.5, max_stale_s=10.0, refresh_in_background=True)
         subscriber = KVEventSubscriber(KVIndex())
-        ledger = Ledger(REDIS_URL, key_prefix=key_prefix, replica_id=name, lease_s=600, young_s=3.0)
+        ledger = Ledger(
+            REDIS_URL, key_prefix=key_prefix, replica_id=name, secret=LEDGER_SECRET, lease_s=600, young_s=3.0
+        )
         scheduler = Scheduler(
             view,
             create_policy("cache_aware"),

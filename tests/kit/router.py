@@ -26,6 +26,9 @@ from tandem.common.router_wire import status_for_error
 from tandem.v1 import router_pb2, router_pb2_grpc
 from tests.kit.net import free_port
 
+#: The ledger secret the tests' router replicas share (``Ledger(secret=...)``; at least 16 bytes).
+LEDGER_SECRET = b"tests-router-ledger-secret-0123456789"
+
 #: What the servicer hands out unless told otherwise.
 DEFAULT_PLACEMENT = router_pb2.Placement(
     prefill=router_pb2.WorkerRef(worker_id="p0", role="prefill", address="h:1"),
@@ -140,6 +143,10 @@ def router_process(log_dir: Path, redis_url: str, *, key_prefix: str, **settings
         TANDEM_ROUTER_REGISTRY__KEY_PREFIX=key_prefix,
         TANDEM_ROUTER_RAY_NUM_CPUS="2",
     )
+    secret_path = log_dir / "router-ledger-secret"  # several replicas refuse to start without one
+    secret_path.write_bytes(LEDGER_SECRET)
+    secret_path.chmod(0o600)
+    env["TANDEM_ROUTER_LEDGER__SECRET_FILE"] = str(secret_path)
     env.update({f"TANDEM_ROUTER_{name}": value for name, value in settings.items()})
     log_path = log_dir / "router.log"
     started_s = time.monotonic()

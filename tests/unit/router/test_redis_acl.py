@@ -23,6 +23,7 @@ from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import QueueConfig, Scheduler
 from tests.kit.redis import acl_denials, acl_users
+from tests.kit.router import LEDGER_SECRET
 from tests.kit.workers import StaticView
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -43,7 +44,7 @@ async def test_router_replicas_share_reservations_and_read_the_registry_under_th
         schedulers: list[Scheduler] = []
         for name in ("a", "b"):
             ledger = Ledger(
-                url, key_prefix=users.key_prefix, replica_id=name, lease_s=60, young_s=5.0,
+                url, key_prefix=users.key_prefix, replica_id=name, secret=LEDGER_SECRET, lease_s=60, young_s=5.0,
                 snapshot_interval_s=0.05, ttl_s=1.0,
             )  # fmt: skip
             schedulers.append(

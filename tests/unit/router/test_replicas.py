@@ -22,6 +22,7 @@ from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
 from tandem.router.scheduler import PlacementDecision, QueueConfig, Scheduler
 from tests.kit.redis import delete_prefix
+from tests.kit.router import LEDGER_SECRET
 from tests.kit.workers import StaticView
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -53,6 +54,7 @@ async def replicas() -> AsyncIterator[Callable[..., tuple[Scheduler, Ledger]]]:
             REDIS_URL,
             key_prefix=key_prefix,
             replica_id=name,
+            secret=LEDGER_SECRET,
             lease_s=60,
             young_s=5.0,
             snapshot_interval_s=SNAPSHOT_S,
@@ -344,7 +346,14 @@ async def test_a_ledger_drops_its_own_messages_and_applies_a_replica_whose_id_ex
     published: dict[str, list[bytes]] = {}
     ledgers = {}
     for name in ("r1", "r10"):
-        ledger = Ledger("redis://127.0.0.1:6379/0", key_prefix="unused", replica_id=name, lease_s=60, young_s=1)
+        ledger = Ledger(
+            "redis://127.0.0.1:6379/0",
+            key_prefix="unused",
+            replica_id=name,
+            secret=LEDGER_SECRET,
+            lease_s=60,
+            young_s=1,
+        )
 
         def publish(payload: bytes, name: str = name) -> bool:
             published.setdefault(name, []).append(payload)

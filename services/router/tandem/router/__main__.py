@@ -25,6 +25,7 @@ import grpc
 from tandem.common.logging import configure_logging
 from tandem.common.router_wire import APPLICATION_NAME, METADATA_APPLICATION
 from tandem.common.tls import warn_if_plaintext
+from tandem.router.ledger_auth import LedgerSecretError, check_secret_file
 from tandem.router.policy import create_policy
 from tandem.router.settings import TandemRouterSettings
 from tandem.router.tls_front import TLSFrontSettings, start_front
@@ -146,6 +147,11 @@ def main() -> int:
     settings = TandemRouterSettings()
     configure_logging(settings.log_level)
     create_policy(settings.policy)  # fail in a second on a typo, not after Ray is up
+    try:  # the same for the ledger's secret
+        check_secret_file(settings.ledger.secret_file, num_replicas=settings.num_replicas)
+    except LedgerSecretError as exc:
+        logger.error("router cannot start: %s", exc)
+        return 1
     _quiet_ray_loggers()
     stop = threading.Event()
 

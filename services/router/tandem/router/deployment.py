@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import uuid
 from typing import Any
 
@@ -37,6 +38,7 @@ from tandem.router.gc_tuning import tune_gc
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
 from tandem.router.ledger import Ledger
+from tandem.router.ledger_auth import check_secret_file, read_secret
 from tandem.router.metrics import RayRouterMetrics
 from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
@@ -71,10 +73,15 @@ class RouterDeployment:
         )
         q = cfg.queue
         young_s = 2 * cfg.registry.heartbeat_interval_s + 1.0
+        metrics = RayRouterMetrics()
         self._ledger = Ledger(
             redis_url,
             key_prefix=cfg.registry.key_prefix,
             replica_id=uuid.uuid4().hex[:12],
+            secret=_ledger_secret(cfg),
+            max_replicas=cfg.ledger.max_replicas,
+            max_message_age_s=cfg.ledger.max_message_age_s,
+            metrics=metrics,
             lease_s=cfg.lease_s,
             young_s=young_s,
             flush_interval_s=cfg.ledger.flush_interval_s,
@@ -91,7 +98,7 @@ class RouterDeployment:
             view,
             create_policy(cfg.policy, cfg.weights),
             ReservationTable(lease_s=cfg.lease_s, young_s=young_s),
-            RayRouterMetrics(),
+            metrics,
             budget=BudgetConfig(cfg.budget.prefill_tokens_in_flight, cfg.budget.decode_kv_fraction),
             subscriber=self._subscriber,
             ledger=self._ledger,
@@ -222,8 +229,19 @@ def placement_to_proto(decision: PlacementDecision) -> router_pb2.Placement:
     return placement
 
 
+def _ledger_secret(cfg: RouterConfig) -> bytes:
+    """The ledger's shared secret from ``ledger.secret_file``; without one, a random secret of this
+    replica's own (it then trusts no other replica: :func:`build_app` refuses several without one)."""
+    if cfg.ledger.secret_file is not None:
+        return read_secret(cfg.ledger.secret_file)
+    logger.warning("no ledger.secret_file: this replica drops every other replica's ledger messages")
+    return secrets.token_bytes(32)
+
+
 def build_app(config: RouterConfig, *, num_replicas: int = 1) -> Application:
-    """The router application, ready for ``serve.run``."""
+    """The router application, ready for ``serve.run``. Several replicas need a shared ledger secret
+    (``ledger.secret_file``): without it they could not authenticate each other's ledger messages."""
+    check_secret_file(config.ledger.secret_file, num_replicas=num_replicas)
     options: dict[str, Any] = {
         "name": "Router",
         "num_replicas": num_replicas,

@@ -49,10 +49,25 @@ left freed budget to the other's waiter, and every replica saw it free until the
 placement arrived; a request arriving meanwhile elsewhere took it too (the fleet benchmark: ~10 %
 of a victim tenant's requests landed on a worker already computing a noisy tenant's prompt).
 
-Wire: msgpack. Event tuples: ``("+", request_id, worker_ids, tokens, tenant, uncached_tokens,
-reserved_at_unix)``, ``("-", request_id)``, ``("q", request_id, tenant, priority_index,
-enqueued_at_unix, payload)``, ``("d", request_id)``, ``("r", request_id, owner_replica_id)`` (a
-forwarded Release), ``("p", request_id, target_replica_id, placement)`` (a hand-off).
+**Authenticated, bounded.** Every message and snapshot carries an HMAC-SHA256 tag over its exact
+bytes, with the secret all replicas are given (:mod:`tandem.router.ledger_auth`, which says what it
+does and does not protect against). A receiver drops, and counts in
+``tandem_router_ledger_rejected_total{reason}``: a message or snapshot whose tag is missing or wrong
+(``bad_mac``) or that does not decode (``malformed``); one sent more than ``max_message_age_s`` ago
+or ahead by the clock of the receiver (``stale``); a message whose seq is not above the highest heard
+from its sender, or a snapshot older than the last one applied (``replayed``: Redis delivers a
+publisher's messages once and in order, so only a replay repeats one); and one from a new replica id
+while ``max_replicas`` mirrors exist (``too_many_replicas``). Only an authenticated message or
+snapshot makes a mirror, and a mirror that heard nothing for a lease (``lease_s``: every reservation
+it could hold has expired) is dropped, so a flood of invented replica ids costs at most
+``max_replicas`` mirrors, each holding at most ``_MAX_BUFFERED`` messages.
+
+Wire: msgpack, then the tag. A message is ``[replica id, seq, events, sent_at_unix]``; a snapshot a
+map (below) with ``replica`` and ``at`` (its wall-clock time). Event tuples (issue 39 makes them a
+typed union): ``("+", request_id, worker_ids, tokens, tenant, uncached_tokens, reserved_at_unix)``,
+``("-", request_id)``, ``("q", request_id, tenant, priority_index, enqueued_at_unix, payload)``,
+``("d", request_id)``, ``("r", request_id, owner_replica_id)`` (a forwarded Release),
+``("p", request_id, target_replica_id, placement)`` (a hand-off).
 """
 
 from __future__ import annotations
@@ -71,7 +86,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tandem.common import redis_retry
+from tandem.router import ledger_auth
 from tandem.router.fair_share import TenantShares
+from tandem.router.ledger_auth import LedgerAuth
+from tandem.router.metrics import NullRouterMetrics, RouterMetrics
 from tandem.router.pubsub import Publisher, Subscription
 from tandem.router.reservations import Reservation, ReservationTable
 
@@ -84,6 +102,11 @@ _FLUSH_RETRY_S = 0.0005
 _FLUSH_RETRY_UNCONNECTED_S = 0.05
 #: Messages kept per mirror while it waits for a snapshot to repair a gap.
 _MAX_BUFFERED = 10_000
+#: Replicas mirrored at most (``ledger.max_replicas``); a message from another new id is dropped.
+DEFAULT_MAX_REPLICAS = 64
+#: A message or snapshot sent longer ago than this (or this far ahead of the receiver's clock) is
+#: dropped: a replay of a genuine one after its sender's mirror is gone, or a badly skewed clock.
+DEFAULT_MAX_MESSAGE_AGE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +150,12 @@ class _Mirror:
     buffered: deque[tuple[int, list[Any]]] = field(default_factory=lambda: deque(maxlen=_MAX_BUFFERED))
     #: Its liveness key expired: nothing more will come from it (see the module docstring).
     dead: bool = False
+    #: The highest seq heard from it on the channel (the replay guard), and the seq of the last
+    #: snapshot of it applied.
+    heard_seq: int = -1
+    snapshot_seq: int = -1
+    #: The ledger's clock when its last authenticated message or snapshot arrived.
+    heard_s: float = 0.0
 
     def add_waiter(self, waiter: RemoteWaiter) -> None:
         self.pop_waiter(waiter.request_id)
@@ -156,6 +185,8 @@ class LedgerStats:
     num_gaps: int = 0
     num_snapshots_applied: int = 0
     num_replicas_forgotten: int = 0
+    #: Messages and snapshots dropped, by reason (:mod:`tandem.router.ledger_auth`'s ``REJECT_*``).
+    rejected: dict[str, int] = field(default_factory=dict)
 
 
 class Ledger:
@@ -167,6 +198,7 @@ class Ledger:
         *,
         key_prefix: str,
         replica_id: str,
+        secret: bytes,
         lease_s: float,
         young_s: float,
         recent_half_life_s: float = 30.0,
@@ -174,10 +206,17 @@ class Ledger:
         snapshot_interval_s: float = 0.5,
         ttl_s: float = 3.0,
         shares: TenantShares | None = None,
+        max_replicas: int = DEFAULT_MAX_REPLICAS,
+        max_message_age_s: float = DEFAULT_MAX_MESSAGE_AGE_S,
+        metrics: RouterMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.replica_id = replica_id
+        self._auth = LedgerAuth(secret)
+        self._max_replicas = max_replicas
+        self._max_message_age_s = max_message_age_s
+        self._metrics = metrics or NullRouterMetrics()
         self._redis_url = redis_url
         self._redis: aioredis.Redis = redis_retry.connect(redis_url, timeout_s=1.0)
         self._prefix = f"{key_prefix}:router"
@@ -225,9 +264,9 @@ class Ledger:
         self.on_change: Callable[[], None] | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder()
-        #: How every message of ours begins (a 3-array, then our id with its length): the channel hands
+        #: How every message of ours begins (a 4-array, then our id with its length): the channel hands
         #: each publisher its own messages back, one per flush, and they are dropped undecoded.
-        self._own_prefix = b"\x93" + msgspec.msgpack.encode(replica_id)
+        self._own_prefix = b"\x94" + msgspec.msgpack.encode(replica_id)
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -315,7 +354,11 @@ class Ledger:
     def _flush(self) -> None:
         events, self._outbox = self._outbox, []
         self._seq += 1
-        self._publish(self._encoder.encode([self.replica_id, self._seq, events]))
+        self._publish(self._message(events))
+
+    def _message(self, events: list[tuple[Any, ...]]) -> bytes:
+        """The next message, sealed (call right after numbering it)."""
+        return self._auth.seal_message(self._encoder.encode([self.replica_id, self._seq, events, self._wall()]))
 
     def _publish(self, message: bytes) -> None:
         if self._publisher.publish(message):
@@ -402,29 +445,63 @@ class Ledger:
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def _mirror(self, replica_id: str) -> _Mirror:
+    def _mirror(self, replica_id: str) -> _Mirror | None:
+        """The mirror of ``replica_id``, made if new (call only for an authenticated sender); None when
+        ``max_replicas`` mirrors exist already."""
         mirror = self._mirrors.get(replica_id)
         if mirror is None:
+            if len(self._mirrors) >= self._max_replicas:
+                return None
             table = ReservationTable(
                 lease_s=self._lease_s,
                 clock=self._clock,
                 young_s=self._young_s,
                 recent_half_life_s=self._recent_half_life_s,
             )
-            mirror = self._mirrors[replica_id] = _Mirror(replica_id, table)
+            mirror = self._mirrors[replica_id] = _Mirror(replica_id, table, heard_s=self._clock())
         return mirror
 
+    def _reject(self, reason: str, what: str) -> None:
+        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+        self._metrics.count_ledger_rejected(reason)
+        # One line per reason and power of two: a flood is visible without flooding the log.
+        count = self.stats.rejected[reason]
+        if count & (count - 1) == 0:
+            logger.warning("ledger: dropped a %s (%s; %d so far)", what, reason, count)
+
+    def _fresh(self, sent_at_unix: float) -> bool:
+        return abs(self._wall() - sent_at_unix) <= self._max_message_age_s
+
     def receive(self, payload: bytes) -> None:
-        """Apply one message from the channel (ours are ignored)."""
+        """Apply one message from the channel (ours are ignored; see the module docstring for what is
+        dropped)."""
         if payload.startswith(self._own_prefix):
             return
+        body = self._auth.open_message(payload)
+        if body is None:
+            self._reject(ledger_auth.REJECT_BAD_MAC, "message")
+            return
         try:
-            replica_id, seq, events = self._decoder.decode(payload)
+            replica_id, seq, events, sent_at_unix = self._decoder.decode(body)
+            seq, sent_at_unix = int(seq), float(sent_at_unix)
+            replica_id = str(replica_id)
         except (msgspec.DecodeError, ValueError, TypeError):
-            logger.warning("ledger: undecodable message")
+            self._reject(ledger_auth.REJECT_MALFORMED, "message")
             return
         if replica_id == self.replica_id:
             return
+        if not self._fresh(sent_at_unix):
+            self._reject(ledger_auth.REJECT_STALE, "message")
+            return
+        mirror = self._mirror(replica_id)
+        if mirror is None:
+            self._reject(ledger_auth.REJECT_TOO_MANY_REPLICAS, "message")
+            return
+        if seq <= mirror.heard_seq:
+            self._reject(ledger_auth.REJECT_REPLAYED, "message")
+            return
+        mirror.heard_seq = seq
+        mirror.heard_s = self._clock()
         self.stats.num_received += 1
         # Forwarded Releases are requests, not state (no snapshot carries them): act on them at once,
         # whatever the state of the sender's mirror.
@@ -438,7 +515,6 @@ class Ledger:
         for event in events:
             if event[0] == _FORWARD and event[2] != self.replica_id and event[2] in self._mirrors:
                 self._released_elsewhere(self._mirrors[event[2]], event[1])
-        mirror = self._mirror(replica_id)
         if mirror.dead and seq > mirror.applied_seq:  # it speaks again (a partition healed): follow it afresh
             mirror.dead = False
             mirror.needs_snapshot = True
@@ -496,18 +572,41 @@ class Ledger:
 
     def apply_snapshot(self, replica_id: str, payload: bytes) -> None:
         """Rebuild the mirror of ``replica_id`` from its snapshot, then the messages buffered after it."""
+        body = self._auth.open_snapshot(payload)
+        if body is None:
+            self._reject(ledger_auth.REJECT_BAD_MAC, "snapshot")
+            return
         try:
-            snapshot = self._decoder.decode(payload)
+            snapshot = self._decoder.decode(body)
             seq = int(snapshot["seq"])
+            sent_at_unix = float(snapshot["at"])
+            # A snapshot of another replica copied under this one's key is not this one's.
+            if snapshot["replica"] != replica_id:
+                raise ValueError("another replica's snapshot")
         except (msgspec.DecodeError, ValueError, TypeError, KeyError):
-            logger.warning("ledger: undecodable snapshot of %s", replica_id)
+            self._reject(ledger_auth.REJECT_MALFORMED, "snapshot")
+            return
+        if not self._fresh(sent_at_unix):
+            self._reject(ledger_auth.REJECT_STALE, "snapshot")
+            return
+        old = self._mirrors.get(replica_id)
+        if old is not None and seq < old.snapshot_seq:
+            self._reject(ledger_auth.REJECT_REPLAYED, "snapshot")
+            return
+        if old is None and len(self._mirrors) >= self._max_replicas:
+            self._reject(ledger_auth.REJECT_TOO_MANY_REPLICAS, "snapshot")
             return
         self.num_frees += 1
-        old = self._mirrors.pop(replica_id, None)
+        self._mirrors.pop(replica_id, None)
         if old is not None:
             self._changed.update(w for r in old.table.reservations() for w in r.worker_ids)
             self._changed.update(old.table.recent_worker_ids())
         mirror = self._mirror(replica_id)
+        assert mirror is not None  # a slot was checked above, and the old mirror's freed
+        # Only messages raise the replay guard: this snapshot's own message may still be on its way
+        # (the snapshot is written before it is published).
+        mirror.heard_seq = old.heard_seq if old is not None else -1
+        mirror.snapshot_seq = seq
         for event in snapshot.get("reservations", ()):
             _, request_id, worker_ids, tokens, tenant, _uncached, reserved_at_unix = event
             self._mirror_reserve(mirror, request_id, worker_ids, tokens, tenant, reserved_at_unix)
@@ -564,23 +663,31 @@ class Ledger:
             and not len(mirror.table)
             and mirror.table.max_recent_tokens() < self._FORGET_BELOW_RECENT_TOKENS
         ):
-            self._changed |= mirror.table.drain_changed()
-            self._changed.update(mirror.table.recent_worker_ids())
-            del self._mirrors[mirror.replica_id]
-            self.num_frees += 1
+            self._forget(mirror)
+
+    def _forget(self, mirror: _Mirror) -> None:
+        self._changed |= mirror.table.drain_changed()
+        self._changed.update(w for r in mirror.table.reservations() for w in r.worker_ids)
+        self._changed.update(mirror.table.recent_worker_ids())
+        del self._mirrors[mirror.replica_id]
+        self.num_frees += 1
 
     # -- snapshots, liveness -------------------------------------------------------------------
 
     def snapshot(self) -> bytes:
         """Our state as of our last seq (call right after numbering the outbox's events)."""
-        return self._encoder.encode(
-            {
-                "seq": self._seq,
-                "reservations": list(self._own_reservations.values()),
-                "waiters": list(self._own_waiters.values()),
-                "served": self.shares.snapshot(),
-                "recent": self._recent_snapshot(),
-            }
+        return self._auth.seal_snapshot(
+            self._encoder.encode(
+                {
+                    "replica": self.replica_id,
+                    "seq": self._seq,
+                    "at": self._wall(),
+                    "reservations": list(self._own_reservations.values()),
+                    "waiters": list(self._own_waiters.values()),
+                    "served": self.shares.snapshot(),
+                    "recent": self._recent_snapshot(),
+                }
+            )
         )
 
     def _recent_snapshot(self) -> dict[str, tuple[float, float]]:
@@ -595,7 +702,7 @@ class Ledger:
         liveness, forget dead replicas, repair mirrors that need it."""
         events, self._outbox = self._outbox, []
         self._seq += 1
-        message = self._encoder.encode([self.replica_id, self._seq, events])
+        message = self._message(events)
         snapshot = self.snapshot()  # no await since the outbox was taken: it matches seq exactly
         # Only replicas mirrored before this read can be found dead by it: a message received while
         # it is in flight may come from a replica that joined after our ZRANGE ran (one CI run: B
@@ -629,11 +736,17 @@ class Ledger:
             self.declare_dead(replica_id)
         for mirror in [m for m in self._mirrors.values() if m.dead]:
             self._drop_if_empty(mirror)
+        # Silent for a lease: every reservation it could hold has expired (a mirror made by messages
+        # alone, of an id never listed live, is otherwise only dropped once found dead and empty).
+        now_s = self._clock()
+        for mirror in [m for m in self._mirrors.values() if now_s - m.heard_s > self._lease_s]:
+            self._forget(mirror)
         try:
             if dead:
                 await self._redis.zrem(self._replicas_key(), *dead)
-            repair = [r for r in live if r not in self._mirrors or self._mirrors[r].needs_snapshot]
-            # (a replica seen for the first time is mirrored from its snapshot)
+            # (a replica seen for the first time is mirrored from its snapshot, while mirrors are left)
+            new = [r for r in live if r not in self._mirrors][: max(0, self._max_replicas - len(self._mirrors))]
+            repair = [r for r, m in self._mirrors.items() if r in live and m.needs_snapshot] + new
             if repair:
                 payloads = await self._redis.mget([self._snapshot_key(r) for r in repair])
                 for replica_id, payload in zip(repair, payloads, strict=True):

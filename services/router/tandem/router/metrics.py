@@ -62,6 +62,11 @@ class RouterMetrics(Protocol):
         waiter's replica, ``expired`` unanswered (see tandem.router.ledger, hand-offs)."""
         ...
 
+    def count_ledger_rejected(self, reason: str) -> None:
+        """A ledger message or snapshot was dropped: ``bad_mac``, ``malformed``, ``stale``, ``replayed``
+        or ``too_many_replicas`` (see tandem.router.ledger_auth)."""
+        ...
+
 
 class NullRouterMetrics:
     def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
@@ -89,6 +94,9 @@ class NullRouterMetrics:
         pass
 
     def count_handoff(self, outcome: str) -> None:
+        pass
+
+    def count_ledger_rejected(self, reason: str) -> None:
         pass
 
 
@@ -169,6 +177,12 @@ class RayRouterMetrics:
             "adopted or refused (by the waiter's replica), expired (unanswered).",
             tag_keys=("outcome",),
         )
+        self._ledger_rejected = serve_metrics.Counter(
+            "tandem_router_ledger_rejected",  # exported as ray_tandem_router_ledger_rejected_total
+            description="Ledger messages and snapshots this replica dropped, by reason: bad_mac (missing or "
+            "wrong tag), malformed, stale, replayed, too_many_replicas (the mirrors' bound).",
+            tag_keys=("reason",),
+        )
 
     def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
         self._schedule_seconds.observe(duration_s, tags={"outcome": outcome})
@@ -198,3 +212,6 @@ class RayRouterMetrics:
 
     def count_handoff(self, outcome: str) -> None:
         self._handoffs.inc(tags={"outcome": outcome})
+
+    def count_ledger_rejected(self, reason: str) -> None:
+        self._ledger_rejected.inc(tags={"reason": reason})

@@ -6,10 +6,13 @@ Ray/Serve bootstrap uses the whole of it, each Serve replica gets a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
+from tandem.router.ledger import DEFAULT_MAX_MESSAGE_AGE_S, DEFAULT_MAX_REPLICAS
 from tandem.router.policy import DEFAULT_POLICY, CacheAwareWeights
 
 #: See :class:`DisaggregationSettings`.
@@ -77,6 +80,16 @@ class LedgerSettings(BaseModel):
     flush_interval_s: float = Field(0.0, ge=0)
     #: A replica whose liveness key is this old is forgotten (it died).
     replica_ttl_s: float = Field(3.0, gt=0)
+    #: File holding the secret (at least 16 bytes, one line) every replica tags and checks the ledger's
+    #: messages and snapshots with (HMAC-SHA256, tandem.router.ledger_auth): a mounted Secret; read by
+    #: each replica when it starts, never carried in the Serve config. Unset: each replica makes a
+    #: random one and so trusts no other replica; refused with more than one replica.
+    secret_file: Path | None = None
+    #: Other replicas mirrored at most; a message from another new replica id is dropped (and counted).
+    max_replicas: int = Field(DEFAULT_MAX_REPLICAS, gt=0)
+    #: Messages and snapshots sent longer ago than this (by the sender's clock) are dropped as replays;
+    #: keep it above the replicas' clock skew.
+    max_message_age_s: float = Field(DEFAULT_MAX_MESSAGE_AGE_S, gt=0)
 
 
 class RouterConfig(BaseModel):
