@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.local.stack import LocalStack, StackConfig
+from tandem.local.stack import LocalStack, StackConfig, ensure_ledger_secret
+from tandem.router.ledger_auth import read_secret
 
 
 def test_free_ports_cover_every_worker_and_are_distinct() -> None:
@@ -48,3 +49,15 @@ def test_plaintext_is_said_explicitly() -> None:
     assert stack._gateway_env()["TANDEM_GATEWAY_TLS__ENABLED"] == "false"
     assert stack._worker_env("decode")["TANDEM_WORKER_TLS__ENABLED"] == "false"
     assert stack._gateway_env()["TANDEM_GATEWAY_ROUTER_ADDRESS"] == f"127.0.0.1:{stack.config.router_grpc_port}"
+
+
+def test_the_router_gets_a_ledger_secret_kept_in_the_cache_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "cache" / "router-ledger-secret"
+    stack = LocalStack(StackConfig.with_free_ports(router_ledger_secret_file=path))
+    assert stack._router_env()["TANDEM_ROUTER_LEDGER__SECRET_FILE"] == str(path)
+    assert ensure_ledger_secret(path) == path
+    secret = path.read_bytes()
+    assert read_secret(path) == secret.strip() and len(secret.strip()) == 64
+    assert path.stat().st_mode & 0o777 == 0o600
+    ensure_ledger_secret(path)
+    assert path.read_bytes() == secret  # kept across starts, as the chart keeps its Secret

@@ -64,6 +64,21 @@ def default_model_dir() -> Path:
     return Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
 
 
+def default_ledger_secret_file() -> Path:
+    return Path.home() / ".cache" / "tandem" / "router-ledger-secret"
+
+
+def ensure_ledger_secret(path: Path) -> Path:
+    """``path`` holding a random secret for the router replicas' ledger (tandem.router.ledger_auth),
+    made (mode 0600) when missing and kept for the next start, as the chart keeps its Secret."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
 @dataclass(frozen=True)
 class WorkerPorts:
     """The ports of one worker: gRPC service, KV server, metrics, KV events (PUB and replay)."""
@@ -138,6 +153,8 @@ class StackConfig:
     internal_tls: bool = True
     #: The local CA and the roles' keys and certificates (tandem.local.pki; created or renewed at start).
     pki_dir: Path = field(default_factory=default_pki_dir)
+    #: The router replicas' shared ledger secret (TANDEM_ROUTER_LEDGER__SECRET_FILE; made at start if missing).
+    router_ledger_secret_file: Path = field(default_factory=default_ledger_secret_file)
     key_prefix: str = "tandem"
     max_model_len: int = 4096
     kv_cache_bytes: int = 1 << 30
@@ -345,6 +362,7 @@ class LocalStack:
                 "TANDEM_ROUTER_HTTP_HOST": c.host,
                 "TANDEM_ROUTER_REDIS__URL": c.redis_url,
                 "TANDEM_ROUTER_REGISTRY__KEY_PREFIX": c.key_prefix,
+                "TANDEM_ROUTER_LEDGER__SECRET_FILE": str(c.router_ledger_secret_file),
             }
         )
         env.update(self._redis_env("TANDEM_ROUTER_", "router"))
@@ -482,6 +500,7 @@ class LocalStack:
         )
         py = sys.executable
         if c.start_router:
+            ensure_ledger_secret(c.router_ledger_secret_file)
             self._spawn("router", [py, "-m", "tandem.router"], self._router_env())
         for name in workers:
             self._spawn(name, [py, "-m", "tandem.worker"], self._worker_env(name))
