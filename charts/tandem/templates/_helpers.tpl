@@ -217,6 +217,8 @@ forwarded to Serve's gRPC proxy on the pod's loopback; pass (dict "ctx" $ "image
 imagePullPolicy: {{ .ctx.Values.images.router.pullPolicy }}
 env:
   {{- include "tandem.redisEnv" (dict "ctx" .ctx "prefix" "TANDEM_ROUTER_" "component" "router") | nindent 2 }}
+  - name: TANDEM_ROUTER_LEDGER__SECRET_FILE
+    value: /etc/tandem/router-ledger/secret
   - name: TANDEM_ROUTER_POLICY
     value: {{ .ctx.Values.router.policy | quote }}
   - name: TANDEM_ROUTER_DISAGGREGATION__MIN_UNCACHED_TOKENS
@@ -231,6 +233,20 @@ securityContext:
   {{- toYaml .ctx.Values.containerSecurityContext | nindent 2 }}
 volumeMounts:
   - {name: tmp, mountPath: /tmp}
+  - {name: router-ledger, mountPath: /etc/tandem/router-ledger, readOnly: true}
+{{- end -}}
+
+{{/* The Secret holding the router replicas' ledger secret (key "secret"). */}}
+{{- define "tandem.routerLedgerSecretName" -}}
+{{- .Values.router.ledgerSecret.existingSecret | default (printf "%s-router-ledger" (include "tandem.fullname" .)) -}}
+{{- end -}}
+
+{{/* The router pods' volume of it; pass $. */}}
+{{- define "tandem.routerLedgerVolume" -}}
+- name: router-ledger
+  secret:
+    secretName: {{ include "tandem.routerLedgerSecretName" . }}
+    defaultMode: 0440
 {{- end -}}
 
 {{/*
