@@ -300,3 +300,47 @@ async def test_the_replicas_ledger_publishes_on_serves_event_loop(router: Router
     finally:
         await pubsub.aclose()  # type: ignore[no-untyped-call]
         await client.aclose()
+
+
+async def test_the_replica_tags_its_ledger_messages_and_counts_forged_ones(router: RouterProcess) -> None:
+    """The replica read the secret file the kit gave it (its heartbeat opens with that secret), and a
+    forged message on the real channel reaches Ray's export as ray_tandem_router_ledger_rejected_total."""
+    import msgspec
+    import redis.asyncio as aioredis
+
+    from tandem.router.ledger_auth import TAG_BYTES, LedgerAuth
+    from tests.kit.router import LEDGER_SECRET
+
+    channel = f"{router.key_prefix}:router:ledger"
+    client = aioredis.Redis.from_url(REDIS_URL)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    try:
+        await pubsub.subscribe(channel)
+        deadline = time.monotonic() + 5.0
+        heartbeat = None
+        while heartbeat is None and time.monotonic() < deadline:
+            message = await pubsub.get_message(timeout=0.5)
+            heartbeat = None if message is None else message["data"]
+        assert heartbeat is not None, "no ledger message from the router replica in 5 s"
+        body = LedgerAuth(LEDGER_SECRET).open_message(heartbeat)
+        assert body is not None
+        # The same message from another replica id (the replica drops its own unread), with a wrong tag.
+        _, seq, events, sent_at_unix = msgspec.msgpack.decode(body)
+        forged = msgspec.msgpack.encode(["forger", seq, events, sent_at_unix]) + bytes(TAG_BYTES)
+        assert await client.publish(channel, forged) >= 1
+    finally:
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await client.aclose()
+    deadline_s = time.monotonic() + 45  # Ray exports every ~10 s
+    lines: list[str] = []
+    async with httpx.AsyncClient() as http:
+        while not lines and time.monotonic() < deadline_s:
+            text = (await http.get(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=5)).text
+            lines = [
+                line
+                for line in text.splitlines()
+                if line.startswith("ray_tandem_router_ledger_rejected_total{") and 'reason="bad_mac"' in line
+            ]
+            if not lines:
+                await asyncio.sleep(1)
+    assert lines and lines[0].endswith(" 1.0"), lines
