@@ -95,6 +95,8 @@ SIZES_TOKENS = (BLOCK_TOKENS, 1024, 4096)
 CONCURRENT_STREAMS = 4
 CONCURRENT_TOKENS = 1024
 SEED = 1234
+#: Every held prompt of the benchmark's KV server is read with this capability (tandem.common.kv_capability).
+CAPABILITY = "0123456789abcdef" * 2
 GRPC_METHOD = "/tandem.bench.Bytes/Stream"
 
 
@@ -152,7 +154,7 @@ def _prefill_server(conn: Connection, port: int, dtype_name: str, max_chunk_byte
     side = _side(port, max_chunk_bytes)
     side.register_kv_caches(_caches(dtype_name, SEED))
     blocks = tuple(range(Size(max(SIZES_TOKENS)).num_blocks))
-    side.begin_step(GrpcKVMetadata(holds={rid: (blocks, time.time() + 3600) for rid in holds}))
+    side.begin_step(GrpcKVMetadata(holds={rid: (blocks, time.time() + 3600, CAPABILITY) for rid in holds}))
     conn.send("ready")
     conn.recv()
     side.shutdown()
@@ -413,7 +415,9 @@ def measure_transport(
             rounds = warmup + timed_rounds(num_tokens, repeats)
             for i in range(rounds):
                 rid = f"bench-{num_tokens}-{i}"
-                handle = KVHandleParams("prefill", f"127.0.0.1:{port}", rid, remote, num_tokens, time.time() + 600)
+                handle = KVHandleParams(
+                    "prefill", f"127.0.0.1:{port}", rid, remote, num_tokens, time.time() + 600, CAPABILITY
+                )
                 record = decode.load(LoadSpec(f"{rid}-0123abcd", handle, remote, local, num_tokens, 0))
                 decode.puller.release_remote(handle)
                 if record.failed:
@@ -435,7 +439,13 @@ def measure_transport(
         for i in range(warmup + repeats):
             handles = [
                 KVHandleParams(
-                    "prefill", f"127.0.0.1:{port}", f"bench-c{j}-{i}", remote, size.num_tokens, time.time() + 600
+                    "prefill",
+                    f"127.0.0.1:{port}",
+                    f"bench-c{j}-{i}",
+                    remote,
+                    size.num_tokens,
+                    time.time() + 600,
+                    CAPABILITY,
                 )
                 for j in range(CONCURRENT_STREAMS)
             ]

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tandem.common import kv_capability
 from tandem.gateway.api.errors import PUBLIC_MESSAGES
 from tandem.local.stack import LocalStack, free_port
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -171,9 +172,7 @@ def test_the_call_that_killed_an_engine_is_refused(death: BackendStack, ledger: 
 
 _u32 = st.integers(min_value=0, max_value=2**32 - 1)
 _token = st.one_of(st.integers(min_value=0, max_value=49_151), _u32)
-_float = st.one_of(
-    st.floats(min_value=-3, max_value=3), st.sampled_from([math.nan, math.inf, -math.inf, 1e30, -0.0])
-)
+_float = st.one_of(st.floats(min_value=-3, max_value=3), st.sampled_from([math.nan, math.inf, -math.inf, 1e30, -0.0]))
 _options = st.builds(
     common_pb2.SamplingOptions,
     max_tokens=st.sampled_from([0, 1, 2, 3, 4097, 2**32 - 1]),
@@ -229,11 +228,11 @@ _edge_options = st.builds(
     ),
 )
 _options = st.one_of(_edge_options, _options)
-_request_id = st.one_of(
-    st.from_regex(r"[a-z0-9-]{1,20}", fullmatch=True), st.text(min_size=0, max_size=10)
+_request_id = st.one_of(st.from_regex(r"[a-z0-9-]{1,20}", fullmatch=True), st.text(min_size=0, max_size=10))
+_prompt = st.one_of(
+    st.lists(st.integers(min_value=0, max_value=49_151), min_size=1, max_size=12),
+    st.lists(_token, min_size=0, max_size=12),
 )
-_prompt = st.one_of(st.lists(st.integers(min_value=0, max_value=49_151), min_size=1, max_size=12),
-                    st.lists(_token, min_size=0, max_size=12))
 
 
 def _handles(kv_address: str) -> st.SearchStrategy[common_pb2.KVHandle]:
@@ -259,6 +258,8 @@ def _code_of(call: Callable[[], object]) -> grpc.StatusCode:
 
 #: What a hostile call may be answered: refused, or run (it was a valid request after all). Never
 #: UNAVAILABLE (the engine died) or UNKNOWN (an unhandled exception in the worker).
+#: Mostly a well-formed capability, so that the other hostile values get past its check to the engine.
+_capability = st.sampled_from([kv_capability.mint(), kv_capability.mint(), "", "Z" * 40])
 _ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION}
 
 
@@ -280,11 +281,18 @@ def test_hostile_values_in_every_internal_rpc_kill_no_engine(death: BackendStack
                 assert code in _ANSWERS, (rpc, code)
 
             @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-            @given(request_id=_request_id, prompt=_prompt, options=_options, keep_kv=st.booleans())
-            def prefill_calls(request_id: str, prompt: list[int], options: common_pb2.SamplingOptions,
-                              keep_kv: bool) -> None:
+            @given(
+                request_id=_request_id, prompt=_prompt, options=_options, keep_kv=st.booleans(), capability=_capability
+            )
+            def prefill_calls(
+                request_id: str, prompt: list[int], options: common_pb2.SamplingOptions, keep_kv: bool, capability: str
+            ) -> None:
                 request = worker_pb2.PrefillRequest(
-                    request_id=request_id, prompt_token_ids=prompt, sampling=options, keep_kv=keep_kv
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    sampling=options,
+                    keep_kv=keep_kv,
+                    kv_capability=capability,
                 )
                 try:
                     answered("Prefill", lambda: prefill.Prefill(request, timeout=60))
@@ -301,13 +309,26 @@ def test_hostile_values_in_every_internal_rpc_kill_no_engine(death: BackendStack
                 handle=st.one_of(st.none(), st.none(), _handles(kv_address)),
                 local=st.booleans(),
                 first_text=st.sampled_from(["", "Olá", "👋", "<|im_end|>", "x" * 5000]),
+                capability=_capability,
             )
-            def decode_calls(request_id: str, prompt: list[int], first_token_id: int,
-                             options: common_pb2.SamplingOptions, handle: common_pb2.KVHandle | None, local: bool,
-                             first_text: str) -> None:
+            def decode_calls(
+                request_id: str,
+                prompt: list[int],
+                first_token_id: int,
+                options: common_pb2.SamplingOptions,
+                handle: common_pb2.KVHandle | None,
+                local: bool,
+                first_text: str,
+                capability: str,
+            ) -> None:
                 request = worker_pb2.DecodeRequest(
-                    request_id=request_id, prompt_token_ids=prompt, first_token_id=first_token_id,
-                    sampling=options, local_prefill=local, first_text=first_text,
+                    request_id=request_id,
+                    prompt_token_ids=prompt,
+                    first_token_id=first_token_id,
+                    sampling=options,
+                    local_prefill=local,
+                    first_text=first_text,
+                    kv_capability=capability,
                 )
                 if handle is not None:
                     request.kv_handle.CopyFrom(handle)
@@ -319,11 +340,17 @@ def test_hostile_values_in_every_internal_rpc_kill_no_engine(death: BackendStack
                 address=st.sampled_from(["", kv_address, "127.0.0.1:1", "http://x/", "a" * 300]),
                 num_prompt=_u32,
                 num_cached=_u32,
+                capability=_capability,
             )
-            def prefetch_calls(request_id: str, address: str, num_prompt: int, num_cached: int) -> None:
+            def prefetch_calls(
+                request_id: str, address: str, num_prompt: int, num_cached: int, capability: str
+            ) -> None:
                 request = worker_pb2.PrefetchKVRequest(
-                    request_id=request_id, kv_address=address, num_prompt_tokens=num_prompt,
+                    request_id=request_id,
+                    kv_address=address,
+                    num_prompt_tokens=num_prompt,
                     num_cached_tokens=num_cached,
+                    kv_capability=capability,
                 )
                 try:
                     answered("PrefetchKV", lambda: decode.PrefetchKV(request, timeout=30))

@@ -68,6 +68,8 @@ class ScriptedEngine:
     released: list[str] = field(default_factory=list)
     #: kv_prefetch calls (request id, kv address, prompt tokens, cached tokens), and what it answers.
     prefetched: list[tuple[str, str, int, int]] = field(default_factory=list)
+    #: The capability each kv_prefetch call was given.
+    capabilities: list[str] = field(default_factory=list)
     prefetch_refusal: str = ""
     #: What is_dead answers.
     dead: bool = False
@@ -97,9 +99,10 @@ class ScriptedEngine:
         return False
 
     async def kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
     ) -> str:
         self.prefetched.append((request_id, kv_address, num_prompt_tokens, num_cached_tokens))
+        self.capabilities.append(capability)
         if not self.prefetch_refusal:
             self.held.add(request_id)
         return self.prefetch_refusal

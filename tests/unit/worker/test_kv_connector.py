@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from tandem.common import kv_capability
 from tandem.common.errors import KVLayoutMismatchError
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, GrpcKVMetadata, GrpcKVWorkerMeta, LoadSpec
@@ -30,6 +31,7 @@ BLOCK = 4
 NUM_BLOCKS = 16
 LAYERS = 3
 SHAPE = (NUM_BLOCKS, 2, BLOCK, 8)  # blocks, kv heads, block tokens, head content
+CAPABILITY = kv_capability.mint()
 
 
 # -- factories -------------------------------------------------------------------
@@ -68,6 +70,7 @@ def make_handle(block_ids: tuple[int, ...], num_tokens: int, kv_address: str = "
         block_ids=block_ids,
         num_tokens=num_tokens,
         lease_expires_unix_s=time.time() + 60,
+        capability=CAPABILITY,
     )
 
 
@@ -146,17 +149,20 @@ def test_prefill_holds_blocks_only_when_length_capped() -> None:
     from vllm.v1.request import RequestStatus
 
     side = SchedulerSide(engine_id="p", kv_address="h:5", block_size_tokens=BLOCK, lease_s=30)
-    capped = FakeRequest("a", 9, prefill_params(), status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=9)
+    capped = FakeRequest(
+        "a", 9, prefill_params(CAPABILITY), status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=9
+    )
     delay, params = side.request_finished(capped, [3, 4, 5])  # type: ignore[arg-type]
     assert delay is True and params is not None
     handle = KVHandleParams.from_dict(params[HANDLE])
     assert (handle.block_ids, handle.num_tokens, handle.kv_address) == ((3, 4, 5), 9, "h:5")
+    assert side.build_connector_meta().holds["a"][2] == CAPABILITY  # kept beside the blocks by the KV server
     assert 29 < handle.lease_expires_unix_s - time.time() <= 30
-    stopped = FakeRequest("b", 9, prefill_params(), status=RequestStatus.FINISHED_STOPPED)
+    stopped = FakeRequest("b", 9, prefill_params(CAPABILITY), status=RequestStatus.FINISHED_STOPPED)
     assert side.request_finished(stopped, [6]) == (False, None)  # type: ignore[arg-type]
-    aborted = FakeRequest("c", 9, prefill_params(), status=RequestStatus.FINISHED_ABORTED)
+    aborted = FakeRequest("c", 9, prefill_params(CAPABILITY), status=RequestStatus.FINISHED_ABORTED)
     assert side.request_finished(aborted, [7]) == (False, None)  # type: ignore[arg-type]
-    assert list(side.build_connector_meta().holds) == ["a"]
+    assert list(side.build_connector_meta().holds) == []  # announced once, above
 
 
 def _planned_load(side: SchedulerSide, req_id: str) -> FakeRequest:
@@ -228,7 +234,9 @@ def test_blocks_move_between_engines_and_are_released() -> None:
     decode, d_caches = make_side(free_port(), fill=0.0)
     try:
         handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill.server.address)
-        prefill.begin_step(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        prefill.begin_step(
+            GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60, CAPABILITY)})
+        )
         decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
         for name in p_caches:
@@ -259,7 +267,9 @@ def test_mismatched_layout_is_refused_and_reported_as_failed_load() -> None:
     decode, _ = make_side(free_port(), model="model-b")
     try:
         handle = make_handle((1,), num_tokens=3, kv_address=prefill.server.address)
-        prefill.begin_step(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        prefill.begin_step(
+            GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60, CAPABILITY)})
+        )
         decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (1,), (4,), 3, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
         assert decode.take_failed_block_ids() == {4}
@@ -283,7 +293,7 @@ def test_layout_check_names_every_difference() -> None:
 def test_lease_expiry_frees_blocks_nobody_pulled() -> None:
     prefill, _ = make_side(free_port())
     try:
-        prefill.begin_step(GrpcKVMetadata(holds={"x-12345678": ((1, 2), time.time() - 1)}))
+        prefill.begin_step(GrpcKVMetadata(holds={"x-12345678": ((1, 2), time.time() - 1, CAPABILITY)}))
         assert prefill.get_transfer_results({"x-12345678"})[0] == {"x-12345678"}
         assert prefill.stats().leases_expired_total == 1
     finally:
@@ -297,7 +307,9 @@ def test_held_blocks_are_released_by_the_handles_id_or_by_the_callers_request_id
     try:
         expiry = time.time() + 60
         prefill.begin_step(
-            GrpcKVMetadata(holds={"req-a-abcdefgh": ((1,), expiry), "req-b-12345678": ((2,), expiry)})
+            GrpcKVMetadata(
+                holds={"req-a-abcdefgh": ((1,), expiry, CAPABILITY), "req-b-12345678": ((2,), expiry, CAPABILITY)}
+            )
         )
         assert prefill.release("req-a")  # the caller's id
         assert prefill.release("req-b-12345678")  # the handle's id
@@ -316,7 +328,8 @@ def test_the_handle_survives_every_form_it_takes() -> None:
     layout = KVLayout("m", "float32", BLOCK, LAYERS, (2, BLOCK, 8)).to_proto()
     as_proto = handle.to_proto(layout)
     assert as_proto.layout == layout
-    assert KVHandleParams.from_proto(as_proto) == handle == KVHandleParams.from_dict(handle.to_dict())
+    # The gateway's handle carries no capability (the gateway minted it): the decode worker adds it.
+    assert KVHandleParams.from_proto(as_proto, CAPABILITY) == handle == KVHandleParams.from_dict(handle.to_dict())
     assert KVHandleParams.from_dict(decode_params(handle)[HANDLE]) == handle
 
 
@@ -337,7 +350,9 @@ def test_an_idle_step_waits_for_a_load_in_flight_and_a_busy_step_does_not() -> N
         idle_s = time.perf_counter() - started
         assert busy_s < IDLE_STEP_WAIT_S <= idle_s < 10 * IDLE_STEP_WAIT_S
         # Once the load can finish, an idle step returns as soon as it has (not after its wait).
-        prefill.begin_step(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        prefill.begin_step(
+            GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60, CAPABILITY)})
+        )
         deadline = time.monotonic() + 5
         recving: set[str] = set()
         while not recving and time.monotonic() < deadline:

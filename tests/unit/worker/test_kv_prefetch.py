@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from tandem.common import kv_capability
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec, PrefillProgress
 from tandem.worker.kv_connector.params import KVHandleParams, prefill_params
 from tandem.worker.kv_connector.scheduler_side import SchedulerSide
@@ -26,6 +27,8 @@ from .test_kv_wire import DTYPES, LAYOUTS, _caches, _same_bytes, _side
 BLOCK = 4
 REQUEST = "req-1"
 VLLM_ID = "req-1-abcdefgh"
+#: The prompt's capability (tandem.common.kv_capability), as the gateway mints it.
+CAPABILITY = kv_capability.mint()
 #: Prompt blocks 0..4 on the prefill side (block 0 in its prefix cache), 18 tokens: the last block is partial.
 PREFILL_BLOCKS = (4, 1, 2, 3, 7)
 NUM_PROMPT_TOKENS = 18
@@ -60,13 +63,16 @@ class Pair:
             block_ids=PREFILL_BLOCKS,
             num_tokens=NUM_PROMPT_TOKENS,
             lease_expires_unix_s=time.time() + 60,
+            capability=CAPABILITY,
         )
 
     def step(self, num_computed: int, num_after: int) -> None:
         """The prefill engine's step: its metadata, then each layer written and saved in turn."""
         self.prefill.begin_step(
             GrpcKVMetadata(
-                progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, num_computed, num_after)]
+                progress=[
+                    PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, num_computed, num_after, CAPABILITY)
+                ]
             )
         )
         for name in self.p_caches:
@@ -75,7 +81,7 @@ class Pair:
 
     def announce(self) -> None:
         """The prefill request finished: the scheduler announces its hold."""
-        self.prefill.begin_step(GrpcKVMetadata(holds={VLLM_ID: (PREFILL_BLOCKS, time.time() + 60)}))
+        self.prefill.begin_step(GrpcKVMetadata(holds={VLLM_ID: (PREFILL_BLOCKS, time.time() + 60, CAPABILITY)}))
 
     def load(self, local: tuple[int, ...], first_block_index: int) -> None:
         self.start_load(local, first_block_index)
@@ -121,7 +127,7 @@ def test_prefetched_blocks_are_byte_identical_and_none_is_read_before_its_layer_
     try:
         # The decode worker asks before the prefill engine has even scheduled the prompt; it expects
         # one block (4 tokens) in its own prefix cache, so prefetches blocks 1..4.
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 5) == ""
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 5, CAPABILITY) == ""
         time.sleep(0.2)
         prefetch = pair.decode.puller._prefetches[REQUEST]
         assert (prefetch.first_block_index, prefetch.num_blocks) == (1, 4) and not prefetch.done.is_set()
@@ -152,7 +158,7 @@ def test_prefetched_blocks_are_byte_identical_and_none_is_read_before_its_layer_
 def test_a_stream_follows_a_chunked_prefill_step_by_step() -> None:
     pair = _pair()
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         # First step: blocks 0..2 of every layer are computed, and reach staging while the prefill
         # goes on; blocks 3..4 are not there yet.
@@ -186,7 +192,7 @@ def test_a_load_that_comes_before_the_streams_tail_waits_for_it_and_says_how_lon
     the Decode's stats and the gateway's timings carry to ``make bench-kv``)."""
     pair = _pair()
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
         pair.step(num_computed=0, num_after=12)
         local = (0, 1, 2, 3, 5)
         pair.start_load(local, first_block_index=0)
@@ -207,10 +213,10 @@ def test_a_load_that_comes_before_the_streams_tail_waits_for_it_and_says_how_lon
 def test_a_prefill_that_ends_without_a_hold_ends_the_stream_and_frees_the_staging() -> None:
     pair = _pair()
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         pair.prefill.begin_step(
-            GrpcKVMetadata(progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, 8)])
+            GrpcKVMetadata(progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, 8, CAPABILITY)])
         )
         # Stopped at its first token (or aborted): the scheduler says so before the blocks are reused.
         pair.prefill.begin_step(GrpcKVMetadata(ended={VLLM_ID}))
@@ -227,7 +233,7 @@ def test_a_load_the_prefetch_does_not_cover_pulls_instead() -> None:
     came (evicted meanwhile): the prefetch lacks block 1, the load pulls, the staging is freed."""
     pair = _pair()
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 8) == ""
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 8, CAPABILITY) == ""
         pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
         wait_until(pair.decode.puller._prefetches[REQUEST].done.is_set, timeout_s=10)
         pair.announce()
@@ -240,7 +246,9 @@ def test_a_load_the_prefetch_does_not_cover_pulls_instead() -> None:
         stats = pair.decode.stats()
         assert stats.prefetches_used_total == 0 and stats.prefetches_wasted_total == 1 and stats.staged_bytes == 0
         # A PrefetchKV that comes after its request's load is refused: nobody would use it.
-        assert "loaded already" in pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0)
+        assert "loaded already" in pair.decode.prefetch(
+            REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY
+        )
     finally:
         pair.close()
 
@@ -251,13 +259,13 @@ def test_staging_is_bounded_and_an_abort_frees_it() -> None:
     pair = _pair(prefetch_max_bytes=per_prompt)
     try:
         address = pair.prefill.server.address
-        assert pair.decode.prefetch("a", address, NUM_PROMPT_TOKENS, 0) == ""
-        assert "staging is full" in pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0)
+        assert pair.decode.prefetch("a", address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
+        assert "staging is full" in pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0, CAPABILITY)
         assert pair.decode.stats().staged_bytes == per_prompt
         assert pair.decode.release("a")  # the worker service's Abort
         assert pair.decode.stats().staged_bytes == 0 and not pair.decode.release("a")
-        assert pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0) == ""
-        assert pair.decode.prefetch("c", address, 8, 8) == "nothing to prefetch"  # both blocks cached here
+        assert pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
+        assert pair.decode.prefetch("c", address, 8, 8, CAPABILITY) == "nothing to prefetch"  # both blocks cached here
     finally:
         pair.close()
 
@@ -267,7 +275,7 @@ def test_an_abort_ends_a_prefetch_stream_that_waits_for_the_prefill() -> None:
     streams); the abort cancels it from another thread, and the thread comes back at once."""
     pair = _pair()
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         pair.step(num_computed=0, num_after=4)  # one block of the prompt computed: the stream waits for more
         wait_until(lambda: prefetch.call is not None, timeout_s=10)
@@ -286,7 +294,7 @@ def test_a_prefetch_nobody_uses_is_dropped_after_its_keep_time_even_on_an_idle_e
     pair = _pair()
     try:
         pair.decode.puller._prefetch_keep_s = 0.2
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
         pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
         wait_until(pair.decode.puller._prefetches[REQUEST].done.is_set, timeout_s=10)
         assert pair.decode.stats().staged_bytes > 0
@@ -301,7 +309,7 @@ def test_a_prefetch_nobody_uses_is_dropped_after_its_keep_time_even_on_an_idle_e
 def test_prefetching_is_off_without_staging_memory() -> None:
     pair = _pair(prefetch_max_bytes=0)
     try:
-        assert "off" in pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0)
+        assert "off" in pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY)
     finally:
         pair.close()
 
@@ -347,7 +355,7 @@ class SchedulerOutput:
 
 
 def _prefill_request(req_id: str, num_prompt_tokens: int) -> FakeRequest:
-    return FakeRequest(req_id, num_prompt_tokens, prefill_params())
+    return FakeRequest(req_id, num_prompt_tokens, prefill_params(CAPABILITY))
 
 
 def test_the_scheduler_side_plans_each_streamed_prompts_progress() -> None:
@@ -361,14 +369,14 @@ def test_the_scheduler_side_plans_each_streamed_prompts_progress() -> None:
         num_scheduled_tokens={"r-abcdefgh": 8, "plain": 8},
     )
     assert side.build_connector_meta(first).progress == [  # type: ignore[arg-type]
-        PrefillProgress("r-abcdefgh", 18, (4, 1, 2), 4, 12)
+        PrefillProgress("r-abcdefgh", 18, (4, 1, 2), 4, 12, CAPABILITY)
     ]
     second = SchedulerOutput(
         scheduled_cached_reqs=CachedReqs(["r-abcdefgh"], set(), [([3, 7],)], [12]),
         num_scheduled_tokens={"r-abcdefgh": 6},
     )
     assert side.build_connector_meta(second).progress == [  # type: ignore[arg-type]
-        PrefillProgress("r-abcdefgh", 18, (4, 1, 2, 3, 7), 12, 18)
+        PrefillProgress("r-abcdefgh", 18, (4, 1, 2, 3, 7), 12, 18, CAPABILITY)
     ]
     # Computed: the step that samples its first token streams nothing more.
     third = SchedulerOutput(
@@ -419,10 +427,10 @@ def test_layers_saved_in_a_forward_are_streamable_when_vllm_runs_the_steps_hooks
     connector._scheduler, connector._worker = None, pair.prefill
     saved_before: list[int] = []
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0) == ""
+        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         meta = GrpcKVMetadata(
-            progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, NUM_PROMPT_TOKENS)]
+            progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, NUM_PROMPT_TOKENS, CAPABILITY)]
         )
         scheduler_output = SimpleNamespace(kv_connector_metadata=meta, has_sync_kv_loads=False, finished_req_ids=set())
         kv_transfer_state._KV_CONNECTOR_AGENT = connector
@@ -444,4 +452,95 @@ def test_layers_saved_in_a_forward_are_streamable_when_vllm_runs_the_steps_hooks
         pair.assert_landed(local, first_block_index=0)
     finally:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
+        pair.close()
+
+
+def test_the_kv_server_serves_a_prompt_only_with_its_capability() -> None:
+    """Issue 38: the request id is no secret (Redis keys, Schedule, logs), and with it anyone could read an
+    in-flight prompt's KV (which reveals the prompt) or release its hold. Now a stream, a pull or a release
+    without the prompt's capability is refused exactly as for an id nobody holds, and changes nothing."""
+    import grpc
+
+    from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+    from tandem.worker.kv_connector import wire
+
+    pair = _pair()
+    try:
+        pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
+        pair.announce()
+        wait_until(lambda: pair.prefill.stats().num_held_requests == 1)
+        layout = pair.decode.puller._layout
+        assert layout is not None
+        with grpc.insecure_channel(pair.prefill.server.address) as channel:
+            stub = kv_transfer_pb2_grpc.KVTransferStub(channel)
+            for forged in ("", kv_capability.mint(), CAPABILITY.upper()):
+                pull = channel.unary_stream(
+                    wire.PULL_METHOD,
+                    request_serializer=kv_transfer_pb2.PullBlocksRequest.SerializeToString,
+                    response_deserializer=bytes,
+                )(
+                    kv_transfer_pb2.PullBlocksRequest(
+                        remote_request_id=VLLM_ID,
+                        block_ids=list(PREFILL_BLOCKS),
+                        expected_layout=layout.to_proto(),
+                        capability=forged,
+                    ),
+                    timeout=10,
+                )
+                with pytest.raises(grpc.RpcError) as pulled:
+                    list(pull)
+                assert pulled.value.code() == grpc.StatusCode.NOT_FOUND
+                stream = channel.unary_stream(
+                    wire.STREAM_METHOD,
+                    request_serializer=kv_transfer_pb2.StreamBlocksRequest.SerializeToString,
+                    response_deserializer=bytes,
+                )(
+                    kv_transfer_pb2.StreamBlocksRequest(
+                        request_id=REQUEST,
+                        first_block_index=0,
+                        num_blocks=len(PREFILL_BLOCKS),
+                        expected_layout=layout.to_proto(),
+                        num_prompt_tokens=NUM_PROMPT_TOKENS,
+                        capability=forged,
+                    ),
+                    timeout=10,
+                )
+                with pytest.raises(grpc.RpcError) as streamed:
+                    list(stream)
+                assert streamed.value.code() == grpc.StatusCode.NOT_FOUND
+                for name in (VLLM_ID, REQUEST):
+                    refused = stub.Release(
+                        kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=name, capability=forged), timeout=10
+                    )
+                    assert not refused.found
+            assert pair.prefill.stats().num_held_requests == 1 and pair.prefill.stats().bytes_sent_total == 0
+            released = stub.Release(
+                kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=VLLM_ID, capability=CAPABILITY), timeout=10
+            )
+            assert released.found
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("forged", ["capability", "address"])
+def test_staged_kv_is_used_only_for_the_prompt_the_handle_names(forged: str) -> None:
+    """A prefetch under another capability (the KV server refuses its stream) or from another address than
+    the handle names (staged, then not used) is not the prompt's KV: the load pulls from the handle instead,
+    and lands the right bytes."""
+    pair = _pair()
+    try:
+        address = pair.prefill.server.address
+        if forged == "address":
+            address = address.replace("127.0.0.1", "localhost")  # the same server, under another name
+        capability = kv_capability.mint() if forged == "capability" else CAPABILITY
+        assert pair.decode.prefetch(REQUEST, address, NUM_PROMPT_TOKENS, 0, capability) == ""
+        pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
+        pair.announce()
+        local = (11, 10, 0, 1, 2)
+        pair.load(local, first_block_index=0)
+        pair.decode.get_transfer_results(set())
+        record = pair.decode.take_load_records()[VLLM_ID]
+        assert not record.failed and not record.prefetched, record
+        pair.assert_landed(local, first_block_index=0)
+    finally:
         pair.close()

@@ -68,7 +68,9 @@ def _move_kv(thread_cpus: frozenset[int]) -> tuple[list[frozenset[int]], list[fr
         decode, _ = make_side(free_port(), fill=0.0, thread_cpus=thread_cpus)
         sides.extend((prefill, decode))
         handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill.server.address)
-        prefill.begin_step(GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60)}))
+        prefill.begin_step(
+            GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60, handle.capability)})
+        )
         decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
 

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tandem.common import kv_capability
 from tandem.common.tls import TLSSettings
 from tandem.v1 import common_pb2, worker_pb2
 from tandem.worker.first_token import REPLAY_TOKEN_ID
@@ -40,6 +41,10 @@ async def _service(role: str, engine: ScriptedEngine) -> WorkerService:
     return service
 
 
+#: The prompt's capability, as the gateway mints it (tandem.common.kv_capability).
+CAPABILITY = kv_capability.mint()
+
+
 def _handle(num_tokens: int = 4) -> common_pb2.KVHandle:
     return common_pb2.KVHandle(
         engine_id="prefill-0",
@@ -59,6 +64,7 @@ def _decode_request(**fields: Any) -> worker_pb2.DecodeRequest:
         "first_text": FIRST_TEXT,
         "sampling": common_pb2.SamplingOptions(max_tokens=3, temperature=0.0),
         "kv_handle": _handle(),
+        "kv_capability": CAPABILITY,
         **fields,
     }
     return worker_pb2.DecodeRequest(**values)
@@ -152,12 +158,16 @@ async def test_prefill_hands_out_the_held_blocks_with_this_engines_layout(text: 
     )
     service = await _service("prefill", engine)
     request = worker_pb2.PrefillRequest(
-        request_id="p1", prompt_token_ids=list(range(200)), keep_kv=True, sampling=common_pb2.SamplingOptions()
+        request_id="p1",
+        prompt_token_ids=list(range(200)),
+        keep_kv=True,
+        sampling=common_pb2.SamplingOptions(),
+        kv_capability=CAPABILITY,
     )
     response = await service.Prefill(request, Context())  # type: ignore[arg-type]
     assert response.first_token_id == FIRST_TOKEN and response.first_text == text
     assert response.num_cached_tokens == 128 and not response.finish_reason
-    assert KVHandleParams.from_proto(response.kv_handle) == handle
+    assert KVHandleParams.from_proto(response.kv_handle, "") == handle
     assert response.kv_handle.layout == layout().to_proto()
     assert engine.params[0].max_tokens == 1
 
@@ -165,7 +175,9 @@ async def test_prefill_hands_out_the_held_blocks_with_this_engines_layout(text: 
 async def test_a_prefill_that_stops_on_its_first_token_finishes_without_a_handle() -> None:
     engine = ScriptedEngine(outputs=[Output([Completion([2], "", finish_reason="stop")], finished=True)])
     service = await _service("prefill", engine)
-    request = worker_pb2.PrefillRequest(request_id="p1", prompt_token_ids=[1, 2], keep_kv=True)
+    request = worker_pb2.PrefillRequest(
+        request_id="p1", prompt_token_ids=[1, 2], keep_kv=True, kv_capability=CAPABILITY
+    )
     response = await service.Prefill(request, Context())  # type: ignore[arg-type]
     assert response.finish_reason == "stop" and not response.HasField("kv_handle")
 
@@ -182,7 +194,9 @@ async def test_abort_on_a_prefill_worker_frees_held_kv_through_the_engine() -> N
 async def test_abort_on_a_decode_worker_aborts_the_request_and_drops_its_prefetch() -> None:
     engine = ScriptedEngine()
     service = await _service("decode", engine)
-    request = worker_pb2.PrefetchKVRequest(request_id="d1", kv_address="p:1", num_prompt_tokens=300)
+    request = worker_pb2.PrefetchKVRequest(
+        request_id="d1", kv_address="p:1", num_prompt_tokens=300, kv_capability=CAPABILITY
+    )
     started = await service.PrefetchKV(request, Context())  # type: ignore[arg-type]
     first = await service.Abort(worker_pb2.AbortRequest(request_id="d1"), Context())  # type: ignore[arg-type]
     again = await service.Abort(worker_pb2.AbortRequest(request_id="d1"), Context())  # type: ignore[arg-type]
@@ -194,7 +208,7 @@ async def test_a_prefetch_reaches_the_engine_and_a_refusal_is_an_answer() -> Non
     engine = ScriptedEngine(prefetch_refusal="staging is full")
     service = await _service("decode", engine)
     request = worker_pb2.PrefetchKVRequest(
-        request_id="d2", kv_address="p:1", num_prompt_tokens=300, num_cached_tokens=128
+        request_id="d2", kv_address="p:1", num_prompt_tokens=300, num_cached_tokens=128, kv_capability=CAPABILITY
     )
     response = await service.PrefetchKV(request, Context())  # type: ignore[arg-type]
     assert not response.accepted and response.reason == "staging is full"
@@ -202,10 +216,52 @@ async def test_a_prefetch_reaches_the_engine_and_a_refusal_is_an_answer() -> Non
     assert service.prefetches_by_outcome == {"refused": 1}
 
 
+async def test_a_decode_worker_dials_only_registered_prefill_workers() -> None:
+    """Issue 38: PrefetchKV dialled whatever address the caller named (SSRF) and staged what came back. Now a
+    decode worker dials only the KV servers the registry lists as prefill workers of its model: a prefetch
+    to any other address is refused before the engine hears of it, and a Decode whose handle names one
+    computes the prompt itself (its engine gets no KV transfer to make)."""
+    from tandem.common.registry import WorkerRecord
+    from tandem.worker.peers import PrefillPeers
+
+    reads: list[int] = []
+
+    async def registry() -> list[WorkerRecord]:
+        reads.append(1)
+        return [WorkerRecord("prefill-0", "prefill", "m", "10.0.0.5:50051", kv_address="10.0.0.5:50061")]
+
+    engine = ScriptedEngine()
+    service = await _service("decode", engine)
+    service.use_kv_peers(PrefillPeers(registry, min_refresh_interval_s=0.0))
+    hostile = worker_pb2.PrefetchKVRequest(
+        request_id="d3", kv_address="169.254.169.254:80", num_prompt_tokens=300, kv_capability=CAPABILITY
+    )
+    refused = await service.PrefetchKV(hostile, Context())  # type: ignore[arg-type]
+    assert not refused.accepted and "not a registered prefill worker" in refused.reason
+    assert engine.prefetched == []
+    listed = worker_pb2.PrefetchKVRequest(
+        request_id="d3", kv_address="10.0.0.5:50061", num_prompt_tokens=300, kv_capability=CAPABILITY
+    )
+    assert (await service.PrefetchKV(listed, Context())).accepted  # type: ignore[arg-type]
+    assert engine.prefetched == [("d3", "10.0.0.5:50061", 300, 0)] and engine.capabilities == [CAPABILITY]
+
+    handle = _handle(num_tokens=5)
+    handle.kv_address = "169.254.169.254:80"
+    await _decode(service, _decode_request(kv_handle=handle))
+    assert "kv_transfer_params" not in (engine.params[-1].extra_args or {})
+    await _decode(service, _decode_request(kv_handle=_handle(num_tokens=5)))  # 127.0.0.1:1: not listed either
+    handle.kv_address = "10.0.0.5:50061"
+    await _decode(service, _decode_request(kv_handle=handle))
+    pulled = engine.params[-1].extra_args["kv_transfer_params"][HANDLE]
+    assert pulled["kv_address"] == "10.0.0.5:50061" and pulled["capability"] == CAPABILITY
+
+
 async def test_a_prefetch_on_a_prefill_worker_is_refused() -> None:
     service = await _service("prefill", ScriptedEngine())
     context = Context()
-    request = worker_pb2.PrefetchKVRequest(request_id="p2", kv_address="p:1", num_prompt_tokens=300)
+    request = worker_pb2.PrefetchKVRequest(
+        request_id="p2", kv_address="p:1", num_prompt_tokens=300, kv_capability=CAPABILITY
+    )
     with pytest.raises(Refused):
         await service.PrefetchKV(request, context)  # type: ignore[arg-type]
     assert context.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -290,7 +346,10 @@ async def test_once_the_engine_died_every_call_is_unavailable_and_health_says_no
     for call in (
         lambda ctx: _decode_collect(service, ctx),
         lambda ctx: service.PrefetchKV(
-            worker_pb2.PrefetchKVRequest(request_id="r1", kv_address="127.0.0.1:1", num_prompt_tokens=3), ctx
+            worker_pb2.PrefetchKVRequest(
+                request_id="r1", kv_address="127.0.0.1:1", num_prompt_tokens=3, kv_capability=CAPABILITY
+            ),
+            ctx,
         ),
         lambda ctx: service.GetLoad(worker_pb2.LoadRequest(), ctx),
     ):

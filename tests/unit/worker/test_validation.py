@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tandem.common import kv_capability
 from tandem.v1 import common_pb2, worker_pb2
 from tandem.worker.validation import (
     ModelLimits,
@@ -32,6 +33,9 @@ def _handle(num_tokens: int = 200, num_blocks: int = 2) -> common_pb2.KVHandle:
     )
 
 
+CAPABILITY = kv_capability.mint()
+
+
 def _decode(**fields: object) -> worker_pb2.DecodeRequest:
     values: dict[str, object] = {
         "request_id": "chatcmpl-0123abcd",
@@ -39,6 +43,7 @@ def _decode(**fields: object) -> worker_pb2.DecodeRequest:
         "first_token_id": 42,
         "sampling": common_pb2.SamplingOptions(max_tokens=16),
         "kv_handle": _handle(),
+        "kv_capability": CAPABILITY,
         **fields,
     }
     return worker_pb2.DecodeRequest(**values)  # type: ignore[arg-type]
@@ -47,7 +52,9 @@ def _decode(**fields: object) -> worker_pb2.DecodeRequest:
 def test_the_requests_tandem_sends_pass() -> None:
     assert check_decode(_decode(), LIMITS) == ""
     assert check_decode(_decode(first_token_id=LIMITS.vocab_size - 1, first_text="Olá 👋 東京"), LIMITS) == ""
-    prefill = worker_pb2.PrefillRequest(request_id="r1", prompt_token_ids=[0, 49_151], keep_kv=True)
+    prefill = worker_pb2.PrefillRequest(
+        request_id="r1", prompt_token_ids=[0, 49_151], keep_kv=True, kv_capability=CAPABILITY
+    )
     assert check_prefill(prefill, LIMITS) == ""
     assert check_abort(worker_pb2.AbortRequest(request_id="cmpl-1")) == ""
 
@@ -97,9 +104,18 @@ def test_sampling_values_the_engine_cannot_take_are_refused(options: common_pb2.
 
 def test_sampling_values_at_their_bounds_pass() -> None:
     options = common_pb2.SamplingOptions(
-        max_tokens=4096, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, presence_penalty=-2.0,
-        frequency_penalty=2.0, repetition_penalty=1.2, logprobs=20, stop=["<|im_end|>", "東京"],
-        stop_token_ids=[49_151], logit_bias={0: -100.0, 49_151: 100.0},
+        max_tokens=4096,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=0.0,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=1.2,
+        logprobs=20,
+        stop=["<|im_end|>", "東京"],
+        stop_token_ids=[49_151],
+        logit_bias={0: -100.0, 49_151: 100.0},
     )
     assert check_sampling(options, LIMITS) == ""
 
@@ -124,8 +140,24 @@ def test_request_ids_are_plain_names(request_id: str) -> None:
     assert check_abort(worker_pb2.AbortRequest(request_id=request_id)) != ""
 
 
+@pytest.mark.parametrize("capability", ["", "0" * 31, "g" * 32, "A" * 32, "0" * 33])
+def test_a_kv_call_without_a_well_formed_capability_is_refused(capability: str) -> None:
+    """Whatever reads or keeps a prompt's KV names its capability (tandem.common.kv_capability)."""
+    keep = worker_pb2.PrefillRequest(request_id="r1", prompt_token_ids=[1], keep_kv=True, kv_capability=capability)
+    assert "kv_capability" in check_prefill(keep, LIMITS)
+    assert "kv_capability" in check_decode(_decode(kv_capability=capability), LIMITS)
+    prefetch = worker_pb2.PrefetchKVRequest(
+        request_id="r1", kv_address="10.0.0.7:50061", num_prompt_tokens=300, kv_capability=capability
+    )
+    assert "kv_capability" in check_prefetch(prefetch, LIMITS)
+    # A prefill that keeps nothing, and a local prefill, need none.
+    assert check_prefill(worker_pb2.PrefillRequest(request_id="r1", prompt_token_ids=[1]), LIMITS) == ""
+
+
 def test_prefetch_bounds() -> None:
-    good = worker_pb2.PrefetchKVRequest(request_id="r1", kv_address="10.0.0.7:50061", num_prompt_tokens=300)
+    good = worker_pb2.PrefetchKVRequest(
+        request_id="r1", kv_address="10.0.0.7:50061", num_prompt_tokens=300, kv_capability=CAPABILITY
+    )
     assert check_prefetch(good, LIMITS) == ""
     for bad in (
         worker_pb2.PrefetchKVRequest(request_id="r1", kv_address="10.0.0.7:50061", num_prompt_tokens=0),

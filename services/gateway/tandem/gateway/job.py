@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tandem.common import kv_capability
 from tandem.gateway.sampling import SamplingParams
 from tandem.gateway.timings import StageClock
 from tandem.v1 import common_pb2
@@ -29,6 +30,9 @@ class GenerationJob:
     priority: str = ""
     #: Marks scheduled / prefill_done and collects the workers' timings (mutable, owned by this request).
     clock: StageClock = field(default_factory=StageClock)
+    #: What reads and releases the prompt's KV on the prefill worker, sent only to it and to the decode
+    #: worker (tandem.common.kv_capability); never logged.
+    kv_capability: str = field(default_factory=kv_capability.mint, repr=False)
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,8 @@ class Orchestrator:
                 keep_kv=job.max_tokens > 1,
             )
             if request.keep_kv:
+                request.kv_capability = job.kv_capability
+            if request.keep_kv:
                 self._start_prefetch(job, placement)
             stub = self._workers.stub(placement.prefill.address)
             timeout_s = max(0.001, min(self._prefill_timeout_s, deadline - time.monotonic()))
@@ -278,6 +280,7 @@ class Orchestrator:
             kv_address=placement.prefill.kv_address,
             num_prompt_tokens=len(job.prompt_token_ids),
             num_cached_tokens=placement.num_decode_cached_tokens,
+            kv_capability=job.kv_capability,
         )
         self.run_in_background(self._prefetch(placement.decode.address, request))
 
@@ -320,6 +323,7 @@ class Orchestrator:
             request.first_token_id = prefill.first_token_id
             request.first_text = prefill.first_text
             request.kv_handle.CopyFrom(prefill.kv_handle)
+            request.kv_capability = job.kv_capability
         stub = self._workers.stub(placement.decode.address)
         call: grpc.aio.UnaryStreamCall = stub.Decode(  # type: ignore[type-arg]
             request, timeout=max(0.001, deadline - time.monotonic())

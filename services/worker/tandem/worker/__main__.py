@@ -28,6 +28,7 @@ from tandem.common.registry import WorkerRegistry
 from tandem.common.tls import add_port, warn_if_plaintext
 from tandem.v1 import worker_pb2_grpc
 from tandem.worker.liveness import EXIT_ENGINE_DEAD, EngineWatch
+from tandem.worker.peers import PrefillPeers
 from tandem.worker.registration import build_record, heartbeat_forever
 from tandem.worker.service import WorkerService, wait_idle
 from tandem.worker.settings import WorkerSettings
@@ -84,7 +85,7 @@ def _grpc_server(*, check_roles: bool = False) -> grpc.aio.Server:
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", 64 << 20),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
 
 
@@ -119,6 +120,11 @@ async def serve(settings: WorkerSettings) -> int:
     engine_start_s = time.perf_counter() - started
     service = WorkerService(settings, engine, worker_id=worker_id)
     await service.start()
+    registry = WorkerRegistry(
+        settings.redis.connection_url(), key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
+    )
+    model = settings.engine.served_model_name
+    service.use_kv_peers(PrefillPeers(lambda: registry.list_workers(role="prefill", model=model)))
     health_servicer = health.aio.HealthServicer()
     await asyncio.gather(*_set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING))
     warn_if_plaintext(settings.tls, f"the {settings.role} worker")
@@ -137,9 +143,6 @@ async def serve(settings: WorkerSettings) -> int:
         start_metrics_server(settings.bind_host, settings.metrics_port, service)
 
     num_blocks, block_size = engine.kv_cache_shape()
-    registry = WorkerRegistry(
-        settings.redis.connection_url(), key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
-    )
     record = build_record(settings, worker_id, num_kv_blocks=num_blocks, block_size_tokens=block_size)
     heartbeat = asyncio.create_task(
         heartbeat_forever(registry, record, service, settings.registry.heartbeat_interval_s)
@@ -163,9 +166,7 @@ async def serve(settings: WorkerSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watch = EngineWatch(
-        engine, has_work=lambda: service.num_running > 0, step_timeout_s=settings.engine.step_timeout_s
-    )
+    watch = EngineWatch(engine, has_work=lambda: service.num_running > 0, step_timeout_s=settings.engine.step_timeout_s)
     stopped = asyncio.ensure_future(stop.wait())
     died = asyncio.ensure_future(watch.wait_dead())
     await asyncio.wait([stopped, died], return_when=asyncio.FIRST_COMPLETED)

@@ -7,6 +7,7 @@ and bytes, from the finished request's own ``kv_transfer_params``)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,15 +26,33 @@ from tandem.worker.first_token import replay_args
 from tandem.worker.handling import Ctx, Role, engine_errors, engine_prompt, sampling_params
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.params import KVHandleParams, decode_params, load_record_of
+from tandem.worker.peers import PrefillPeers
 from tandem.worker.sampling import logprobs_messages, sampling_kwargs
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeRole(Role):
+    #: The KV servers this worker may dial (set by ``__main__``; None only in tests of one piece).
+    peers: PrefillPeers | None = None
+
+    async def _dials(self, kv_address: str) -> bool:
+        return self.peers is None or await self.peers.allows(kv_address)
+
     async def prefetch(self, request: worker_pb2.PrefetchKVRequest, context: Ctx) -> worker_pb2.PrefetchKVResponse:
         """Start streaming a running prefill's KV into staging (see the puller); the Decode of the same
         request id loads from there. A refusal is an answer, not an error: the Decode pulls as usual."""
+        if not await self._dials(request.kv_address):
+            self._counters.prefetches_by_outcome["refused"] += 1
+            return worker_pb2.PrefetchKVResponse(
+                accepted=False, reason="kv_address is not a registered prefill worker of this model"
+            )
         reason = await self._engine.kv_prefetch(
-            request.request_id, request.kv_address, request.num_prompt_tokens, request.num_cached_tokens
+            request.request_id,
+            request.kv_address,
+            request.num_prompt_tokens,
+            request.num_cached_tokens,
+            request.kv_capability,
         )
         self._counters.prefetches_by_outcome["started" if not reason else "refused"] += 1
         return worker_pb2.PrefetchKVResponse(accepted=not reason, reason=reason)
@@ -81,7 +100,16 @@ class DecodeRole(Role):
                 self._layout.check_compatible(KVLayout.from_proto(request.kv_handle.layout))
             except Exception as exc:  # KVLayoutMismatchError
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            extra_args["kv_transfer_params"] = decode_params(KVHandleParams.from_proto(request.kv_handle))
+            handle = KVHandleParams.from_proto(request.kv_handle, request.kv_capability)
+            if await self._dials(handle.kv_address):
+                extra_args["kv_transfer_params"] = decode_params(handle)
+            else:
+                # Not a prefill worker of this model in the registry: never dialled. The engine computes
+                # the prompt itself (the first token is replayed as usual); the hold's lease frees it there.
+                logger.warning(
+                    "KV handle names an unregistered prefill worker; computing the prompt here",
+                    extra={"request_id": request.request_id},
+                )
         params = await sampling_params(
             context,
             options,

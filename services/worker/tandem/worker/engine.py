@@ -181,10 +181,10 @@ class VLLMEngine:
         return any(await self.llm.collective_rpc("tandem_kv_release", args=(request_id,)))
 
     async def kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
     ) -> str:
         reasons = await self.llm.collective_rpc(
-            "tandem_kv_prefetch", args=(request_id, kv_address, num_prompt_tokens, num_cached_tokens)
+            "tandem_kv_prefetch", args=(request_id, kv_address, num_prompt_tokens, num_cached_tokens, capability)
         )
         refused = next((str(r) for r in reasons if r), "")
         if refused and any(not r for r in reasons):

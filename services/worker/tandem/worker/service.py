@@ -26,6 +26,7 @@ from tandem.worker.decode import DecodeRole
 from tandem.worker.engine_api import EngineLoad, WorkerEngine
 from tandem.worker.handling import Admission, Ctx, WorkerCounters
 from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.peers import PrefillPeers
 from tandem.worker.prefill import PrefillRole
 from tandem.worker.settings import WorkerSettings
 from tandem.worker.validation import ModelLimits, check_abort, check_decode, check_prefetch, check_prefill
@@ -59,6 +60,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.layout: KVLayout | None = None
         self._prefill: PrefillRole | None = None
         self._decode: DecodeRole | None = None
+        self._kv_peers: PrefillPeers | None = None
         #: The KV server's counters as last read (the heartbeat and GetLoad refresh them; /metrics reads them).
         self.last_kv_stats = kv_transfer_pb2.KVStats()
         self._kv_stats_read_s = -1e9
@@ -71,6 +73,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         args = (self._engine, self._admission, self._counters, layout, self._model_defaults)
         self._prefill = PrefillRole(*args) if self._role == "prefill" else None
         self._decode = DecodeRole(*args) if self._role == "decode" else None
+        if self._decode is not None:
+            self._decode.peers = self._kv_peers
+
+    def use_kv_peers(self, peers: PrefillPeers) -> None:
+        """Dial only these prefill workers' KV servers (tandem.worker.peers)."""
+        self._kv_peers = peers
+        if self._decode is not None:
+            self._decode.peers = peers
 
     @property
     def role(self) -> str:

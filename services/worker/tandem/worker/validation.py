@@ -25,6 +25,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from tandem.common import kv_capability
 from tandem.v1 import common_pb2, worker_pb2
 
 #: Request ids: what Tandem's gateway mints (hex) and what a person types into grpcurl, never a path or
@@ -164,6 +165,7 @@ def check_prefill(request: worker_pb2.PrefillRequest, limits: ModelLimits) -> st
         or check_prompt(list(request.prompt_token_ids), limits)
         or check_sampling(request.sampling, limits)
         or _check_salt(request.cache_salt)
+        or (_check_capability(request.kv_capability) if request.keep_kv else "")
     )
 
 
@@ -188,7 +190,7 @@ def check_decode(request: worker_pb2.DecodeRequest, limits: ModelLimits) -> str:
     if len(request.first_text) > MAX_FIRST_TEXT_CHARS:
         return f"first_text must be at most {MAX_FIRST_TEXT_CHARS} characters"
     if request.HasField("kv_handle"):
-        return check_kv_handle(request.kv_handle, len(prompt_ids), limits)
+        return check_kv_handle(request.kv_handle, len(prompt_ids), limits) or _check_capability(request.kv_capability)
     return ""
 
 
@@ -219,6 +221,12 @@ def check_prefetch(request: worker_pb2.PrefetchKVRequest, limits: ModelLimits) -
         return f"num_prompt_tokens must be in [1, {limits.max_model_len - 1}]"
     if request.num_cached_tokens > request.num_prompt_tokens:
         return "num_cached_tokens must be at most num_prompt_tokens"
+    return _check_capability(request.kv_capability)
+
+
+def _check_capability(capability: str) -> str:
+    if not kv_capability.well_formed(capability):
+        return f"kv_capability must be {kv_capability.NUM_HEX_CHARS} lowercase hex characters"
     return ""
 
 

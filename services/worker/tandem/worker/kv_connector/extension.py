@@ -41,10 +41,10 @@ class KVWorkerExtension:
         return bool(_side().release(request_id))
 
     def tandem_kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
     ) -> str:
         """Start prefetching ``request_id``'s prompt KV (decode side); "" if started, else why not."""
-        return str(_side().prefetch(request_id, kv_address, num_prompt_tokens, num_cached_tokens))
+        return str(_side().prefetch(request_id, kv_address, num_prompt_tokens, num_cached_tokens, capability))
 
     def tandem_kv_stats(self) -> bytes:
         return bytes(_side().stats().SerializeToString())

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from tandem.common import failpoints
+from tandem.common import failpoints, kv_capability
 from tandem.common.errors import KVLayoutMismatchError
 from tandem.common.identity import sync_role_checks
 from tandem.common.tls import TLSSettings, add_port
@@ -81,6 +81,9 @@ class Hold:
     #: Released while still being prefilled (a decode engine that loaded it from a prefetch can be
     #: quicker than the announcement): freed as soon as it is announced.
     release_on_announce: bool = False
+    #: What a caller must present to read or release it (tandem.common.kv_capability); "" for none: then
+    #: no gRPC call may (only the engine's own abort frees it).
+    capability: str = field(default="", repr=False)
 
     @property
     def announced(self) -> bool:
@@ -193,22 +196,23 @@ class KVServer:
 
     # -- per step (engine loop) --------------------------------------------------
 
-    def hold(self, holds: dict[str, tuple[tuple[int, ...], float]]) -> None:
+    def hold(self, holds: dict[str, tuple[tuple[int, ...], float, str]]) -> None:
         """Keep the blocks the scheduler-side connector announced this step."""
         if not holds:
             return
         with self._lock:
-            for req_id, (block_ids, expiry) in holds.items():
+            for req_id, (block_ids, expiry, capability) in holds.items():
                 hold = self._holds.get(req_id)
                 if hold is not None and not hold.announced:
                     # The prompt was being streamed: the same record, now held under a lease (a stream
                     # reading it goes on with every layer ready).
                     hold.block_ids, hold.expiry_unix_s, hold.ready_tokens = block_ids, expiry, None
+                    hold.capability = capability
                     if hold.release_on_announce:
                         self._remove(req_id)
                         self._done_sending.add(req_id)
                 else:
-                    self._holds[req_id] = Hold(block_ids, expiry)
+                    self._holds[req_id] = Hold(block_ids, expiry, capability=capability)
             self._changed.notify_all()
 
     def progress(self, updates: Iterable[PrefillProgress], ended: Iterable[str]) -> None:
@@ -234,6 +238,7 @@ class KVServer:
                         num_prompt_tokens=update.num_prompt_tokens,
                         ready_tokens=[update.num_computed_tokens] * num_layers,
                         ready_events=[None] * num_layers,
+                        capability=update.capability,
                     )
                     self._holds[update.request_id] = hold
                 elif hold.announced:
@@ -339,14 +344,15 @@ class KVServer:
                 event.synchronize()
         return ready
 
-    def release(self, req_id: str) -> bool:
+    def release(self, req_id: str, *, capability: str | None = None) -> bool:
         """Free the blocks held for ``req_id``: the handle's id (vLLM's internal request id), or the
         id the caller gave the request (what the worker service knows when it aborts one). A prompt
         still being prefilled is the engine's: it is freed when it is announced, or ends with its
-        request without one."""
+        request without one. A caller over gRPC must present the prompt's ``capability`` (None: the
+        engine's own abort, through the worker service)."""
         with self._lock:
             req_id, hold = self._lookup(req_id)
-            if hold is None:
+            if hold is None or (capability is not None and not kv_capability.matches(hold.capability, capability)):
                 return False
             if not hold.announced:
                 hold.release_on_announce = True
@@ -425,7 +431,8 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         kv = self._kv
         self._check_layout(request.expected_layout, context)
         hold = kv.wait_for_hold(request.remote_request_id)
-        if hold is None:
+        if hold is None or not kv_capability.matches(hold.capability, request.capability):
+            # The same answer as for an id nobody holds: a wrong capability learns nothing.
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"no KV held for {request.remote_request_id} (released, expired or never prefilled)",
@@ -455,6 +462,8 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         if hold is None:
             return
         self._abort_gone(hold, request.request_id, context)
+        if not kv_capability.matches(hold.capability, request.capability):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no prompt {request.request_id} is being prefilled or held")
         if hold.num_prompt_tokens and hold.num_prompt_tokens != request.num_prompt_tokens:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -499,7 +508,8 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     def Release(
         self, request: kv_transfer_pb2.ReleaseBlocksRequest, context: grpc.ServicerContext
     ) -> kv_transfer_pb2.ReleaseBlocksResponse:
-        return kv_transfer_pb2.ReleaseBlocksResponse(found=self._kv.release(request.remote_request_id))
+        found = self._kv.release(request.remote_request_id, capability=request.capability)
+        return kv_transfer_pb2.ReleaseBlocksResponse(found=found)
 
     def GetStats(
         self, request: kv_transfer_pb2.KVStatsRequest, context: grpc.ServicerContext

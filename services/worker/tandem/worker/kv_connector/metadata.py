@@ -45,6 +45,8 @@ class PrefillProgress:
     num_computed_tokens: int
     #: Prompt tokens computed once this step's forward pass has saved a layer.
     num_computed_after_step: int
+    #: What a caller must present to read it (tandem.common.kv_capability).
+    capability: str = field(default="", repr=False)
 
 
 @dataclass
@@ -53,8 +55,9 @@ class GrpcKVMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     #: Decode side: handles to release without loading (local cache hit, abort).
     releases: list[KVHandleParams] = field(default_factory=list)
-    #: Prefill side: request id → (block ids, lease expiry in Unix seconds).
-    holds: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    #: Prefill side: request id → (block ids, lease expiry in Unix seconds, the capability that reads and
+    #: releases them).
+    holds: dict[str, tuple[tuple[int, ...], float, str]] = field(default_factory=dict)
     #: Prefill side: prompts computed further in this step, whose blocks may be streamed as each
     #: layer is saved.
     progress: list[PrefillProgress] = field(default_factory=list)

@@ -14,7 +14,7 @@ metadata) and out in the finished request's ``kv_transfer_params``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.v1 import common_pb2
@@ -24,6 +24,9 @@ DO_REMOTE_DECODE = "do_remote_decode"
 #: Set on a decode request: load the prompt's KV from the handle.
 DO_REMOTE_PREFILL = "do_remote_prefill"
 HANDLE = "tandem_kv_handle"
+#: Set on a prefill request that keeps its KV: the capability that reads and releases it
+#: (tandem.common.kv_capability); kept beside the blocks by the KV server.
+CAPABILITY = "tandem_kv_capability"
 #: In a finished decode request's ``kv_transfer_params``: what its KV load did.
 KV_LOAD = "tandem_kv_load"
 
@@ -39,6 +42,9 @@ class KVHandleParams:
     block_ids: tuple[int, ...]
     num_tokens: int
     lease_expires_unix_s: float
+    #: Decode side: the capability the KV server asks for (tandem.common.kv_capability). Not part of the
+    #: handle the gateway gets (it minted it): the decode worker adds it from ``DecodeRequest``.
+    capability: str = field(default="", repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +54,7 @@ class KVHandleParams:
             "block_ids": list(self.block_ids),
             "num_tokens": self.num_tokens,
             "lease_expires_unix_s": self.lease_expires_unix_s,
+            "capability": self.capability,
         }
 
     @classmethod
@@ -59,6 +66,7 @@ class KVHandleParams:
             block_ids=tuple(int(b) for b in data["block_ids"]),
             num_tokens=int(data["num_tokens"]),
             lease_expires_unix_s=float(data["lease_expires_unix_s"]),
+            capability=str(data.get("capability", "")),
         )
 
     def to_proto(self, layout: common_pb2.KVLayout) -> common_pb2.KVHandle:
@@ -74,8 +82,9 @@ class KVHandleParams:
         )
 
     @classmethod
-    def from_proto(cls, handle: common_pb2.KVHandle) -> KVHandleParams:
-        """The handle a decode request carries (its layout is checked by the caller)."""
+    def from_proto(cls, handle: common_pb2.KVHandle, capability: str) -> KVHandleParams:
+        """The handle a decode request carries, with the request's capability (its layout is checked by
+        the caller)."""
         return cls(
             engine_id=handle.engine_id,
             kv_address=handle.kv_address,
@@ -83,12 +92,13 @@ class KVHandleParams:
             block_ids=tuple(handle.block_ids),
             num_tokens=handle.num_tokens,
             lease_expires_unix_s=handle.lease_expires_unix_s,
+            capability=capability,
         )
 
 
-def prefill_params() -> dict[str, Any]:
-    """``kv_transfer_params`` for a prefill request whose KV a decode engine will pull."""
-    return {DO_REMOTE_DECODE: True}
+def prefill_params(capability: str) -> dict[str, Any]:
+    """``kv_transfer_params`` for a prefill request whose KV a decode engine will pull with ``capability``."""
+    return {DO_REMOTE_DECODE: True, CAPABILITY: capability}
 
 
 def decode_params(handle: KVHandleParams) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import grpc.experimental
 import torch
 from google.protobuf.message import Message
 
+from tandem.common import kv_capability
 from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, CredentialFiles, TLSSettings
 from tandem.common.tls import channel as tls_channel
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -95,11 +96,24 @@ class _Prefetch:
     num_bytes: int = 0
     seconds: float = 0.0
 
+    #: The capability it streamed with: a load uses the staged blocks only if its handle has the same.
+    capability: str = field(default="", repr=False)
+
     def covers(self, first_block_index: int, num_blocks: int) -> bool:
         return (
             self.first_block_index <= first_block_index
             and first_block_index + num_blocks <= self.first_block_index + self.num_blocks
         )
+
+
+def _same_prompt(prefetch: _Prefetch, handle: KVHandleParams) -> bool:
+    """Whether ``prefetch`` streamed the KV ``handle`` names: the same prefill engine, request and
+    capability."""
+    return (
+        prefetch.kv_address == handle.kv_address
+        and prefetch.request_id == external_request_id(handle.remote_request_id)
+        and kv_capability.matches(prefetch.capability, handle.capability)
+    )
 
 
 class KVPuller:
@@ -241,10 +255,13 @@ class KVPuller:
 
     # -- prefetches (the worker service through the engine; prefetch threads) ------
 
-    def prefetch(self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int) -> str:
-        """Start streaming ``request_id``'s prompt KV from the prefill engine at ``kv_address`` into
-        staging, skipping the whole blocks of ``num_cached_tokens`` (what this engine is expected to
-        have cached). Returns "" when started, else why not (the decode then pulls as usual)."""
+    def prefetch(
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
+    ) -> str:
+        """Start streaming ``request_id``'s prompt KV from the prefill engine at ``kv_address`` (with the
+        prompt's ``capability``) into staging, skipping the whole blocks of ``num_cached_tokens`` (what
+        this engine is expected to have cached). Returns "" when started, else why not (the decode then
+        pulls as usual)."""
         layout = self._layout
         if layout is None:
             return "the KV caches are not registered yet"
@@ -283,6 +300,7 @@ class KVPuller:
             staging=staging,
             num_staged_bytes=num_staged_bytes,
             expires_s=time.monotonic() + self._prefetch_keep_s,
+            capability=capability,
         )
         with self._lock:
             self._prefetches[request_id] = prefetch
@@ -303,6 +321,7 @@ class KVPuller:
                     expected_layout=self._layout.to_proto(),
                     max_chunk_bytes=self._max_chunk_bytes,
                     num_prompt_tokens=prefetch.num_prompt_tokens,
+                    capability=prefetch.capability,
                 ),
             )
             prefetch.call = call
@@ -373,7 +392,11 @@ class KVPuller:
         staging = prefetch.staging
         why = prefetch.error or "not finished in time"
         if usable and staging is not None:
-            if prefetch.num_prompt_tokens != spec.handle.num_tokens:
+            if not _same_prompt(prefetch, spec.handle):
+                # Staged from another engine, request or capability than the handle names: not this
+                # prompt's KV (a PrefetchKV forged by another caller, or a stale one).
+                usable, why = False, "the prefetch is not of the prompt the handle names"
+            elif prefetch.num_prompt_tokens != spec.handle.num_tokens:
                 usable = False
                 why = f"prefetched {prefetch.num_prompt_tokens} tokens, the handle has {spec.handle.num_tokens}"
             elif not prefetch.covers(spec.first_block_index, len(spec.local_block_ids)):
@@ -430,6 +453,7 @@ class KVPuller:
                     block_ids=list(spec.remote_block_ids),
                     expected_layout=self._layout.to_proto(),
                     max_chunk_bytes=chunk_bytes,
+                    capability=spec.handle.capability,
                 ),
             )
             num_bytes = self._writer.write_chunks(spec.local_block_ids, chunk_bytes, stream)
@@ -477,7 +501,10 @@ class KVPuller:
         """Tell the prefill engine it may free the blocks it holds for ``handle``."""
         try:
             kv_transfer_pb2_grpc.KVTransferStub(self._channel(handle)).Release(
-                kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=handle.remote_request_id), timeout=5.0
+                kv_transfer_pb2.ReleaseBlocksRequest(
+                    remote_request_id=handle.remote_request_id, capability=handle.capability
+                ),
+                timeout=5.0,
             )
         except grpc.RpcError as exc:
             # The lease on the prefill side frees the blocks anyway.

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, GrpcKVWorkerMeta, LoadSpec, PrefillProgress
 from tandem.worker.kv_connector.params import (
+    CAPABILITY,
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
     HANDLE,
@@ -48,6 +49,8 @@ class SchedulerSide:
         #: Prefill requests a decode engine will pull, while they run: request id → (prompt tokens,
         #: block ids so far).
         self._streamed: dict[str, tuple[int, list[int]]] = {}
+        #: Prefill requests a decode engine will pull: request id → the capability that reads their KV.
+        self._capabilities: dict[str, str] = {}
 
     # -- decode side -------------------------------------------------------------
 
@@ -66,6 +69,7 @@ class SchedulerSide:
         if params and params.get(DO_REMOTE_DECODE) and request.request_id not in self._streamed:
             # A prefill a decode engine will pull: its progress goes to the worker side each step.
             self._streamed[request.request_id] = (request.num_prompt_tokens, [])
+            self._capabilities[request.request_id] = str(params.get(CAPABILITY, ""))
             return
         if not params or not params.get(DO_REMOTE_PREFILL):
             return
@@ -121,6 +125,7 @@ class SchedulerSide:
             self._pending.releases.append(KVHandleParams.from_dict(params[HANDLE]))
             return False, None
         streamed = self._streamed.pop(request.request_id, None) is not None
+        capability = self._capabilities.pop(request.request_id, "") or str(params.get(CAPABILITY, ""))
         if not params.get(DO_REMOTE_DECODE):
             # A decode request: its load's figures leave with it (a load still in flight reports to no one).
             self._loading.discard(request.request_id)
@@ -134,7 +139,7 @@ class SchedulerSide:
             return False, None
         expiry = time.time() + self._lease_s
         ids = tuple(int(b) for b in block_ids)
-        self._pending.holds[request.request_id] = (ids, expiry)
+        self._pending.holds[request.request_id] = (ids, expiry, capability)
         handle = KVHandleParams(
             engine_id=self._engine_id,
             kv_address=self._kv_address,
@@ -202,5 +207,6 @@ class SchedulerSide:
                 block_ids=tuple(block_ids),
                 num_computed_tokens=num_computed,
                 num_computed_after_step=min(num_prompt, num_computed + num_scheduled),
+                capability=self._capabilities.get(req_id, ""),
             )
         )

@@ -162,9 +162,11 @@ class WorkerSide:
         released = self.server.release(req_id)
         return self.puller.drop_prefetch(req_id) or released
 
-    def prefetch(self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int) -> str:
+    def prefetch(
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
+    ) -> str:
         """Start streaming a running prefill's KV into staging; "" if started, else why not."""
-        return self.puller.prefetch(request_id, kv_address, num_prompt_tokens, num_cached_tokens)
+        return self.puller.prefetch(request_id, kv_address, num_prompt_tokens, num_cached_tokens, capability)
 
     def load(self, spec: LoadSpec) -> LoadRecord:
         """Pull one request's blocks now, on the calling thread (benchmarks)."""
