@@ -62,6 +62,13 @@ class ValidatingWorker(FakeWorker):
         return await super().PrefetchKV(request, context)
 
 
+@pytest.fixture
+def edge_overrides() -> dict[str, Any]:
+    """Every generated request comes from one key: each must meet its own answer, not the 429 of a key over
+    its refused requests (tests/unit/gateway/test_rejections.py)."""
+    return {"auth": {"max_rejected_requests_per_minute": 0}}
+
+
 def test_openapi_document_lists_the_endpoints() -> None:
     from tandem.gateway.api.openapi import build_document
 

@@ -41,6 +41,7 @@ from tandem.gateway.redis_client import connect
 from tandem.gateway.router import Router
 from tandem.gateway.settings import GatewaySettings
 from tandem.gateway.tenancy.auth import Authenticator
+from tandem.gateway.tenancy.rejections import RejectionLimiter
 from tandem.gateway.tenancy.store import TenantStore
 from tandem.gateway.usage import UsageStore
 from tandem.gateway.usage_sweeper import UsageSweeper
@@ -136,6 +137,9 @@ def build_app(
         started_unix_s=int(time.time()),
         authenticator=Authenticator(store, mode=settings.auth.mode, cache_s=settings.auth.cache_s, fail_open=fail_open),
         quota=quota,
+        rejections=RejectionLimiter(
+            client, key_prefix=prefix, limit_per_minute=settings.auth.max_rejected_requests_per_minute
+        ),
         usage=usage,
         conversations=ConversationStore(
             client,

@@ -3,8 +3,10 @@ needs, checked, tokenized and fitted into the context window, before any quota
 is charged or any worker is asked.
 
 Called by the generation handler of :mod:`tandem.gateway.api.routes` for both
-endpoints; calls, in order: the drain check, authentication, the body reader
-and validation (:mod:`validation`), the model and tenant checks, then the
+endpoints; calls, in order: the drain check, authentication, the key's count
+of refused requests (:mod:`tandem.gateway.tenancy.rejections`: what this
+function refuses counts against the key), the body reader and validation
+(:mod:`validation`), the model and tenant checks, then the
 prompt: for chat, the conversation's history and :func:`assemble_chat`
 (tenant system prompt, trimming to the context); for completions, the
 tokenizer. The context is fitted in one place (:func:`fit_max_tokens`). Every
@@ -18,7 +20,7 @@ from typing import Literal
 
 from starlette.requests import Request
 
-from tandem.common.errors import InvalidRequestError
+from tandem.common.errors import InvalidRequestError, PermanentError
 from tandem.common.ids import new_request_id
 from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError
 from tandem.gateway.api.services import GatewayServices, ModelLimits
@@ -74,6 +76,19 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
         raise ShuttingDownError("This gateway replica is shutting down; retry.")
     principal = await services.authenticator.authenticate(request.headers.get("authorization"))
     clock.mark("authenticated")
+    # A key that keeps sending what is refused is refused cheaply, before its body is read
+    # (tandem.gateway.tenancy.rejections); what is refused below counts against it.
+    services.rejections.check(principal)
+    try:
+        return await _prepare(request, services, endpoint, principal, clock)
+    except PermanentError:
+        await services.rejections.count(principal)
+        raise
+
+
+async def _prepare(
+    request: Request, services: GatewayServices, endpoint: Endpoint, principal: Principal, clock: StageClock
+) -> PreparedRequest:
     tenant = principal.tenant
     limits = services.limits
     check_content_type(request.headers.get("content-type"))

@@ -14,6 +14,7 @@ from tandem.gateway.prompt import PromptTokenizer
 from tandem.gateway.quota.base import Quota
 from tandem.gateway.readiness import ReadinessCheck
 from tandem.gateway.tenancy.auth import Authenticator
+from tandem.gateway.tenancy.rejections import RejectionLimiter
 from tandem.gateway.usage import UsageStore
 
 
@@ -41,6 +42,8 @@ class GatewayServices:
     quota: Quota
     usage: UsageStore
     conversations: ConversationStore
+    #: Refused requests per key (429 past the limit, before the body is read).
+    rejections: RejectionLimiter
     drain: Drain
     stream_limits: StreamLimits
     admin_key: str | None = None
