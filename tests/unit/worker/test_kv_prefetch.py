@@ -270,6 +270,20 @@ def test_staging_is_bounded_and_an_abort_frees_it() -> None:
         pair.close()
 
 
+def test_a_prefetch_that_arrives_after_its_requests_abort_is_refused() -> None:
+    """The gateway sends PrefetchKV in the background; a request its prefill worker refuses is aborted at
+    once, and that Abort can reach the decode worker first. The late PrefetchKV must not stage KV that
+    nobody will use until prefetch_keep_s (the real-stack fuzz found staging left behind so)."""
+    pair = _pair()
+    try:
+        assert not pair.decode.release("late")  # the Abort, with nothing here yet
+        refused = pair.decode.prefetch("late", pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY)
+        assert "aborted here" in refused
+        assert pair.decode.stats().staged_bytes == 0
+    finally:
+        pair.close()
+
+
 def test_an_abort_ends_a_prefetch_stream_that_waits_for_the_prefill() -> None:
     """The stream is read on the prefetch's own thread (the puller's channels are single-threaded for
     streams); the abort cancels it from another thread, and the thread comes back at once."""

@@ -60,8 +60,10 @@ CLIENT_OPTIONS: Final[list[tuple[str, Any]]] = [
 
 #: Prefetches streaming at once (each holds a thread while its prefill runs); more are refused.
 MAX_PREFETCHES_IN_FLIGHT = 8
-#: Requests whose load pulled without a prefetch, remembered so that a PrefetchKV arriving after its
-#: Decode's load (it was queued behind it) is refused instead of streaming KV nobody will use.
+#: Requests whose load pulled without a prefetch, or that were aborted here, remembered so that a
+#: PrefetchKV arriving after its Decode's load or after its Abort (the gateway sends PrefetchKV in the
+#: background: a request refused by its prefill worker is aborted here, and the Abort can overtake it)
+#: is refused instead of staging KV nobody will use until prefetch_keep_s.
 _NUM_LOADED_REMEMBERED = 1024
 
 
@@ -274,7 +276,7 @@ class KVPuller:
         if num_blocks <= 0:
             return "nothing to prefetch"
         if request_id in self._loaded:
-            return "the request's KV is loaded already"
+            return "the request's KV is loaded already, or it was aborted here"
         num_staged_bytes = self._writer.block_bytes * num_blocks * len(self._caches)
         self.drop_prefetch(request_id, wasted=True)
         with self._lock:
@@ -346,6 +348,17 @@ class KVPuller:
             if prefetch.staging is not None:
                 prefetch.staging = None
                 self._num_staged_bytes -= prefetch.num_staged_bytes
+
+    def abort(self, request_id: str) -> bool:
+        """The request was aborted here: drop its prefetch, and refuse one that arrives later."""
+        with self._lock:
+            self._remember_done(request_id)
+        return self.drop_prefetch(request_id)
+
+    def _remember_done(self, request_id: str) -> None:
+        self._loaded[request_id] = None
+        while len(self._loaded) > _NUM_LOADED_REMEMBERED:
+            self._loaded.popitem(last=False)
 
     def drop_prefetch(self, request_id: str, *, wasted: bool = True) -> bool:
         """Forget ``request_id``'s prefetch (the request was aborted here, or is prefetched again):
@@ -438,9 +451,7 @@ class KVPuller:
             num_bytes, waited_s = copied
             return self._finish_load(spec, started, num_bytes, "", prefetched=True, prefetch_wait_s=waited_s)
         with self._lock:
-            self._loaded[external_request_id(spec.request_id)] = None
-            while len(self._loaded) > _NUM_LOADED_REMEMBERED:
-                self._loaded.popitem(last=False)
+            self._remember_done(external_request_id(spec.request_id))
         chunk_bytes = wire.pull_chunk_bytes(
             self._writer.block_bytes * len(spec.remote_block_ids) * len(self._caches), self._max_chunk_bytes
         )

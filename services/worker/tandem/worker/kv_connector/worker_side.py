@@ -160,7 +160,7 @@ class WorkerSide:
         """Free what this rank keeps for ``req_id``: blocks held for a decode engine (prefill), a
         prefetch's staging (decode)."""
         released = self.server.release(req_id)
-        return self.puller.drop_prefetch(req_id) or released
+        return self.puller.abort(req_id) or released
 
     def prefetch(
         self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
