@@ -73,6 +73,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         "TANDEM_GATEWAY_STREAM__SLOW_READER_TIMEOUT_S": str(SLOW_READER_TIMEOUT_S),
         "TANDEM_GATEWAY_HTTP__BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
         "TANDEM_GATEWAY_HTTP__SEND_BUFFER_BYTES": str(SEND_BUFFER_BYTES),
+        # Every attack here comes from one key, and each must meet its own refusal (400, 413, ...), not the
+        # 429 that a key over its refused requests gets (tests/unit/gateway/test_rejections.py).
+        "TANDEM_GATEWAY_AUTH__MAX_REJECTED_REQUESTS_PER_MINUTE": "0",
     }
     with running_stack(tmp_path_factory, "hostile", extra_env=extra_env) as s:
         yield s
@@ -587,6 +590,83 @@ def test_client_that_never_reads(ledger: FaultLedger, client: Client) -> None:
             f"{max_tokens} tokens; a concurrent chat took {other_s:.2f} s"
         )
         assert generated <= max_tokens // 2, "the generation ran on: the cut-off did not cancel it in time"
+        f.leaked("running requests", engines_residue(client.stack))
+
+
+# --- generated bodies ---------------------------------------------------------------------------------
+
+#: Generated requests sent to the real stack (the 10,000 of tests/unit/gateway/test_openapi_fuzz.py run
+#: against fake workers that share the real workers' checks; these reach the real engines).
+FUZZ_EXAMPLES_PER_RUN = 60
+#: The most tokens a generated request may ask for here, so that the run takes minutes, not hours.
+FUZZ_MAX_TOKENS = 8
+
+
+def _capped(body: Any) -> Any:
+    """A valid generated body with its answer length capped (invalid values are left as they are)."""
+    if not isinstance(body, dict):
+        return body
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > FUZZ_MAX_TOKENS:
+            body[name] = FUZZ_MAX_TOKENS
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = FUZZ_MAX_TOKENS
+    return body
+
+
+def _is_openai_error(response: httpx.Response) -> bool:
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)
+
+
+def test_generated_bodies_get_200_or_a_4xx_never_a_5xx(ledger: FaultLedger, client: Client) -> None:
+    """Issue 38: no request body may get a 5xx (``min_tokens: 4294967296`` answered 500). Schemathesis
+    generates bodies from the gateway's own /openapi.json, valid and not, for both endpoints; the valid
+    ones reach the real engines (answers capped at FUZZ_MAX_TOKENS tokens)."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.core import NotSet
+    from schemathesis.generation import GenerationMode
+
+    model = client.stack.config.served_model_name
+    statuses: dict[int, int] = {}
+    wrong: list[str] = []
+    with ledger.fault("generated bodies from /openapi.json (schemathesis), real engines") as f:
+        schema = schemathesis.openapi.from_url(f"{client.url}/openapi.json")
+
+        def fuzz(op: Any, mode: GenerationMode) -> None:
+            @settings(
+                max_examples=FUZZ_EXAMPLES_PER_RUN,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+                database=None,
+            )
+            @given(case=op.as_strategy(generation_mode=mode))
+            def check(case: Any) -> None:
+                body = None if isinstance(case.body, NotSet) else case.body
+                if mode == GenerationMode.POSITIVE and isinstance(body, dict):
+                    body = _capped({**body, "model": model})
+                content = body if isinstance(body, bytes) else json.dumps(body, default=str).encode()
+                response = client.post(op.path, content=content, headers={"Content-Type": "application/json"})
+                f.tried()
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+                if response.status_code >= 500 or (response.status_code != 200 and not _is_openai_error(response)):
+                    wrong.append(f"{op.path} {response.status_code} {response.text[:200]} body={str(body)[:300]}")
+
+            check()
+
+        for operation in schema.get_all_operations():
+            op = operation.ok()
+            if op.path in (CHAT, COMPLETIONS):
+                for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                    fuzz(op, mode)
+        f.saw(f"by status {dict(sorted(statuses.items()))}")
+        assert not wrong, wrong[:10]
+        assert statuses.get(200, 0) > 0, statuses
         f.leaked("running requests", engines_residue(client.stack))
 
 
