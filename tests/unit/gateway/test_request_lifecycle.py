@@ -403,6 +403,31 @@ async def test_a_decode_worker_that_dies_mid_stream_is_migrated_and_the_client_s
     await wait(stack.prefill.aborted_event)  # its hold, if any is left, is of no use now
 
 
+async def test_a_decode_stream_that_ends_early_without_an_error_is_migrated_too(
+    stack: Any, start_worker: Any, wait: Any
+) -> None:
+    """A decode stream closed with OK but no finish reason (a proxy cut it, a worker bug) is as good as a
+    dead worker's: the stream migrates, reason ``truncated``, and the client sees one whole stream."""
+    stack.decode.decode_steps = [DecodeStep(" world", [102])]  # then it just ends
+    survivor = await start_worker("decode-1", decode_steps=[DecodeStep(" 👋", [105], "stop")])
+    stack.router.placements.append(
+        router_pb2.Placement(decode=survivor.ref("decode"), local_prefill=True, lease_s=30.0)
+    )
+    response = await stack.client.post("/v1/chat/completions", json=chat_body(stream=True))
+    assert response.status_code == 200
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", [])) == "Hello world 👋"
+    assert not [e for e in events if "error" in e]
+    (resumed,) = survivor.decode_requests
+    assert list(resumed.resume_token_ids) == [101, 102]
+    assert (
+        stack.metrics.registry.get_sample_value(
+            "tandem_gateway_migrations_total", {"role": "decode", "reason": "truncated"}
+        )
+        == 1
+    )
+
+
 async def test_migration_off_ends_the_stream_with_the_error_event(
     start_worker: Any, fake_router: Any, prompt_tokenizer: Any, make_placement: Any
 ) -> None:

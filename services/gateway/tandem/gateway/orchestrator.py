@@ -43,7 +43,7 @@ from typing import Any
 
 import grpc
 
-from tandem.common.errors import PermanentError, WorkerUnavailableError
+from tandem.common.errors import PermanentError, TandemError, WorkerUnavailableError
 from tandem.gateway.job import Finished, GenerationEvent, GenerationJob, TextDelta, Usage
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.placement import RELEASE_RETRY_S, Placer, Placing
@@ -54,6 +54,16 @@ from tandem.gateway.workers import WorkerChannels, map_worker_error
 from tandem.v1 import router_pb2, worker_pb2
 
 logger = logging.getLogger(__name__)
+
+
+class _Truncated(Exception):
+    """A decode stream that ended without a finish reason and without an error."""
+
+
+def _decode_failure(exc: grpc.aio.AioRpcError | _Truncated, address: str) -> TandemError:
+    if isinstance(exc, _Truncated):
+        return WorkerUnavailableError(str(exc))
+    return map_worker_error(exc, role="decode", address=address)
 
 
 @dataclass
@@ -189,9 +199,10 @@ class Orchestrator:
                         if chunk.finish_reason:
                             finish_reason = chunk.finish_reason
                     if not finish_reason:
-                        raise WorkerUnavailableError("decode stream ended without a finish reason")
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        # Closed with OK but unfinished (a proxy cut it, a worker bug): as good as dead.
+                        raise _Truncated(f"decode worker {progress.placement.decode.address}: stream ended early")
+                except (grpc.aio.AioRpcError, _Truncated) as exc:
+                    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() != grpc.StatusCode.UNAVAILABLE:
                         raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
                     if num_chunks == 0 and resume is None and not progress.dead_worker_ids:
                         # The decode worker was gone before it sent anything (it died between requests and
@@ -203,12 +214,12 @@ class Orchestrator:
                         finish_reason = "length"  # it died after the last token, before saying it was the last
                         break
                     if num_migrations >= self._max_migrations:
-                        raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
+                        raise _decode_failure(exc, progress.placement.decode.address) from exc
                     num_migrations += 1
                     job.clock.worker["num_migrations"] = num_migrations
                     job.clock.worker["num_resumed_tokens"] = len(sent.token_ids)
                     migrated_at_s = time.monotonic()
-                    reason = exc.code().name.lower()
+                    reason = "truncated" if isinstance(exc, _Truncated) else exc.code().name.lower()
                     if progress.placement.prefill.address:  # its hold, if any is left, is of no use now
                         self.run_in_background(self._abort(progress.placement.prefill.address, job.request_id))
                     await self._placer.migrate_decode(job, progress, reason=reason, num_sent=len(sent.token_ids))
