@@ -78,10 +78,10 @@ the ones it writes). Passwords only as their SHA-256. Pass (dict "ctx" $ "passwo
 {{- define "tandem.redisAclFile" -}}
 {{- $p := .ctx.Values.redis.keyPrefix -}}
 user default off
-user {{ $p }}-gateway on #{{ sha256sum (index .passwords "gateway") }} resetchannels +ping +select +evalsha +script|load +zrange +mget +get +set +del +exists +expire +pexpire +time +hget +hgetall +hmget +hset +hincrby +sadd +srem +smembers +scard +zadd +zrem +zcard +zcount +zremrangebyscore +zremrangebyrank +lrange +rpush +ltrim +multi +exec +discard %R~{{ $p }}:gw:key:* %R~{{ $p }}:gw:tenant:* ~{{ $p }}:gw:quota:* ~{{ $p }}:gw:usage:* ~{{ $p }}:gw:conv:* %R~{{ $p }}:worker:* %R~{{ $p }}:workers (~{{ $p }}:workers +zrem)
+user {{ $p }}-gateway on #{{ sha256sum (index .passwords "gateway") }} resetchannels +ping +select +evalsha +script|load +zrange +mget +get +set +del +exists +expire +pexpire +time +ttl +hget +hgetall +hmget +hset +hdel +hincrby +sadd +srem +smembers +scard +zadd +zrem +zcard +zcount +zrangebyscore +zremrangebyscore +zremrangebyrank +lrange +rpush +ltrim +lpop +multi +exec +discard %R~{{ $p }}:gw:key:* %R~{{ $p }}:gw:tenant:* ~{{ $p }}:gw:quota:* ~{{ $p }}:gw:usage:* ~{{ $p }}:gw:conv:* ~{{ $p }}:gw:stored:* %R~{{ $p }}:worker:* %R~{{ $p }}:workers (~{{ $p }}:workers +zrem)
 user {{ $p }}-router on #{{ sha256sum (index .passwords "router") }} resetchannels +ping +select +zrange +mget +set +del +zadd +zrem +publish +subscribe +unsubscribe ~{{ $p }}:router:* &{{ $p }}:router:ledger %R~{{ $p }}:worker:* %R~{{ $p }}:workers (~{{ $p }}:workers +zrem)
 user {{ $p }}-worker on #{{ sha256sum (index .passwords "worker") }} resetchannels +ping +select +zrange +mget +set +del +zadd +zrem +multi +exec +discard ~{{ $p }}:worker:* ~{{ $p }}:workers
-user {{ $p }}-admin on #{{ sha256sum (index .passwords "admin") }} resetchannels +ping +select +get +set +mget +del +scan +sadd +srem +smembers +hgetall +watch +unwatch +multi +exec +discard ~{{ $p }}:gw:*
+user {{ $p }}-admin on #{{ sha256sum (index .passwords "admin") }} resetchannels +ping +select +evalsha +script|load +get +set +mget +del +scan +time +sadd +srem +smembers +hget +hgetall +hdel +hincrby +zcard +zrem +zrangebyscore +watch +unwatch +multi +exec +discard ~{{ $p }}:gw:*
 {{- end -}}
 
 {{- define "tandem.routerAddress" -}}

@@ -16,7 +16,8 @@ receives prompts. With them:
 user       may
 =========  =====================================================================
 gateway    read API keys and tenants; read worker registrations; read and write
-           quotas, usage and conversations (``<prefix>:gw:{quota,usage,conv}:*``)
+           quotas, usage, conversations and the tenants' storage accounts
+           (``<prefix>:gw:{quota,usage,conv,stored}:*``)
 router     read worker registrations; its ledger (``<prefix>:router:*``) and its
            pub/sub channel
 worker     write worker registrations (it registers itself), read them
@@ -80,10 +81,10 @@ def _gateway(p: str) -> tuple[str, ...]:
         *_REGISTRY_READ,
         # tenancy.store.lookup_key; usage and conversations; the scripts' own commands
         "+get", "+set", "+del", "+exists", "+expire", "+pexpire", "+time",
-        "+hget", "+hgetall", "+hmget", "+hset", "+hincrby",
+        "+ttl", "+hget", "+hgetall", "+hmget", "+hset", "+hdel", "+hincrby",
         "+sadd", "+srem", "+smembers", "+scard",
-        "+zadd", "+zrem", "+zcard", "+zcount", "+zremrangebyscore", "+zremrangebyrank",
-        "+lrange", "+rpush", "+ltrim",
+        "+zadd", "+zrem", "+zcard", "+zcount", "+zrangebyscore", "+zremrangebyscore", "+zremrangebyrank",
+        "+lrange", "+rpush", "+ltrim", "+lpop",
         "+multi", "+exec", "+discard",
     )  # fmt: skip
     keys = (
@@ -92,6 +93,7 @@ def _gateway(p: str) -> tuple[str, ...]:
         f"~{p}:gw:quota:*",
         f"~{p}:gw:usage:*",
         f"~{p}:gw:conv:*",
+        f"~{p}:gw:stored:*",
     )
     return (*commands, *keys, *_registry_read_keys(p))
 
@@ -115,11 +117,14 @@ def _worker(p: str) -> tuple[str, ...]:
 
 def _admin(p: str) -> tuple[str, ...]:
     # tenancy.store.TenantStore (salting a legacy record: WATCH ... MULTI ... EXEC; a tenant's deletion
-    # finds its keys with SCAN) and usage.UsageStore's readers.
+    # finds its keys with SCAN), usage.UsageStore's readers, and a tenant's stored bytes
+    # (conversations.ConversationStore.stored: a script that forgets the expired conversations first).
     commands = (
         *_CONNECTION,
-        "+get", "+set", "+mget", "+del", "+scan",
-        "+sadd", "+srem", "+smembers", "+hgetall",
+        *_SCRIPTS,
+        "+get", "+set", "+mget", "+del", "+scan", "+time",
+        "+sadd", "+srem", "+smembers", "+hget", "+hgetall", "+hdel", "+hincrby",
+        "+zcard", "+zrem", "+zrangebyscore",
         "+watch", "+unwatch", "+multi", "+exec", "+discard",
     )  # fmt: skip
     return (*commands, f"~{p}:gw:*")

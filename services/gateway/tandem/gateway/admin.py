@@ -8,6 +8,8 @@ A new key is printed once and never stored; output is JSON, one object per line.
     tandem-admin tenant create acme --output-tokens-per-minute 20000 --max-concurrent-streams 4
     tandem-admin key create acme --label ci
     tandem-admin key revoke <key id>
+    tandem-admin tenant update acme --max-stored-bytes 8388608   # its storage quota
+    tandem-admin tenant show acme       # with "storage": {"stored_bytes", "max_stored_bytes", …}
     tandem-admin usage acme
 """
 
@@ -18,13 +20,16 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import NoPermissionError
 
 from tandem.common.errors import BackendUnavailableError
+from tandem.gateway.conversations import ConversationStore
 from tandem.gateway.redis_client import connect
 from tandem.gateway.settings import GatewaySettings
+from tandem.gateway.storage_quota import StorageQuota
 from tandem.gateway.tenancy.models import Tenant, TenantPolicy
 from tandem.gateway.tenancy.store import TenantError, TenantStore
 from tandem.gateway.usage import UsageStore
@@ -57,6 +62,15 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
         help="whether clients may send their own system messages",
     )
     parser.add_argument(
+        "--max-stored-bytes",
+        dest="max_stored_bytes",
+        type=int,
+        default=None,
+        help="bytes this tenant may keep stored in Redis (conversations); past it its least recently used "
+        "conversations are forgotten, and a conversation that alone would be over it gets 413 "
+        "storage_quota_exceeded; 0: no conversations (default: tenancy.default_max_stored_bytes_per_tenant)",
+    )
+    parser.add_argument(
         "--allow-raw-prompts",
         dest="allow_raw_prompts",
         action=argparse.BooleanOptionalAction,
@@ -72,7 +86,7 @@ def _help(name: str) -> str:
 
 
 def _policy_changes(args: argparse.Namespace) -> dict[str, Any]:
-    names = [*_POLICY_FLAGS, "allowed_models", "allow_client_system_prompt", "allow_raw_prompts"]
+    names = [*_POLICY_FLAGS, "allowed_models", "allow_client_system_prompt", "allow_raw_prompts", "max_stored_bytes"]
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -91,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument("--disabled", action=argparse.BooleanOptionalAction, default=None)
     _add_policy_flags(update)
     tenant.add_parser("list", help="list tenants")
-    show = tenant.add_parser("show", help="one tenant and its keys")
+    show = tenant.add_parser("show", help="one tenant, its keys and its stored bytes")
     show.add_argument("tenant_id")
     delete = tenant.add_parser("delete", help="delete a tenant and revoke its keys")
     delete.add_argument("tenant_id")
@@ -113,14 +127,44 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run(args: argparse.Namespace, settings: GatewaySettings) -> list[dict[str, Any]]:
     client = connect(settings.redis.connection_url(), timeout_s=max(2.0, settings.tenancy.redis_timeout_s))
-    store = TenantStore(client, key_prefix=settings.tenancy.key_prefix)
+    tenancy = settings.tenancy
+    store = TenantStore(client, key_prefix=tenancy.key_prefix)
+    storage = _Storage(
+        ConversationStore(
+            client,
+            key_prefix=tenancy.key_prefix,
+            ttl_s=tenancy.conversation_ttl_s,
+            max_messages=tenancy.max_conversation_messages,
+            max_conversations=tenancy.max_conversations_per_tenant,
+            default_max_stored_bytes=tenancy.default_max_stored_bytes_per_tenant,
+        ),
+        StorageQuota(tenancy.default_max_stored_bytes_per_tenant),
+    )
     try:
-        return await _dispatch(args, store, UsageStore(client, key_prefix=settings.tenancy.key_prefix))
+        return await _dispatch(args, store, UsageStore(client, key_prefix=tenancy.key_prefix), storage)
     finally:
         await client.aclose()
 
 
-async def _dispatch(args: argparse.Namespace, store: TenantStore, usage: UsageStore) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class _Storage:
+    """What a tenant keeps stored (its storage account), and its limit."""
+
+    conversations: ConversationStore
+    quota: StorageQuota
+
+    async def view(self, tenant: Tenant) -> dict[str, int]:
+        num_bytes, num_conversations = await self.conversations.stored(tenant.id)
+        return {
+            "stored_bytes": num_bytes,
+            "max_stored_bytes": self.quota.limit_bytes(tenant),
+            "num_conversations": num_conversations,
+        }
+
+
+async def _dispatch(
+    args: argparse.Namespace, store: TenantStore, usage: UsageStore, storage: _Storage
+) -> list[dict[str, Any]]:
     if args.command == "tenant":
         if args.action == "create":
             tenant = await store.put_tenant(Tenant(id=args.tenant_id, name=args.name, **_policy_changes(args)))
@@ -138,7 +182,7 @@ async def _dispatch(args: argparse.Namespace, store: TenantStore, usage: UsageSt
             if found is None:
                 raise TenantError(f"no tenant {args.tenant_id!r}")
             keys = [k.model_dump() for k in await store.list_keys(args.tenant_id)]
-            return [{**found.public(), "keys": keys}]
+            return [{**found.public(), "keys": keys, "storage": await storage.view(found)}]
         if args.action == "delete":
             final_usage = await usage.tenant_usage(args.tenant_id)  # the billing record leaves with the output
             num_keys = await store.delete_tenant(args.tenant_id)

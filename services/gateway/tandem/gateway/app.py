@@ -40,6 +40,7 @@ from tandem.gateway.readiness import ReadinessCheck
 from tandem.gateway.redis_client import connect
 from tandem.gateway.router import Router
 from tandem.gateway.settings import GatewaySettings
+from tandem.gateway.storage_quota import StorageQuota
 from tandem.gateway.tenancy.auth import Authenticator
 from tandem.gateway.tenancy.rejections import RejectionLimiter
 from tandem.gateway.tenancy.store import TenantStore
@@ -147,7 +148,9 @@ def build_app(
             ttl_s=tenancy.conversation_ttl_s,
             max_messages=tenancy.max_conversation_messages,
             max_conversations=tenancy.max_conversations_per_tenant,
+            default_max_stored_bytes=tenancy.default_max_stored_bytes_per_tenant,
         ),
+        storage_quota=StorageQuota(tenancy.default_max_stored_bytes_per_tenant),
         drain=drain,
         stream_limits=StreamLimits(
             heartbeat_interval_s=settings.stream.heartbeat_interval_s,

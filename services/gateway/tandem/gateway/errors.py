@@ -2,12 +2,13 @@
 
     PermanentError
     ├── AuthenticationError     no, unknown or revoked key (401)
-    └── PermissionDeniedError   the tenant may not do this (403)
+    ├── PermissionDeniedError   the tenant may not do this (403)
+    └── StorageQuotaExceededError  what the request would store is over the tenant's storage quota (413)
     RetryableError
     ├── RateLimitedError        quota or concurrency cap reached (429, Retry-After, x-ratelimit-*)
     └── ShuttingDownError       this replica is draining (503)
 
-Raised by the tenancy, quota and drain modules; mapped to HTTP by
+Raised by the tenancy, quota, storage quota and drain modules; mapped to HTTP by
 :func:`tandem.gateway.api.errors.api_error_from`.
 """
 
@@ -24,6 +25,16 @@ class PermissionDeniedError(PermanentError):
     def __init__(self, message: str, *, code: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.param = param
+
+
+class StorageQuotaExceededError(PermanentError):
+    """Retrying cannot help: the same request would store as much again (tandem.gateway.storage_quota)."""
+
+    code = "storage_quota_exceeded"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
         self.param = param
 
 

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
 from tandem.common.tls import TLSSettings
+from tandem.gateway.storage_quota import DEFAULT_MAX_STORED_BYTES
 
 
 def _default_model_dir() -> Path:
@@ -51,6 +52,11 @@ class TenancySettings(BaseModel):
     max_conversation_messages: int = Field(200, ge=2)
     #: Most conversations kept per tenant; the least recently used are deleted first.
     max_conversations_per_tenant: int = Field(1000, ge=1)
+    #: Bytes a tenant may keep stored (conversations) unless its policy sets ``max_stored_bytes``; past it its
+    #: least recently used conversations go first (tandem.gateway.storage_quota). 16 MiB: the conversation
+    #: cap above times a full 4k-token context of text (~16 KB). Tenants' quotas together should stay below
+    #: Redis's ``maxmemory`` (the chart's 200 MB: ~9 tenants at this default), see docs/tenancy.md.
+    default_max_stored_bytes_per_tenant: int = Field(DEFAULT_MAX_STORED_BYTES, ge=0)
     #: A gateway replica that has not renewed its liveness for this long is dead: another replica (or its
     #: successor) bills the requests it had in flight, with the tokens they had generated.
     usage_liveness_s: float = Field(30.0, ge=1)

@@ -23,7 +23,13 @@ from tandem.common.errors import (
     TandemError,
     WorkerUnavailableError,
 )
-from tandem.gateway.errors import AuthenticationError, PermissionDeniedError, RateLimitedError, ShuttingDownError
+from tandem.gateway.errors import (
+    AuthenticationError,
+    PermissionDeniedError,
+    RateLimitedError,
+    ShuttingDownError,
+    StorageQuotaExceededError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +79,11 @@ def api_error_from(exc: TandemError, *, request_id: str = "") -> ApiError:
         return ApiError(401, str(exc), code="invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="tandem"'})
     if isinstance(exc, PermissionDeniedError):
         return ApiError(403, str(exc), type="permission_error", param=exc.param, code=exc.code)
+    if isinstance(exc, StorageQuotaExceededError):
+        # 413, not 429: the OpenAI SDKs retry a 429 (and OpenAI's own 429 insufficient_quota is the
+        # well-known trap of a retry loop that cannot succeed); retrying this request cannot help either.
+        # Not 400: the request is well-formed, it is too large for what its tenant may store.
+        return ApiError(413, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, RateLimitedError):
         headers = {**exc.headers, "Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
         return ApiError(429, str(exc), type=exc.kind, code="rate_limit_exceeded", headers=headers)

@@ -26,7 +26,7 @@ def _responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[str, An
         401: "Missing, unknown or revoked API key",
         403: "The tenant may not do this",
         404: "Unknown model",
-        413: "Body too large",
+        413: "Body too large, or a conversation over the tenant's storage quota (code storage_quota_exceeded)",
         429: "Quota or concurrency limit; see Retry-After and x-ratelimit-*",
         503: "No capacity, Redis down, or draining; see Retry-After",
     }

@@ -114,7 +114,13 @@ PARAMETERS: tuple[Parameter, ...] = (
     _honoured("skip_special_tokens", BOTH, "default true, as vLLM", "vllm"),
     _honoured("spaces_between_special_tokens", BOTH, "default true, as vLLM", "vllm"),
     _honoured("structured_outputs", BOTH, "one of json, json_object, regex, choice, grammar", "vllm"),
-    _honoured("conversation_id", CHAT, "Tandem: the server keeps this conversation's turns", "tandem"),
+    _honoured(
+        "conversation_id",
+        CHAT,
+        "Tandem: the server keeps this conversation's turns; a conversation that alone would be over the "
+        "tenant's storage quota gets 413 `storage_quota_exceeded` (docs/tenancy.md, Storage quota)",
+        "tandem",
+    ),
     # -- vLLM extensions, refused ------------------------------------------------------------------------
     _refused("use_beam_search", BOTH, "Beam search is not supported.", neutral=(False,), origin="vllm"),
     _refused(

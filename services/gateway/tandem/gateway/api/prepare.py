@@ -8,7 +8,8 @@ of refused requests (:mod:`tandem.gateway.tenancy.rejections`: what this
 function refuses counts against the key), the body reader and validation
 (:mod:`validation`), the model and tenant checks, then the
 prompt: for chat, the conversation's history and :func:`assemble_chat`
-(tenant system prompt, trimming to the context); for completions, the
+(tenant system prompt, trimming to the context), then the tenant's storage
+quota for what the conversation would hold; for completions, the
 tokenizer. The context is fitted in one place (:func:`fit_max_tokens`). Every
 failure is a TandemError that the handler turns into an OpenAI error.
 """
@@ -26,7 +27,7 @@ from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError
 from tandem.gateway.api.services import GatewayServices, ModelLimits
 from tandem.gateway.api.validation import ChatCompletionRequest, CompletionRequest, check_content_type, parse_body
 from tandem.gateway.assembly import Message, PromptRules, assemble_chat, fit_max_tokens
-from tandem.gateway.conversations import check_conversation_id
+from tandem.gateway.conversations import StoredConversation, check_conversation_id
 from tandem.gateway.errors import PermissionDeniedError, ShuttingDownError
 from tandem.gateway.prompt import text_prompt_ids
 from tandem.gateway.sampling import SamplingParams
@@ -119,10 +120,11 @@ async def _prepare(
     conversation = None
     num_dropped = 0
     if isinstance(body, ChatCompletionRequest):
-        history: list[Message] = []
+        stored = StoredConversation([], ())
         if body.conversation_id is not None:
             check_conversation_id(body.conversation_id)
-            history = await services.conversations.history(tenant.id, body.conversation_id)
+            stored = await services.conversations.read(tenant.id, body.conversation_id)
+        history: list[Message] = stored.messages
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         assembled = await assemble_chat(
             services.tokenizer,
@@ -139,6 +141,17 @@ async def _prepare(
             dropped_history = min(num_dropped, len(history))
             conversation = Conversation(
                 body.conversation_id, new_turns[num_dropped - dropped_history :], dropped_history
+            )
+            # Before any token and any charge: a conversation that alone would be over the tenant's
+            # storage quota is refused (its other conversations are forgotten to make room at the append).
+            num_bytes = services.conversations.bytes_after(
+                stored,
+                num_dropped_history=dropped_history,
+                new_turns=conversation.new_turns,
+                max_tokens=max_tokens,
+            )
+            services.storage_quota.check(
+                tenant, num_bytes, what=f"Conversation {body.conversation_id!r}", param="conversation_id"
             )
     else:
         prompt_ids = await _completion_prompt_ids(services, body)

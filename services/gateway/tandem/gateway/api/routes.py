@@ -39,6 +39,7 @@ from tandem.gateway.errors import (
     PermissionDeniedError,
     RateLimitedError,
     ShuttingDownError,
+    StorageQuotaExceededError,
 )
 from tandem.gateway.job import GenerationJob
 from tandem.gateway.quota.base import Admission
@@ -66,6 +67,7 @@ def _rejection_reason(exc: TandemError) -> str | None:
     for cls, reason in (
         (AuthenticationError, "unauthenticated"),
         (PermissionDeniedError, "forbidden"),
+        (StorageQuotaExceededError, "storage_quota"),
         (RateLimitedError, "rate_limited"),
         (ShuttingDownError, "draining"),
         (BackendUnavailableError, "backend_unavailable"),
@@ -143,6 +145,7 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
                         [*conversation.new_turns, answer],
                         num_dropped_history=conversation.num_dropped_history,
                         tenant_salt=tenant_salt,
+                        max_stored_bytes=services.storage_quota.limit_bytes(tenant),
                     )
                 except BackendUnavailableError as exc:
                     logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})

@@ -13,6 +13,7 @@ from tandem.gateway.orchestrator import Orchestrator
 from tandem.gateway.prompt import PromptTokenizer
 from tandem.gateway.quota.base import Quota
 from tandem.gateway.readiness import ReadinessCheck
+from tandem.gateway.storage_quota import StorageQuota
 from tandem.gateway.tenancy.auth import Authenticator
 from tandem.gateway.tenancy.rejections import RejectionLimiter
 from tandem.gateway.usage import UsageStore
@@ -44,6 +45,8 @@ class GatewayServices:
     conversations: ConversationStore
     #: Refused requests per key (429 past the limit, before the body is read).
     rejections: RejectionLimiter
+    #: Each tenant's limit on the bytes it keeps stored (conversations).
+    storage_quota: StorageQuota
     drain: Drain
     stream_limits: StreamLimits
     admin_key: str | None = None

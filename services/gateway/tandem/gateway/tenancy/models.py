@@ -42,6 +42,11 @@ class TenantPolicy(BaseModel):
     #: served when the tenant has a prompt policy (a system prompt, or no client system messages). A raw
     #: prompt can open with its own system turn, so it would skip that policy: refused (403) unless set.
     allow_raw_prompts: bool = False
+    #: Bytes this tenant may keep stored in Redis (conversations, and any later store): past it its least
+    #: recently used conversations are forgotten, and a request that could not fit even then gets 413
+    #: ``storage_quota_exceeded`` (tandem.gateway.storage_quota). Unset: the gateway's
+    #: ``tenancy.default_max_stored_bytes_per_tenant``, never unlimited; 0: nothing stored (no conversations).
+    max_stored_bytes: int | None = Field(None, ge=0)
 
 
 class Tenant(TenantPolicy):

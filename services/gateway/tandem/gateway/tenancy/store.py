@@ -6,6 +6,7 @@ Called by the admin CLI (create, list, revoke) and by the authenticator
     tenants              set of tenant ids
     tenant:<id>          Tenant as JSON
     tenant:<id>:keys     set of key ids
+    stored:<id>          the tenant's storage account (tandem.gateway.storage_quota), deleted with it
     keyid:<key id>       the key's SHA-256
     key:<sha256>         ApiKeyRecord as JSON (the lookup of every request)
 """
@@ -131,6 +132,7 @@ class TenantStore:
                 self._k("tenant", tenant_id, "keys"),
                 self._k("usage", tenant_id),
                 self._k("conv", tenant_id),  # the index of its conversations
+                self._k("stored", tenant_id),  # its storage account (tandem.gateway.storage_quota)
             ]
             for pattern in owned:  # tenant ids hold no glob characters: the pattern is this tenant's alone
                 doomed += [str(k) async for k in self._redis.scan_iter(match=pattern, count=1000)]
