@@ -15,7 +15,7 @@ from tandem.worker.engine_api import EngineLoad
 from tandem.worker.kv_connector.cpus import parse_cpu_list
 from tandem.worker.kv_connector.extension import WORKER_EXTENSION
 from tandem.worker.kv_connector.layout import KVLayout
-from tandem.worker.kv_events_relay import KVEventEndpoints, KVEventRelay, plan_endpoints
+from tandem.worker.kv_events_relay import WILDCARD_HOSTS, KVEventEndpoints, KVEventRelay, plan_endpoints
 from tandem.worker.settings import WorkerSettings
 from tandem.worker.validation import ModelLimits
 
@@ -62,9 +62,10 @@ def none_hash_seed() -> str:
 
 
 def kv_events_plan(settings: WorkerSettings) -> KVEventEndpoints | None:
-    """Where the engine's KV-event publisher and replay socket bind (None when events are off): the
-    worker's own address (``kv_events.host``, else the advertised host, else the bind host) through
-    :class:`~tandem.worker.kv_events_relay.KVEventRelay`, or all interfaces for ``0.0.0.0``."""
+    """Where the engine's KV-event publisher and replay socket bind (None when events are off):
+    private ipc sockets that :class:`~tandem.worker.kv_events_relay.KVEventRelay` serves, token ids
+    redacted, on the worker's own address (``kv_events.host``, else the advertised host, else the
+    bind host), or on all interfaces for ``0.0.0.0``."""
     ev = settings.kv_events
     if not ev.enabled:
         return None
@@ -92,9 +93,9 @@ def kv_events_endpoints(settings: WorkerSettings) -> tuple[str, str]:
     plan = kv_events_plan(settings)
     if plan is None:
         return "", ""
-    if plan.relay is not None:
-        return plan.relay[1], plan.engine_replay
-    host = settings.advertise_host or settings.bind_host
+    if (settings.kv_events.host or settings.advertise_host or settings.bind_host) not in WILDCARD_HOSTS:
+        return plan.public_publish, plan.public_replay
+    host = settings.advertise_host or settings.bind_host  # bound on all interfaces: reached at this one
     return f"tcp://{host}:{settings.kv_events.port}", f"tcp://{host}:{settings.kv_events.replay_port}"
 
 
@@ -263,7 +264,7 @@ def build_engine(settings: WorkerSettings) -> VLLMEngine:
     engine_id = f"{settings.role}-{uuid.uuid4().hex[:12]}"
     args = AsyncEngineArgs(**engine_args_kwargs(settings, engine_id=engine_id))
     plan = kv_events_plan(settings)
-    relay = None if plan is None or plan.relay is None else KVEventRelay(*plan.relay)
+    relay = None if plan is None else KVEventRelay(plan)
     if relay is not None:
         relay.start()
     try:

@@ -96,8 +96,8 @@ class KVEventsSettings(BaseModel):
     """The engine's KV-event publisher (ZMQ), which the router's prefix index subscribes to."""
 
     enabled: bool = True
-    #: The one address the publisher and its replay socket bind ("" = advertise_host, else bind_host):
-    #: events carry prompt token ids, so they are not served on every interface. ``0.0.0.0`` binds all.
+    #: The one address the worker's relay serves the engine's events and replays on ("" = advertise_host,
+    #: else bind_host; ``0.0.0.0``: all interfaces). Token ids are zeroed on either (kv_events_relay).
     host: str = ""
     #: PUB port.
     port: int = Field(5557, ge=1, le=65535)
