@@ -8,9 +8,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from tandem.common.block_hash import BlockHasher
+from tandem.common.kv_events import END_SEQ, BlockStored, decode_batch
 from tandem.common.registry import WorkerRegistry
 from tandem.common.tls import aio_channel
 from tandem.local.stack import LocalStack
@@ -50,6 +54,11 @@ async def test_engine_kv_events_carry_the_routers_block_hashes(stack: LocalStack
         assert prefill.kv_events_endpoint and prefill.kv_events_replay_endpoint
         assert prefill.block_size_tokens > 0 and prefill.block_hash_algo == "sha256"  # 128 on CPU, 16 on GPUs
         subscriber.sync(workers)
+        # what anyone on the pod network reads: the worker's public feed, raw
+        ctx = zmq.asyncio.Context()
+        raw_feed = ctx.socket(zmq.SUB)
+        raw_feed.setsockopt(zmq.SUBSCRIBE, b"")
+        raw_feed.connect(prefill.kv_events_endpoint)
         await asyncio.sleep(0.5)
 
         salt = f"it-{uuid.uuid4().hex[:8]}"
@@ -63,6 +72,29 @@ async def test_engine_kv_events_carry_the_routers_block_hashes(stack: LocalStack
         while subscriber.index.match(ours).get(prefill.worker_id, 0) < 3:
             assert asyncio.get_running_loop().time() < deadline, f"events: {subscriber.stats}"
             await asyncio.sleep(0.1)
+        # the feed and the replay say how many tokens each block holds, never which, nor the salt
+        payloads: list[bytes] = []
+        while await raw_feed.poll(500):
+            payloads.append((await raw_feed.recv_multipart())[2])
+        replay = ctx.socket(zmq.DEALER)
+        replay.connect(prefill.kv_events_replay_endpoint)
+        await replay.send_multipart((b"", (0).to_bytes(8, "big")))
+        while await replay.poll(10_000) and (frames := await replay.recv_multipart())[2] != END_SEQ:
+            payloads.append(frames[3])
+        ours_stored = [
+            e
+            for p in payloads
+            for e in decode_batch(p).events
+            if isinstance(e, BlockStored) and set(e.block_hashes) & set(ours)
+        ]
+        assert sum(e.num_tokens for e in ours_stored) >= 3 * block  # the router still reads the counts
+        raw = [e for p in payloads for e in msgspec.msgpack.decode(p)[1] if e.get("type") == "BlockStored"]
+        assert raw and all(not any(e["token_ids"]) and not e.get("extra_keys") for e in raw)
+        assert all(salt.encode() not in p for p in payloads)
+        raw_feed.close(linger=0)
+        replay.close(linger=0)
+        ctx.term()
+
         # another salt hashes differently: the engine did not store those blocks
         other = BlockHasher(prefill.block_size_tokens).block_hashes(prompt, cache_salt=salt + "x")
         assert prefill.worker_id not in subscriber.index.match(other)
