@@ -202,10 +202,12 @@ async def test_expired_conversations_leave_the_account_at_the_next_look(redis_pr
 
     # The next write forgets them as well, and the account goes when the last conversation does.
     await short.append("acme", "a", [{"role": "user", "content": "x" * 300}])
-    await asyncio.sleep(2.2)
-    result = await short.append("acme", "b", [{"role": "user", "content": "y" * 10}])  # new and a expired
-    assert result.num_stored_bytes == new_bytes
-    assert await account(client, prefix, "acme") == (new_bytes, {"conv:b": new_bytes})
+    await asyncio.sleep(1.2)
+    await short.append("acme", "keep", [{"role": "user", "content": "y" * 10}])
+    await asyncio.sleep(1.2)  # new and a expired, keep has 0.8 s left
+    result = await short.append("acme", "b", [{"role": "user", "content": "y" * 10}])
+    assert result.num_stored_bytes == 2 * new_bytes
+    assert await account(client, prefix, "acme") == (2 * new_bytes, {"conv:keep": new_bytes, "conv:b": new_bytes})
     await asyncio.sleep(2.2)
     assert await client.exists(account_key(prefix, "acme"), f"{prefix}:gw:conv:acme") == 0
 
