@@ -35,6 +35,18 @@ def _opened(request_id: str, tenant: str = "acme") -> UsageRecord:
     return UsageRecord(tenant, "m", 12, 0, 0, aborted=False, request_id=request_id)
 
 
+async def _sweep_once(sweeper: UsageSweeper) -> None:
+    """Run ``sweeper`` until it settled something (its first turn sweeps at once), then stop it."""
+    sweeper.start()
+    try:
+        for _ in range(50):
+            if sweeper.num_settled:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await sweeper.stop()
+
+
 async def _keys(client: object, prefix: str) -> list[str]:
     return sorted([k async for k in client.scan_iter(match=f"{prefix}:gw:usage:_*")])  # type: ignore[attr-defined]
 
@@ -124,14 +136,7 @@ async def test_a_restarted_gateway_settles_its_predecessor_at_start(prefix: str)
             return True
 
         sweeper = UsageSweeper(successor, liveness_s=5, sweep_interval_s=60, release=release)
-        sweeper.start()
-        try:
-            for _ in range(50):
-                if sweeper.num_settled:
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            await sweeper.stop()
+        await _sweep_once(sweeper)
         assert sweeper.num_settled == 1
         assert released == ["r-1"]  # its router reservation too, not held until its lease ends
         assert (await successor.tenant_usage("acme"))["total"]["completion_tokens"] == 11
@@ -157,14 +162,7 @@ async def test_a_dead_replicas_quota_slots_are_freed_by_the_sweeper(prefix: str)
 
         successor = UsageStore(client, key_prefix=prefix, replica_id="gw-successor")
         sweeper = UsageSweeper(successor, liveness_s=5, sweep_interval_s=60, free_slot=quota.free_slot)
-        sweeper.start()
-        try:
-            for _ in range(50):
-                if sweeper.num_settled:
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            await sweeper.stop()
+        await _sweep_once(sweeper)
         assert sweeper.num_settled == 1
         assert await client.zcard(f"{prefix}:gw:quota:acme:streams") == 0
         second = await quota.admit("acme", policy, "r-2", 10, 100)  # at once, not ~630 s later
