@@ -7,6 +7,7 @@ mounted nowhere, and the in-chart Redis's default user is off."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import socket
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,10 @@ def _worker_pods(docs: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
 def test_the_charts_acl_file_is_the_one_redis_acl_writes() -> None:
     data = _secret(render(None))
     lines = data["users.acl"].strip().splitlines()
-    assert lines[0] == "user default off"
+    # Not "off": Redis replays its AOF as the default user (tests/faults/test_redis_durability.py).
+    default_hash = hashlib.sha256(data["default-password"].encode()).hexdigest()
+    assert lines[0] == f"user default on #{default_hash} ~* &* +@all"
+    assert len(data["default-password"]) >= 32
     expected = [redis_acl.acl_file_line(c, "tandem", data[f"{c}-password"]) for c in redis_acl.COMPONENTS]
     assert lines[1:] == expected
     for component in redis_acl.COMPONENTS:
@@ -112,10 +116,11 @@ def test_each_pod_gets_only_its_own_users_url_and_the_admins_is_mounted_nowhere(
             continue
         text = str(doc)
         assert "admin-url" not in text and "admin-password" not in text, doc["metadata"]["name"]
+        assert "default-password" not in text, doc["metadata"]["name"]
         assert "users.acl" not in text or doc["metadata"]["name"] == f"{FULL}-redis", doc["metadata"]["name"]
 
 
-def test_the_in_chart_redis_loads_the_users_with_its_default_user_off() -> None:
+def test_the_in_chart_redis_loads_the_users_with_its_default_user_locked() -> None:
     docs = render(None)
     pod = one(docs, "Deployment", f"{FULL}-redis")["spec"]["template"]
     container = pod["spec"]["containers"][0]

@@ -6,12 +6,15 @@ the gateway does on each request finds them."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import shutil
 import signal
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -29,8 +32,22 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 NUM_TENANTS = 20
 
 
-def chart_redis_args() -> list[str]:
-    docs = [d for d in yaml.safe_load_all(run_helm("template", "rel", str(CHART)).stdout) if d]
+@dataclass(frozen=True)
+class ChartRedis:
+    """The chart's Redis: its container arguments, and its Secret (the ACL file, each user's URL)."""
+
+    args: list[str]
+    secret: dict[str, str]
+
+    def url(self, component: str, port: int) -> str:
+        """``component``'s URL (its own Redis user), pointed at this test's port."""
+        parts = urlsplit(self.secret[f"{component}-url"])
+        return f"redis://{parts.username}:{parts.password}@127.0.0.1:{port}{parts.path}"
+
+
+def chart_redis(key_prefix: str) -> ChartRedis:
+    out = run_helm("template", "rel", str(CHART), "--set", f"redis.keyPrefix={key_prefix}").stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
     (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-tandem-redis"]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert any(
@@ -38,19 +55,26 @@ def chart_redis_args() -> list[str]:
         for v in deployment["spec"]["template"]["spec"]["volumes"]
         if v["name"] == "data" and "persistentVolumeClaim" in v
     ), "the chart's Redis data is not on a PVC"
-    return [str(a) for a in container["args"]]
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "rel-tandem-redis"]
+    data = dict(secret.get("stringData") or {})
+    data.update({k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()})
+    return ChartRedis([str(a) for a in container["args"]], data)
 
 
-def start_redis(args: list[str], data_dir: Path, port: int) -> subprocess.Popen[bytes]:
-    # The chart's arguments, with this test's folder for the PVC and its own port.
-    args = [a for a in args]
+def start_redis(chart: ChartRedis, data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    # The chart's arguments, with this test's folders for the PVC and the ACL Secret, and its own port.
+    args = list(chart.args)
     args[args.index("--dir") + 1] = str(data_dir)
+    if "--aclfile" in args:
+        acl_file = data_dir.parent / "users.acl"
+        acl_file.write_text(chart.secret["users.acl"])
+        args[args.index("--aclfile") + 1] = str(acl_file)
     proc = subprocess.Popen(
         ["redis-server", *args, "--port", str(port), "--bind", "127.0.0.1"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    client = redis.Redis(port=port, socket_connect_timeout=0.5)
+    client = redis.Redis.from_url(chart.url("admin", port), socket_connect_timeout=0.5)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
@@ -92,21 +116,24 @@ async def _lookups(url: str, prefix: str, keys: dict[str, str]) -> dict[str, str
 def test_tenants_and_keys_survive_a_killed_redis(tmp_path: Path, ledger: FaultLedger) -> None:
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server not found")
-    args = chart_redis_args()
     port, prefix = free_port(), f"tandem-durable-{uuid.uuid4().hex[:6]}"
-    url = f"redis://127.0.0.1:{port}/0"
+    chart = chart_redis(prefix)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    # As in the chart: tandem-admin writes tenants and keys as the admin user, the gateway reads them as its own.
+    admin_url, gateway_url = chart.url("admin", port), chart.url("gateway", port)
     with ledger.fault("in-chart Redis SIGKILLed and restarted on its volume") as f:
-        proc = start_redis(args, tmp_path, port)
+        proc = start_redis(chart, data_dir, port)
         try:
-            keys = asyncio.run(_create(url, prefix))
-            before = asyncio.run(_lookups(url, prefix, keys))
+            keys = asyncio.run(_create(admin_url, prefix))
+            before = asyncio.run(_lookups(gateway_url, prefix, keys))
             assert len(before) == NUM_TENANTS
             time.sleep(1.5)  # appendfsync everysec: what was acknowledged over a second ago is on disk
             f.tried(NUM_TENANTS)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
-            proc = start_redis(args, tmp_path, port)
-            after = asyncio.run(_lookups(url, prefix, keys))
+            proc = start_redis(chart, data_dir, port)
+            after = asyncio.run(_lookups(gateway_url, prefix, keys))
             f.saw("tenants whose key still works after the restart", len(after))
             f.leaked("tenants or keys lost", NUM_TENANTS - len(after))
             # The same records: the same salts (a lost record would come back with a new one).

@@ -71,13 +71,18 @@ worker; admin-url is for tandem-admin and mounted nowhere). Without: every one r
 {{- end -}}
 
 {{/*
-The Redis ACL file: Redis's default user off, and one user per component with the rules of
-tandem.common.redis_acl (the one source of truth; tests/chart/test_redis_acl.py checks that these lines are
-the ones it writes). Passwords only as their SHA-256. Pass (dict "ctx" $ "passwords" (dict "gateway" ...)).
+The Redis ACL file: Redis's default user behind a password no pod is given, and one user per component
+with the rules of tandem.common.redis_acl (the one source of truth; tests/chart/test_redis_acl.py checks that
+these lines are the ones it writes). Passwords only as their SHA-256. Pass (dict "ctx" $ "passwords" (dict
+"default" ... "gateway" ...)).
+
+Not `user default off`: Redis replays its append-only file as the default user and re-checks each MULTI/EXEC
+against that user's rights, so with the default user off every transaction in the AOF is dropped on restart
+(redis/redis#14541, fixed after 7.2; tests/faults/test_redis_durability.py lost every tenant and key so).
 */}}
 {{- define "tandem.redisAclFile" -}}
 {{- $p := .ctx.Values.redis.keyPrefix -}}
-user default off
+user default on #{{ sha256sum (index .passwords "default") }} ~* &* +@all
 user {{ $p }}-gateway on #{{ sha256sum (index .passwords "gateway") }} resetchannels +ping +select +evalsha +script|load +zrange +mget +get +set +del +exists +expire +pexpire +time +ttl +hget +hgetall +hmget +hset +hdel +hincrby +sadd +srem +smembers +scard +zadd +zrem +zcard +zcount +zrangebyscore +zremrangebyscore +zremrangebyrank +lrange +rpush +ltrim +lpop +multi +exec +discard %R~{{ $p }}:gw:key:* %R~{{ $p }}:gw:tenant:* ~{{ $p }}:gw:quota:* ~{{ $p }}:gw:usage:* ~{{ $p }}:gw:conv:* ~{{ $p }}:gw:stored:* %R~{{ $p }}:worker:* %R~{{ $p }}:workers (~{{ $p }}:workers +zrem)
 user {{ $p }}-router on #{{ sha256sum (index .passwords "router") }} resetchannels +ping +select +zrange +mget +set +del +zadd +zrem +publish +subscribe +unsubscribe ~{{ $p }}:router:* &{{ $p }}:router:ledger %R~{{ $p }}:worker:* %R~{{ $p }}:workers (~{{ $p }}:workers +zrem)
 user {{ $p }}-worker on #{{ sha256sum (index .passwords "worker") }} resetchannels +ping +select +zrange +mget +set +del +zadd +zrem +multi +exec +discard ~{{ $p }}:worker:* ~{{ $p }}:workers
