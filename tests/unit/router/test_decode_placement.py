@@ -9,11 +9,13 @@ from tandem.common.block_hash import BlockHasher
 from tandem.common.errors import InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord
 from tandem.router.budget import BudgetConfig
+from tandem.router.handoff import _decode_pending, _encode_pending
 from tandem.router.kv_index import KVIndex
 from tandem.router.ledger import RemoteWaiter
+from tandem.router.placement import PendingRequest
 from tandem.router.policy import CacheAwareWeights, ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import Scheduler, _decode_pending, _encode_pending, _Pending
+from tandem.router.scheduler import Scheduler
 from tests.kit.workers import StaticView
 
 BLOCK = 16
@@ -133,7 +135,7 @@ async def test_local_prefill_only_and_a_prefill_done_elsewhere_exclude_each_othe
 def test_a_queued_local_prefills_replacement_travels_to_other_replicas_as_such() -> None:
     """A waiter's hand-off payload carries local_prefill_only (another replica placing it must keep
     it local), and a payload from a replica of the version before (seven fields) still decodes."""
-    waiting = _Pending(request("r", DOC, local_prefill_only=True, exclude_worker_ids=frozenset({"d0"})))
+    waiting = PendingRequest(request("r", DOC, local_prefill_only=True, exclude_worker_ids=frozenset({"d0"})))
     waiting.hashes[(BLOCK, "sha256")] = [11, 12]
     payload = _encode_pending(waiting, "normal")
     decoded = _decode_pending(RemoteWaiter("r", "t", 1, 0.0, "replica-b", payload))

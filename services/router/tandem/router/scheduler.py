@@ -47,10 +47,12 @@ from tandem.router.admission import AdmissionQueue, QueueFullError, Waiter
 from tandem.router.budget import BudgetConfig, BudgetView
 from tandem.router.fair_share import TenantShares
 from tandem.router.fleet import CachedPrefix, FleetTable
+from tandem.router.handoff import _decode_handoff, _decode_pending, _encode_handoff, _encode_pending
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
 from tandem.router.ledger import HandOff, Ledger, RemoteWaiter
 from tandem.router.metrics import NullRouterMetrics, RouterMetrics
+from tandem.router.placement import PendingRequest, PlacementDecision
 from tandem.router.policy import RoutingPolicy, ScheduleRequest, ScoredWorker
 from tandem.router.reservations import Reservation, ReservationTable
 
@@ -81,26 +83,6 @@ class FreshWorkerView(WorkerView, Protocol):
 
 
 @dataclass(frozen=True)
-class PlacementDecision:
-    """Where a request goes; the deployment turns it into a tandem.v1.Placement."""
-
-    request_id: str
-    #: None for a local prefill: the decode worker computes the prompt itself.
-    prefill: WorkerRecord | None
-    decode: WorkerRecord
-    lease_s: float
-    #: Prompt tokens the prefill worker is expected to have cached (0 for a local prefill).
-    num_cached_tokens: int
-    reason: str
-    #: Prompt tokens the decode worker is expected to have cached.
-    num_decode_cached_tokens: int = 0
-
-    @property
-    def local_prefill(self) -> bool:
-        return self.prefill is None
-
-
-@dataclass(frozen=True)
 class QueueConfig:
     #: Priority classes, highest first.
     priority_classes: tuple[str, ...] = ("high", "normal", "low")
@@ -119,19 +101,6 @@ class QueueConfig:
     #: Longest a placement made for another replica's waiter holds its budget unanswered (that
     #: replica adopts or refuses it within milliseconds; this covers a lost message or a dead replica).
     handoff_timeout_s: float = 2.0
-
-
-@dataclass
-class _Pending:
-    """A request being placed, with its block hashes per engine configuration (computed once)."""
-
-    request: ScheduleRequest
-    hashes: dict[tuple[int, str], list[int]] = field(default_factory=dict)
-    #: The roles whose budget it lacked at its last try (empty if not tried yet; both when both pools
-    #: are full: each must grow before it can go), and its prompt tokens that no worker holds (the
-    #: whole prompt until the KV index was asked).
-    waiting_for: tuple[str, ...] = ()
-    num_uncached_tokens: int = -1
 
 
 @dataclass(frozen=True)
@@ -217,9 +186,9 @@ class Scheduler:
         #: (the waiter's replica, when).
         self._handed_off: dict[str, tuple[str, float]] = {}
         #: This replica's waiters by request id (a hand-off names one).
-        self._waiters_by_id: dict[str, Waiter[_Pending]] = {}
+        self._waiters_by_id: dict[str, Waiter[PendingRequest]] = {}
         #: Other replicas' waiters decoded for a placement here (a bounded cache: cleared when full).
-        self._remote_pending: dict[str, _Pending] = {}
+        self._remote_pending: dict[str, PendingRequest] = {}
         #: Moves whenever budget may have come free here (a release or expiry, a new worker list, a
         #: poll of the queue: time passing ages reservations); see :meth:`_budget_epoch`.
         self._num_frees = 0
@@ -228,7 +197,7 @@ class Scheduler:
         self._misses: tuple[int, set[str]] = (-1, set())
         self._drain_soon: asyncio.Handle | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._queue: AdmissionQueue[_Pending] = AdmissionQueue(
+        self._queue: AdmissionQueue[PendingRequest] = AdmissionQueue(
             priority_classes=self._queue_config.priority_classes,
             default_priority=self._queue_config.default_priority,
             max_depth=self._queue_config.max_depth,
@@ -312,7 +281,7 @@ class Scheduler:
         # pair must not count as load while choosing the new one.
         if not self._released(self._reservations.release(request.request_id)) and self._ledger is not None:
             await self._ledger.forward_release(request.request_id)  # it was placed by another replica
-        pending = _Pending(request)
+        pending = PendingRequest(request)
         if not self._queue and not self._remote_waiter_ahead_of(request):
             try:
                 return self._place(pending, workers)
@@ -411,7 +380,7 @@ class Scheduler:
     def place_now(self, request: ScheduleRequest, workers: Sequence[WorkerRecord]) -> PlacementDecision:
         """One placement decision without queueing or I/O (benchmarks, tests); NoCapacityError when no budget."""
         try:
-            return self._place(_Pending(request), workers)
+            return self._place(PendingRequest(request), workers)
         except _NoBudget:
             raise NoCapacityError("no worker has budget", retry_after_s=NO_CAPACITY_RETRY_AFTER_S) from None
 
@@ -419,14 +388,14 @@ class Scheduler:
         """Where :meth:`place_now` would place ``request`` now, reserving nothing (a dry run: the
         replica-agreement benchmark asks an oracle); NoCapacityError when no budget."""
         try:
-            return self._decision(self._decide(_Pending(request), workers))
+            return self._decision(self._decide(PendingRequest(request), workers))
         except _NoBudget:
             raise NoCapacityError("no worker has budget", retry_after_s=NO_CAPACITY_RETRY_AFTER_S) from None
 
-    def _place(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> PlacementDecision:
+    def _place(self, pending: PendingRequest, workers: Sequence[WorkerRecord]) -> PlacementDecision:
         return self._commit(self._decide(pending, workers))
 
-    def _decide(self, pending: _Pending, workers: Sequence[WorkerRecord]) -> _Choice:
+    def _decide(self, pending: PendingRequest, workers: Sequence[WorkerRecord]) -> _Choice:
         """The placement for ``pending`` (raises _NoBudget or the error naming what is missing); no side
         effects but the policy's own rotation."""
         request = pending.request
@@ -533,7 +502,7 @@ class Scheduler:
             raise _NoBudget((role, *also_lacking))
         raise self._no_worker_error(request, workers, role)
 
-    def _lookup(self, pending: _Pending, fleet: FleetTable) -> CachedPrefix | None:
+    def _lookup(self, pending: PendingRequest, fleet: FleetTable) -> CachedPrefix | None:
         """How much of the prompt each worker holds, from the KV index: one lookup per hashing
         configuration of the model's workers (None: nothing to look up)."""
         request = pending.request
@@ -569,7 +538,7 @@ class Scheduler:
 
     # -- the admission queue -------------------------------------------------------
 
-    async def _wait_in_queue(self, pending: _Pending) -> PlacementDecision:
+    async def _wait_in_queue(self, pending: PendingRequest) -> PlacementDecision:
         request = pending.request
         cfg = self._queue_config
         priority = request.priority or cfg.tenant_priorities.get(request.tenant, "")
@@ -631,13 +600,13 @@ class Scheduler:
             except TandemError as exc:  # the registry is down: the waiters time out on their own
                 logger.warning("admission queue poll failed: %s", exc)
 
-    def _dequeue(self, waiter: Waiter[_Pending]) -> None:
+    def _dequeue(self, waiter: Waiter[PendingRequest]) -> None:
         if self._queue.remove(waiter) and self._ledger is not None:
             self._ledger.dequeued(waiter.item.request.request_id)
 
     # -- the fair-share order across replicas ------------------------------------------------------
 
-    def _rank(self, waiter: Waiter[_Pending]) -> _Rank:
+    def _rank(self, waiter: Waiter[PendingRequest]) -> _Rank:
         return _Rank(self._queue.priority_index(waiter.priority), waiter.tenant, waiter.enqueued_at_unix)
 
     def _rank_of_new(self, request: ScheduleRequest) -> _Rank:
@@ -710,7 +679,7 @@ class Scheduler:
         missed = self._missed_now()
         num_remote_misses = 0
         while True:
-            waiter: Waiter[_Pending] | None = self._queue.next(self._shares.served)
+            waiter: Waiter[PendingRequest] | None = self._queue.next(self._shares.served)
             if waiter is not None and waiter.future.done():
                 self._dequeue(waiter)
                 continue
@@ -1001,94 +970,3 @@ class Scheduler:
             f"({num_of_role} registered, {num_excluded} excluded by the caller)",
             retry_after_s=NO_CAPACITY_RETRY_AFTER_S,
         )
-
-
-# -- hand-offs on the wire (msgpack through the ledger) -----------------------------------------------
-
-
-def _encode_pending(pending: _Pending, priority: str) -> list[object]:
-    """What another replica needs to place a waiting request: sizes, exclusions and block hashes."""
-    request = pending.request
-    return [
-        request.model,
-        request.num_tokens,
-        request.max_tokens,
-        [[block_size, algo, hashes] for (block_size, algo), hashes in pending.hashes.items()],
-        sorted(request.exclude_worker_ids),
-        request.prefill_done_on_worker_id,
-        priority,
-        request.local_prefill_only,
-    ]
-
-
-def _decode_pending(remote: RemoteWaiter) -> _Pending | None:
-    """:func:`_encode_pending` undone (None when the waiter came without one, or it is malformed)."""
-    if not isinstance(remote.payload, list | tuple):
-        return None
-    try:
-        # A replica of the version before local_prefill_only sends seven fields.
-        model, num_tokens, max_tokens, by_config, exclude, prefill_done_on, priority, *more = remote.payload
-        local_only = bool(more[0]) if more else False
-        hashes = {(int(block_size), str(algo)): [int(h) for h in values] for block_size, algo, values in by_config}
-        request = ScheduleRequest(
-            request_id=remote.request_id,
-            model=str(model),
-            num_prompt_tokens=int(num_tokens),
-            max_tokens=int(max_tokens),
-            tenant=remote.tenant,
-            prompt_block_hashes=hashes,
-            exclude_worker_ids=frozenset(str(w) for w in exclude),
-            priority=str(priority),
-            prefill_done_on_worker_id=str(prefill_done_on),
-            local_prefill_only=local_only,
-        )
-    except (TypeError, ValueError):
-        return None
-    return _Pending(request, hashes=dict(hashes))
-
-
-def _worker_fields(worker: WorkerRecord | None) -> list[str]:
-    return [] if worker is None else [worker.worker_id, worker.role, worker.model, worker.address]
-
-
-def _encode_handoff(decision: PlacementDecision, reservation: Reservation) -> list[object]:
-    return [
-        list(reservation.worker_ids),
-        [int(reservation.tokens_by_worker.get(w, 0)) for w in reservation.worker_ids],
-        reservation.tenant,
-        time.time(),
-        _worker_fields(decision.prefill),
-        _worker_fields(decision.decode),
-        decision.lease_s,
-        decision.num_cached_tokens,
-        decision.num_decode_cached_tokens,
-        decision.reason,
-    ]
-
-
-def _decode_handoff(
-    handoff: HandOff, known: Sequence[WorkerRecord]
-) -> tuple[PlacementDecision, tuple[str, ...], dict[str, int], str, float]:
-    """The placement, its reservation's workers and tokens, its tenant, and its age in seconds."""
-    (worker_ids, tokens, tenant, placed_at_unix, prefill, decode, lease_s, num_cached, num_decode_cached, reason) = (
-        handoff.placement
-    )
-    by_id = {w.worker_id: w for w in known}
-
-    def record(fields: list[str]) -> WorkerRecord:
-        worker_id, role, model, address = fields
-        return by_id.get(worker_id) or WorkerRecord(worker_id, role, model, address)
-
-    decision = PlacementDecision(
-        request_id=handoff.request_id,
-        prefill=record(prefill) if prefill else None,
-        decode=record(decode),
-        lease_s=float(lease_s),
-        num_cached_tokens=int(num_cached),
-        reason=str(reason),
-        num_decode_cached_tokens=int(num_decode_cached),
-    )
-    ids = tuple(str(w) for w in worker_ids)
-    return decision, ids, dict(zip(ids, (int(n) for n in tokens), strict=False)), str(tenant), max(
-        0.0, time.time() - float(placed_at_unix)
-    )
