@@ -290,8 +290,10 @@ def test_the_first_token_is_appended_only_where_that_is_the_same_request() -> No
     assert not appends(temperature=0.7, seed=3)  # a seeded sampler would be one draw behind
     assert not appends(defaults={"temperature": 0.2}, seed=3)  # the model's default temperature counts
     assert not appends(stop=["x"])
-    assert not appends(presence_penalty=0.5) and not appends(frequency_penalty=0.5)
-    assert not appends(defaults={"frequency_penalty": 0.5})
+    # Presence and frequency penalties count output tokens only; the appended token carries its count
+    # (tandem.worker.carried_penalties), so they append too.
+    assert appends(presence_penalty=0.5) and appends(frequency_penalty=0.5)
+    assert appends(defaults={"frequency_penalty": 0.5})
     assert not appends(structured_output=common_pb2.StructuredOutput(json_object=True))
     assert not appends(first_text="")  # the first token ends inside a character: nothing was streamed
     assert not appends(skip_special_tokens=False, spaces_between_special_tokens=False)
@@ -330,8 +332,11 @@ def test_a_prefix_that_ends_inside_a_character_is_not_taken() -> None:
     assert _split("Olá 👋", resumed=(11, 12, 99), temperature=0.0) == (2, 5)
 
 
+def test_penalised_streams_take_their_tokens_as_prompt_and_carry_the_counts() -> None:
+    assert _split("Olá 👋 東", temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3) == (3, 7)
+
+
 def test_state_that_counts_output_tokens_replays_them_all() -> None:
-    assert _split("Olá 👋 東", temperature=0.0, presence_penalty=0.5) == (0, 0)
     assert _split("Olá 👋 東", temperature=0.7, seed=3) == (0, 0)
     grammar = common_pb2.StructuredOutput(regex=".*")
     assert _split("Olá 👋 東", temperature=0.0, structured_output=grammar) == (0, 0)

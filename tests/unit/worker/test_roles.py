@@ -15,6 +15,7 @@ import pytest
 from tandem.common import kv_capability
 from tandem.common.tls import TLSSettings
 from tandem.v1 import common_pb2, worker_pb2
+from tandem.worker.carried_penalties import CARRIED_TOKEN_IDS
 from tandem.worker.first_token import REPLAY_TOKEN_ID
 from tandem.worker.kv_connector.params import HANDLE, KV_LOAD, KVHandleParams, LoadRecord
 from tandem.worker.service import WorkerService
@@ -402,7 +403,8 @@ async def test_a_resumed_decode_replays_what_the_client_has_and_streams_only_wha
         local_prefill=True,
         resume_token_ids=[11, 12, 13],
         resume_text="Olá 👋 東",
-        sampling=common_pb2.SamplingOptions(max_tokens=8, temperature=0.0, presence_penalty=1.0, seed=7),
+        # Seeded random sampling: the generator's draws so far cannot be re-made, so every token is replayed.
+        sampling=common_pb2.SamplingOptions(max_tokens=8, temperature=0.7, presence_penalty=1.0, seed=7),
     )
     chunks = await _decode(service, request)
     assert [(c.text, list(c.token_ids)) for c in chunks] == [("京!", [14])]
@@ -471,3 +473,28 @@ async def test_a_greedy_resumed_decode_takes_the_tokens_so_far_as_prompt_and_rep
     assert engine.prompts == [{"prompt_token_ids": [1, 2, 3, 11, 12]}]
     assert params.extra_args[REPLAY_TOKEN_ID] == [13]
     assert (params.max_tokens, params.min_tokens) == (6, 2)
+    assert CARRIED_TOKEN_IDS not in params.extra_args  # no penalty to carry
+
+
+async def test_a_penalised_greedy_resumed_decode_takes_the_tokens_as_prompt_and_carries_their_counts() -> None:
+    """Presence and frequency penalties count output tokens: the tokens taken as prompt go to the engine
+    as carried counts (tandem.worker.carried_penalties), not as a replay of one step each."""
+    engine = ScriptedEngine(
+        vocab={11: "Olá", 12: " 👋", 13: " 東"},
+        outputs=[Output([Completion([14], "京", finish_reason="stop")], finished=True)],
+    )
+    service = await _service("decode", engine)
+    request = worker_pb2.DecodeRequest(
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        local_prefill=True,
+        resume_token_ids=[11, 12, 13],
+        resume_text="Olá 👋 東",
+        sampling=common_pb2.SamplingOptions(max_tokens=8, temperature=0.0, presence_penalty=0.6, frequency_penalty=0.2),
+    )
+    chunks = await _decode(service, request)
+    assert "".join(c.text for c in chunks) == "京"
+    (params,) = engine.params
+    assert engine.prompts == [{"prompt_token_ids": [1, 2, 3, 11, 12, 13]}]
+    assert params.extra_args[CARRIED_TOKEN_IDS] == [11, 12, 13] and REPLAY_TOKEN_ID not in params.extra_args
+    assert params.max_tokens == 5

@@ -29,14 +29,17 @@ token the client sees is one step shorter, and decode's text is streamed as it
 comes (:class:`StreamAll`). The conditions, each a place where the forms
 differ: stop strings (vLLM matches them in the output text only, and one may
 begin in the first token); a structured-output grammar (its state would not
-have advanced over the first token); presence and frequency penalties (they
-count output tokens only; repetition penalty counts prompt and output alike);
-a seed under random sampling (a seeded sampler would be one draw behind); the
+have advanced over the first token); a seed under random sampling (a seeded
+sampler would be one draw behind); the
 first token's text incomplete (part of a character: vLLM's detokenizer primed
 with a prompt that ends inside a character emits prompt text) or empty; and
 special tokens joined without spaces (the detokenizer would not know the
 first token was one). ``min_tokens`` and ``max_tokens`` count the first token
-in the colocated request and are one lower in the appended one.
+in the colocated request and are one lower in the appended one. Presence and
+frequency penalties count output tokens only (repetition penalty counts prompt
+and output alike): output tokens taken as prompt carry their share of them to
+the engine (:mod:`tandem.worker.carried_penalties`), so a penalised request
+appends too.
 """
 
 from __future__ import annotations
@@ -66,11 +69,10 @@ def first_streamed_text(text: str, *, finished: bool, stop_buffer_chars: int) ->
 
 
 def _output_state_free(options: common_pb2.SamplingOptions, effective: Mapping[str, Any]) -> bool:
-    """No sampling state counts the output tokens: output tokens taken as prompt leave the request the
-    same (stop strings and characters split at the boundary aside: each caller checks those)."""
+    """No sampling state counts the output tokens that cannot be carried over: output tokens taken as
+    prompt leave the request the same (stop strings and characters split at the boundary aside: each
+    caller checks those; presence and frequency penalties are carried: tandem.worker.carried_penalties)."""
     if options.HasField("structured_output") and options.structured_output.WhichOneof("kind"):
-        return False
-    if effective.get("presence_penalty", 0.0) or effective.get("frequency_penalty", 0.0):
         return False
     if effective.get("seed") is not None and effective.get("temperature", 1.0) >= _GREEDY_TEMPERATURE:
         return False
@@ -103,7 +105,8 @@ def resumed_split(
 
     Replaying costs an engine step a token (a hundred tokens take seconds on a CPU); taking tokens as
     prompt costs one prefill for all of them. Taking them is the same request where no sampling state
-    counts output tokens (:func:`_output_state_free`) and the tokens replayed still carry what vLLM
+    counts output tokens but the penalties the caller carries over (:func:`_output_state_free`) and
+    the tokens replayed still hold what vLLM
     checks in the output alone: the prefix must end on a whole character (``decode``, the engine's
     tokenizer, gives exactly the start of ``resume_text``, no U+FFFD), and the replayed text must hold
     at least a stop string's length less one character, so that a stop string that began before the

@@ -22,6 +22,7 @@ from tandem.worker.continuation import (
     appends_first_token,
     resumed_split,
 )
+from tandem.worker.carried_penalties import carried_args
 from tandem.worker.first_token import replay_args
 from tandem.worker.handling import Ctx, Role, engine_errors, engine_prompt, sampling_params
 from tandem.worker.kv_connector.layout import KVLayout
@@ -94,7 +95,10 @@ class DecodeRole(Role):
         num_prompt = len(prompt_ids) + (len(appended) if resumed else 0)
         if appended:
             options, max_tokens = appended_options(options, len(appended)), max_tokens - len(appended)
-        extra_args: dict[str, Any] = replay_args(replayed) if replayed else {}
+        extra_args: dict[str, Any] = {
+            **carried_args(appended, effective),
+            **(replay_args(replayed) if replayed else {}),
+        }
         if request.HasField("kv_handle"):
             try:
                 self._layout.check_compatible(KVLayout.from_proto(request.kv_handle.layout))

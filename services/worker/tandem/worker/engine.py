@@ -22,6 +22,8 @@ from tandem.worker.validation import ModelLimits
 CONNECTOR_MODULE = "tandem.worker.kv_connector.connector"
 #: tandem.worker.first_token.ReplayFirstToken by name: vLLM imports it in the model-runner process.
 FIRST_TOKEN_REPLAY = "tandem.worker.first_token:ReplayFirstToken"
+#: tandem.worker.carried_penalties.CarriedPenalties, likewise by name.
+CARRIED_PENALTIES = "tandem.worker.carried_penalties:CarriedPenalties"
 CONNECTOR_CLASS = "GrpcKVConnector"
 
 
@@ -126,8 +128,9 @@ def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str,
         "max_num_seqs": eng.max_num_seqs,
         "tensor_parallel_size": eng.tensor_parallel_size,
         "enable_prefix_caching": True,
-        # Decode replays the prefill's first token; see tandem.worker.first_token.
-        "logits_processors": [FIRST_TOKEN_REPLAY],
+        # Decode replays the prefill's first token (tandem.worker.first_token), or takes output tokens as
+        # prompt with their penalties carried (tandem.worker.carried_penalties).
+        "logits_processors": [FIRST_TOKEN_REPLAY, CARRIED_PENALTIES],
         # The worker service reaches its KV server through the engine (tandem.worker.kv_connector.extension).
         "worker_extension_cls": WORKER_EXTENSION,
         # Our connector serves one full-attention group; HMA would need SupportsHMA.

@@ -17,11 +17,15 @@ sampling parameter, the text and the grammar state continue exactly. The price
 is one decode step at the boundary (the last prompt position is computed on
 the decode engine, as vLLM always does for a fully cached prompt).
 
+Where the two forms are the same request after all, decode appends instead
+(:mod:`tandem.worker.continuation` says when; presence and frequency penalties
+then carry the appended tokens' counts: :mod:`tandem.worker.carried_penalties`).
+
 A migrated stream (a decode worker died after k tokens) is the same thing at
-token k: the new decode engine replays all k tokens the client has received,
-one step each, and so continues as the very request that died, its penalties'
-counts, its grammar's state and its seeded sampler's draws included (a forced
-step still draws from the request's generator, as the original step did).
+token k: the new decode engine replays the tokens the client has received that
+it cannot take as prompt, one step each, and so continues as the very request
+that died, its grammar's state and its seeded sampler's draws included (a
+forced step still draws from the request's generator, as the original step did).
 
 Contract: for a request whose ``extra_args`` carry :data:`REPLAY_TOKEN_ID` (a
 list of token ids), while it has fewer output tokens than the list, every logit
