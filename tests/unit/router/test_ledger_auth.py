@@ -131,7 +131,7 @@ async def test_a_replayed_genuine_message_is_dropped(redis_prefix: str) -> None:
         ledger_b.start()
         await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
         ledger_a.forward_release_to("b", "req-b")
-        await until(lambda: ledger_b._forwarded == ["req-b"])
+        await until(lambda: ledger_b.others._forwarded == ["req-b"])
         assert ledger_b.take_forwarded() == ["req-b"]
         recorded = None
         deadline = time.monotonic() + 3.0

@@ -60,14 +60,12 @@ publisher's messages once and in order, so only a replay repeats one); and one f
 while ``max_replicas`` mirrors exist (``too_many_replicas``). Only an authenticated message or
 snapshot makes a mirror, and a mirror that heard nothing for a lease (``lease_s``: every reservation
 it could hold has expired) is dropped, so a flood of invented replica ids costs at most
-``max_replicas`` mirrors, each holding at most ``_MAX_BUFFERED`` messages.
+``max_replicas`` mirrors, each holding at most ``MAX_BUFFERED`` messages
+(:mod:`tandem.router.ledger_mirror`).
 
-Wire: msgpack, then the tag. A message is ``[replica id, seq, events, sent_at_unix]``; a snapshot a
-map (below) with ``replica`` and ``at`` (its wall-clock time). Event tuples (issue 39 makes them a
-typed union): ``("+", request_id, worker_ids, tokens, tenant, uncached_tokens, reserved_at_unix)``,
-``("-", request_id)``, ``("q", request_id, tenant, priority_index, enqueued_at_unix, payload)``,
-``("d", request_id)``, ``("r", request_id, owner_replica_id)`` (a forwarded Release),
-``("p", request_id, target_replica_id, placement)`` (a hand-off).
+Wire: msgpack, then the tag: the typed messages and snapshots of :mod:`tandem.router.ledger_events`,
+which also says what a replica of another version does with them (a rolling upgrade). The mirrors
+of the other replicas, and what they are read for, are :mod:`tandem.router.ledger_mirror`'s.
 """
 
 from __future__ import annotations
@@ -77,116 +75,46 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterator
 
-import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tandem.common import redis_retry
-from tandem.router import ledger_auth
 from tandem.router.fair_share import TenantShares
 from tandem.router.ledger_auth import LedgerAuth
+from tandem.router.ledger_events import (
+    Codec,
+    Dequeued,
+    Event,
+    ForwardedRelease,
+    HandedOff,
+    HandOffPlacement,
+    Message,
+    Queued,
+    Released,
+    Reserved,
+    Snapshot,
+    WaitingRequest,
+)
+from tandem.router.ledger_mirror import HandOff, LedgerStats, Mirror, RemoteWaiter, ReplicaMirrors
 from tandem.router.metrics import NullRouterMetrics, RouterMetrics
 from tandem.router.pubsub import Publisher, Subscription
 from tandem.router.reservations import Reservation, ReservationTable
 
+__all__ = ["DEFAULT_MAX_MESSAGE_AGE_S", "DEFAULT_MAX_REPLICAS", "HandOff", "Ledger", "LedgerStats", "RemoteWaiter"]
+
 logger = logging.getLogger(__name__)
 
-_RESERVED, _RELEASED, _QUEUED, _DEQUEUED, _FORWARD, _HANDOFF = "+", "-", "q", "d", "r", "p"
 #: A flush that cannot publish yet (a snapshot round's write in flight, or no connection) tries again
 #: after this long, keeping its events (a snapshot round takes whatever is still there).
 _FLUSH_RETRY_S = 0.0005
 _FLUSH_RETRY_UNCONNECTED_S = 0.05
-#: Messages kept per mirror while it waits for a snapshot to repair a gap.
-_MAX_BUFFERED = 10_000
 #: Replicas mirrored at most (``ledger.max_replicas``); a message from another new id is dropped.
 DEFAULT_MAX_REPLICAS = 64
 #: A message or snapshot sent longer ago than this (or this far ahead of the receiver's clock) is
 #: dropped: a replay of a genuine one after its sender's mirror is gone, or a badly skewed clock.
 DEFAULT_MAX_MESSAGE_AGE_S = 30.0
-
-
-@dataclass(frozen=True)
-class RemoteWaiter:
-    """A request waiting for budget in another replica's queue."""
-
-    request_id: str
-    tenant: str
-    #: Index into the priority classes (0 = highest).
-    priority_index: int
-    enqueued_at_unix: float
-    replica_id: str
-    #: What a placement of it needs (the scheduler's encoding; None: not sent, it cannot be placed here).
-    payload: Any = None
-
-
-@dataclass(frozen=True)
-class HandOff:
-    """A placement another replica made for a request waiting in this replica's queue."""
-
-    request_id: str
-    #: The replica that placed it and holds the reservation until this one adopts or refuses it.
-    placer_id: str
-    #: The scheduler's encoding of the placement.
-    placement: Any
-
-
-@dataclass
-class _Mirror:
-    """What this replica knows of one other replica."""
-
-    replica_id: str
-    table: ReservationTable
-    waiters: dict[str, RemoteWaiter] = field(default_factory=dict)
-    #: The same waiters by (priority index, tenant), each in the order they were queued: only the
-    #: first of each can rank first in the router's order.
-    groups: dict[tuple[int, str], dict[str, RemoteWaiter]] = field(default_factory=dict)
-    applied_seq: int = -1
-    #: No snapshot applied yet, or a gap: messages wait in ``buffered`` until the next snapshot.
-    needs_snapshot: bool = True
-    buffered: deque[tuple[int, list[Any]]] = field(default_factory=lambda: deque(maxlen=_MAX_BUFFERED))
-    #: Its liveness key expired: nothing more will come from it (see the module docstring).
-    dead: bool = False
-    #: The highest seq heard from it on the channel (the replay guard), and the seq of the last
-    #: snapshot of it applied.
-    heard_seq: int = -1
-    snapshot_seq: int = -1
-    #: The ledger's clock when its last authenticated message or snapshot arrived.
-    heard_s: float = 0.0
-
-    def add_waiter(self, waiter: RemoteWaiter) -> None:
-        self.pop_waiter(waiter.request_id)
-        self.waiters[waiter.request_id] = waiter
-        self.groups.setdefault((waiter.priority_index, waiter.tenant), {})[waiter.request_id] = waiter
-
-    def pop_waiter(self, request_id: str) -> RemoteWaiter | None:
-        waiter = self.waiters.pop(request_id, None)
-        if waiter is not None:
-            key = (waiter.priority_index, waiter.tenant)
-            group = self.groups[key]
-            del group[request_id]
-            if not group:
-                del self.groups[key]
-        return waiter
-
-    def clear_waiters(self) -> None:
-        self.waiters.clear()
-        self.groups.clear()
-
-
-@dataclass
-class LedgerStats:
-    num_published: int = 0
-    num_publish_errors: int = 0
-    num_received: int = 0
-    num_gaps: int = 0
-    num_snapshots_applied: int = 0
-    num_replicas_forgotten: int = 0
-    #: Messages and snapshots dropped, by reason (:mod:`tandem.router.ledger_auth`'s ``REJECT_*``).
-    rejected: dict[str, int] = field(default_factory=dict)
 
 
 class Ledger:
@@ -214,17 +142,11 @@ class Ledger:
     ) -> None:
         self.replica_id = replica_id
         self._auth = LedgerAuth(secret)
-        self._max_replicas = max_replicas
-        self._max_message_age_s = max_message_age_s
-        self._metrics = metrics or NullRouterMetrics()
         self._redis_url = redis_url
         self._redis: aioredis.Redis = redis_retry.connect(redis_url, timeout_s=1.0)
         self._prefix = f"{key_prefix}:router"
         self._channel = f"{self._prefix}:ledger"
         self._publisher = Publisher(redis_url, self._channel, timeout_s=1.0)
-        self._lease_s = lease_s
-        self._young_s = young_s
-        self._recent_half_life_s = recent_half_life_s
         self.flush_interval_s = flush_interval_s
         self.snapshot_interval_s = snapshot_interval_s
         self._ttl_ms = max(1000, int(ttl_s * 1000))
@@ -233,40 +155,53 @@ class Ledger:
         self._clock = clock
         self._wall = wall_clock
         # Ours: what the snapshot holds (reservations come from the scheduler's table at snapshot time).
-        self._own_reservations: dict[str, tuple[Any, ...]] = {}
-        self._own_waiters: dict[str, tuple[Any, ...]] = {}
+        self._own_reservations: dict[str, Reserved] = {}
+        self._own_waiters: dict[str, Queued] = {}
         #: The scheduler's own table (set by :class:`~tandem.router.scheduler.Scheduler`): the snapshot
         #: carries its recent tokens per worker, released reservations included, so that a mirror
         #: rebuilt from it scores the workers as a mirror that heard every message does.
         self.own_table: ReservationTable | None = None
-        self._outbox: list[tuple[Any, ...]] = []
+        self._outbox: list[Event] = []
         self._seq = -1
         self._flush_handle: asyncio.Handle | None = None
         #: A snapshot round's write is in flight: flushes wait, so that its message (taken before them)
         #: is published before theirs.
         self._tick_in_flight = False
-        self._mirrors: dict[str, _Mirror] = {}
-        self._changed: set[str] = set()
-        self._forwarded: list[str] = []
-        self._handoffs: list[HandOff] = []
-        #: Counts every change here that may have freed budget (a reservation of another replica
-        #: released or expired, a mirror rebuilt): a scheduler retries a request that did not fit only
-        #: once this moved (or time passed).
-        self.num_frees = 0
+        self.stats = LedgerStats()
+        self.others = ReplicaMirrors(
+            replica_id,
+            lease_s=lease_s,
+            young_s=young_s,
+            recent_half_life_s=recent_half_life_s,
+            max_replicas=max_replicas,
+            shares=self.shares,
+            stats=self.stats,
+            auth=self._auth,
+            max_message_age_s=max_message_age_s,
+            metrics=metrics or NullRouterMetrics(),
+            notify=self._notify,
+            clock=clock,
+            wall_clock=wall_clock,
+        )
+        self._mirrors: dict[str, Mirror] = self.others.by_id
+        #: Seconds from another replica's placement to its arrival here (the last 10,000).
+        self.lag_s: deque[float] = self.others.lag_s
         self._tasks: list[asyncio.Task[None]] = []
         # redis-py can swallow a CancelledError that lands inside a command: the loops also stop on this.
         self._closed = False
-        self.stats = LedgerStats()
-        #: Seconds from another replica's placement to its arrival here (the last 10,000).
-        self.lag_s: deque[float] = deque(maxlen=10_000)
         #: Called (synchronously) when another replica freed budget, forwarded a Release here, or its
         #: queue changed: the scheduler drains its queue at once instead of at its next poll.
         self.on_change: Callable[[], None] | None = None
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder()
-        #: How every message of ours begins (a 4-array, then our id with its length): the channel hands
-        #: each publisher its own messages back, one per flush, and they are dropped undecoded.
-        self._own_prefix = b"\x94" + msgspec.msgpack.encode(replica_id)
+        self._codec = Codec()
+
+    def _notify(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    @property
+    def num_frees(self) -> int:
+        """Counts every change that may have freed budget here (see :class:`ReplicaMirrors`)."""
+        return self.others.num_frees
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -283,53 +218,55 @@ class Ledger:
 
     def reserved(self, reservation: Reservation, num_uncached_tokens: int) -> None:
         now_unix = self._wall()
-        reserved_at_unix = now_unix - (self._clock() - reservation.reserved_at_s)
-        event = (
-            _RESERVED,
-            reservation.request_id,
-            list(reservation.worker_ids),
-            [int(reservation.tokens_by_worker.get(w, 0)) for w in reservation.worker_ids],
-            reservation.tenant,
-            int(num_uncached_tokens),
-            reserved_at_unix,
+        event = Reserved(
+            request_id=reservation.request_id,
+            worker_ids=list(reservation.worker_ids),
+            tokens=[int(reservation.tokens_by_worker.get(w, 0)) for w in reservation.worker_ids],
+            tenant=reservation.tenant,
+            num_uncached_tokens=int(num_uncached_tokens),
+            reserved_at_unix=now_unix - (self._clock() - reservation.reserved_at_s),
         )
         self._own_reservations[reservation.request_id] = event
         self._emit(event)
 
     def released(self, reservation: Reservation) -> None:
         if self._own_reservations.pop(reservation.request_id, None) is not None:
-            self._emit((_RELEASED, reservation.request_id))
+            self._emit(Released(reservation.request_id))
 
     def queued(
-        self, request_id: str, tenant: str, priority_index: int, enqueued_at_unix: float, payload: Any = None
+        self,
+        request_id: str,
+        tenant: str,
+        priority_index: int,
+        enqueued_at_unix: float,
+        payload: WaitingRequest | None = None,
     ) -> None:
-        event = (_QUEUED, request_id, tenant, int(priority_index), enqueued_at_unix, payload)
+        event = Queued(request_id, tenant, int(priority_index), enqueued_at_unix, payload)
         self._own_waiters[request_id] = event
         self._emit(event)
 
     def dequeued(self, request_id: str) -> None:
         if self._own_waiters.pop(request_id, None) is not None:
-            self._emit((_DEQUEUED, request_id))
+            self._emit(Dequeued(request_id))
 
-    def handed_off(self, target_replica_id: str, request_id: str, placement: Any) -> None:
+    def handed_off(self, target_replica_id: str, request_id: str, placement: HandOffPlacement) -> None:
         """This replica placed ``request_id``, which waits in ``target_replica_id``'s queue; publish it
         there (in the same message as the reservation, made just before)."""
-        self._emit((_HANDOFF, request_id, target_replica_id, placement))
+        self._emit(HandedOff(request_id, target_replica_id, placement))
 
     def take_handoffs(self) -> list[HandOff]:
         """Placements other replicas made for this replica's waiters."""
-        handoffs, self._handoffs = self._handoffs, []
-        return handoffs
+        return self.others.take_handoffs()
 
     def forward_release_to(self, owner_replica_id: str, request_id: str) -> None:
         """Ask ``owner_replica_id`` to release ``request_id`` (a hand-off adopted or refused); it stops
         counting here at once."""
-        self._emit((_FORWARD, request_id, owner_replica_id))
+        self._emit(ForwardedRelease(request_id, owner_replica_id))
         owner = self._mirrors.get(owner_replica_id)
         if owner is not None:
-            self._released_elsewhere(owner, request_id)
+            self.others.released_elsewhere(owner, request_id)
 
-    def _emit(self, event: tuple[Any, ...]) -> None:
+    def _emit(self, event: Event) -> None:
         self._outbox.append(event)
         if self._flush_handle is None and self._tasks:
             loop = asyncio.get_running_loop()
@@ -356,9 +293,9 @@ class Ledger:
         self._seq += 1
         self._publish(self._message(events))
 
-    def _message(self, events: list[tuple[Any, ...]]) -> bytes:
+    def _message(self, events: list[Event]) -> bytes:
         """The next message, sealed (call right after numbering it)."""
-        return self._auth.seal_message(self._encoder.encode([self.replica_id, self._seq, events, self._wall()]))
+        return self._auth.seal_message(self._codec.encode(Message(self.replica_id, self._seq, events, self._wall())))
 
     def _publish(self, message: bytes) -> None:
         if self._publisher.publish(message):
@@ -366,327 +303,88 @@ class Ledger:
         else:  # lost: the receivers see a gap in our seqs and repair from the next snapshot
             self.stats.num_publish_errors += 1
 
-    # -- the other replicas, as the scheduler reads them ---------------------------------------
+    # -- the other replicas, as the scheduler reads them (see ReplicaMirrors) ------------------
 
     def others_tokens(self, worker_id: str) -> int:
-        return sum(m.table.num_tokens_in_flight(worker_id) for m in self._mirrors.values())
+        return self.others.others_tokens(worker_id)
 
     def others_young_tokens(self, worker_id: str) -> int:
-        total = 0
-        for mirror in self._mirrors.values():
-            total += mirror.table.token_snapshot()[1].get(worker_id, 0)
-        return total
+        return self.others.others_young_tokens(worker_id)
 
     def others_in_flight(self, worker_id: str) -> int:
-        return sum(m.table.num_in_flight(worker_id) for m in self._mirrors.values())
+        return self.others.others_in_flight(worker_id)
 
     def others_recent_tokens_at(self, worker_id: str) -> tuple[float, float]:
         now_s = self._clock()
-        return sum(m.table.recent_tokens(worker_id) for m in self._mirrors.values()), now_s
+        return self.others.others_recent_tokens(worker_id), now_s
 
     def others_in_flight_for_tenant(self, tenant: str) -> int:
-        return sum(m.table.num_in_flight_for_tenant(tenant) for m in self._mirrors.values())
+        return self.others.others_in_flight_for_tenant(tenant)
 
     def drain_changed(self) -> set[str]:
-        changed = self._changed
-        for mirror in self._mirrors.values():
-            changed |= mirror.table.drain_changed()
-        self._changed = set()
-        return changed
+        return self.others.drain_changed()
 
     @property
     def has_remote_waiters(self) -> bool:
         """Whether any other replica has a request waiting."""
-        return any(m.waiters for m in self._mirrors.values())
+        return self.others.has_remote_waiters
 
     def remote_waiters(self) -> Iterator[RemoteWaiter]:
-        for mirror in self._mirrors.values():
-            yield from mirror.waiters.values()
+        return self.others.remote_waiters()
 
     def remote_heads(self, skip: Callable[[str], bool]) -> Iterator[RemoteWaiter]:
-        """Per other replica and (class, tenant), its longest-waiting request for which ``skip`` is
-        false: the only ones that can rank first (a replica's waiters of one tenant and class are in
-        the order they were queued), without a pass over every waiter."""
-        for mirror in self._mirrors.values():
-            for group in mirror.groups.values():
-                for waiter in group.values():
-                    if not skip(waiter.request_id):
-                        yield waiter
-                        break
+        """See :meth:`ReplicaMirrors.remote_heads`."""
+        return self.others.remote_heads(skip)
 
     @property
     def num_live_replicas(self) -> int:
-        return 1 + sum(1 for m in self._mirrors.values() if not m.dead)
+        return 1 + self.others.num_live
 
     # -- forwarded Releases --------------------------------------------------------------------
 
     async def forward_release(self, request_id: str) -> bool:
         """Ask the replica holding ``request_id`` to release it; False when no live replica holds it."""
-        owner = next((m for m in self._mirrors.values() if m.table.get(request_id) is not None), None)
+        owner = self.others.owner_of(request_id)
         if owner is None:
             return False
-        self._emit((_FORWARD, request_id, owner.replica_id))
-        self._released_elsewhere(owner, request_id)
+        self._emit(ForwardedRelease(request_id, owner.replica_id))
+        self.others.released_elsewhere(owner, request_id)
         return True
-
-    def _released_elsewhere(self, owner: _Mirror, request_id: str) -> None:
-        """``request_id`` of ``owner`` was released through another replica: its request ended, so it
-        stops counting here at once (the owner's own release, when it comes, finds nothing more to
-        do; an owner that died never sends one)."""
-        if owner.table.release(request_id) is not None:
-            self.num_frees += 1
-            if self.on_change is not None:
-                self.on_change()
 
     def take_forwarded(self) -> list[str]:
         """Request ids other replicas asked this one to release."""
-        forwarded, self._forwarded = self._forwarded, []
-        return forwarded
+        return self.others.take_forwarded()
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def _mirror(self, replica_id: str) -> _Mirror | None:
-        """The mirror of ``replica_id``, made if new (call only for an authenticated sender); None when
-        ``max_replicas`` mirrors exist already."""
-        mirror = self._mirrors.get(replica_id)
-        if mirror is None:
-            if len(self._mirrors) >= self._max_replicas:
-                return None
-            table = ReservationTable(
-                lease_s=self._lease_s,
-                clock=self._clock,
-                young_s=self._young_s,
-                recent_half_life_s=self._recent_half_life_s,
-            )
-            mirror = self._mirrors[replica_id] = _Mirror(replica_id, table, heard_s=self._clock())
-        return mirror
-
-    def _reject(self, reason: str, what: str) -> None:
-        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
-        self._metrics.count_ledger_rejected(reason)
-        # One line per reason and power of two: a flood is visible without flooding the log.
-        count = self.stats.rejected[reason]
-        if count & (count - 1) == 0:
-            logger.warning("ledger: dropped a %s (%s; %d so far)", what, reason, count)
-
-    def _fresh(self, sent_at_unix: float) -> bool:
-        return abs(self._wall() - sent_at_unix) <= self._max_message_age_s
-
     def receive(self, payload: bytes) -> None:
-        """Apply one message from the channel (ours are ignored; see the module docstring for what is
-        dropped)."""
-        if payload.startswith(self._own_prefix):
-            return
-        body = self._auth.open_message(payload)
-        if body is None:
-            self._reject(ledger_auth.REJECT_BAD_MAC, "message")
-            return
-        try:
-            replica_id, seq, events, sent_at_unix = self._decoder.decode(body)
-            seq, sent_at_unix = int(seq), float(sent_at_unix)
-            replica_id = str(replica_id)
-        except (msgspec.DecodeError, ValueError, TypeError):
-            self._reject(ledger_auth.REJECT_MALFORMED, "message")
-            return
-        if replica_id == self.replica_id:
-            return
-        if not self._fresh(sent_at_unix):
-            self._reject(ledger_auth.REJECT_STALE, "message")
-            return
-        mirror = self._mirror(replica_id)
-        if mirror is None:
-            self._reject(ledger_auth.REJECT_TOO_MANY_REPLICAS, "message")
-            return
-        if seq <= mirror.heard_seq:
-            self._reject(ledger_auth.REJECT_REPLAYED, "message")
-            return
-        mirror.heard_seq = seq
-        mirror.heard_s = self._clock()
-        self.stats.num_received += 1
-        # Forwarded Releases are requests, not state (no snapshot carries them): act on them at once,
-        # whatever the state of the sender's mirror.
-        forwarded = [e[1] for e in events if e[0] == _FORWARD and e[2] == self.replica_id]
-        handoffs = [HandOff(e[1], replica_id, e[3]) for e in events if e[0] == _HANDOFF and e[2] == self.replica_id]
-        if forwarded or handoffs:
-            self._forwarded.extend(forwarded)
-            self._handoffs.extend(handoffs)
-            if self.on_change is not None:
-                self.on_change()
-        for event in events:
-            if event[0] == _FORWARD and event[2] != self.replica_id and event[2] in self._mirrors:
-                self._released_elsewhere(self._mirrors[event[2]], event[1])
-        if mirror.dead and seq > mirror.applied_seq:  # it speaks again (a partition healed): follow it afresh
-            mirror.dead = False
-            mirror.needs_snapshot = True
-        if mirror.needs_snapshot:
-            mirror.buffered.append((seq, events))
-            return
-        if seq <= mirror.applied_seq:
-            return
-        if seq > mirror.applied_seq + 1:
-            self.stats.num_gaps += 1
-            mirror.needs_snapshot = True
-            mirror.buffered.append((seq, events))
-            return
-        self._apply(mirror, seq, events)
-
-    def _apply(self, mirror: _Mirror, seq: int, events: Iterable[list[Any]]) -> None:
-        mirror.applied_seq = seq
-        notify = False
-        for event in events:
-            kind = event[0]
-            if kind == _RESERVED:
-                _, request_id, worker_ids, tokens, tenant, uncached, reserved_at_unix = event
-                self.lag_s.append(self._wall() - float(reserved_at_unix))
-                self._mirror_reserve(mirror, request_id, worker_ids, tokens, tenant, reserved_at_unix)
-                self.shares.add(tenant, int(uncached), float(reserved_at_unix))
-            elif kind == _RELEASED:
-                if mirror.table.release(event[1]) is not None:
-                    notify = True
-                    self.num_frees += 1
-            elif kind == _QUEUED:
-                mirror.add_waiter(_remote_waiter(event, mirror.replica_id))
-                notify = True
-            elif kind == _DEQUEUED:
-                notify |= mirror.pop_waiter(event[1]) is not None
-        if notify and self.on_change is not None:
-            self.on_change()
-
-    def _mirror_reserve(
-        self,
-        mirror: _Mirror,
-        request_id: str,
-        worker_ids: list[str],
-        tokens: list[int],
-        tenant: str,
-        reserved_at_unix: float,
-    ) -> None:
-        age_s = max(0.0, self._wall() - float(reserved_at_unix))
-        mirror.table.reserve(
-            request_id,
-            tuple(worker_ids),
-            dict(zip(worker_ids, tokens, strict=False)),
-            tenant=tenant,
-            reserved_at_s=self._clock() - age_s,
-        )
+        """Apply one message from the channel (see :meth:`ReplicaMirrors.receive`)."""
+        self.others.receive(payload)
 
     def apply_snapshot(self, replica_id: str, payload: bytes) -> None:
-        """Rebuild the mirror of ``replica_id`` from its snapshot, then the messages buffered after it."""
-        body = self._auth.open_snapshot(payload)
-        if body is None:
-            self._reject(ledger_auth.REJECT_BAD_MAC, "snapshot")
-            return
-        try:
-            snapshot = self._decoder.decode(body)
-            seq = int(snapshot["seq"])
-            sent_at_unix = float(snapshot["at"])
-            # A snapshot of another replica copied under this one's key is not this one's.
-            if snapshot["replica"] != replica_id:
-                raise ValueError("another replica's snapshot")
-        except (msgspec.DecodeError, ValueError, TypeError, KeyError):
-            self._reject(ledger_auth.REJECT_MALFORMED, "snapshot")
-            return
-        if not self._fresh(sent_at_unix):
-            self._reject(ledger_auth.REJECT_STALE, "snapshot")
-            return
-        old = self._mirrors.get(replica_id)
-        if old is not None and seq < old.snapshot_seq:
-            self._reject(ledger_auth.REJECT_REPLAYED, "snapshot")
-            return
-        if old is None and len(self._mirrors) >= self._max_replicas:
-            self._reject(ledger_auth.REJECT_TOO_MANY_REPLICAS, "snapshot")
-            return
-        self.num_frees += 1
-        self._mirrors.pop(replica_id, None)
-        if old is not None:
-            self._changed.update(w for r in old.table.reservations() for w in r.worker_ids)
-            self._changed.update(old.table.recent_worker_ids())
-        mirror = self._mirror(replica_id)
-        assert mirror is not None  # a slot was checked above, and the old mirror's freed
-        # Only messages raise the replay guard: this snapshot's own message may still be on its way
-        # (the snapshot is written before it is published).
-        mirror.heard_seq = old.heard_seq if old is not None else -1
-        mirror.snapshot_seq = seq
-        for event in snapshot.get("reservations", ()):
-            _, request_id, worker_ids, tokens, tenant, _uncached, reserved_at_unix = event
-            self._mirror_reserve(mirror, request_id, worker_ids, tokens, tenant, reserved_at_unix)
-        for event in snapshot.get("waiters", ()):
-            mirror.add_waiter(_remote_waiter(event, replica_id))
-        # The work it placed lately, released reservations included, replaces what re-reserving the
-        # live ones just added (they are in it). Without it every repair reset this replica's view of
-        # the other's recent work to what was in flight, and the decode scores of the two replicas
-        # parted for the rest of the half-life (the fleet benchmark: agreement with the one-replica
-        # oracle 0.82-0.84 instead of 0.99 in one replay of five). Older senders omit the field.
-        now_unix, now_s = self._wall(), self._clock()
-        for worker_id, (value, at_unix) in snapshot.get("recent", {}).items():
-            mirror.table.set_recent_tokens(worker_id, float(value), now_s - (now_unix - float(at_unix)))
-        for tenant, (value, at_unix) in snapshot.get("served", {}).items():
-            self.shares.learn(tenant, float(value), float(at_unix))  # a new replica learns the history
-        mirror.applied_seq = seq
-        mirror.needs_snapshot = False
-        buffered = sorted((m for m in (old.buffered if old else ()) if m[0] > seq), key=lambda m: m[0])
-        for message_seq, events in buffered:
-            if message_seq != mirror.applied_seq + 1:
-                mirror.needs_snapshot = True  # still a hole: wait for the next snapshot
-                mirror.buffered.extend(m for m in buffered if m[0] >= message_seq)
-                break
-            self._apply(mirror, message_seq, events)
-        self.stats.num_snapshots_applied += 1
-        if self.on_change is not None:
-            self.on_change()
+        """Rebuild the mirror of ``replica_id`` from its snapshot (see :meth:`ReplicaMirrors.apply_snapshot`)."""
+        self.others.apply_snapshot(replica_id, payload)
 
     def declare_dead(self, replica_id: str) -> None:
         """``replica_id`` died: its waiters leave the order; its reservations are adopted (see the
         module docstring)."""
-        mirror = self._mirrors.get(replica_id)
-        if mirror is None or mirror.dead:
-            return
-        mirror.dead = True
-        mirror.clear_waiters()
-        self.stats.num_replicas_forgotten += 1
-        self._drop_if_empty(mirror)
-        if self.on_change is not None:
-            self.on_change()
-
-    #: A dead replica's mirror goes once no worker's recent tokens from it exceed this: the work it
-    #: placed was done on the workers all the same, and a survivor that forgot it at once saw those
-    #: workers idler than the work placed on them says (the fleet benchmark: agreement with the
-    #: one-replica oracle fell from 0.97 to 0.65 after a kill, for the recent-work half-life).
-    _FORGET_BELOW_RECENT_TOKENS = 1.0
-
-    def _drop_if_empty(self, mirror: _Mirror) -> None:
-        for reservation in mirror.table.sweep():
-            self._changed.update(reservation.worker_ids)
-            self.num_frees += 1
-        if (
-            mirror.dead
-            and not len(mirror.table)
-            and mirror.table.max_recent_tokens() < self._FORGET_BELOW_RECENT_TOKENS
-        ):
-            self._forget(mirror)
-
-    def _forget(self, mirror: _Mirror) -> None:
-        self._changed |= mirror.table.drain_changed()
-        self._changed.update(w for r in mirror.table.reservations() for w in r.worker_ids)
-        self._changed.update(mirror.table.recent_worker_ids())
-        del self._mirrors[mirror.replica_id]
-        self.num_frees += 1
+        self.others.declare_dead(replica_id)
 
     # -- snapshots, liveness -------------------------------------------------------------------
 
     def snapshot(self) -> bytes:
         """Our state as of our last seq (call right after numbering the outbox's events)."""
         return self._auth.seal_snapshot(
-            self._encoder.encode(
-                {
-                    "replica": self.replica_id,
-                    "seq": self._seq,
-                    "at": self._wall(),
-                    "reservations": list(self._own_reservations.values()),
-                    "waiters": list(self._own_waiters.values()),
-                    "served": self.shares.snapshot(),
-                    "recent": self._recent_snapshot(),
-                }
+            self._codec.encode(
+                Snapshot(
+                    replica_id=self.replica_id,
+                    seq=self._seq,
+                    sent_at_unix=self._wall(),
+                    reservations=list(self._own_reservations.values()),
+                    waiters=list(self._own_waiters.values()),
+                    served=self.shares.snapshot(),
+                    recent=self._recent_snapshot(),
+                )
             )
         )
 
@@ -732,21 +430,10 @@ class Ledger:
             return
         live = {m for m, flag in zip(others, alive, strict=True) if flag is not None}
         dead = [m for m in others if m not in live]
-        for replica_id in [r for r in self._mirrors if r in known_before and r not in live]:
-            self.declare_dead(replica_id)
-        for mirror in [m for m in self._mirrors.values() if m.dead]:
-            self._drop_if_empty(mirror)
-        # Silent for a lease: every reservation it could hold has expired (a mirror made by messages
-        # alone, of an id never listed live, is otherwise only dropped once found dead and empty).
-        now_s = self._clock()
-        for mirror in [m for m in self._mirrors.values() if now_s - m.heard_s > self._lease_s]:
-            self._forget(mirror)
+        repair = self.others.follow_membership(live, known_before)
         try:
             if dead:
                 await self._redis.zrem(self._replicas_key(), *dead)
-            # (a replica seen for the first time is mirrored from its snapshot, while mirrors are left)
-            new = [r for r in live if r not in self._mirrors][: max(0, self._max_replicas - len(self._mirrors))]
-            repair = [r for r, m in self._mirrors.items() if r in live and m.needs_snapshot] + new
             if repair:
                 payloads = await self._redis.mget([self._snapshot_key(r) for r in repair])
                 for replica_id, payload in zip(repair, payloads, strict=True):
@@ -786,8 +473,7 @@ class Ledger:
                     self._redis_url, self._channel, lambda payload: self.receive(payload), timeout_s=1.0
                 )
                 # Anything published before we listened is in the others' snapshots.
-                for mirror in self._mirrors.values():
-                    mirror.needs_snapshot = True
+                self.others.resubscribed()
                 while not self._closed:
                     if await subscription.wait_closed(silent_s):
                         logger.warning("ledger subscription lost: Redis closed the connection")
@@ -826,11 +512,3 @@ class Ledger:
         self._tasks = []
         await self._publisher.aclose()
         await self._redis.aclose()
-
-
-def _remote_waiter(event: list[Any], replica_id: str) -> RemoteWaiter:
-    """A ``("q", ...)`` event as a RemoteWaiter (one without a payload came from an older replica)."""
-    _, request_id, tenant, priority_index, enqueued_at_unix, *rest = event
-    return RemoteWaiter(
-        request_id, tenant, int(priority_index), float(enqueued_at_unix), replica_id, rest[0] if rest else None
-    )
