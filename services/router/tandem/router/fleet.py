@@ -6,16 +6,17 @@ the workers whose reservations changed since the last one (this replica's
 :meth:`~tandem.router.reservations.ReservationTable.drain_changed` and the other replicas'), then
 asks :meth:`FleetTable.arrays` for each role's :class:`~tandem.router.pool.PoolArrays`. Keeping
 the per-worker numbers in arrays, updated in place for the few workers a change touches, turns
-the filter and the scorers into a handful of numpy operations over the pool instead of a Python
+the filter and the scorers into a handful of operations over the pool instead of a Python
 call per worker (the profile at 1,000 workers: 14.6 ms per decision, 87 % of it in per-worker
-``score``/``fits`` calls). The budget formulas are :mod:`tandem.router.budget`'s, applied to whole
-arrays. Pure data, no I/O.
+``score``/``fits`` calls). The budget formulas are :func:`tandem.router.kernels.budget_state`, one
+compiled call per pool. Pure data, no I/O.
 
-Layout: one :class:`_Pool` per (role, model), workers in id order; per worker the registry's
-numbers (capacity, reported load, KV usage), this replica's reservations (tokens, the young part,
-requests, recently placed tokens) and the other replicas' (the same, from
-:mod:`tandem.router.ledger`). Workers are grouped by how their engine hashes prompt blocks, so a
-request is looked up in the KV index once per hashing configuration, not once per worker.
+Layout: one :class:`_Pool` per (role, model), workers in id order; per worker its
+:class:`~tandem.router.kernels.WorkerNumbers`: the registry's numbers (capacity, reported load, KV
+usage), this replica's reservations (tokens, the young part, requests, recently placed tokens) and
+the other replicas' (the same, from :mod:`tandem.router.ledger`). Workers are grouped by how their
+engine hashes prompt blocks, so a request is looked up in the KV index once per hashing
+configuration, not once per worker.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
 from tandem.router import budget as formulas
 from tandem.router import kernels
 from tandem.router.budget import BudgetConfig
+from tandem.router.kernels import Budgets, WorkerNumbers
 from tandem.router.pool import F64, PoolArrays, worker_key
 from tandem.router.reservations import ReservationTable
 
@@ -85,25 +87,11 @@ class _Pool:
     role: str
     workers: list[WorkerRecord]
     positions: dict[str, int]
-    capacity_tokens: F64
-    reported_tokens: F64
-    kv_usage: F64
-    num_kv_blocks: F64
+    #: What the budget kernel reads, updated in place for the workers a change touches.
+    numbers: WorkerNumbers
     num_reported_requests: F64
-    worker_keys: np.ndarray
-    own_tokens: F64
-    own_young_tokens: F64
-    own_in_flight: F64
-    recent_tokens: F64
-    recent_at_s: F64
-    others_tokens: F64
-    others_young_tokens: F64
-    others_in_flight: F64
-    others_recent_tokens: F64
-    others_recent_at_s: F64
-    #: Each worker's slot in the KV index (0: none yet), and per hashing configuration the positions of
-    #: the workers that hash that way.
-    index_slots: npt.NDArray[np.int64]
+    worker_keys: npt.NDArray[np.uint64]
+    #: Per hashing configuration, the positions of the workers that hash that way.
     positions_by_config: dict[HashConfig, npt.NDArray[np.intp]]
 
     @classmethod
@@ -113,18 +101,11 @@ class _Pool:
         def column(values: Iterable[float]) -> F64:
             return np.fromiter(values, dtype=np.float64, count=n)
 
-        return cls(
-            role=role,
-            workers=workers,
-            positions={w.worker_id: i for i, w in enumerate(workers)},
+        numbers = WorkerNumbers(
             capacity_tokens=column(formulas.capacity_tokens(w, config) for w in workers),
             reported_tokens=column(formulas.reported_tokens(w) for w in workers),
             kv_usage=column(w.load.kv_usage for w in workers),
             num_kv_blocks=column(w.num_kv_blocks for w in workers),
-            num_reported_requests=column(
-                w.load.num_running_requests + w.load.num_waiting_requests for w in workers
-            ),
-            worker_keys=np.fromiter((worker_key(w.worker_id) for w in workers), dtype=np.uint64, count=n),
             own_tokens=np.zeros(n),
             own_young_tokens=np.zeros(n),
             own_in_flight=np.zeros(n),
@@ -136,6 +117,14 @@ class _Pool:
             others_recent_tokens=np.zeros(n),
             others_recent_at_s=np.zeros(n),
             index_slots=np.zeros(n, np.int64),
+        )
+        return cls(
+            role=role,
+            workers=workers,
+            positions={w.worker_id: i for i, w in enumerate(workers)},
+            numbers=numbers,
+            num_reported_requests=column(w.load.num_running_requests + w.load.num_waiting_requests for w in workers),
+            worker_keys=np.fromiter((worker_key(w.worker_id) for w in workers), dtype=np.uint64, count=n),
             positions_by_config=_positions_by_config(workers),
         )
 
@@ -263,9 +252,10 @@ class FleetTable:
             new = workers[position]
             pool, i = self._where[new.worker_id]
             pool.workers[i] = new
-            pool.capacity_tokens[i] = formulas.capacity_tokens(new, self.config)
-            pool.reported_tokens[i] = formulas.reported_tokens(new)
-            pool.kv_usage[i] = new.load.kv_usage
+            numbers = pool.numbers
+            numbers.capacity_tokens[i] = formulas.capacity_tokens(new, self.config)
+            numbers.reported_tokens[i] = formulas.reported_tokens(new)
+            numbers.kv_usage[i] = new.load.kv_usage
             pool.num_reported_requests[i] = new.load.num_running_requests + new.load.num_waiting_requests
 
     def refresh_own(self, worker_ids: Iterable[str], reservations: ReservationTable) -> None:
@@ -276,10 +266,11 @@ class FleetTable:
             if where is None:
                 continue  # not registered (any more)
             pool, i = where
-            pool.own_tokens[i] = tokens.get(worker_id, 0)
-            pool.own_young_tokens[i] = young.get(worker_id, 0)
-            pool.own_in_flight[i] = reservations.num_in_flight(worker_id)
-            pool.recent_tokens[i], pool.recent_at_s[i] = reservations.recent_tokens_at(worker_id)
+            numbers = pool.numbers
+            numbers.own_tokens[i] = tokens.get(worker_id, 0)
+            numbers.own_young_tokens[i] = young.get(worker_id, 0)
+            numbers.own_in_flight[i] = reservations.num_in_flight(worker_id)
+            numbers.recent_tokens[i], numbers.recent_at_s[i] = reservations.recent_tokens_at(worker_id)
 
     def refresh_others(self, worker_ids: Iterable[str], others: OtherReplicaLoads) -> None:
         """Re-read the other replicas' holds on ``worker_ids``."""
@@ -288,10 +279,11 @@ class FleetTable:
             if where is None:
                 continue
             pool, i = where
-            pool.others_tokens[i] = others.others_tokens(worker_id)
-            pool.others_young_tokens[i] = others.others_young_tokens(worker_id)
-            pool.others_in_flight[i] = others.others_in_flight(worker_id)
-            pool.others_recent_tokens[i], pool.others_recent_at_s[i] = others.others_recent_tokens_at(worker_id)
+            numbers = pool.numbers
+            numbers.others_tokens[i] = others.others_tokens(worker_id)
+            numbers.others_young_tokens[i] = others.others_young_tokens(worker_id)
+            numbers.others_in_flight[i] = others.others_in_flight(worker_id)
+            numbers.others_recent_tokens[i], numbers.others_recent_at_s[i] = others.others_recent_tokens_at(worker_id)
 
     def sync_index_slots(self, index: IndexSlots) -> None:
         """Read each worker's KV-index slot again when the index gave or took any."""
@@ -299,9 +291,8 @@ class FleetTable:
             return
         self._index_version = index.slots_version
         for pool in self.pools.values():
-            pool.index_slots = np.fromiter(
-                (index.slot_of(w.worker_id) for w in pool.workers), dtype=np.int64, count=len(pool.workers)
-            )
+            slots = np.fromiter((index.slot_of(w.worker_id) for w in pool.workers), np.int64, len(pool.workers))
+            pool.numbers = pool.numbers._replace(index_slots=slots)
 
     # -- one decision -------------------------------------------------------------------------
 
@@ -319,53 +310,20 @@ class FleetTable:
         pool = self.pools.get((role, model))
         if pool is None:
             return None
-        decode = role == ROLE_DECODE
-        n = len(pool.workers)
         indexed = _NO_INDEX
-        if not decode and index is not None:
+        if role != ROLE_DECODE and index is not None:
             indexed = index.num_blocks_by_slot()
-        load, recent, kv_fullness, in_flight = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
-        # budget.load_tokens, the decayed recent tokens, budget.kv_fullness and the requests in flight in
-        # one compiled pass.
-        kernels.pool_state(
-            decode,
-            pool.own_tokens,
-            pool.own_young_tokens,
-            pool.others_tokens,
-            pool.others_young_tokens,
-            pool.reported_tokens,
-            pool.capacity_tokens,
-            pool.recent_tokens,
-            pool.recent_at_s,
-            pool.others_recent_tokens,
-            pool.others_recent_at_s,
-            now_s,
-            self.recent_half_life_s,
-            pool.kv_usage,
-            indexed,
-            pool.index_slots,
-            indexed is not _NO_INDEX,
-            pool.num_kv_blocks,
-            pool.own_in_flight,
-            pool.others_in_flight,
-            load,
-            recent,
-            kv_fullness,
-            in_flight,
-        )
-        return PoolArrays(
-            role=role,
-            workers=pool.workers,
-            has_budget=True,
-            capacity_tokens=pool.capacity_tokens,
-            load_tokens=load,
-            recent_tokens=recent,
-            kv_fullness=kv_fullness,
-            num_in_flight=in_flight,
-            num_reported_requests=pool.num_reported_requests,
-            cached_tokens=self._cached(pool, cached),
-            worker_keys=pool.worker_keys,
-            positions=pool.positions,
+        budgets = Budgets.empty(len(pool.workers))
+        kernels.budget_state(role == ROLE_DECODE, pool.numbers, now_s, self.recent_half_life_s, indexed, budgets)
+        return PoolArrays.of_budgets(
+            role,
+            pool.workers,
+            pool.numbers.capacity_tokens,
+            budgets,
+            pool.num_reported_requests,
+            self._cached(pool, cached),
+            pool.worker_keys,
+            pool.positions,
         )
 
     @staticmethod
@@ -377,7 +335,9 @@ class FleetTable:
             for config, blocks_by_slot in cached.blocks_by_config.items():
                 positions = pool.positions_by_config.get(config)
                 if positions is not None and positions.size:
-                    kernels.credit_cached(out, positions, pool.index_slots, blocks_by_slot, config[0], max_tokens)
+                    kernels.credit_cached(
+                        out, positions, pool.numbers.index_slots, blocks_by_slot, config[0], max_tokens
+                    )
         elif cached:
             for worker_id, num_tokens in cached.items():
                 i = pool.positions.get(worker_id)

@@ -1,36 +1,69 @@
-"""A decision's hot loops, compiled: one native call where numpy or Python took dozens of steps.
+"""The decision's formulas, compiled: the one implementation of the token budget, the filter, the
+weighted score and the pick.
 
-The profile behind it (2026-12-04, ``benchmarks/router_fleet.py --skip-replicas --skip-fairness``
-with timing wrappers, 1,000 SIMULATED workers, 10 M indexed entries): a decision p50 1.00 ms, of
-which :meth:`tandem.router.fleet.FleetTable.arrays` 2 x 144 us and the cache-aware policy's filter,
-scores and pick (:meth:`tandem.router.policy.RoutingPolicy.choose_in`) 2 x 154 us, nearly all of it
-the fixed cost of ~60 numpy calls on pools of 250 and 750 workers, not the arithmetic. The same
-formulas as :mod:`tandem.router.budget` and :class:`tandem.router.policy.CacheAwarePolicy`, one
-worker at a time in one loop, in the same order of operations, so that every sum and quotient is
-the one numpy computes (``tests/unit/router/test_kernels.py`` compares both paths on random pools,
-bit for bit, and the fleet tests compare the arrays with the one-worker-at-a-time budget view).
+Who calls what: :meth:`tandem.router.fleet.FleetTable.arrays` and
+:meth:`tandem.router.pool.PoolArrays.from_view` turn a pool's :class:`WorkerNumbers` into its
+:class:`Budgets` (:func:`budget_state`); :meth:`tandem.router.policy.RoutingPolicy.choose_in`
+filters with :func:`eligible` and picks with :func:`pick`; :class:`tandem.router.policy.CacheAwarePolicy`
+adds its scorers' rows up with :func:`weighted_scores` (the scorers themselves are plain numpy, one
+class each: :mod:`tandem.router.scorers`); :func:`credit_cached` reads the KV index's match into
+prompt tokens per worker. They call nothing. Each takes its per-worker arrays grouped in a
+``NamedTuple`` whose numba type is derived from its fields, so a new column is one field (and one
+line where :mod:`tandem.router.fleet` keeps it), not a position in a signature string.
 
-Compiled by numba when this module is imported (the signatures are explicit: nothing compiles
-during a Schedule), and cached on disk beside the module where that is writable (numba's own
-fallback: ``NUMBA_CACHE_DIR`` or the user's cache folder; the router image compiles them at build
-time); with no writable place at all they are compiled at every start (~1 s), not cached.
+Why compiled, and why only compiled (issue 39, 2026-12-06). Until then the budget and score formulas
+existed twice: numpy expressions in ``budget.py``/``policy.py`` and the same arithmetic again in a
+numba kernel with 17 positional arguments. The numpy versions now live in
+``tests/unit/router/test_kernels.py`` as the oracle the kernels are compared with, bit for bit, on
+random pools. The figures behind keeping the compiler (one pool's share of a decision: 5,000 calls
+of each path on random pools of 750 prefill and 250 decode workers, p50, a shared 2-core host):
+
+============================  ==================  ==================  ====================
+per pool, 750 prefill / 250    numpy (the oracle)  17-argument kernel  these kernels
+decode workers                                     (before)            (filter, scorers,
+                                                                       pick apart)
+============================  ==================  ==================  ====================
+budget state                   19.3 / 24.5 us      9.7 / 5.5 us        15.8 / 9.7 us [1]_
+filter, scores, pick           36.7 / 30.4 us      8.4 / 5.5 us        15.5 / 12.3 us
+============================  ==================  ==================  ====================
+
+.. [1] With the ``NamedTuple`` built and the outputs allocated in the timed loop; the fleet table
+   keeps its ``WorkerNumbers`` and only allocates the outputs.
+
+Numpy throughout costs ~80 us more per decision (two pools) at p50 and far more at p99 (its ~60
+calls each pay numpy's fixed cost, and each is a point where the busy host can preempt): the
+decision's CPU p99 was 0.55 ms with the 17-argument kernel against the issue's 1 ms target, and the
+arrival p99 (1.30 ms, same-millisecond decisions queueing behind each other) grows with every
+microsecond a decision holds the event loop. The plug-in scorers cost ~7 us per pool over the fused
+kernel (each is a numpy expression, so that adding one needs no numba).
+
+A decision is ~1 ms of router CPU under a TTFT of hundreds of milliseconds, so these microseconds
+matter to a user only through the router's throughput and its queueing at bursts (the arrival p99
+above); that, and the issue's ≤ 1 ms decision target, are what the compiler is kept for.
+
+Compiled by numba when this module is imported (explicit signatures: nothing compiles during a
+Schedule), and cached on disk beside the module where that is writable (numba's own fallback:
+``NUMBA_CACHE_DIR`` or the user's cache folder; the router image compiles them at build time); with
+no writable place at all they are compiled at every start (~1 s), not cached.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
+from numba import njit, types
 
 F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _compiled(signature: str) -> Callable[[_F], _F]:
+def _compiled(signature: Any) -> Callable[[_F], _F]:
     """``njit`` with an explicit signature, cached on disk when numba finds a writable place."""
 
     def decorate(function: _F) -> _F:
@@ -42,144 +75,204 @@ def _compiled(signature: str) -> Callable[[_F], _F]:
     return decorate
 
 
-# The rendezvous rank of tandem.router.pool.tie_order (kept beside it: numba's disk cache is keyed on
-# this file alone, so a constant read from pool.py could change without a recompile). The kernel
-# tests' tie cases fail if the two ever differ.
-_MIX = np.uint64(0x9E3779B97F4A7C15)
-_SHIFT = np.uint64(29)
-
-_POOL_STATE_SIG = (
-    "void(boolean, f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1],"
-    " f8, f8, f8[::1], i8[::1], i8[::1], boolean, f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1],"
-    " f8[::1])"
-)
+_NUMBA_ARRAYS = {"F64": types.float64[::1], "I64": types.int64[::1], "U64": types.uint64[::1]}
 
 
-@_compiled(_POOL_STATE_SIG)
-def pool_state(
-    decode: bool,
-    own: F64,
-    own_young: F64,
-    others: F64,
-    others_young: F64,
-    reported: F64,
-    capacity: F64,
-    recent_tokens: F64,
-    recent_at_s: F64,
-    others_recent_tokens: F64,
-    others_recent_at_s: F64,
-    now_s: float,
-    half_life_s: float,
-    kv_usage: F64,
-    num_blocks_by_slot: npt.NDArray[np.int64],
-    index_slots: npt.NDArray[np.int64],
-    has_indexed: bool,
-    num_kv_blocks: F64,
-    own_in_flight: F64,
-    others_in_flight: F64,
-    load_out: F64,
-    recent_out: F64,
-    kv_fullness_out: F64,
-    in_flight_out: F64,
+def _numba_type(columns: type[tuple[Any, ...]]) -> types.BaseNamedTuple:
+    """The numba type of a NamedTuple of C-contiguous arrays, read from its annotations (as
+    ``numba.typeof`` types an instance: uniform when every field has the same type)."""
+    names = [str(getattr(a, "__forward_arg__", a)) for a in columns.__annotations__.values()]  # "F64", ...
+    fields = [_NUMBA_ARRAYS[name] for name in names]
+    if len(set(fields)) == 1:
+        return types.NamedUniTuple(fields[0], len(fields), columns)
+    return types.NamedTuple(fields, columns)
+
+
+class WorkerNumbers(NamedTuple):
+    """Per worker of one pool, what its budget is computed from: the registry's numbers, this
+    replica's reservations and the other replicas' (:mod:`tandem.router.ledger`). One array each,
+    one entry per worker; :class:`tandem.router.fleet.FleetTable` keeps them in step in place."""
+
+    #: The worker's budget (:func:`tandem.router.budget.capacity_tokens`); 0: unknown, no limit.
+    capacity_tokens: F64
+    #: What the worker reported in flight at its last heartbeat, in its budget's unit.
+    reported_tokens: F64
+    #: Share of its KV cache the engine reported in use.
+    kv_usage: F64
+    num_kv_blocks: F64
+    #: This replica's reservations: budget tokens, the part too young for a report to show, requests.
+    own_tokens: F64
+    own_young_tokens: F64
+    own_in_flight: F64
+    #: Budget tokens this replica placed lately, decayed as of ``recent_at_s``.
+    recent_tokens: F64
+    recent_at_s: F64
+    #: The same, of the other live replicas.
+    others_tokens: F64
+    others_young_tokens: F64
+    others_in_flight: F64
+    others_recent_tokens: F64
+    others_recent_at_s: F64
+    #: The worker's slot in the KV index (0: none), where its block count is read.
+    index_slots: I64
+
+
+class Budgets(NamedTuple):
+    """Per worker, what a decision reads of its budget (:func:`budget_state`'s output)."""
+
+    #: Budget tokens in use: reservations, old ones capped by the worker's report (decode: a report
+    #: above them counts in full).
+    load_tokens: F64
+    #: Share of the budget in use, in [0, 1] (0 where the capacity is unknown).
+    load_fraction: F64
+    #: Tokens placed lately (this replica's and the others'), decayed to now.
+    recent_tokens: F64
+    #: Share of the budget in use or placed lately, in [0, 1]: between requests nothing is in flight,
+    #: and this still tells a worker that just computed a long prompt from one that sat idle.
+    busy_fraction: F64
+    #: How full the KV cache is, in [0, 1]: decode from its reservations and report, prefill from the
+    #: blocks the KV index counts (its report where the index has none).
+    kv_fullness: F64
+    #: Requests in flight: this replica's and the others'.
+    num_in_flight: F64
+
+    @classmethod
+    def empty(cls, n: int) -> Budgets:
+        return cls(*(np.empty(n) for _ in cls._fields))
+
+
+_WORKER_NUMBERS = _numba_type(WorkerNumbers)
+_BUDGETS = _numba_type(Budgets)
+
+
+@_compiled(types.void(types.boolean, _WORKER_NUMBERS, types.float64, types.float64, types.int64[::1], _BUDGETS))
+def budget_state(
+    decode: bool, w: WorkerNumbers, now_s: float, half_life_s: float, num_blocks_by_slot: I64, out: Budgets
 ) -> None:
-    """Per worker: budget tokens in use (:func:`~tandem.router.budget.load_tokens`), tokens placed
-    lately decayed to ``now_s``, KV fullness (:func:`~tandem.router.budget.kv_fullness`; with
-    ``has_indexed``, from the blocks the KV index counts at the worker's slot), requests in flight
-    (this replica's and the others')."""
-    for i in range(own.shape[0]):
-        in_flight_out[i] = own_in_flight[i] + others_in_flight[i]
-        young = own_young[i] + others_young[i]
-        old = own[i] + others[i] - young
-        capped = young + min(old, reported[i])
-        load = max(capped, reported[i]) if decode else capped
-        load_out[i] = load
-        recent_out[i] = recent_tokens[i] * np.exp2((recent_at_s[i] - now_s) / half_life_s) + others_recent_tokens[
+    """``out`` for every worker of ``w``. ``num_blocks_by_slot``: the KV index's blocks per slot
+    (prefill pools), empty when unknown.
+
+    Reservations older than a heartbeat should appear in the worker's report, so where it reports
+    less the difference is drift (a finished prefill, a caller that never released) and is not
+    counted; on decode a report above the reservations (requests of a replica that died) counts in
+    full. Prefill reports prompt tokens, cached ones included, so there the report is only a cap."""
+    has_indexed = num_blocks_by_slot.shape[0] > 0
+    for i in range(w.capacity_tokens.shape[0]):
+        out.num_in_flight[i] = w.own_in_flight[i] + w.others_in_flight[i]
+        young = w.own_young_tokens[i] + w.others_young_tokens[i]
+        old = w.own_tokens[i] + w.others_tokens[i] - young
+        reported = w.reported_tokens[i]
+        capped = young + min(old, reported)
+        load = max(capped, reported) if decode else capped
+        out.load_tokens[i] = load
+        recent = w.recent_tokens[i] * np.exp2((w.recent_at_s[i] - now_s) / half_life_s) + w.others_recent_tokens[
             i
-        ] * np.exp2((others_recent_at_s[i] - now_s) / half_life_s)
+        ] * np.exp2((w.others_recent_at_s[i] - now_s) / half_life_s)
+        out.recent_tokens[i] = recent
+        capacity = w.capacity_tokens[i]
+        fraction = min(load / capacity, 1.0) if capacity > 0 else 0.0
+        out.load_fraction[i] = fraction
+        out.busy_fraction[i] = min((load + recent) / capacity, 1.0) if capacity > 0 else 0.0
         if decode:
-            fraction = min(load / capacity[i], 1.0) if capacity[i] > 0 else 0.0
-            kv_fullness_out[i] = min(1.0, max(fraction, kv_usage[i]))
-        elif has_indexed and num_kv_blocks[i] > 0:
-            kv_fullness_out[i] = min(1.0, np.float64(num_blocks_by_slot[index_slots[i]]) / num_kv_blocks[i])
+            out.kv_fullness[i] = min(1.0, max(fraction, w.kv_usage[i]))
+        elif has_indexed and w.num_kv_blocks[i] > 0:
+            indexed = np.float64(num_blocks_by_slot[w.index_slots[i]])
+            out.kv_fullness[i] = min(1.0, indexed / w.num_kv_blocks[i])
         else:
-            kv_fullness_out[i] = min(1.0, max(0.0, kv_usage[i]))
+            out.kv_fullness[i] = min(1.0, max(0.0, w.kv_usage[i]))
 
 
-_CHOOSE_SIG = (
-    "Tuple((i8, f8))(boolean, f8, f8, f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], f8[::1], u8[::1],"
-    " i8[::1], f8, f8, f8, f8, f8, u8)"
+@_compiled(
+    types.void(
+        types.boolean,
+        types.float64,
+        types.float64,
+        types.float64[::1],
+        types.float64[::1],
+        types.float64[::1],
+        types.int64[::1],
+        types.boolean[::1],
+    )
 )
-
-
-@_compiled(_CHOOSE_SIG)
-def cache_aware_choose(
+def eligible(
     decode: bool,
     num_tokens: float,
     max_tokens: float,
-    capacity: F64,
-    load: F64,
-    recent: F64,
-    kv_fullness: F64,
-    num_in_flight: F64,
+    capacity_tokens: F64,
+    load_tokens: F64,
     cached_tokens: F64,
-    worker_keys: npt.NDArray[np.uint64],
-    excluded: npt.NDArray[np.int64],
-    w_locality: float,
-    w_token_load: float,
-    w_kv_headroom: float,
-    tiebreak: float,
-    tolerance: float,
-    request_key: np.uint64,
-) -> tuple[int, float]:
-    """:class:`~tandem.router.policy.CacheAwarePolicy`'s filter, scores and pick over a pool with
-    budgets: (position, score) of the chosen worker, (-1, 0) when none fits. ``excluded``: positions
-    the request must avoid."""
-    n = capacity.shape[0]
-    scores = np.empty(n)
-    eligible = np.ones(n, np.bool_)
-    for j in range(excluded.shape[0]):
-        eligible[excluded[j]] = False
-    total = w_locality + w_token_load + w_kv_headroom
-    best = -np.inf
-    for i in range(n):
+    excluded: I64,
+    out: npt.NDArray[np.bool_],
+) -> None:
+    """The filter: per worker, whether the request fits its budget, into ``out``; ``excluded``
+    (positions the request must avoid) are False. A request holds prompt plus ``max_tokens`` on decode
+    and its uncached prompt tokens on prefill; an idle worker takes any request (a prompt larger than
+    the budget is not refused forever), and capacity 0 (unknown) has no limit."""
+    for i in range(capacity_tokens.shape[0]):
         need = num_tokens + max_tokens if decode else max(0.0, num_tokens - cached_tokens[i])
-        if not (capacity[i] <= 0 or load[i] == 0 or load[i] + need <= capacity[i]):
-            eligible[i] = False
-        locality = min(1.0, cached_tokens[i] / num_tokens) if num_tokens else 0.0
-        busy = min((load[i] + recent[i]) / capacity[i], 1.0) if capacity[i] > 0 else 0.0
+        load, capacity = load_tokens[i], capacity_tokens[i]
+        out[i] = capacity <= 0 or load == 0 or load + need <= capacity
+    for j in range(excluded.shape[0]):
+        out[excluded[j]] = False
+
+
+@_compiled(types.void(types.float64[:, ::1], types.float64[::1], types.float64[::1], types.float64, types.float64[::1]))
+def weighted_scores(scores: F64, weights: F64, num_in_flight: F64, tiebreak: float, out: F64) -> None:
+    """Per worker (a column of ``scores``, one row per scorer), the scorers' weighted mean (1 when
+    every weight is 0), with a ``tiebreak`` share given to fewer requests in flight, into ``out``.
+    Summed scorer by scorer in row order, so the result is the numpy expression's to the bit."""
+    total = 0.0
+    for k in range(weights.shape[0]):
+        total += weights[k]
+    for i in range(out.shape[0]):
         weighted = 1.0
         if total > 0:
-            token_load = 1.0 - busy
-            kv_headroom = 1.0 - kv_fullness[i]
-            weighted = (w_locality * locality + w_token_load * token_load + w_kv_headroom * kv_headroom) / total
-        score = (1.0 - tiebreak) * weighted + tiebreak * (1.0 / (1.0 + num_in_flight[i]))
-        scores[i] = score
-        if eligible[i] and score > best:
-            best = score
+            acc = 0.0
+            for k in range(weights.shape[0]):
+                acc += weights[k] * scores[k, i]
+            weighted = acc / total
+        out[i] = (1.0 - tiebreak) * weighted + tiebreak * (1.0 / (1.0 + num_in_flight[i]))
+
+
+# The rendezvous rank: mixed = (worker key ^ request key) * _MIX, rank = mixed ^ (mixed >> 29).
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_SHIFT = np.uint64(29)
+
+
+@_compiled(types.int64(types.boolean[::1], types.float64[::1], types.float64, types.uint64[::1], types.uint64))
+def pick(ok: npt.NDArray[np.bool_], scores: F64, tolerance: float, worker_keys: U64, request_key: np.uint64) -> int:
+    """The position of the best-scored worker among ``ok`` ones (-1: none). Scores within
+    ``tolerance`` of the best tie, and a tie goes to the highest rendezvous rank of (worker key,
+    request key): equal workers share the traffic, and every replica picks the same worker for the
+    same request with no shared state (the first position wins an equal rank)."""
+    best = -np.inf
+    for i in range(scores.shape[0]):
+        if ok[i] and scores[i] > best:
+            best = scores[i]
     if best == -np.inf:
-        return -1, 0.0
+        return -1
     threshold = best - tolerance
     chosen = -1
     chosen_rank = np.uint64(0)
-    for i in range(n):
-        if eligible[i] and scores[i] >= threshold:
+    for i in range(scores.shape[0]):
+        if ok[i] and scores[i] >= threshold:
             mixed = (worker_keys[i] ^ request_key) * _MIX
             rank = mixed ^ (mixed >> _SHIFT)
             if chosen < 0 or rank > chosen_rank:
                 chosen = i
                 chosen_rank = rank
-    return chosen, scores[chosen]
+    return chosen
 
 
-# -- the KV index (tandem.router.kv_index) ----------------------------------------------------
+# -- the KV index's match (tandem.router.kv_index) ---------------------------------------------
 
 
 @_compiled("void(f8[::1], i8[::1], i8[::1], i8[::1], f8, f8)")
 def credit_cached(
     out: F64,
-    positions: npt.NDArray[np.int64],
-    index_slots: npt.NDArray[np.int64],
-    blocks_by_slot: npt.NDArray[np.int64],
+    positions: I64,
+    index_slots: I64,
+    blocks_by_slot: I64,
     block_tokens: float,
     max_tokens: float,
 ) -> None:

@@ -2,22 +2,26 @@
 
 :class:`tandem.router.scheduler.Scheduler` calls :meth:`RoutingPolicy.choose_in` once per role
 (decode, then prefill unless the decode worker prefills alone) for every Schedule, with the role's
-pool as arrays (:class:`tandem.router.pool.PoolArrays`, kept by :mod:`tandem.router.fleet`): the
-filter and every scorer are a few numpy operations over the whole pool, so a decision costs the
-same handful of operations at 10 workers or 1,000. :meth:`RoutingPolicy.choose` and
-:meth:`RoutingPolicy.score` take a plain worker list and a load view instead (tests, tools), and
-build the same arrays one worker at a time. Policies are chosen by name from configuration
-(:func:`create_policy`) and call nothing else.
+pool as arrays (:class:`tandem.router.pool.PoolArrays`, kept by :mod:`tandem.router.fleet`):
 
-With a :class:`tandem.router.budget.BudgetView` (or the fleet's arrays) the shared filter also
-drops workers without token budget left. ``cache_aware`` (the default) scores prefix locality,
-token load and KV headroom, each in [0, 1], weighted by :class:`CacheAwareWeights`; see
-``services/router/README.md``. Ties between equally good workers go to the highest rendezvous
-hash of (request id, worker id) (:func:`tandem.router.pool.tie_order`): equal workers share the
-traffic, and every router replica picks the same worker for the same request, with no shared state.
+* **filter**: :func:`tandem.router.kernels.eligible`, the token budget left and the request's
+  excluded workers (shared by every policy);
+* **score**: the policy's :meth:`RoutingPolicy.scores`, in [0, 1] per worker; ``cache_aware`` (the
+  default) adds up its scorers (:mod:`tandem.router.scorers`: prefix locality, token load, KV
+  headroom, and any a deployment adds) by the weights of :class:`CacheAwareWeights`;
+* **pick**: :func:`tandem.router.kernels.pick`, the best score, where ties (within
+  :meth:`RoutingPolicy.tolerance`) go to the highest rendezvous hash of (request id, worker id):
+  equal workers share the traffic, and every router replica picks the same worker for the same
+  request, with no shared state.
+
+Filter and pick are compiled and each scorer is a few numpy operations, so a decision costs about
+the same at 10 workers or 1,000 (see :mod:`tandem.router.kernels` for the figures).
+:meth:`RoutingPolicy.choose` and :meth:`RoutingPolicy.score` take a plain worker list and a load view
+instead (tests, tools), and build the same arrays one worker at a time. Policies are chosen by name
+from configuration (:func:`create_policy`) and call nothing else; see ``services/router/README.md``.
 
 Adding a policy: subclass :class:`RoutingPolicy`, override :meth:`~RoutingPolicy.scores`, register
-it in :data:`POLICIES`.
+it in :data:`POLICIES`. Adding a scorer to ``cache_aware``: :mod:`tandem.router.scorers`.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from typing import ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tandem.common.registry import WorkerRecord
 from tandem.router import kernels
-from tandem.router.pool import F64, PoolArrays, request_key, tie_order
+from tandem.router.pool import F64, PoolArrays, request_key
+from tandem.router.scorers import SCORERS, Scorer
 
 
 @dataclass(frozen=True)
@@ -105,22 +110,29 @@ class RoutingPolicy(ABC):
 
     def choose_in(self, request: ScheduleRequest, pool: PoolArrays) -> ScoredWorker | None:
         """The worker of ``pool`` for ``request``, or None when none passes the filter."""
-        candidates = np.flatnonzero(self.eligible(request, pool))
-        if candidates.size == 0:
+        ok = self.eligible(request, pool)
+        if not ok.any():
             return None
         scores = self.scores(request, pool)
-        i = self.pick(request, pool, scores, candidates)
+        i = self.pick(request, pool, scores, ok)
         return ScoredWorker(pool.workers[i], float(scores[i]), i)
 
     def eligible(self, request: ScheduleRequest, pool: PoolArrays) -> npt.NDArray[np.bool_]:
         """Workers that may take ``request`` at all: not excluded, and token budget left (the pool
         holds the right role and model already)."""
-        mask = pool.fits(pool.need_tokens(request.num_tokens, request.max_tokens))
-        for worker_id in request.exclude_worker_ids:
-            i = pool.position(worker_id)
-            if i is not None:
-                mask[i] = False
-        return mask
+        excluded = np.fromiter((i for i in map(pool.position, request.exclude_worker_ids) if i is not None), np.int64)
+        ok = np.empty(len(pool), np.bool_)
+        kernels.eligible(
+            pool.is_decode,
+            float(request.num_tokens),
+            float(request.max_tokens),
+            pool.capacity_tokens,
+            pool.load_tokens,
+            pool.cached_tokens,
+            excluded,
+            ok,
+        )
+        return ok
 
     @abstractmethod
     def scores(self, request: ScheduleRequest, pool: PoolArrays) -> F64:
@@ -133,14 +145,11 @@ class RoutingPolicy(ABC):
         """How close to the best score counts as a tie for this decision (:attr:`tie_tolerance`)."""
         return self.tie_tolerance
 
-    def pick(self, request: ScheduleRequest, pool: PoolArrays, scores: F64, candidates: npt.NDArray[np.intp]) -> int:
-        """The best-scored candidate; a tie (within :meth:`tolerance`) goes to the highest
+    def pick(self, request: ScheduleRequest, pool: PoolArrays, scores: F64, ok: npt.NDArray[np.bool_]) -> int:
+        """The best-scored of the ``ok`` workers; a tie (within :meth:`tolerance`) goes to the highest
         rendezvous hash of the request and worker ids, the same in every replica."""
-        candidate_scores = scores[candidates]
-        tied = candidates[candidate_scores >= candidate_scores.max() - self.tolerance(request, pool)]
-        if tied.size == 1:
-            return int(tied[0])
-        return int(tied[np.argmax(tie_order(pool.worker_keys[tied], request.request_id))])
+        key = np.uint64(request_key(request.request_id))
+        return int(kernels.pick(ok, scores, self.tolerance(request, pool), pool.worker_keys, key))
 
     # -- over a worker list (tests, tools) ----------------------------------------------------
 
@@ -156,8 +165,8 @@ class RoutingPolicy(ABC):
         """Workers that may take ``request`` at all: right role, right model, not
         excluded, and (with a :class:`BudgetView`) token budget left."""
         pool = PoolArrays.from_view(role, request.model, workers, load)
-        mask = self.eligible(request, pool)
-        return [w for w, ok in zip(pool.workers, mask, strict=True) if ok]
+        ok = self.eligible(request, pool)
+        return [w for w, fits in zip(pool.workers, ok, strict=True) if fits]
 
     def score(self, request: ScheduleRequest, worker: WorkerRecord, load: LoadView) -> float:
         """How good ``worker`` is for ``request``, in [0, 1] (1 is best)."""
@@ -199,15 +208,21 @@ class RoundRobinPolicy(RoutingPolicy):
     def scores(self, request: ScheduleRequest, pool: PoolArrays) -> F64:
         return np.ones(len(pool))
 
-    def pick(self, request: ScheduleRequest, pool: PoolArrays, scores: F64, candidates: npt.NDArray[np.intp]) -> int:
-        ordered = sorted((int(i) for i in candidates), key=lambda i: pool.workers[i].worker_id)
+    def pick(self, request: ScheduleRequest, pool: PoolArrays, scores: F64, ok: npt.NDArray[np.bool_]) -> int:
+        ordered = sorted((int(i) for i in np.flatnonzero(ok)), key=lambda i: pool.workers[i].worker_id)
         num_picks = self._num_picks_by_role.get(pool.role, 0)
         self._num_picks_by_role[pool.role] = num_picks + 1
         return ordered[num_picks % len(ordered)]
 
 
 class CacheAwareWeights(BaseModel):
-    """Scorer weights of ``cache_aware`` (``TANDEM_ROUTER_WEIGHTS__PREFIX_LOCALITY=...``)."""
+    """Scorer weights of ``cache_aware`` by scorer name (``TANDEM_ROUTER_WEIGHTS__PREFIX_LOCALITY=...``).
+
+    A scorer runs where its weight is above 0; ``decode_<name>``, where set, is ``<name>``'s weight
+    on decode pools. A scorer added to :mod:`tandem.router.scorers` is configured by one more weight
+    of its name (an extra field, e.g. ``TANDEM_ROUTER_WEIGHTS__SAME_ZONE=2``)."""
+
+    model_config = ConfigDict(extra="allow")
 
     #: Affinity: share of the prompt already in the prefill worker's prefix cache.
     prefix_locality: float = Field(3.0, ge=0)
@@ -218,6 +233,41 @@ class CacheAwareWeights(BaseModel):
     token_load: float = Field(1.0, ge=0)
     #: Balance: 1 - how full the worker's KV cache is.
     kv_headroom: float = Field(0.5, ge=0)
+
+    @model_validator(mode="after")
+    def _extra_weights_name_scorers(self) -> CacheAwareWeights:
+        extra = self.__pydantic_extra__ or {}
+        for name, weight in extra.items():
+            if name.removeprefix("decode_") not in SCORERS:
+                raise ValueError(f"no scorer named {name!r}; known: {', '.join(sorted(SCORERS))}")
+            extra[name] = value = float(weight)  # from the environment it is a string
+            if not value >= 0:
+                raise ValueError(f"the weight of {name!r} must be >= 0, not {weight!r}")
+        return self
+
+    def by_role(self, decode: bool) -> dict[str, float]:
+        """Scorer name → weight on one kind of pool, in configuration order (built-ins first)."""
+        weights = {**self.model_dump(), **(self.model_extra or {})}
+        by_name: dict[str, float] = {}
+        for name, weight in weights.items():
+            if name.startswith("decode_"):
+                continue
+            by_name[name] = float(weights.get(f"decode_{name}", weight) if decode else weight)
+        return by_name
+
+
+@dataclass(frozen=True)
+class _WeightedScorers:
+    """The scorers of one kind of pool with a weight above 0, and their weights in the same order."""
+
+    scorers: tuple[Scorer, ...]
+    weights: F64
+
+    @classmethod
+    def build(cls, weights: Mapping[str, float]) -> _WeightedScorers:
+        # A weight of 0 adds exactly nothing to the weighted sum (nor to the total): skipped.
+        chosen = [(SCORERS[name](), w) for name, w in weights.items() if w > 0]
+        return cls(tuple(s for s, _ in chosen), np.array([w for _, w in chosen], np.float64))
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -251,67 +301,28 @@ class CacheAwarePolicy(RoutingPolicy):
     def __init__(self, weights: CacheAwareWeights | None = None) -> None:
         super().__init__()
         self.weights = weights or CacheAwareWeights()
+        self._prefill = _WeightedScorers.build(self.weights.by_role(decode=False))
+        self._decode = _WeightedScorers.build(self.weights.by_role(decode=True))
 
     def scorers(self, request: ScheduleRequest, worker: WorkerRecord, load: LoadView) -> dict[str, float]:
         """Each scorer's value in [0, 1] for one worker (for tests and the placement reason)."""
         pool = PoolArrays.from_view(worker.role, worker.model, [worker], load)
-        locality, token_load, kv_headroom = (float(v[0]) for v in self._scorers(request, pool))
-        return {"prefix_locality": locality, "token_load": token_load, "kv_headroom": kv_headroom}
-
-    @staticmethod
-    def _scorers(request: ScheduleRequest, pool: PoolArrays) -> tuple[F64, F64, F64]:
-        n = len(pool)
-        if not pool.has_budget:
-            return np.zeros(n), np.ones(n), np.ones(n)
-        num_tokens = request.num_tokens
-        locality = np.minimum(1.0, pool.cached_tokens / num_tokens) if num_tokens else np.zeros(n)
-        return locality, 1.0 - pool.busy_fraction(), 1.0 - pool.kv_fullness
+        weighted = self._decode if pool.is_decode else self._prefill
+        return {s.name: float(s.scores(request, pool)[0]) for s in weighted.scorers}
 
     #: Share of the score given to fewer requests in flight: breaks ties between workers
     #: whose token scores are equal (requests without prompt tokens, pools without budgets:
     #: :meth:`tolerance` is 0 there), never more.
     _TIEBREAK = 0.01
 
-    def choose_in(self, request: ScheduleRequest, pool: PoolArrays) -> ScoredWorker | None:
-        """:meth:`RoutingPolicy.choose_in` in one compiled call (:func:`tandem.router.kernels.cache_aware_choose`)
-        where the pool has budgets (the scheduler's); the numpy path otherwise."""
-        if not pool.has_budget or not len(pool):
-            return super().choose_in(request, pool)
-        excluded = [i for i in map(pool.position, request.exclude_worker_ids) if i is not None]
-        w = self.weights
-        i, score = kernels.cache_aware_choose(
-            pool.is_decode,
-            float(request.num_tokens),
-            float(request.max_tokens),
-            pool.capacity_tokens,
-            pool.load_tokens,
-            pool.recent_tokens,
-            pool.kv_fullness,
-            pool.num_in_flight,
-            pool.cached_tokens,
-            pool.worker_keys,
-            np.asarray(excluded, np.int64),
-            w.decode_prefix_locality if pool.is_decode else w.prefix_locality,
-            w.token_load,
-            w.kv_headroom,
-            self._TIEBREAK,
-            self.tolerance(request, pool),
-            np.uint64(request_key(request.request_id)),
-        )
-        if i < 0:
-            return None
-        return ScoredWorker(pool.workers[i], score, i)
-
     def scores(self, request: ScheduleRequest, pool: PoolArrays) -> F64:
-        w = self.weights
-        locality, token_load, kv_headroom = self._scorers(request, pool)
-        w_locality = w.decode_prefix_locality if pool.is_decode else w.prefix_locality
-        total = w_locality + w.token_load + w.kv_headroom
-        weighted: F64 = np.ones(len(pool))
-        if total > 0:
-            weighted = (w_locality * locality + w.token_load * token_load + w.kv_headroom * kv_headroom) / total
-        fewer_in_flight = 1.0 / (1.0 + pool.num_in_flight)
-        return (1.0 - self._TIEBREAK) * weighted + self._TIEBREAK * fewer_in_flight
+        weighted = self._decode if pool.is_decode else self._prefill
+        rows = np.empty((len(weighted.scorers), len(pool)))
+        for k, scorer in enumerate(weighted.scorers):
+            rows[k] = scorer.scores(request, pool)
+        out = np.empty(len(pool))
+        kernels.weighted_scores(rows, weighted.weights, pool.num_in_flight, self._TIEBREAK, out)
+        return out
 
 
 #: Policies by configuration name.
