@@ -219,7 +219,7 @@ async def run_policy(
             async for _chunk in stub(placement.decode.address).Decode(decode_req, timeout=300):
                 times.append(time.perf_counter())
             result.itl_s.extend(b - a for a, b in itertools.pairwise(times))
-        scheduler.release(request_id)
+        scheduler.end_reservation(request_id)
         log(
             f"{policy:12} {i + 1:3}/{len(requests)} {tenant} -> {placement.prefill.worker_id} "
             f"ttft={ttft_s * 1e3:7.0f} ms cached={prefill.num_cached_tokens}/{len(prompt)} "
@@ -406,7 +406,7 @@ async def bench_scale(args: argparse.Namespace) -> float:
             latencies.append(time.perf_counter() - t0)
             cpu_times.append(time.thread_time() - c0)
             num_hits += decision.num_cached_tokens > 0
-            scheduler.release(request.request_id)
+            scheduler.end_reservation(request.request_id)
         p50_ms, p99_ms = pct(latencies, 0.5) * 1e3, pct(latencies, 0.99) * 1e3
         log(
             f"simulated: schedule p50={p50_ms:.3f} ms p99={p99_ms:.3f} ms wall-clock, "

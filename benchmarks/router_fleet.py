@@ -368,7 +368,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             t_start = time.perf_counter()
             await replica.scheduler.schedule(request)
             alone.append(time.perf_counter() - t_start)
-            replica.scheduler.release(request.request_id)
+            replica.scheduler.end_reservation(request.request_id)
         log(f"one decision at a time: p50={pct(alone, 0.5) * 1e3:.3f} ms p99={pct(alone, 0.99) * 1e3:.3f} ms")
         latencies: list[float] = []
         cpu_times: list[float] = []
@@ -401,11 +401,11 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             worker = placement.prefill or placement.decode
             num_local += placement.prefill is None
             fleet.store(worker.worker_id, hashes)
-            loop.call_later(rnd.uniform(0.5, 2.0), replica.scheduler.release, request.request_id)
+            loop.call_later(rnd.uniform(0.5, 2.0), replica.scheduler.end_reservation, request.request_id)
 
         async def warm_up(request: ScheduleRequest) -> None:
             await replica.scheduler.schedule(request)
-            replica.scheduler.release(request.request_id)
+            replica.scheduler.end_reservation(request.request_id)
 
         log(f"open-loop schedules at {args.rate}/s for {args.seconds} s (warm-up {args.warmup_s} s not counted)")
         profiler = None
@@ -620,9 +620,9 @@ async def replay(
         def release(request_id: str) -> None:
             owner = owners.pop(request_id, None)
             if owner is not None and owner in live:
-                replicas[owner].scheduler.release(request_id)
+                replicas[owner].scheduler.end_reservation(request_id)
             else:  # its replica died: the release reaches another one, which forwards or finds nothing
-                task = loop.create_task(replicas[live[0]].scheduler.release_anywhere(request_id))
+                task = loop.create_task(replicas[live[0]].scheduler.end_reservation_anywhere(request_id))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             oracle.scheduler.reservations.release(request_id)
@@ -630,7 +630,7 @@ async def replay(
         async def one(index: int, request: ScheduleRequest, hashes: list[int]) -> None:
             owner = owner_of(request.request_id, live)
             replica = replicas[owner]
-            oracle_workers = oracle.scheduler._last_workers  # what the oracle sees now
+            oracle_workers = oracle.scheduler.intake.last_workers  # what the oracle sees now
             assert oracle_workers is not None
             try:
                 expected = oracle.scheduler.decide(request, oracle_workers)
@@ -858,7 +858,7 @@ async def fair_run(args: argparse.Namespace, loads: Sequence[TenantLoad], second
                     None,  # type: ignore[arg-type]
                 )
             finally:
-                replica.scheduler.release(request_id)
+                replica.scheduler.end_reservation(request_id)
             if counted:
                 result.ttft_s.setdefault(load.tenant, []).append(time.perf_counter() - started)
 

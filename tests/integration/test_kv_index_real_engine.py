@@ -116,7 +116,7 @@ async def test_engine_kv_events_carry_the_routers_block_hashes(stack: LocalStack
                 cache_salt=salt,
             )
         )
-        scheduler.release("kv-index-check")
+        scheduler.end_reservation("kv-index-check")
         assert placement.num_cached_tokens == 3 * block
         second = await _prefill(stack, placement.prefill.address, prompt, salt)
         assert second.num_cached_tokens == placement.num_cached_tokens

@@ -54,7 +54,7 @@ async def test_a_request_waits_for_budget_and_is_admitted_on_release() -> None:
     await asyncio.sleep(0.05)
     assert not waiting.done() and scheduler.queue_depth == 1
     assert ("normal", 1) in metrics.depths
-    scheduler.release("first")
+    scheduler.end_reservation("first")
     placement = await asyncio.wait_for(waiting, 1)
     assert placement.prefill.worker_id == "p0"
     assert scheduler.queue_depth == 0 and metrics.waits == ["admitted"]
@@ -76,10 +76,10 @@ async def test_higher_priority_class_goes_first() -> None:
     await asyncio.sleep(0.02)
     high = asyncio.create_task(scheduler.schedule(req("high", "b", priority="3")))
     await asyncio.sleep(0.02)
-    scheduler.release("hold")
+    scheduler.end_reservation("hold")
     await asyncio.wait_for(high, 1)
     assert not low.done()
-    scheduler.release("high")
+    scheduler.end_reservation("high")
     await asyncio.wait_for(low, 1)
 
 
@@ -90,10 +90,10 @@ async def test_tenant_priorities_from_config() -> None:
     await asyncio.sleep(0.02)
     vip = asyncio.create_task(scheduler.schedule(req("v", "vip")))
     await asyncio.sleep(0.02)
-    scheduler.release("hold")
+    scheduler.end_reservation("hold")
     await asyncio.wait_for(vip, 1)
     assert not normal.done()
-    scheduler.release("v")
+    scheduler.end_reservation("v")
     await asyncio.wait_for(normal, 1)
 
 
@@ -109,7 +109,7 @@ async def test_fair_share_between_tenants_within_a_class() -> None:
     pending = {*burst, b}
     holder = "hold"
     for _ in range(4):
-        scheduler.release(holder)
+        scheduler.end_reservation(holder)
         done, pending = await asyncio.wait(pending, timeout=1, return_when=asyncio.FIRST_COMPLETED)
         assert len(done) == 1
         holder = done.pop().result().request_id
@@ -181,7 +181,7 @@ async def test_each_pools_tokens_in_flight_are_reported_apart() -> None:
     await scheduler.schedule(req("a", tokens=60))
     # Prefill holds the uncached prompt; decode holds prompt plus max_tokens: neither counts as the other.
     assert metrics.tokens == {("p0", "prefill"): 60, ("d0", "decode"): 64}
-    scheduler.release("a")
+    scheduler.end_reservation("a")
     assert metrics.tokens == {("p0", "prefill"): 0, ("d0", "decode"): 0}
 
 
@@ -194,7 +194,7 @@ async def test_the_queue_says_which_pools_budget_its_requests_wait_for() -> None
     assert scheduler.queued() == {"prefill": (3, 180), "decode": (0, 0)}
     scheduler.tick()
     assert metrics.queued == {"prefill": (3, 180), "decode": (0, 0)}
-    scheduler.release("first")
+    scheduler.end_reservation("first")
     await asyncio.wait_for(waiting[0], 1)
     for task in waiting[1:]:
         task.cancel()

@@ -174,7 +174,7 @@ async def test_cold_prompts_spread_over_workers_that_just_computed_others() -> N
     chosen = []
     for tenant in range(4):
         placement = await scheduler.schedule(request(f"t{tenant}", [tenant + 1] * 200, salt=str(tenant)))
-        scheduler.release(placement.request_id)
+        scheduler.end_reservation(placement.request_id)
         chosen.append(placement.prefill.worker_id)
     assert sorted(chosen) == ["p0", "p0", "p1", "p1"]
 
@@ -193,6 +193,6 @@ async def test_requests_without_a_token_count_spread_by_requests_in_flight() -> 
     assert sorted(p.prefill.worker_id for p in placements) == ["p0", "p0", "p1", "p1"]
     assert sorted(p.decode.worker_id for p in placements) == ["d0", "d0", "d1", "d1"]
     freed = next(p for p in placements if p.prefill.worker_id == "p1")
-    scheduler.release(freed.request_id)
+    scheduler.end_reservation(freed.request_id)
     follow_up = await scheduler.schedule(ScheduleRequest(request_id="r-next", model="m"))
     assert follow_up.prefill.worker_id == "p1"

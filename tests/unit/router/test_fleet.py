@@ -118,48 +118,48 @@ async def test_a_large_fleets_newer_loads_are_taken_in_slices_and_decisions_keep
 ) -> None:
     import asyncio
 
-    from tandem.router import scheduler as scheduler_module
+    from tandem.router import intake as intake_module
     from tandem.router.policy import create_policy
     from tandem.router.scheduler import Scheduler
 
-    workers = pool_workers(random.Random(2), scheduler_module.SLICED_UPDATE_MIN_WORKERS + 40)
+    workers = pool_workers(random.Random(2), intake_module.SLICED_UPDATE_MIN_WORKERS + 40)
     view = _ChangingView(workers)
     scheduler = Scheduler(view, create_policy("cache_aware"), ReservationTable(lease_s=600))
     await scheduler.refresh_workers()
-    assert scheduler._last_workers is workers
+    assert scheduler.intake.last_workers is workers
     # Every worker reports a new load: a list that is the same fleet, only busier.
     busier = [dataclasses.replace(w, load=WorkerLoad(num_kv_tokens_in_flight=7_777)) for w in workers]
     view.list = busier
-    assert await scheduler._workers() is workers  # decisions go on with the list they had...
-    taking = scheduler._taking
+    assert await scheduler.intake.workers() is workers  # decisions go on with the list they had...
+    taking = scheduler.intake.taking
     assert taking is not None and not taking.done()
-    assert await scheduler._workers() is workers  # ...and a second look does not start another take
-    assert scheduler._taking is taking
+    assert await scheduler.intake.workers() is workers  # ...and a second look does not start another take
+    assert scheduler.intake.taking is taking
     # The take yields to the loop between slices (here after every chunk): decisions in between see
     # some workers' new loads, with the old list still theirs.
-    monkeypatch.setattr(scheduler_module, "UPDATE_SLICE_S", 0.0)
+    monkeypatch.setattr(intake_module, "UPDATE_SLICE_S", 0.0)
     seen_partly = False
     while not taking.done():
         await asyncio.sleep(0)
-        assert scheduler._fleet is not None
-        loads = scheduler._fleet.arrays("decode", "m", {}, 0.0)
+        assert scheduler.intake.fleet is not None
+        loads = scheduler.intake.fleet.arrays("decode", "m", {}, 0.0)
         assert loads is not None
         taken = int((loads.load_tokens == 7_777).sum())
         if 0 < taken < len(loads.load_tokens):
             seen_partly = True
-            assert scheduler._last_workers is workers
+            assert scheduler.intake.last_workers is workers
     assert seen_partly
-    assert scheduler._last_workers is busier
-    assert scheduler._fleet is not None and scheduler._fleet.workers is busier
-    decode = scheduler._fleet.arrays("decode", "m", {}, 0.0)
+    assert scheduler.intake.last_workers is busier
+    assert scheduler.intake.fleet is not None and scheduler.intake.fleet.workers is busier
+    decode = scheduler.intake.fleet.arrays("decode", "m", {}, 0.0)
     assert decode is not None and (decode.load_tokens == 7_777).all()
     # A list in which a worker changed what it is (a restart) is taken at once, with a new table.
-    fleet_before = scheduler._fleet
+    fleet_before = scheduler.intake.fleet
     restarted = [dataclasses.replace(busier[0], started_unix_s=9.0), *busier[1:]]
     view.list = restarted
     await scheduler.refresh_workers()
-    assert scheduler._last_workers is restarted and scheduler._fleet is not fleet_before
-    assert scheduler._fleet.workers is restarted
+    assert scheduler.intake.last_workers is restarted and scheduler.intake.fleet is not fleet_before
+    assert scheduler.intake.fleet.workers is restarted
 
 
 async def test_a_small_fleets_newer_list_is_taken_at_once() -> None:
@@ -171,4 +171,4 @@ async def test_a_small_fleets_newer_list_is_taken_at_once() -> None:
     scheduler = Scheduler(view, create_policy("cache_aware"), ReservationTable(lease_s=600))
     await scheduler.refresh_workers()
     view.list = [dataclasses.replace(w, load=WorkerLoad(num_kv_tokens_in_flight=5)) for w in workers]
-    assert await scheduler._workers() is view.list and scheduler._taking is None
+    assert await scheduler.intake.workers() is view.list and scheduler.intake.taking is None

@@ -68,7 +68,7 @@ async def test_router_replicas_share_reservations_and_read_the_registry_under_th
             request = ScheduleRequest(request_id="r1", model="m", num_prompt_tokens=60, max_tokens=4, tenant="t")
             await schedulers[0].schedule(request)
             await until(lambda: ledger_b.others_tokens("p0") == 60)  # over the channel
-            schedulers[0].release("r1")
+            schedulers[0].end_reservation("r1")
             await until(lambda: ledger_b.others_tokens("p0") == 0)
 
             await worker.heartbeat(WorkerRecord(worker_id="d0", role=ROLE_DECODE, model="m", address="127.0.0.1:1"))

@@ -93,7 +93,7 @@ async def test_a_reservation_counts_in_the_other_replica_within_milliseconds(rep
     # 60 held by A + 60 would exceed the 100-token budget: B queues, then gives up.
     with pytest.raises(NoCapacityError):
         await b.schedule(req("r2", 60))
-    a.release("r1")
+    a.end_reservation("r1")
     await until(lambda: ledger_b.others_tokens("p0") == 0)
     assert (await b.schedule(req("r2", 60))).prefill is not None
 
@@ -112,7 +112,7 @@ async def test_a_dead_replicas_requests_keep_counting_until_their_release_reache
     assert ledger_b.others_tokens("p0") == 60  # r1 still runs on p0
     with pytest.raises(NoCapacityError):
         await b.schedule(req("r2", 60))
-    assert await b.release_anywhere("r1") is True  # its Release reaches B now
+    assert await b.end_reservation_anywhere("r1") is True  # its Release reaches B now
     assert ledger_b.others_tokens("p0") == 0
     placement = await b.schedule(req("r2", 60))
     assert placement.prefill is not None and placement.prefill.worker_id == "p0"
@@ -128,7 +128,7 @@ async def test_the_work_a_dead_replica_placed_keeps_counting_after_its_requests_
     await until(lambda: ledger_b.others_tokens("p0") == 60)
     await ledger_a.aclose()
     await until(lambda: ledger_b.num_live_replicas == 1, timeout_s=TTL_S + 2)
-    assert await b.release_anywhere("r1") is True
+    assert await b.end_reservation_anywhere("r1") is True
     await asyncio.sleep(3 * SNAPSHOT_S)  # a few ticks, where an empty dead mirror used to be dropped
     assert ledger_b.others_tokens("p0") == 0
     recent, _ = ledger_b.others_recent_tokens_at("p0")
@@ -143,7 +143,7 @@ async def test_a_release_forwarded_to_a_replica_that_dies_before_acting_on_it_st
     await a.schedule(req("r1", 60))
     await until(lambda: ledger_b.others_tokens("p0") == 60 and ledger_c.others_tokens("p0") == 60)
     await ledger_a.aclose()  # A is gone, but nobody knows yet
-    assert await b.release_anywhere("r1") is True  # forwarded to A, which will never act on it
+    assert await b.end_reservation_anywhere("r1") is True  # forwarded to A, which will never act on it
     await until(lambda: ledger_c.num_live_replicas == 2 and ledger_b.num_live_replicas == 2, timeout_s=TTL_S + 2)
     assert ledger_b.others_tokens("p0") == 0 and ledger_c.others_tokens("p0") == 0
 
@@ -154,10 +154,10 @@ async def test_a_release_reaching_another_replica_is_forwarded_to_the_owner(repl
     await until(lambda: ledger_b.num_live_replicas == 2)
     await a.schedule(req("r1", 60))
     await until(lambda: ledger_b.others_tokens("p0") == 60)
-    assert await b.release_anywhere("r1") is True  # B does not hold it: forwarded to A
+    assert await b.end_reservation_anywhere("r1") is True  # B does not hold it: forwarded to A
     await until(lambda: a.reservations.num_in_flight("p0") == 0)
     await until(lambda: ledger_b.others_tokens("p0") == 0)
-    assert await b.release_anywhere("never-scheduled") is False
+    assert await b.end_reservation_anywhere("never-scheduled") is False
 
 
 async def test_a_retry_on_another_replica_releases_the_first_placement(replicas) -> None:  # type: ignore[no-untyped-def]
@@ -185,7 +185,7 @@ async def test_a_lost_message_is_repaired_from_the_snapshot(replicas) -> None:  
     await a.schedule(req("r2", 20))
     await asyncio.sleep(0.05)
     ledger_b.receive = receive  # type: ignore[method-assign]
-    a.release("r1")  # the next message B hears shows a gap in A's seqs
+    a.end_reservation("r1")  # the next message B hears shows a gap in A's seqs
     await until(lambda: ledger_b.others_tokens("p0") == 20, timeout_s=2)
     assert ledger_b.stats.num_gaps + ledger_b.stats.num_snapshots_applied >= 2
 
@@ -199,7 +199,7 @@ async def test_a_mirror_rebuilt_from_a_snapshot_keeps_the_work_placed_lately(rep
     _, ledger_b = replicas("b")
     await until(lambda: ledger_b.num_live_replicas == 2)
     await a.schedule(req("r1", 60))
-    a.release("r1")
+    a.end_reservation("r1")
     await until(lambda: ledger_b.others_tokens("p0") == 0 and ledger_b.others_recent_tokens_at("p0")[0] > 55)
     # C never heard r1: it learns A's recent work from A's snapshot.
     _, ledger_c = replicas("c")
@@ -209,7 +209,7 @@ async def test_a_mirror_rebuilt_from_a_snapshot_keeps_the_work_placed_lately(rep
     receive = ledger_b.receive
     ledger_b.receive = lambda payload: None  # type: ignore[method-assign]
     await a.schedule(req("r2", 20))
-    a.release("r2")
+    a.end_reservation("r2")
     await asyncio.sleep(0.05)
     ledger_b.receive = receive  # type: ignore[method-assign]
     await a.schedule(req("r3", 10))  # the next message B hears shows a gap in A's seqs
@@ -234,7 +234,7 @@ async def test_the_router_wide_fair_share_lets_the_other_replicas_better_waiter_
     # B's waiter reaches A once A mirrors B (from B's snapshot, ~0.1 s here); one CI run, its host
     # loaded, took over 2 s.
     await until(lambda: any(w.tenant == "victim" for w in ledger_a.remote_waiters()), timeout_s=5.0)
-    a.release("hold")
+    a.end_reservation("hold")
     assert a.reservations.get("v") is not None  # placed by A at once, in the release's own iteration
     placement = await asyncio.wait_for(victim, 2)
     assert placement.request_id == "v" and placement.prefill is not None and placement.prefill.worker_id == "p0"
@@ -243,7 +243,7 @@ async def test_the_router_wide_fair_share_lets_the_other_replicas_better_waiter_
     assert b.reservations.get("v") is not None
     await until(lambda: a.reservations.get("v") is None)
     await until(lambda: ledger_a.others_tokens("p0") == 100 and ledger_b.others_tokens("p0") == 0)
-    b.release("v")
+    b.end_reservation("v")
     done, _ = await asyncio.wait(noisy, timeout=2, return_when=asyncio.FIRST_COMPLETED)
     assert len(done) == 1
     for task in noisy:
@@ -269,8 +269,8 @@ async def test_replicas_with_the_same_view_choose_alike(replicas) -> None:  # ty
         ra = a.place_now(req(f"r{i}", 50), workers)
         rb = b.place_now(req(f"r{i}", 50), workers)
         assert (ra.prefill, ra.decode) == (rb.prefill, rb.decode)
-        a.release(f"r{i}")
-        b.release(f"r{i}")
+        a.end_reservation(f"r{i}")
+        b.end_reservation(f"r{i}")
 
 
 async def victim_waiting_on_b(
@@ -294,8 +294,8 @@ async def test_a_handoff_for_a_request_that_no_longer_waits_is_refused_and_frees
     victim = await victim_waiting_on_b(a, ledger_a, b, ledger_b)
     noisy = asyncio.create_task(a.schedule(req("n0", 100, tenant="noisy")))
     await asyncio.sleep(0.02)
-    b._waiters_by_id.clear()  # as if v's Schedule had ended in the instant before the hand-off arrived
-    a.release("hold")
+    b._room.waiters_by_id.clear()  # as if v's Schedule had ended in the instant before the hand-off arrived
+    a.end_reservation("hold")
     assert a.reservations.get("v") is not None
     await until(lambda: a.reservations.get("v") is None)  # refused: released on A
     assert (await asyncio.wait_for(noisy, 2)).prefill is not None  # and the budget went on to n0
@@ -309,11 +309,11 @@ async def test_a_handoff_nobody_answers_gives_its_budget_back(replicas) -> None:
     hand-off timeout, not at the lease's end."""
     a, ledger_a = replicas("a", timeout_s=3.0)
     b, ledger_b = replicas("b", timeout_s=3.0)
-    a._queue_config = dataclasses.replace(a._queue_config, handoff_timeout_s=0.2)
+    a._room.config = dataclasses.replace(a._room.config, handoff_timeout_s=0.2)
     await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
     victim = await victim_waiting_on_b(a, ledger_a, b, ledger_b)
     ledger_b.on_change = None  # B stops answering (its process hangs, then dies)
-    a.release("hold")
+    a.end_reservation("hold")
     assert a.reservations.get("v") is not None
     await asyncio.sleep(0.3)
     a.tick()
@@ -326,11 +326,11 @@ async def test_a_retry_placed_here_is_not_released_by_the_handoff_it_replaced(re
     placement of it must outlive the hand-off's timeout."""
     a, ledger_a = replicas("a", timeout_s=3.0)
     b, ledger_b = replicas("b", timeout_s=3.0)
-    a._queue_config = dataclasses.replace(a._queue_config, handoff_timeout_s=0.2)
+    a._room.config = dataclasses.replace(a._room.config, handoff_timeout_s=0.2)
     await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
     victim = await victim_waiting_on_b(a, ledger_a, b, ledger_b)
     ledger_b.on_change = None  # B stops answering
-    a.release("hold")
+    a.end_reservation("hold")
     assert a.reservations.get("v") is not None  # the hand-off
     retried = await a.schedule(req("v", 100, tenant="victim"))  # the gateway's retry, now on A
     assert retried.prefill is not None

@@ -65,8 +65,8 @@ async def test_unreleased_requests_spread_over_all_workers() -> None:
 async def test_release_frees_the_pair_for_the_next_request() -> None:
     h = Harness(make_pool(2, 1))
     first = await h.schedule("r1")
-    assert h.scheduler.release("r1") is True
-    assert h.scheduler.release("r1") is False
+    assert h.scheduler.end_reservation("r1") is True
+    assert h.scheduler.end_reservation("r1") is False
     assert h.scheduler.reservations.in_flight_by_worker() == {}
     assert h.metrics.in_flight[first.prefill.worker_id] == 0
 
@@ -78,7 +78,7 @@ async def test_expired_lease_stops_counting() -> None:
     second = await h.schedule("r2")
     # Only r2 is left: the lease of the request nobody released was swept.
     assert h.scheduler.reservations.in_flight_by_worker() == {second.prefill.worker_id: 1, "d0": 1}
-    assert h.scheduler.release("crashed-gateway") is False
+    assert h.scheduler.end_reservation("crashed-gateway") is False
 
 
 async def test_exclude_worker_ids_is_honoured() -> None:
@@ -178,7 +178,7 @@ async def test_tick_publishes_each_pools_budget_in_use_and_requests_in_flight() 
     assert used == pytest.approx(144 / 1152 / 2) and num_in_flight == 1
     used, num_in_flight = published["prefill"]
     assert used == pytest.approx(100 / 16_384) and num_in_flight == 1
-    h.scheduler.release("r1")
+    h.scheduler.end_reservation("r1")
     h.scheduler.tick()
     assert published == {"prefill": (0.0, 0), "decode": (0.0, 0)}
 

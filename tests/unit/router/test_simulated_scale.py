@@ -98,7 +98,7 @@ async def test_64_simulated_workers_prefill_each_document_once_and_spread_tenant
             num_cached += response.num_cached_tokens
             num_prompt += len(prompt)
             homes[tenant][placement.prefill.worker_id] += 1
-            scheduler.release(f"r{i}")
+            scheduler.end_reservation(f"r{i}")
 
         async def events_arrived() -> None:
             """Until the router's index holds what every engine's cache holds (its KV events arrived), as

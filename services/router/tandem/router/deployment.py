@@ -164,7 +164,8 @@ class RouterDeployment:
         self, request: router_pb2.RouterReleaseRequest, grpc_context: RayServegRPCContext
     ) -> router_pb2.RouterReleaseResponse:
         self._ensure_ticker()
-        return router_pb2.RouterReleaseResponse(found=await self._scheduler.release_anywhere(request.request_id))
+        found = await self._scheduler.end_reservation_anywhere(request.request_id)
+        return router_pb2.RouterReleaseResponse(found=found)
 
     async def check_health(self) -> None:
         """Serve's periodic replica health check (every 5 s, on the replica's event loop): it

@@ -11,10 +11,28 @@ rebuilds it from the ledger (:mod:`tandem.router.handoff`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
-from tandem.common.registry import WorkerRecord
-from tandem.router.policy import ScheduleRequest
+import numpy as np
+import numpy.typing as npt
+
+from tandem.common.block_hash import BlockHasher
+from tandem.common.errors import InvalidRequestError, NoCapacityError, TandemError
+from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
+from tandem.router.fair_share import TenantShares
+from tandem.router.fleet import CachedPrefix, FleetTable
+from tandem.router.gauges import Gauges
+from tandem.router.intake import WorkerIntake
+from tandem.router.kv_index import KVIndex
+from tandem.router.ledger import Ledger
+from tandem.router.metrics import RouterMetrics
+from tandem.router.policy import RoutingPolicy, ScheduleRequest, ScoredWorker
+from tandem.router.reservations import ReservationTable
+
+#: How long a caller told "no capacity" should wait before trying again.
+NO_CAPACITY_RETRY_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -37,7 +55,6 @@ class PlacementDecision:
         return self.prefill is None
 
 
-
 @dataclass
 class PendingRequest:
     """A request being placed, with its block hashes per engine configuration (computed once)."""
@@ -51,3 +68,231 @@ class PendingRequest:
     num_uncached_tokens: int = -1
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A placement decided and not reserved yet."""
+
+    request: ScheduleRequest
+    prefill: ScoredWorker | None
+    decode: ScoredWorker
+    #: The prefill worker of the placement: the chosen one, the one named by a decode-only request, or
+    #: None for a local prefill.
+    prefill_worker: WorkerRecord | None
+    local: bool
+    num_cached_tokens: int
+    num_decode_cached_tokens: int
+    #: Prompt tokens this placement makes a worker compute (the tenant's fair-share cost).
+    num_uncached_tokens: int
+    tokens: dict[str, int]
+
+
+class NoBudget(Exception):
+    """Workers of the role exist, but none has budget left: wait in the queue."""
+
+    def __init__(self, roles: tuple[str, ...]) -> None:
+        super().__init__(*roles)
+        self.roles = roles
+
+
+class Placer:
+    """Decides (:meth:`decide`: no side effects but the policy's own rotation) and commits
+    (:meth:`commit`: reserves the budget and tells everyone who counts it). Not thread-safe."""
+
+    def __init__(
+        self,
+        policy: RoutingPolicy,
+        intake: WorkerIntake,
+        index: KVIndex,
+        reservations: ReservationTable,
+        shares: TenantShares,
+        ledger: Ledger | None,
+        gauges: Gauges,
+        metrics: RouterMetrics,
+        min_uncached_tokens_to_disaggregate: int,
+    ) -> None:
+        self.policy = policy
+        self._intake = intake
+        self._index = index
+        self._reservations = reservations
+        self._shares = shares
+        self._ledger = ledger
+        self._gauges = gauges
+        self._metrics = metrics
+        #: Below this many prompt tokens missing from the decode worker's cache, it prefills alone (0: never).
+        self._min_uncached_tokens_to_disaggregate = min_uncached_tokens_to_disaggregate
+        self._hashers: dict[tuple[int, str], BlockHasher] = {}
+
+    def place(self, pending: PendingRequest, workers: Sequence[WorkerRecord]) -> PlacementDecision:
+        return self.commit(self.decide(pending, workers))
+
+    def decide(self, pending: PendingRequest, workers: Sequence[WorkerRecord]) -> Choice:
+        """The placement for ``pending`` (raises NoBudget or the error naming what is missing); no side
+        effects but the policy's own rotation."""
+        request = pending.request
+        fleet = self._intake.fleet_for(workers)
+        cached = self._lookup(pending, fleet)
+        now_s = self._reservations.now_s()
+        decode_pool = fleet.arrays(ROLE_DECODE, request.model, cached, now_s)
+        prefill_pool = fleet.arrays(ROLE_PREFILL, request.model, cached, now_s, self._index)
+        num_most_cached = max(
+            (float(p.cached_tokens.max()) for p in (decode_pool, prefill_pool) if p is not None and len(p)),
+            default=0.0,
+        )
+        pending.num_uncached_tokens = max(0, request.num_tokens - int(num_most_cached))
+        decode = None if decode_pool is None else self.policy.choose_in(request, decode_pool)
+        decode_only = bool(request.prefill_done_on_worker_id)
+        local_only = request.local_prefill_only
+        if decode is None:
+            # Would prefill take it? If not, it waits for both pools (and both must grow for it to go).
+            also = (
+                (ROLE_PREFILL,)
+                if not decode_only
+                and not local_only
+                and pending.num_uncached_tokens >= self._min_uncached_tokens_to_disaggregate
+                and num_candidates(request, workers, ROLE_PREFILL)
+                and (prefill_pool is None or self.policy.choose_in(request, prefill_pool) is None)
+                else ()
+            )
+            _no_worker(request, workers, ROLE_DECODE, also_lacking=also)
+        num_tokens = request.num_tokens
+        assert decode_pool is not None
+        num_decode_cached = int(decode_pool.cached_tokens[decode.position])
+        # A request that does not say how long its prompt is is not known to be short.
+        local = local_only or (
+            not decode_only
+            and num_tokens > 0
+            and num_tokens - num_decode_cached < self._min_uncached_tokens_to_disaggregate
+        )
+        prefill: ScoredWorker | None = None
+        prefill_worker: WorkerRecord | None = None
+        if decode_only:
+            # The prefill ran already (a dead decode worker's replacement): its worker holds the KV and
+            # is named back; nothing more is computed there, so no prefill budget is booked.
+            prefill_worker = next(
+                (w for w in workers if w.worker_id == request.prefill_done_on_worker_id), None
+            ) or WorkerRecord(request.prefill_done_on_worker_id, ROLE_PREFILL, request.model, "")
+        elif not local:
+            prefill = None if prefill_pool is None else self.policy.choose_in(request, prefill_pool)
+            if prefill is None:
+                _no_worker(request, workers, ROLE_PREFILL)
+            prefill_worker = prefill.worker
+        tokens = {decode.worker.worker_id: num_tokens + request.max_tokens}
+        num_cached = 0
+        num_uncached = 0
+        if prefill is not None:
+            assert prefill_pool is not None
+            num_cached = int(prefill_pool.cached_tokens[prefill.position])
+            num_uncached = tokens[prefill.worker.worker_id] = max(0, num_tokens - num_cached)
+        elif local:
+            num_uncached = max(0, num_tokens - num_decode_cached)
+        return Choice(
+            request, prefill, decode, prefill_worker, local, num_cached, num_decode_cached, num_uncached, tokens
+        )
+
+    def commit(self, choice: Choice) -> PlacementDecision:
+        """Reserve ``choice`` and tell everyone who counts it."""
+        request = choice.request
+        chosen = [choice.decode] if choice.prefill is None else [choice.prefill, choice.decode]
+        for scored in chosen:
+            self._gauges.note_role(scored.worker)
+        reservation = self._reservations.reserve(
+            request.request_id, tuple(s.worker.worker_id for s in chosen), choice.tokens, tenant=request.tenant
+        )
+        # Service in the fair share: what this placement makes a worker compute.
+        self._shares.add(request.tenant, choice.num_uncached_tokens)
+        if self._ledger is not None:
+            self._ledger.reserved(reservation, choice.num_uncached_tokens)
+        self._gauges.publish(reservation)
+        self._metrics.count_placement(local_prefill=choice.local)
+        return self.decision(choice)
+
+    def decision(self, choice: Choice) -> PlacementDecision:
+        return PlacementDecision(
+            request_id=choice.request.request_id,
+            prefill=choice.prefill_worker,
+            decode=choice.decode.worker,
+            lease_s=self._reservations.lease_s,
+            num_cached_tokens=choice.num_cached_tokens,
+            reason=self._reason(choice),
+            num_decode_cached_tokens=choice.num_decode_cached_tokens,
+        )
+
+    def _lookup(self, pending: PendingRequest, fleet: FleetTable) -> CachedPrefix | None:
+        """How much of the prompt each worker holds, from the KV index: one lookup per hashing
+        configuration of the model's workers (None: nothing to look up)."""
+        request = pending.request
+        if not (request.prompt_block_hashes or request.prompt_token_ids) or not self._index.num_workers:
+            return None
+        fleet.sync_index_slots(self._index)
+        by_config: dict[tuple[int, str], npt.NDArray[np.int64]] = {}
+        for group in fleet.hash_groups.get(request.model, ()):
+            key = group.config
+            if key not in pending.hashes:
+                if request.prompt_block_hashes:
+                    # The gateway's hashes (it sends no token ids); a configuration it did not know is cold.
+                    pending.hashes[key] = list(request.prompt_block_hashes.get(key, ()))
+                else:
+                    hasher = self._hashers.get(key)
+                    if hasher is None:
+                        hasher = self._hashers[key] = BlockHasher(*key)
+                    pending.hashes[key] = hasher.block_hashes(request.prompt_token_ids, cache_salt=request.cache_salt)
+            by_config[key] = self._index.match_by_slot(pending.hashes[key])
+        return CachedPrefix(by_config, request.num_tokens)
+
+    def _reason(self, choice: Choice) -> str:
+        prefill, decode = choice.prefill, choice.decode
+        decode_part = (
+            f"decode={decode.worker.worker_id}:{decode.score:.3f} decode_cached={choice.num_decode_cached_tokens}"
+        )
+        if prefill is None and choice.prefill_worker is not None:
+            return f"{self.policy.name} decode_only prefill_done_on={choice.prefill_worker.worker_id} {decode_part}"
+        if prefill is None:
+            return f"{self.policy.name} local_prefill {decode_part}"
+        return (
+            f"{self.policy.name} prefill={prefill.worker.worker_id}:{prefill.score:.3f} "
+            f"{decode_part} cached={choice.num_cached_tokens}"
+        )
+
+
+def num_candidates(request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> int:
+    return sum(
+        1
+        for w in workers
+        if w.role == role and w.model == request.model and w.worker_id not in request.exclude_worker_ids
+    )
+
+
+def check_servable(request: ScheduleRequest, workers: Sequence[WorkerRecord]) -> None:
+    """Raise the error naming what is missing when no worker of some role could ever take ``request``."""
+    for role in (ROLE_PREFILL, ROLE_DECODE):
+        if not num_candidates(request, workers, role):
+            raise no_worker_error(request, workers, role)
+
+
+def _no_worker(
+    request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str, also_lacking: tuple[str, ...] = ()
+) -> NoReturn:
+    """Raise for a role without a worker to take the request: wait for budget (NoBudget, with any
+    other role found short too) when some exist, else the error that names what is missing."""
+    if num_candidates(request, workers, role):
+        raise NoBudget((role, *also_lacking))
+    raise no_worker_error(request, workers, role)
+
+
+def no_worker_error(request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> TandemError:
+    served_models = sorted({w.model for w in workers})
+    if served_models and request.model not in served_models:
+        return InvalidRequestError(
+            f"model {request.model!r} is not served here; served models: {', '.join(served_models)}",
+            param="model",
+            code="model_not_found",
+        )
+    num_of_role = sum(1 for w in workers if w.role == role and w.model == request.model)
+    num_excluded = sum(
+        1 for w in workers if w.role == role and w.model == request.model and w.worker_id in request.exclude_worker_ids
+    )
+    return NoCapacityError(
+        f"no {role} worker available for model {request.model!r} "
+        f"({num_of_role} registered, {num_excluded} excluded by the caller)",
+        retry_after_s=NO_CAPACITY_RETRY_AFTER_S,
+    )
