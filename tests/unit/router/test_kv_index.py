@@ -100,6 +100,28 @@ class _ReferenceIndex:
         return result
 
 
+def _assert_table_is_ordered_linear_probing(index: KVIndex, absent: list[int]) -> None:
+    """The compiled probe against the plain one: the slot table holds exactly the live rows, each at
+    or past its home slot with no empty slot or later home before it (runs sorted by home, so a probe
+    ends), its last slot empty; and a probe finds every live key's row and none of ``absent``."""
+    table, keys = index._table, index._keys
+    slots = table.slots.tolist()
+    home_mask = int(table.home_mask)
+    assert slots[-1] == -1
+    live = {int(r) for r in np.flatnonzero(index._holder_columns[0][: index._num_rows])}
+    assert sorted(r for r in slots if r >= 0) == sorted(live)
+    row_of = {}
+    for i, r in enumerate(slots):
+        if r >= 0:
+            home = int(keys[r]) & home_mask
+            assert home <= i and all(slots[k] >= 0 and int(keys[slots[k]]) & home_mask <= home for k in range(home, i))
+            row_of[int(keys[r])] = r
+    hashes = np.array([*row_of, *absent], np.uint64)
+    rows = np.empty(len(hashes), np.int32)
+    assert table.find(keys, hashes, rows, stop_at_missing=False) == len(hashes)
+    assert rows.tolist() == [*row_of.values(), *(-1 for _ in absent)]
+
+
 def _assert_same(index: KVIndex, reference: _ReferenceIndex, prompts: list[list[int]]) -> None:
     assert index.workers() == list(reference.blocks)
     assert index.num_block_entries == sum(len(b) for b in reference.blocks.values())
@@ -151,9 +173,10 @@ def test_random_operations_agree_with_a_reference_through_growth_and_shrinking(n
         else:
             index.remove_worker(worker_id)
             reference.blocks.pop(worker_id, None)
-        max_slot_bits = max(max_slot_bits, index._slot_bits)
+        max_slot_bits = max(max_slot_bits, index._table.slot_bits)
         if step % 200 == 199:
             _assert_same(index, reference, [*recent, rnd.choices(pool, k=8)])
+            _assert_table_is_ordered_linear_probing(index, [rnd.getrandbits(64) for _ in range(50)])
     assert index.num_evicted_over_bound > 0 and max_slot_bits > 10  # evicted, and grew
     # A burst of new blocks: the table doubles a few times and every worker hits its bound.
     for worker_id in workers:
@@ -162,7 +185,7 @@ def test_random_operations_agree_with_a_reference_through_growth_and_shrinking(n
             index.store(worker_id, hashes)
             reference.store(worker_id, hashes)
     _assert_same(index, reference, recent)
-    assert index._slot_bits >= 12  # 2,400 rows: 4,096 home slots
+    assert index._table.slot_bits >= 12  # 2,400 rows: 4,096 home slots
     grown_bytes = index.approx_memory_bytes()
     # Shrinking back: half the workers leave, the rest forget most of their blocks but the system prompt.
     for worker_id in workers[:4]:
@@ -303,14 +326,14 @@ def test_overflow_bitsets_follow_rows_through_compaction() -> None:
         index.store(f"w{i}", shared)
     index.store("w0", range(5_000, 7_000))  # rows to compact away later
     index.store("w9", [*shared[:10], 99])
-    grown = len(index._overflow_bits)
+    grown = len(index._overflow_bits.bits)
     assert grown >= 100
     # The first half of the overflow rows (the first bitset rows) lose their fourth and fifth holders:
     # the other half's bitsets move down when most rows go and the arrays are compacted.
     index.remove("w1", shared[:50])
     index.remove("w2", shared[:50])
     index.remove("w0", range(5_000, 7_000))
-    assert len(index._overflow_bits) < grown and len(index._overflow) == 60  # shared[:10] (w9) and [50:]
+    assert len(index._overflow_bits.bits) < grown and len(index._overflow) == 60  # shared[:10] (w9) and [50:]
     assert index.match([*shared, 99]) == {"w0": 100, "w3": 100, "w4": 100, "w9": 10}
     assert index.match(shared[60:]) == {f"w{i}": 40 for i in range(5)}
     index.store("w1", shared[:50])  # overflow again, in reused bitset rows
