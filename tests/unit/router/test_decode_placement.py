@@ -3,6 +3,7 @@ replacement, and decode scoring that counts the KV a decode worker already holds
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from tandem.common.block_hash import BlockHasher
@@ -12,6 +13,7 @@ from tandem.router.budget import BudgetConfig
 from tandem.router.handoff import _decode_pending, _encode_pending
 from tandem.router.kv_index import KVIndex
 from tandem.router.ledger import RemoteWaiter
+from tandem.router.ledger_events import WaitingRequest
 from tandem.router.placement import PendingRequest
 from tandem.router.policy import CacheAwareWeights, ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
@@ -142,5 +144,9 @@ def test_a_queued_local_prefills_replacement_travels_to_other_replicas_as_such()
     assert decoded is not None
     assert decoded.request.local_prefill_only and decoded.request.exclude_worker_ids == frozenset({"d0"})
     assert decoded.hashes == {(BLOCK, "sha256"): [11, 12]}
-    older = _decode_pending(RemoteWaiter("r", "t", 1, 0.0, "replica-b", payload[:7]))
+    # The version before's seven fields, as the ledger decodes them off the wire.
+    seven = msgspec.msgpack.encode(msgspec.to_builtins(payload)[:7])
+    older = _decode_pending(
+        RemoteWaiter("r", "t", 1, 0.0, "replica-b", msgspec.msgpack.decode(seven, type=WaitingRequest))
+    )
     assert older is not None and not older.request.local_prefill_only

@@ -30,6 +30,7 @@ from tandem.router.fair_share import TenantShares
 from tandem.router.gauges import Gauges
 from tandem.router.intake import WorkerIntake
 from tandem.router.ledger import HandOff, Ledger, RemoteWaiter
+from tandem.router.ledger_events import BlockHashes, HandOffPlacement, WaitingRequest, WorkerRef
 from tandem.router.metrics import RouterMetrics
 from tandem.router.placement import Choice, NoBudget, PendingRequest, PlacementDecision, Placer
 from tandem.router.policy import ScheduleRequest
@@ -201,93 +202,80 @@ class HandOffs:
 # -- hand-offs on the wire (msgpack through the ledger) -----------------------------------------------
 
 
-def _encode_pending(pending: PendingRequest, priority: str) -> list[object]:
+def _encode_pending(pending: PendingRequest, priority: str) -> WaitingRequest:
     """What another replica needs to place a waiting request: sizes, exclusions and block hashes."""
     request = pending.request
-    return [
-        request.model,
-        request.num_tokens,
-        request.max_tokens,
-        [[block_size, algo, hashes] for (block_size, algo), hashes in pending.hashes.items()],
-        sorted(request.exclude_worker_ids),
-        request.prefill_done_on_worker_id,
-        priority,
-        request.local_prefill_only,
-    ]
+    return WaitingRequest(
+        model=request.model,
+        num_prompt_tokens=request.num_tokens,
+        max_tokens=request.max_tokens,
+        block_hashes=[BlockHashes(size, algo, list(hashes)) for (size, algo), hashes in pending.hashes.items()],
+        exclude_worker_ids=sorted(request.exclude_worker_ids),
+        prefill_done_on_worker_id=request.prefill_done_on_worker_id,
+        priority=priority,
+        local_prefill_only=request.local_prefill_only,
+    )
 
 
 def _decode_pending(remote: RemoteWaiter) -> PendingRequest | None:
-    """:func:`_encode_pending` undone (None when the waiter came without one, or it is malformed)."""
-    if not isinstance(remote.payload, list | tuple):
+    """:func:`_encode_pending` undone (None when the waiter came without one: an older replica)."""
+    waiting = remote.payload
+    if waiting is None:
         return None
-    try:
-        # A replica of the version before local_prefill_only sends seven fields.
-        model, num_tokens, max_tokens, by_config, exclude, prefill_done_on, priority, *more = remote.payload
-        local_only = bool(more[0]) if more else False
-        hashes = {(int(block_size), str(algo)): [int(h) for h in values] for block_size, algo, values in by_config}
-        request = ScheduleRequest(
-            request_id=remote.request_id,
-            model=str(model),
-            num_prompt_tokens=int(num_tokens),
-            max_tokens=int(max_tokens),
-            tenant=remote.tenant,
-            prompt_block_hashes=hashes,
-            exclude_worker_ids=frozenset(str(w) for w in exclude),
-            priority=str(priority),
-            prefill_done_on_worker_id=str(prefill_done_on),
-            local_prefill_only=local_only,
-        )
-    except (TypeError, ValueError):
-        return None
+    hashes = {(b.block_size, b.algo): b.hashes for b in waiting.block_hashes}
+    request = ScheduleRequest(
+        request_id=remote.request_id,
+        model=waiting.model,
+        num_prompt_tokens=waiting.num_prompt_tokens,
+        max_tokens=waiting.max_tokens,
+        tenant=remote.tenant,
+        prompt_block_hashes=hashes,
+        exclude_worker_ids=frozenset(waiting.exclude_worker_ids),
+        priority=waiting.priority,
+        prefill_done_on_worker_id=waiting.prefill_done_on_worker_id,
+        local_prefill_only=waiting.local_prefill_only,
+    )
     return PendingRequest(request, hashes=dict(hashes))
 
 
-def _worker_fields(worker: WorkerRecord | None) -> list[str]:
-    return [] if worker is None else [worker.worker_id, worker.role, worker.model, worker.address]
+def _worker_ref(worker: WorkerRecord) -> WorkerRef:
+    return WorkerRef(worker.worker_id, worker.role, worker.model, worker.address)
 
 
-def _encode_handoff(decision: PlacementDecision, reservation: Reservation) -> list[object]:
-    return [
-        list(reservation.worker_ids),
-        [int(reservation.tokens_by_worker.get(w, 0)) for w in reservation.worker_ids],
-        reservation.tenant,
-        time.time(),
-        _worker_fields(decision.prefill),
-        _worker_fields(decision.decode),
-        decision.lease_s,
-        decision.num_cached_tokens,
-        decision.num_decode_cached_tokens,
-        decision.reason,
-    ]
+def _encode_handoff(decision: PlacementDecision, reservation: Reservation) -> HandOffPlacement:
+    return HandOffPlacement(
+        worker_ids=list(reservation.worker_ids),
+        tokens=[int(reservation.tokens_by_worker.get(w, 0)) for w in reservation.worker_ids],
+        tenant=reservation.tenant,
+        placed_at_unix=time.time(),
+        prefill=None if decision.prefill is None else _worker_ref(decision.prefill),
+        decode=_worker_ref(decision.decode),
+        lease_s=decision.lease_s,
+        num_cached_tokens=decision.num_cached_tokens,
+        num_decode_cached_tokens=decision.num_decode_cached_tokens,
+        reason=decision.reason,
+    )
 
 
 def _decode_handoff(
     handoff: HandOff, known: Sequence[WorkerRecord]
 ) -> tuple[PlacementDecision, tuple[str, ...], dict[str, int], str, float]:
     """The placement, its reservation's workers and tokens, its tenant, and its age in seconds."""
-    (worker_ids, tokens, tenant, placed_at_unix, prefill, decode, lease_s, num_cached, num_decode_cached, reason) = (
-        handoff.placement
-    )
+    placement = handoff.placement
     by_id = {w.worker_id: w for w in known}
 
-    def record(fields: list[str]) -> WorkerRecord:
-        worker_id, role, model, address = fields
-        return by_id.get(worker_id) or WorkerRecord(worker_id, role, model, address)
+    def record(ref: WorkerRef) -> WorkerRecord:
+        return by_id.get(ref.worker_id) or WorkerRecord(ref.worker_id, ref.role, ref.model, ref.address)
 
     decision = PlacementDecision(
         request_id=handoff.request_id,
-        prefill=record(prefill) if prefill else None,
-        decode=record(decode),
-        lease_s=float(lease_s),
-        num_cached_tokens=int(num_cached),
-        reason=str(reason),
-        num_decode_cached_tokens=int(num_decode_cached),
+        prefill=None if placement.prefill is None else record(placement.prefill),
+        decode=record(placement.decode),
+        lease_s=placement.lease_s,
+        num_cached_tokens=placement.num_cached_tokens,
+        reason=placement.reason,
+        num_decode_cached_tokens=placement.num_decode_cached_tokens,
     )
-    ids = tuple(str(w) for w in worker_ids)
-    return (
-        decision,
-        ids,
-        dict(zip(ids, (int(n) for n in tokens), strict=False)),
-        str(tenant),
-        max(0.0, time.time() - float(placed_at_unix)),
-    )
+    ids = tuple(placement.worker_ids)
+    age_s = max(0.0, time.time() - placement.placed_at_unix)
+    return decision, ids, dict(zip(ids, placement.tokens, strict=False)), placement.tenant, age_s
