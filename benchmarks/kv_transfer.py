@@ -148,13 +148,17 @@ def _side(port: int, max_chunk_bytes: int) -> Any:
 
 
 def _prefill_server(conn: Connection, port: int, dtype_name: str, max_chunk_bytes: int, holds: list[str]) -> None:
-    """The prefill side: a KV server over seeded random caches, holding blocks 0.. for each id in ``holds``."""
-    from tandem.worker.kv_connector.metadata import GrpcKVMetadata
+    """The prefill side: a KV server over seeded random caches, holding blocks 0.. for each request id in
+    ``holds`` (as vLLM's requests ``<id>-abcdefgh``)."""
+    from tandem.worker.kv_connector.metadata import GrpcKVMetadata, HoldSpec
 
     side = _side(port, max_chunk_bytes)
     side.register_kv_caches(_caches(dtype_name, SEED))
     blocks = tuple(range(Size(max(SIZES_TOKENS)).num_blocks))
-    side.begin_step(GrpcKVMetadata(holds={rid: (blocks, time.time() + 3600, CAPABILITY) for rid in holds}))
+    expiry = time.time() + 3600
+    side.begin_step(
+        GrpcKVMetadata(holds={f"{rid}-abcdefgh": HoldSpec(rid, blocks, expiry, CAPABILITY) for rid in holds})
+    )
     conn.send("ready")
     conn.recv()
     side.shutdown()
@@ -419,7 +423,7 @@ def measure_transport(
                     "prefill", f"127.0.0.1:{port}", rid, remote, num_tokens, time.time() + 600, CAPABILITY
                 )
                 record = decode.load(LoadSpec(f"{rid}-0123abcd", handle, remote, local, num_tokens, 0))
-                decode.puller.release_remote(handle)
+                decode.puller.release_hold(handle)
                 if record.failed:
                     raise RuntimeError(f"pull of {num_tokens} tokens failed: {record.error}")
                 if i == 0:
@@ -450,12 +454,12 @@ def measure_transport(
                 for j in range(CONCURRENT_STREAMS)
             ]
             specs = [
-                LoadSpec(f"{h.remote_request_id}-0123abcd", h, remote, local, size.num_tokens, 0)
+                LoadSpec(f"{h.request_id}-0123abcd", h, remote, local, size.num_tokens, 0)
                 for h, local in zip(handles, locals_, strict=True)
             ]
             pull_s, records = _pull_all(decode, specs)
             for handle in handles:
-                decode.puller.release_remote(handle)
+                decode.puller.release_hold(handle)
             failed = [r.error for r in records if r.failed]
             if failed:
                 raise RuntimeError(f"concurrent pulls failed: {failed}")

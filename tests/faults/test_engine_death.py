@@ -240,7 +240,6 @@ def _handles(kv_address: str) -> st.SearchStrategy[common_pb2.KVHandle]:
         common_pb2.KVHandle,
         engine_id=st.sampled_from(["", "prefill-x"]),
         kv_address=st.sampled_from(["", kv_address, "127.0.0.1:1", "no-port"]),
-        remote_request_id=_request_id,
         block_ids=st.lists(_u32, max_size=3),
         num_tokens=st.sampled_from([0, 1, 5, 2**32 - 1]),
         lease_expires_unix_s=st.sampled_from([0.0, math.nan, 1e12]),
@@ -349,7 +348,7 @@ def test_hostile_values_in_every_internal_rpc_kill_no_engine(death: BackendStack
                     request_id=request_id,
                     kv_address=address,
                     num_prompt_tokens=num_prompt,
-                    num_cached_tokens=num_cached,
+                    num_decode_cached_tokens=num_cached,
                     kv_capability=capability,
                 )
                 try:

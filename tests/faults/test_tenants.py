@@ -241,7 +241,7 @@ def test_a_component_of_the_wrong_role_is_refused(stack: LocalStack, ledger: Fau
             f.tried()
             with tls_channel(kv_address, stack.tls(role)) as channel, pytest.raises(grpc.RpcError) as refused:
                 kv_transfer_pb2_grpc.KVTransferStub(channel).Release(
-                    kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id="hostile-role"), timeout=10
+                    kv_transfer_pb2.ReleaseBlocksRequest(request_id="hostile-role"), timeout=10
                 )
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
             f.saw(f"KV Release as {role}: PERMISSION_DENIED")

@@ -83,8 +83,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         ]
     )
     decode_step_delay_s: float = 0.0
-    #: DecodeStats.num_local_cached_tokens of the last chunk (prompt tokens from the decode engine's own cache).
-    decode_num_local_cached_tokens: int = 0
+    #: DecodeStats.num_decode_cached_tokens of the last chunk (the decode worker's prefix hit: prompt tokens from
+    #: the decode engine's own cache).
+    num_decode_cached_tokens: int = 0
     #: After this many steps the stream stalls until cancelled (None: never).
     decode_hang_after: int | None = None
     #: After this many steps the stream fails with INTERNAL (None: never).
@@ -119,7 +120,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 common_pb2.KVHandle(
                     engine_id=self.worker_id,
                     kv_address="127.0.0.1:1",
-                    remote_request_id=request.request_id,
                     block_ids=[7, 8],
                     num_tokens=len(request.prompt_token_ids),
                 )
@@ -143,7 +143,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 )
                 if step.finish_reason:
                     chunk.stats.num_output_tokens = sum(len(s.token_ids) for s in self.decode_steps)
-                    chunk.stats.num_local_cached_tokens = self.decode_num_local_cached_tokens
+                    chunk.stats.num_decode_cached_tokens = self.num_decode_cached_tokens
                 yield chunk
         except asyncio.CancelledError:
             self.decode_cancelled.set()

@@ -29,7 +29,7 @@ async def test_the_decode_worker_is_asked_to_prefetch_from_the_prefill_workers_k
     assert prefetch.request_id == prefill_request.request_id == stack.decode.decode_requests[0].request_id
     assert prefetch.kv_address == stack.router.placements[0].prefill.kv_address == stack.prefill.address
     assert prefetch.num_prompt_tokens == len(prefill_request.prompt_token_ids)
-    assert prefetch.num_cached_tokens == 128
+    assert prefetch.num_decode_cached_tokens == 128
     started = stack.metrics.registry.get_sample_value("tandem_gateway_kv_prefetches_total", {"outcome": "started"})
     assert started == 1.0
 

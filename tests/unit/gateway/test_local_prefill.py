@@ -29,7 +29,7 @@ def local_placement(stack: Any) -> router_pb2.Placement:
 async def test_the_decode_worker_streams_every_token_and_no_prefill_runs(stack: Any, wait: Any) -> None:
     stack.router.placements[:] = [local_placement(stack)]
     stack.decode.decode_steps = STEPS
-    stack.decode.decode_num_local_cached_tokens = 128
+    stack.decode.num_decode_cached_tokens = 128
     response = await stack.client.post(
         "/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True})
     )

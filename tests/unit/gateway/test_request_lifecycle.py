@@ -152,10 +152,9 @@ async def test_decode_unavailable_before_its_first_token_is_placed_once_more(
 
     (prefill_request,) = stack.prefill.prefill_requests  # the KV stays where it was computed
     (decode_request,) = stack.decode.decode_requests
-    assert decode_request.request_id == request_id
+    assert decode_request.request_id == request_id  # which names the KV on the KV path
     # The handle the first (and only) prefill returned.
     assert decode_request.kv_handle.engine_id == "prefill-0"
-    assert decode_request.kv_handle.remote_request_id == request_id
     assert list(decode_request.kv_handle.block_ids) == [7, 8]
     assert decode_request.kv_handle.num_tokens == len(prefill_request.prompt_token_ids)
     assert (decode_request.first_token_id, decode_request.first_text) == (101, "Hello")

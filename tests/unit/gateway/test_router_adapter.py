@@ -100,7 +100,7 @@ async def test_a_dead_decode_worker_is_replaced_by_a_decode_only_schedule(routed
     assert len(prefill.prefill_requests) == 1
     (decode_request,) = decode.decode_requests
     assert decode_request.kv_handle.engine_id == "prefill-0"
-    assert decode_request.kv_handle.remote_request_id == first.request_id
+    assert decode_request.request_id == first.request_id  # which names the KV on the KV path
     for _ in range(200):
         if router.released:
             break

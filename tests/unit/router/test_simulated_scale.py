@@ -91,7 +91,7 @@ async def test_64_simulated_workers_prefill_each_document_once_and_spread_tenant
             # a handle in the real one's shape when asked to keep the KV (the gateway refuses a prefill without)
             assert response.HasField("kv_handle") == keep_kv
             if keep_kv:
-                assert response.kv_handle.remote_request_id == f"r{i}" and response.kv_handle.num_tokens == len(prompt)
+                assert response.kv_handle.num_tokens == len(prompt)
             # the router's expectation is the engine's answer (events arrive before the next request)
             if i >= 2 * NUM_TENANTS:
                 assert placement.num_cached_tokens <= response.num_cached_tokens

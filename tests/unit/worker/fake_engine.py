@@ -59,14 +59,16 @@ def decode_outputs(
 @dataclass
 class ScriptedEngine:
     outputs: list[Output] = field(default_factory=decode_outputs)
-    #: What kv_release answers, and how long kv_stats takes.
+    #: What kv_abort answers, and how long kv_stats takes.
     held: set[str] = field(default_factory=set)
     kv_stats_delay_s: float = 0.0
     params: list[Any] = field(default_factory=list)
     prompts: list[dict[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
-    released: list[str] = field(default_factory=list)
-    #: kv_prefetch calls (request id, kv address, prompt tokens, cached tokens), and what it answers.
+    #: The request ids kv_abort was called with (a hold released or a prefetch dropped).
+    kv_aborted: list[str] = field(default_factory=list)
+    #: kv_prefetch calls (request id, kv address, prompt tokens, the decode's expected prefix hit), and what it
+    #: answers.
     prefetched: list[tuple[str, str, int, int]] = field(default_factory=list)
     #: The capability each kv_prefetch call was given.
     capabilities: list[str] = field(default_factory=list)
@@ -91,17 +93,17 @@ class ScriptedEngine:
     async def kv_layout(self) -> KVLayout:
         return layout()
 
-    async def kv_release(self, request_id: str) -> bool:
-        self.released.append(request_id)
+    async def kv_abort(self, request_id: str) -> bool:
+        self.kv_aborted.append(request_id)
         if request_id in self.held:
             self.held.discard(request_id)
             return True
         return False
 
     async def kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
     ) -> str:
-        self.prefetched.append((request_id, kv_address, num_prompt_tokens, num_cached_tokens))
+        self.prefetched.append((request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens))
         self.capabilities.append(capability)
         if not self.prefetch_refusal:
             self.held.add(request_id)

@@ -13,13 +13,18 @@ import torch
 from tandem.common import kv_capability
 from tandem.common.errors import KVLayoutMismatchError
 from tandem.worker.kv_connector.layout import KVLayout
-from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, GrpcKVMetadata, GrpcKVWorkerMeta, LoadSpec
+from tandem.worker.kv_connector.metadata import (
+    IDLE_STEP_WAIT_S,
+    GrpcKVMetadata,
+    GrpcKVWorkerMeta,
+    HoldSpec,
+    LoadSpec,
+)
 from tandem.worker.kv_connector.params import (
     HANDLE,
     KVHandleParams,
     LoadRecord,
     decode_params,
-    external_request_id,
     load_record_of,
     prefill_params,
 )
@@ -32,6 +37,11 @@ NUM_BLOCKS = 16
 LAYERS = 3
 SHAPE = (NUM_BLOCKS, 2, BLOCK, 8)  # blocks, kv heads, block tokens, head content
 CAPABILITY = kv_capability.mint()
+#: The gateway's request id, which names the prompt's KV between engines; vLLM's own ids of its prefill and
+#: of its decode request (the gateway's with vLLM's random suffix), which each engine alone knows.
+REQUEST = "req-1"
+PREFILL_ENGINE_ID = "req-1-abcdefgh"
+DECODE_ENGINE_ID = "req-1-12345678"
 
 
 # -- factories -------------------------------------------------------------------
@@ -66,12 +76,20 @@ def make_handle(block_ids: tuple[int, ...], num_tokens: int, kv_address: str = "
     return KVHandleParams(
         engine_id="p",
         kv_address=kv_address,
-        remote_request_id="req-1-abcdefgh",
+        request_id=REQUEST,
         block_ids=block_ids,
         num_tokens=num_tokens,
         lease_expires_unix_s=time.time() + 60,
         capability=CAPABILITY,
     )
+
+
+def holds_of(
+    handle: KVHandleParams, engine_request_id: str = PREFILL_ENGINE_ID, expiry_unix_s: float | None = None
+) -> dict[str, HoldSpec]:
+    """The step metadata's announcement of ``handle``'s hold by the prefill engine's request ``engine_request_id``."""
+    expiry = time.time() + 60 if expiry_unix_s is None else expiry_unix_s
+    return {engine_request_id: HoldSpec(handle.request_id, handle.block_ids, expiry, handle.capability)}
 
 
 def make_side(
@@ -130,6 +148,7 @@ def test_decode_plans_a_load_of_only_the_blocks_not_cached_locally() -> None:
     side.update_state_after_alloc(req, blocks, 6)  # type: ignore[arg-type]
     meta = side.build_connector_meta()
     assert meta.loads == [LoadSpec("r", handle, (11, 12), (8, 9), 6, 1)]
+    assert meta.loads[0].handle.request_id == REQUEST  # the KV's id, not vLLM's id of this decode request
     # One transfer per request, and the pending state was drained.
     assert req.kv_transfer_params[HANDLE] and not req.kv_transfer_params["do_remote_prefill"]
     assert side.build_connector_meta().loads == []
@@ -150,17 +169,25 @@ def test_prefill_holds_blocks_only_when_length_capped() -> None:
 
     side = SchedulerSide(engine_id="p", kv_address="h:5", block_size_tokens=BLOCK, lease_s=30)
     capped = FakeRequest(
-        "a", 9, prefill_params(CAPABILITY), status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=9
+        "a-abcdefgh",
+        9,
+        prefill_params("a", CAPABILITY),
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+        num_computed_tokens=9,
     )
     delay, params = side.request_finished(capped, [3, 4, 5])  # type: ignore[arg-type]
     assert delay is True and params is not None
     handle = KVHandleParams.from_dict(params[HANDLE])
-    assert (handle.block_ids, handle.num_tokens, handle.kv_address) == ((3, 4, 5), 9, "h:5")
-    assert side.build_connector_meta().holds["a"][2] == CAPABILITY  # kept beside the blocks by the KV server
+    assert (handle.request_id, handle.block_ids, handle.num_tokens, handle.kv_address) == ("a", (3, 4, 5), 9, "h:5")
+    # Held as vLLM's request (which vLLM is told to free) under the gateway's id (which callers name), with the
+    # capability kept beside the blocks by the KV server.
+    assert side.build_connector_meta().holds == {
+        "a-abcdefgh": HoldSpec("a", (3, 4, 5), handle.lease_expires_unix_s, CAPABILITY)
+    }
     assert 29 < handle.lease_expires_unix_s - time.time() <= 30
-    stopped = FakeRequest("b", 9, prefill_params(CAPABILITY), status=RequestStatus.FINISHED_STOPPED)
+    stopped = FakeRequest("b", 9, prefill_params("b", CAPABILITY), status=RequestStatus.FINISHED_STOPPED)
     assert side.request_finished(stopped, [6]) == (False, None)  # type: ignore[arg-type]
-    aborted = FakeRequest("c", 9, prefill_params(CAPABILITY), status=RequestStatus.FINISHED_ABORTED)
+    aborted = FakeRequest("c", 9, prefill_params("c", CAPABILITY), status=RequestStatus.FINISHED_ABORTED)
     assert side.request_finished(aborted, [7]) == (False, None)  # type: ignore[arg-type]
     assert list(side.build_connector_meta().holds) == []  # announced once, above
 
@@ -221,11 +248,6 @@ def test_decode_aborted_before_its_load_was_planned_releases_the_prefill_blocks(
     assert side.build_connector_meta().releases == [handle]
 
 
-def test_external_request_id_strips_vllm_suffix() -> None:
-    assert external_request_id("abc-12345678") == "abc"
-    assert external_request_id("chat-1-x") == "chat-1-x"
-
-
 # -- worker side over real gRPC ----------------------------------------------------
 
 
@@ -234,11 +256,9 @@ def test_blocks_move_between_engines_and_are_released() -> None:
     decode, d_caches = make_side(free_port(), fill=0.0)
     try:
         handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill.server.address)
-        prefill.begin_step(
-            GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60, CAPABILITY)})
-        )
-        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7, 0)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
+        prefill.begin_step(GrpcKVMetadata(holds=holds_of(handle)))
+        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec(DECODE_ENGINE_ID, handle, (5, 9), (0, 3), 7, 0)]))
+        wait_until(lambda: DECODE_ENGINE_ID in decode.puller._ended)
         for name in p_caches:
             assert torch.equal(d_caches[name][0], p_caches[name][5])
             assert torch.equal(d_caches[name][3], p_caches[name][9])
@@ -247,15 +267,15 @@ def test_blocks_move_between_engines_and_are_released() -> None:
         assert decode.take_load_records() == {}
         time.sleep(0.05)
         _, recving, failed = decode.get_transfer_results(set())
-        assert recving == {"req-1-abcdefgh"} and failed == set()
-        record = decode.take_load_records()["req-1-abcdefgh"]
+        assert recving == {DECODE_ENGINE_ID} and failed == set()
+        record = decode.take_load_records()[DECODE_ENGINE_ID]
         assert record.num_kv_tokens_loaded == 7 and record.num_bytes == 2 * LAYERS * 2 * BLOCK * 8 * 4
         assert 0.05 <= record.reported_after_s < 5.0
         assert not record.failed and decode.take_load_records() == {}  # each record is handed out once
         # The decode side released the blocks; vLLM hears of it once the request is finished.
         wait_until(lambda: prefill.stats().num_held_requests == 0)
         assert prefill.get_transfer_results(set())[0] == set()
-        assert prefill.get_transfer_results({handle.remote_request_id})[0] == {handle.remote_request_id}
+        assert prefill.get_transfer_results({PREFILL_ENGINE_ID})[0] == {PREFILL_ENGINE_ID}
         assert prefill.stats().bytes_sent_total == decode.stats().bytes_received_total > 0
     finally:
         prefill.shutdown()
@@ -267,15 +287,13 @@ def test_mismatched_layout_is_refused_and_reported_as_failed_load() -> None:
     decode, _ = make_side(free_port(), model="model-b")
     try:
         handle = make_handle((1,), num_tokens=3, kv_address=prefill.server.address)
-        prefill.begin_step(
-            GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60, CAPABILITY)})
-        )
-        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (1,), (4,), 3, 0)]))
-        wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
+        prefill.begin_step(GrpcKVMetadata(holds=holds_of(handle)))
+        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec(DECODE_ENGINE_ID, handle, (1,), (4,), 3, 0)]))
+        wait_until(lambda: DECODE_ENGINE_ID in decode.puller._ended)
         assert decode.take_failed_block_ids() == {4}
         _, recving, failed = decode.get_transfer_results(set())
-        assert recving == failed == {"req-1-abcdefgh"}  # a failed load is also done receiving
-        record = decode.take_load_records()["req-1-abcdefgh"]
+        assert recving == failed == {DECODE_ENGINE_ID}  # a failed load is also done receiving
+        record = decode.take_load_records()[DECODE_ENGINE_ID]
         assert record.failed and "model" in record.error
     finally:
         prefill.shutdown()
@@ -293,27 +311,32 @@ def test_layout_check_names_every_difference() -> None:
 def test_lease_expiry_frees_blocks_nobody_pulled() -> None:
     prefill, _ = make_side(free_port())
     try:
-        prefill.begin_step(GrpcKVMetadata(holds={"x-12345678": ((1, 2), time.time() - 1, CAPABILITY)}))
+        prefill.begin_step(GrpcKVMetadata(holds={"x-12345678": HoldSpec("x", (1, 2), time.time() - 1, CAPABILITY)}))
         assert prefill.get_transfer_results({"x-12345678"})[0] == {"x-12345678"}
         assert prefill.stats().leases_expired_total == 1
     finally:
         prefill.shutdown()
 
 
-def test_held_blocks_are_released_by_the_handles_id_or_by_the_callers_request_id() -> None:
-    """The KV server alone tracks what it holds: the worker service aborts by the id it knows (the
-    caller's), which vLLM suffixed into the handle's id."""
+def test_held_blocks_are_released_by_the_request_id_and_vllm_is_told_its_own() -> None:
+    """One id names a hold outside the prefill engine, the gateway's request id (a decode engine's Release,
+    the worker service's abort); vLLM's own id names it nowhere but towards vLLM, which is told by it that
+    the blocks may be freed. No id is parsed out of another: vLLM's id releases nothing."""
     prefill, _ = make_side(free_port())
     try:
         expiry = time.time() + 60
         prefill.begin_step(
             GrpcKVMetadata(
-                holds={"req-a-abcdefgh": ((1,), expiry, CAPABILITY), "req-b-12345678": ((2,), expiry, CAPABILITY)}
+                holds={
+                    "req-a-abcdefgh": HoldSpec("req-a", (1,), expiry, CAPABILITY),
+                    "req-b-12345678": HoldSpec("req-b", (2,), expiry, CAPABILITY),
+                }
             )
         )
-        assert prefill.release("req-a")  # the caller's id
-        assert prefill.release("req-b-12345678")  # the handle's id
-        assert not prefill.release("req-a") and not prefill.release("no-such-request")
+        assert not prefill.server.release_hold("req-b-12345678")  # vLLM's id, not a name callers use
+        assert prefill.abort("req-a")  # the worker service's Abort
+        assert prefill.server.release_hold("req-b", capability=CAPABILITY)  # a decode engine's Release
+        assert not prefill.abort("req-a") and not prefill.abort("no-such-request")
         assert prefill.stats().num_held_requests == 0
         assert prefill.get_transfer_results({"req-a-abcdefgh", "req-b-12345678"})[0] == {
             "req-a-abcdefgh",
@@ -323,13 +346,39 @@ def test_held_blocks_are_released_by_the_handles_id_or_by_the_callers_request_id
         prefill.shutdown()
 
 
+def test_a_request_id_prefilled_twice_names_the_later_hold_and_the_earlier_is_freed_by_its_lease() -> None:
+    """Two prefills of one request id on one engine (a caller's retry) are two vLLM requests: callers
+    reach the later one, and the earlier one still frees its blocks when its lease ends (nothing leaks)."""
+    prefill, _ = make_side(free_port())
+    try:
+        prefill.begin_step(
+            GrpcKVMetadata(holds={"req-a-abcdefgh": HoldSpec("req-a", (1,), time.time() + 0.2, CAPABILITY)})
+        )
+        prefill.begin_step(
+            GrpcKVMetadata(holds={"req-a-12345678": HoldSpec("req-a", (2,), time.time() + 60, CAPABILITY)})
+        )
+        hold = prefill.server.wait_for_hold("req-a")
+        assert hold is not None and hold.block_ids == (2,)
+        time.sleep(0.25)
+        assert prefill.get_transfer_results({"req-a-abcdefgh"})[0] == {"req-a-abcdefgh"}  # the earlier's lease
+        assert prefill.abort("req-a")
+        assert prefill.get_transfer_results({"req-a-12345678"})[0] == {"req-a-12345678"}
+        assert prefill.stats().num_held_requests == 0
+    finally:
+        prefill.shutdown()
+
+
 def test_the_handle_survives_every_form_it_takes() -> None:
     handle = make_handle((3, 1, 4), num_tokens=9, kv_address="10.0.0.1:7000")
     layout = KVLayout("m", "float32", BLOCK, LAYERS, (2, BLOCK, 8)).to_proto()
     as_proto = handle.to_proto(layout)
     assert as_proto.layout == layout
-    # The gateway's handle carries no capability (the gateway minted it): the decode worker adds it.
-    assert KVHandleParams.from_proto(as_proto, CAPABILITY) == handle == KVHandleParams.from_dict(handle.to_dict())
+    # The gateway's handle carries no capability (the gateway minted it) and names no request (the KV is the
+    # Decode's own request's): the decode worker adds both from the DecodeRequest.
+    assert (
+        KVHandleParams.from_proto(as_proto, REQUEST, CAPABILITY) == handle == KVHandleParams.from_dict(handle.to_dict())
+    )
+    assert REQUEST not in as_proto.SerializeToString().decode("latin-1")
     assert KVHandleParams.from_dict(decode_params(handle)[HANDLE]) == handle
 
 
@@ -339,7 +388,7 @@ def test_an_idle_step_waits_for_a_load_in_flight_and_a_busy_step_does_not() -> N
     try:
         handle = make_handle((2, 5), num_tokens=7, kv_address=prefill.server.address)
         # The prefill side announces its hold late: the load stays in flight meanwhile.
-        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (2, 5), (0, 3), 7, 0)]))
+        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec(DECODE_ENGINE_ID, handle, (2, 5), (0, 3), 7, 0)]))
         started = time.perf_counter()
         decode.begin_step(GrpcKVMetadata(idle_step=False))
         assert decode.get_transfer_results(set())[1] == set()
@@ -350,15 +399,13 @@ def test_an_idle_step_waits_for_a_load_in_flight_and_a_busy_step_does_not() -> N
         idle_s = time.perf_counter() - started
         assert busy_s < IDLE_STEP_WAIT_S <= idle_s < 10 * IDLE_STEP_WAIT_S
         # Once the load can finish, an idle step returns as soon as it has (not after its wait).
-        prefill.begin_step(
-            GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60, CAPABILITY)})
-        )
+        prefill.begin_step(GrpcKVMetadata(holds=holds_of(handle)))
         deadline = time.monotonic() + 5
         recving: set[str] = set()
         while not recving and time.monotonic() < deadline:
             decode.begin_step(GrpcKVMetadata(idle_step=True))
             recving = decode.get_transfer_results(set())[1]
-        assert recving == {"req-1-abcdefgh"}
+        assert recving == {DECODE_ENGINE_ID}
         wait_until(lambda: decode.puller._num_in_flight == 0)
     finally:
         prefill.shutdown()

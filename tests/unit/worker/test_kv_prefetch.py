@@ -15,18 +15,24 @@ import pytest
 import torch
 
 from tandem.common import kv_capability
-from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec, PrefillProgress
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, HoldSpec, LoadSpec, PrefillProgress
 from tandem.worker.kv_connector.params import KVHandleParams, prefill_params
 from tandem.worker.kv_connector.scheduler_side import SchedulerSide
 from tandem.worker.kv_connector.worker_side import WorkerSide
 from tests.kit.net import free_port
 
-from .test_kv_connector import FakeBlock, FakeBlocks, FakeRequest, wait_until
+from .test_kv_connector import (
+    DECODE_ENGINE_ID,
+    PREFILL_ENGINE_ID,
+    REQUEST,
+    FakeBlock,
+    FakeBlocks,
+    FakeRequest,
+    wait_until,
+)
 from .test_kv_wire import DTYPES, LAYOUTS, _caches, _same_bytes, _side
 
 BLOCK = 4
-REQUEST = "req-1"
-VLLM_ID = "req-1-abcdefgh"
 #: The prompt's capability (tandem.common.kv_capability), as the gateway mints it.
 CAPABILITY = kv_capability.mint()
 #: Prompt blocks 0..4 on the prefill side (block 0 in its prefix cache), 18 tokens: the last block is partial.
@@ -59,7 +65,7 @@ class Pair:
         return KVHandleParams(
             engine_id="p",
             kv_address=self.prefill.server.address,
-            remote_request_id=VLLM_ID,
+            request_id=REQUEST,
             block_ids=PREFILL_BLOCKS,
             num_tokens=NUM_PROMPT_TOKENS,
             lease_expires_unix_s=time.time() + 60,
@@ -71,7 +77,15 @@ class Pair:
         self.prefill.begin_step(
             GrpcKVMetadata(
                 progress=[
-                    PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, num_computed, num_after, CAPABILITY)
+                    PrefillProgress(
+                        PREFILL_ENGINE_ID,
+                        REQUEST,
+                        NUM_PROMPT_TOKENS,
+                        PREFILL_BLOCKS,
+                        num_computed,
+                        num_after,
+                        CAPABILITY,
+                    )
                 ]
             )
         )
@@ -81,15 +95,16 @@ class Pair:
 
     def announce(self) -> None:
         """The prefill request finished: the scheduler announces its hold."""
-        self.prefill.begin_step(GrpcKVMetadata(holds={VLLM_ID: (PREFILL_BLOCKS, time.time() + 60, CAPABILITY)}))
+        hold = HoldSpec(REQUEST, PREFILL_BLOCKS, time.time() + 60, CAPABILITY)
+        self.prefill.begin_step(GrpcKVMetadata(holds={PREFILL_ENGINE_ID: hold}))
 
     def load(self, local: tuple[int, ...], first_block_index: int) -> None:
         self.start_load(local, first_block_index)
-        wait_until(lambda: VLLM_ID in self.decode.puller._ended, timeout_s=10)
+        wait_until(lambda: DECODE_ENGINE_ID in self.decode.puller._ended, timeout_s=10)
 
     def start_load(self, local: tuple[int, ...], first_block_index: int) -> None:
         remote = PREFILL_BLOCKS[first_block_index : first_block_index + len(local)]
-        spec = LoadSpec(VLLM_ID, self.handle(), remote, local, NUM_PROMPT_TOKENS, first_block_index)
+        spec = LoadSpec(DECODE_ENGINE_ID, self.handle(), remote, local, NUM_PROMPT_TOKENS, first_block_index)
         self.decode.begin_step(GrpcKVMetadata(loads=[spec]))
 
     def assert_landed(self, local: tuple[int, ...], first_block_index: int) -> None:
@@ -139,7 +154,7 @@ def test_prefetched_blocks_are_byte_identical_and_none_is_read_before_its_layer_
         local = (11, 10, 0, 1)
         pair.load(local, first_block_index=1)
         pair.decode.get_transfer_results(set())  # the engine step that reports the load
-        record = pair.decode.take_load_records()[VLLM_ID]
+        record = pair.decode.take_load_records()[DECODE_ENGINE_ID]
         assert not record.failed and record.prefetched, record.error
         pair.assert_landed(local, first_block_index=1)
         stats = pair.decode.stats()
@@ -180,7 +195,7 @@ def test_a_stream_follows_a_chunked_prefill_step_by_step() -> None:
         local = (0, 1, 2, 3, 5)
         pair.load(local, first_block_index=0)
         pair.decode.get_transfer_results(set())  # the engine step that reports the load
-        assert pair.decode.take_load_records()[VLLM_ID].prefetched
+        assert pair.decode.take_load_records()[DECODE_ENGINE_ID].prefetched
         pair.assert_landed(local, first_block_index=0)
     finally:
         pair.close()
@@ -197,12 +212,12 @@ def test_a_load_that_comes_before_the_streams_tail_waits_for_it_and_says_how_lon
         local = (0, 1, 2, 3, 5)
         pair.start_load(local, first_block_index=0)
         time.sleep(0.3)
-        assert VLLM_ID not in pair.decode.puller._ended  # blocks 3..4 are not computed yet
+        assert DECODE_ENGINE_ID not in pair.decode.puller._ended  # blocks 3..4 are not computed yet
         pair.step(num_computed=12, num_after=NUM_PROMPT_TOKENS)
-        wait_until(lambda: VLLM_ID in pair.decode.puller._ended, timeout_s=10)
+        wait_until(lambda: DECODE_ENGINE_ID in pair.decode.puller._ended, timeout_s=10)
         pair.announce()
         pair.decode.get_transfer_results(set())
-        record = pair.decode.take_load_records()[VLLM_ID]
+        record = pair.decode.take_load_records()[DECODE_ENGINE_ID]
         assert record.prefetched and not record.failed, record.error
         assert 0.25 <= record.prefetch_wait_s <= record.seconds, record
         pair.assert_landed(local, first_block_index=0)
@@ -216,10 +231,14 @@ def test_a_prefill_that_ends_without_a_hold_ends_the_stream_and_frees_the_stagin
         assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         pair.prefill.begin_step(
-            GrpcKVMetadata(progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, 8, CAPABILITY)])
+            GrpcKVMetadata(
+                progress=[
+                    PrefillProgress(PREFILL_ENGINE_ID, REQUEST, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, 8, CAPABILITY)
+                ]
+            )
         )
         # Stopped at its first token (or aborted): the scheduler says so before the blocks are reused.
-        pair.prefill.begin_step(GrpcKVMetadata(ended={VLLM_ID}))
+        pair.prefill.begin_step(GrpcKVMetadata(ended={PREFILL_ENGINE_ID}))
         wait_until(prefetch.done.is_set, timeout_s=10)
         assert "ended without keeping its KV" in prefetch.error
         assert pair.decode.stats().staged_bytes == 0
@@ -240,7 +259,7 @@ def test_a_load_the_prefetch_does_not_cover_pulls_instead() -> None:
         local = (6, 7, 8, 9)
         pair.load(local, first_block_index=1)
         pair.decode.get_transfer_results(set())  # the engine step that reports the load
-        record = pair.decode.take_load_records()[VLLM_ID]
+        record = pair.decode.take_load_records()[DECODE_ENGINE_ID]
         assert not record.failed and not record.prefetched
         pair.assert_landed(local, first_block_index=1)
         stats = pair.decode.stats()
@@ -262,8 +281,8 @@ def test_staging_is_bounded_and_an_abort_frees_it() -> None:
         assert pair.decode.prefetch("a", address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
         assert "staging is full" in pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0, CAPABILITY)
         assert pair.decode.stats().staged_bytes == per_prompt
-        assert pair.decode.release("a")  # the worker service's Abort
-        assert pair.decode.stats().staged_bytes == 0 and not pair.decode.release("a")
+        assert pair.decode.abort("a")  # the worker service's Abort
+        assert pair.decode.stats().staged_bytes == 0 and not pair.decode.abort("a")
         assert pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
         assert pair.decode.prefetch("c", address, 8, 8, CAPABILITY) == "nothing to prefetch"  # both blocks cached here
     finally:
@@ -276,7 +295,7 @@ def test_a_prefetch_that_arrives_after_its_requests_abort_is_refused() -> None:
     nobody will use until prefetch_keep_s (the real-stack fuzz found staging left behind so)."""
     pair = _pair()
     try:
-        assert not pair.decode.release("late")  # the Abort, with nothing here yet
+        assert not pair.decode.abort("late")  # the Abort, with nothing here yet
         refused = pair.decode.prefetch("late", pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY)
         assert "aborted here" in refused
         assert pair.decode.stats().staged_bytes == 0
@@ -296,7 +315,7 @@ def test_an_abort_ends_a_prefetch_stream_that_waits_for_the_prefill() -> None:
         time.sleep(0.2)
         assert not prefetch.done.is_set()
         aborted_s = time.perf_counter()
-        assert pair.decode.release(REQUEST)  # the worker service's Abort
+        assert pair.decode.abort(REQUEST)  # the worker service's Abort
         wait_until(prefetch.done.is_set, timeout_s=5)
         assert time.perf_counter() - aborted_s < 2.0
         assert prefetch.error and pair.decode.stats().staged_bytes == 0
@@ -334,10 +353,10 @@ def test_a_release_before_the_hold_is_announced_frees_it_when_it_is() -> None:
     pair = _pair()
     try:
         pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
-        assert pair.prefill.release(VLLM_ID)
+        assert pair.prefill.server.release_hold(REQUEST, capability=CAPABILITY)  # a decode engine's Release
         pair.announce()
         assert pair.prefill.stats().num_held_requests == 0
-        assert pair.prefill.get_transfer_results({VLLM_ID})[0] == {VLLM_ID}
+        assert pair.prefill.get_transfer_results({PREFILL_ENGINE_ID})[0] == {PREFILL_ENGINE_ID}
     finally:
         pair.close()
 
@@ -368,8 +387,11 @@ class SchedulerOutput:
     preempted_req_ids: set[str] | None = None
 
 
-def _prefill_request(req_id: str, num_prompt_tokens: int) -> FakeRequest:
-    return FakeRequest(req_id, num_prompt_tokens, prefill_params(CAPABILITY))
+def _prefill_request(engine_request_id: str, num_prompt_tokens: int) -> FakeRequest:
+    """vLLM's request ``engine_request_id``: the gateway's id with vLLM's suffix (the worker service passes
+    the gateway's id in kv_transfer_params)."""
+    request_id = engine_request_id.rsplit("-", 1)[0]
+    return FakeRequest(engine_request_id, num_prompt_tokens, prefill_params(request_id, CAPABILITY))
 
 
 def test_the_scheduler_side_plans_each_streamed_prompts_progress() -> None:
@@ -383,14 +405,14 @@ def test_the_scheduler_side_plans_each_streamed_prompts_progress() -> None:
         num_scheduled_tokens={"r-abcdefgh": 8, "plain": 8},
     )
     assert side.build_connector_meta(first).progress == [  # type: ignore[arg-type]
-        PrefillProgress("r-abcdefgh", 18, (4, 1, 2), 4, 12, CAPABILITY)
+        PrefillProgress("r-abcdefgh", "r", 18, (4, 1, 2), 4, 12, CAPABILITY)
     ]
     second = SchedulerOutput(
         scheduled_cached_reqs=CachedReqs(["r-abcdefgh"], set(), [([3, 7],)], [12]),
         num_scheduled_tokens={"r-abcdefgh": 6},
     )
     assert side.build_connector_meta(second).progress == [  # type: ignore[arg-type]
-        PrefillProgress("r-abcdefgh", 18, (4, 1, 2, 3, 7), 12, 18, CAPABILITY)
+        PrefillProgress("r-abcdefgh", "r", 18, (4, 1, 2, 3, 7), 12, 18, CAPABILITY)
     ]
     # Computed: the step that samples its first token streams nothing more.
     third = SchedulerOutput(
@@ -444,7 +466,11 @@ def test_layers_saved_in_a_forward_are_streamable_when_vllm_runs_the_steps_hooks
         assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         meta = GrpcKVMetadata(
-            progress=[PrefillProgress(VLLM_ID, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, NUM_PROMPT_TOKENS, CAPABILITY)]
+            progress=[
+                PrefillProgress(
+                    PREFILL_ENGINE_ID, REQUEST, NUM_PROMPT_TOKENS, PREFILL_BLOCKS, 0, NUM_PROMPT_TOKENS, CAPABILITY
+                )
+            ]
         )
         scheduler_output = SimpleNamespace(kv_connector_metadata=meta, has_sync_kv_loads=False, finished_req_ids=set())
         kv_transfer_state._KV_CONNECTOR_AGENT = connector
@@ -461,7 +487,7 @@ def test_layers_saved_in_a_forward_are_streamable_when_vllm_runs_the_steps_hooks
         local = (0, 1, 2, 3, 5)
         pair.load(local, first_block_index=0)
         pair.decode.get_transfer_results(set())
-        record = pair.decode.take_load_records()[VLLM_ID]
+        record = pair.decode.take_load_records()[DECODE_ENGINE_ID]
         assert not record.failed and record.prefetched, record.error
         pair.assert_landed(local, first_block_index=0)
     finally:
@@ -494,7 +520,7 @@ def test_the_kv_server_serves_a_prompt_only_with_its_capability() -> None:
                     response_deserializer=bytes,
                 )(
                     kv_transfer_pb2.PullBlocksRequest(
-                        remote_request_id=VLLM_ID,
+                        request_id=REQUEST,
                         block_ids=list(PREFILL_BLOCKS),
                         expected_layout=layout.to_proto(),
                         capability=forged,
@@ -522,14 +548,14 @@ def test_the_kv_server_serves_a_prompt_only_with_its_capability() -> None:
                 with pytest.raises(grpc.RpcError) as streamed:
                     list(stream)
                 assert streamed.value.code() == grpc.StatusCode.NOT_FOUND
-                for name in (VLLM_ID, REQUEST):
+                for name in (PREFILL_ENGINE_ID, REQUEST):
                     refused = stub.Release(
-                        kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=name, capability=forged), timeout=10
+                        kv_transfer_pb2.ReleaseBlocksRequest(request_id=name, capability=forged), timeout=10
                     )
                     assert not refused.found
             assert pair.prefill.stats().num_held_requests == 1 and pair.prefill.stats().bytes_sent_total == 0
             released = stub.Release(
-                kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=VLLM_ID, capability=CAPABILITY), timeout=10
+                kv_transfer_pb2.ReleaseBlocksRequest(request_id=REQUEST, capability=CAPABILITY), timeout=10
             )
             assert released.found
     finally:
@@ -553,7 +579,7 @@ def test_staged_kv_is_used_only_for_the_prompt_the_handle_names(forged: str) -> 
         local = (11, 10, 0, 1, 2)
         pair.load(local, first_block_index=0)
         pair.decode.get_transfer_results(set())
-        record = pair.decode.take_load_records()[VLLM_ID]
+        record = pair.decode.take_load_records()[DECODE_ENGINE_ID]
         assert not record.failed and not record.prefetched, record
         pair.assert_landed(local, first_block_index=0)
     finally:

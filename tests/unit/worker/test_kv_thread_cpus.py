@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ from tandem.worker.kv_connector.cpus import parse_cpu_list
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
 from tandem.worker.settings import KVSettings
 from tests.kit.net import free_port
-from tests.unit.worker.test_kv_connector import make_handle, make_side, wait_until
+from tests.unit.worker.test_kv_connector import holds_of, make_handle, make_side, wait_until
 
 ALLOWED = frozenset(os.sched_getaffinity(0))
 needs_two_cpus = pytest.mark.skipif(len(ALLOWED) < 2, reason="needs two CPUs to tell a pinned thread from a free one")
@@ -68,9 +67,7 @@ def _move_kv(thread_cpus: frozenset[int]) -> tuple[list[frozenset[int]], list[fr
         decode, _ = make_side(free_port(), fill=0.0, thread_cpus=thread_cpus)
         sides.extend((prefill, decode))
         handle = make_handle((2, 5, 9), num_tokens=11, kv_address=prefill.server.address)
-        prefill.begin_step(
-            GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60, handle.capability)})
-        )
+        prefill.begin_step(GrpcKVMetadata(holds=holds_of(handle)))
         decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (5, 9), (0, 3), 7, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
 

@@ -22,11 +22,11 @@ from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
 from tests.kit.net import free_port
 
 from ..certs import make_pki
-from .test_kv_connector import make_handle, make_side, wait_until
+from .test_kv_connector import holds_of, make_handle, make_side, wait_until
 
 
 def _kv_calls(
-    address: str, tls: TLSSettings, handle_id: str, layout: common_pb2.KVLayout, capability: str = ""
+    address: str, tls: TLSSettings, request_id: str, layout: common_pb2.KVLayout, capability: str = ""
 ) -> dict[str, grpc.RpcError | None]:
     """Each KV endpoint called once as ``tls``'s holder, as a decode worker would: the error it answered,
     or None."""
@@ -40,7 +40,7 @@ def _kv_calls(
                     wire.PULL_METHOD, request_serializer=kv_transfer_pb2.PullBlocksRequest.SerializeToString
                 )(
                     kv_transfer_pb2.PullBlocksRequest(
-                        remote_request_id=handle_id, block_ids=[3], expected_layout=layout, capability=capability
+                        request_id=request_id, block_ids=[3], expected_layout=layout, capability=capability
                     ),
                     timeout=3,
                 )
@@ -50,7 +50,7 @@ def _kv_calls(
                     wire.STREAM_METHOD, request_serializer=kv_transfer_pb2.StreamBlocksRequest.SerializeToString
                 )(
                     kv_transfer_pb2.StreamBlocksRequest(
-                        request_id="req-1",
+                        request_id=request_id,
                         num_blocks=1,
                         num_prompt_tokens=4,
                         expected_layout=layout,
@@ -60,7 +60,7 @@ def _kv_calls(
                 )
             ),
             "Release": lambda: stub.Release(
-                kv_transfer_pb2.ReleaseBlocksRequest(remote_request_id=handle_id, capability=capability), timeout=3
+                kv_transfer_pb2.ReleaseBlocksRequest(request_id=request_id, capability=capability), timeout=3
             ),
         }
         for name, call in calls.items():
@@ -79,9 +79,7 @@ def test_blocks_move_over_mutual_tls_and_strangers_are_refused(tmp_path: Path) -
     decode, d_caches = make_side(free_port(), fill=0.0, tls=pki["decode"], max_chunk_bytes=1 << 20)
     try:
         handle = make_handle((3,), num_tokens=4, kv_address=prefill.server.address)
-        prefill.begin_step(
-            GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60, handle.capability)})
-        )
+        prefill.begin_step(GrpcKVMetadata(holds=holds_of(handle)))
         decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, (3,), (0,), 4, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended)
         decode.get_transfer_results(set())  # the engine step that reports the load
@@ -107,27 +105,23 @@ def test_only_a_decode_workers_certificate_reads_or_releases_kv(tmp_path: Path) 
     prefill, _caches = make_side(free_port(), tls=pki["prefill"], max_chunk_bytes=1 << 20)
     try:
         handle = make_handle((3,), num_tokens=4, kv_address=prefill.server.address)
-        prefill.begin_step(
-            GrpcKVMetadata(holds={handle.remote_request_id: (handle.block_ids, time.time() + 60, handle.capability)})
-        )
+        prefill.begin_step(GrpcKVMetadata(holds=holds_of(handle)))
         address = prefill.server.address
         assert prefill.server.layout is not None
         layout = prefill.server.layout.to_proto()
         for role in ("gateway", "prefill", "router", "operator"):
-            refused = _kv_calls(address, pki[role], handle.remote_request_id, layout)
+            refused = _kv_calls(address, pki[role], handle.request_id, layout)
             for name, error in refused.items():
                 assert error is not None, (role, name)
                 assert error.code() == grpc.StatusCode.PERMISSION_DENIED, (role, name, error)  # type: ignore[attr-defined]
                 assert error.details() == DENIED_MESSAGE  # type: ignore[attr-defined]
         # Nothing was released: the decode worker's certificate reads the block, then releases it.
-        answers = _kv_calls(address, pki["decode"], handle.remote_request_id, layout, handle.capability)
+        answers = _kv_calls(address, pki["decode"], handle.request_id, layout, handle.capability)
         assert answers["Describe"] is None and answers["PullBlockBytes"] is None and answers["Release"] is None
         with channel(address, pki["decode"]) as ch:
             stub = kv_transfer_pb2_grpc.KVTransferStub(ch)
             again = stub.Release(
-                kv_transfer_pb2.ReleaseBlocksRequest(
-                    remote_request_id=handle.remote_request_id, capability=handle.capability
-                )
+                kv_transfer_pb2.ReleaseBlocksRequest(request_id=handle.request_id, capability=handle.capability)
             )
             assert again.found is False  # the first decode Release above took it
             # Stats (no prompt in them) answer any component.
@@ -154,16 +148,14 @@ def test_pulls_go_on_across_a_rotation_of_both_sides_certificates(tmp_path: Path
                 first_channels = dict(decode.puller._channels)
                 rotate(tmp_path / "pki")
                 time.sleep(CHECK_INTERVAL_S + 0.2)  # the puller looks at its files at most this often
-            request_id = f"req-{n}-abcdefgh"
+            request_id, engine_request_id = f"req-{n}", f"req-{n}-12345678"
             handle = make_handle((block,), num_tokens=4, kv_address=prefill.server.address)
-            handle = dataclasses.replace(handle, remote_request_id=request_id)
-            prefill.begin_step(
-                GrpcKVMetadata(holds={request_id: (handle.block_ids, time.time() + 60, handle.capability)})
-            )
-            decode.begin_step(GrpcKVMetadata(loads=[LoadSpec(request_id, handle, (block,), (n,), 4, 0)]))
-            wait_until(lambda request_id=request_id: request_id in decode.puller._ended)  # type: ignore[misc]
+            handle = dataclasses.replace(handle, request_id=request_id)
+            prefill.begin_step(GrpcKVMetadata(holds=holds_of(handle, f"{request_id}-abcdefgh")))
+            decode.begin_step(GrpcKVMetadata(loads=[LoadSpec(engine_request_id, handle, (block,), (n,), 4, 0)]))
+            wait_until(lambda e=engine_request_id: e in decode.puller._ended)  # type: ignore[misc]
             decode.get_transfer_results(set())
-            assert not decode.take_load_records()[request_id].failed
+            assert not decode.take_load_records()[engine_request_id].failed
             for name in p_caches:
                 assert torch.equal(d_caches[name][n], p_caches[name][block])
         # A new channel, dialled with the new files (the old one closes after the pull deadline).

@@ -6,7 +6,6 @@ chunking; and the wire refuses a chunk of the wrong size instead of landing it."
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
 from tandem.worker.kv_connector.worker_side import WorkerSide
 from tests.kit.net import free_port
 
-from .test_kv_connector import make_handle, wait_until
+from .test_kv_connector import holds_of, make_handle, wait_until
 
 NUM_BLOCKS = 12
 BLOCK = 4
@@ -84,9 +83,7 @@ def test_pulled_blocks_are_byte_identical(layout: str, dtype: torch.dtype) -> No
         # Consecutive, scattered and reversed runs on both sides.
         remote, local = (1, 2, 3, 7, 5), (11, 10, 0, 1, 2)
         handle = make_handle(remote, num_tokens=len(remote) * BLOCK, kv_address=prefill.server.address)
-        prefill.begin_step(
-            GrpcKVMetadata(holds={handle.remote_request_id: (remote, time.time() + 60, handle.capability)})
-        )
+        prefill.begin_step(GrpcKVMetadata(holds=holds_of(handle)))
         decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("req-1-abcdefgh", handle, remote, local, 20, 0)]))
         wait_until(lambda: "req-1-abcdefgh" in decode.puller._ended, timeout_s=10)
         decode.get_transfer_results(set())  # the engine step that reports the load
@@ -135,9 +132,7 @@ def test_a_pull_of_a_few_mib_travels_in_1_mib_messages(monkeypatch: pytest.Monke
     try:
         remote, local = (0, 1, 2, 3), (8, 9, 10, 11)  # 4 blocks x 8 layers x 128 KiB = 4 MiB
         handle = make_handle(remote, num_tokens=len(remote) * BLOCK, kv_address=prefill.server.address)
-        prefill.begin_step(
-            GrpcKVMetadata(holds={handle.remote_request_id: (remote, time.time() + 60, handle.capability)})
-        )
+        prefill.begin_step(GrpcKVMetadata(holds=holds_of(handle)))
         record = decode.puller.load(LoadSpec("req-2-abcdefgh", handle, remote, local, 16, 0))
         assert record.failed is False, record.error
         assert sent == [1 << 20] * 4

@@ -47,7 +47,7 @@ async def test_every_token_is_streamed_and_nothing_is_replayed_or_pulled() -> No
     assert chunks[-1].finish_reason == "stop"
     assert stats.num_output_tokens == 3
     assert stats.num_kv_tokens_loaded == 0 and stats.kv_transfer_bytes == 0
-    assert stats.num_local_cached_tokens == 3 and stats.num_computed_prompt_tokens == 1
+    assert stats.num_decode_cached_tokens == 3 and stats.num_computed_prompt_tokens == 1
     (params,) = engine.params
     assert not (params.extra_args or {}).get(REPLAY_TOKEN_ID)
     assert "kv_transfer_params" not in (params.extra_args or {})
@@ -68,7 +68,7 @@ async def test_one_token_is_enough_for_a_local_prefill() -> None:
     [
         {"first_token_id": FIRST_TOKEN},
         {"first_text": FIRST_TEXT},
-        {"kv_handle": common_pb2.KVHandle(engine_id="prefill-0", kv_address="127.0.0.1:1", remote_request_id="r1")},
+        {"kv_handle": common_pb2.KVHandle(engine_id="prefill-0", kv_address="127.0.0.1:1")},
     ],
     ids=["first_token_id", "first_text", "kv_handle"],
 )

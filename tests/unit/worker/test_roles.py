@@ -17,7 +17,7 @@ from tandem.common.tls import TLSSettings
 from tandem.v1 import common_pb2, worker_pb2
 from tandem.worker.carried_penalties import CARRIED_TOKEN_IDS
 from tandem.worker.first_token import REPLAY_TOKEN_ID
-from tandem.worker.kv_connector.params import HANDLE, KV_LOAD, KVHandleParams, LoadRecord
+from tandem.worker.kv_connector.params import HANDLE, KV_LOAD, KVHandleParams, LoadRecord, prefill_params
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
 from tests.unit.worker.fake_engine import (
@@ -50,7 +50,6 @@ def _handle(num_tokens: int = 4) -> common_pb2.KVHandle:
     return common_pb2.KVHandle(
         engine_id="prefill-0",
         kv_address="127.0.0.1:1",
-        remote_request_id="r1-abcdefgh",
         block_ids=[0, 1],
         num_tokens=num_tokens,
         layout=layout().to_proto(),
@@ -85,13 +84,14 @@ async def test_decode_reports_the_load_the_engine_did_with_the_finished_request(
     assert "".join(c.text for c in chunks) == " there!"
     stats = chunks[-1].stats
     assert chunks[-1].finish_reason == "stop"
-    assert stats.num_kv_tokens_loaded == 5 and stats.num_local_cached_tokens == 0
+    assert stats.num_kv_tokens_loaded == 5 and stats.num_decode_cached_tokens == 0
     assert stats.num_computed_prompt_tokens == 0 and stats.num_output_tokens == 2
     assert stats.kv_transfer_bytes == 5_898_240 and stats.kv_transfer_seconds == pytest.approx(0.25)
     assert engine.prompts[0]["prompt_token_ids"] == [1, 2, 3, 4, 5, FIRST_TOKEN]
     (params,) = engine.params
     assert params.max_tokens == 2  # the client's 3 counted the first token
-    assert params.extra_args["kv_transfer_params"][HANDLE]["remote_request_id"] == "r1-abcdefgh"
+    # The KV is named by the Decode's own request id, as the PrefetchKV of the request names it.
+    assert params.extra_args["kv_transfer_params"][HANDLE]["request_id"] == "r1"
     assert REPLAY_TOKEN_ID not in params.extra_args
     assert params.temperature == 0.0  # the client's choice beats the model's default (0.6)
     assert service.decodes_by_continuation == {"appended": 1}
@@ -127,7 +127,7 @@ async def test_a_failed_load_counts_as_computed_and_still_reports_its_time() -> 
 async def test_a_decode_whose_prompt_was_all_cached_here_reports_no_load() -> None:
     engine = ScriptedEngine(outputs=decode_outputs(None, num_cached_tokens=4))
     stats = (await _decode(await _service("decode", engine), _decode_request()))[-1].stats
-    assert stats.num_kv_tokens_loaded == 0 and stats.num_local_cached_tokens == 4
+    assert stats.num_kv_tokens_loaded == 0 and stats.num_decode_cached_tokens == 4
     assert stats.kv_transfer_bytes == 0
 
 
@@ -146,7 +146,7 @@ async def test_a_handle_of_another_layout_is_refused_before_the_engine_sees_it()
 
 @pytest.mark.parametrize("text", ["Olá 👋 東京", "<|im_start|>assistant\n<|im_end|>"], ids=["non-ascii", "control"])
 async def test_prefill_hands_out_the_held_blocks_with_this_engines_layout(text: str) -> None:
-    handle = KVHandleParams("prefill-0", "10.0.0.7:9500", "p1-abcdefgh", (3, 4), 200, time.time() + 60)
+    handle = KVHandleParams("prefill-0", "10.0.0.7:9500", "p1", (3, 4), 200, time.time() + 60)
     engine = ScriptedEngine(
         outputs=[
             Output(
@@ -168,7 +168,9 @@ async def test_prefill_hands_out_the_held_blocks_with_this_engines_layout(text: 
     response = await service.Prefill(request, Context())  # type: ignore[arg-type]
     assert response.first_token_id == FIRST_TOKEN and response.first_text == text
     assert response.num_cached_tokens == 128 and not response.finish_reason
-    assert KVHandleParams.from_proto(response.kv_handle, "") == handle
+    assert KVHandleParams.from_proto(response.kv_handle, "p1", "") == handle
+    # The engine holds the KV under the request's id, which its connector gets beside the capability.
+    assert engine.params[0].extra_args["kv_transfer_params"] == prefill_params("p1", CAPABILITY)
     assert response.kv_handle.layout == layout().to_proto()
     assert engine.params[0].max_tokens == 1
 
@@ -189,7 +191,7 @@ async def test_abort_on_a_prefill_worker_frees_held_kv_through_the_engine() -> N
     first = await service.Abort(worker_pb2.AbortRequest(request_id="p1"), Context())  # type: ignore[arg-type]
     again = await service.Abort(worker_pb2.AbortRequest(request_id="p1"), Context())  # type: ignore[arg-type]
     assert first.found and not again.found
-    assert engine.aborted == ["p1", "p1"] and engine.released == ["p1", "p1"]
+    assert engine.aborted == ["p1", "p1"] and engine.kv_aborted == ["p1", "p1"]
 
 
 async def test_abort_on_a_decode_worker_aborts_the_request_and_drops_its_prefetch() -> None:
@@ -202,14 +204,14 @@ async def test_abort_on_a_decode_worker_aborts_the_request_and_drops_its_prefetc
     first = await service.Abort(worker_pb2.AbortRequest(request_id="d1"), Context())  # type: ignore[arg-type]
     again = await service.Abort(worker_pb2.AbortRequest(request_id="d1"), Context())  # type: ignore[arg-type]
     assert started.accepted and first.found and not again.found
-    assert engine.aborted == ["d1", "d1"] and engine.released == ["d1", "d1"]
+    assert engine.aborted == ["d1", "d1"] and engine.kv_aborted == ["d1", "d1"]
 
 
 async def test_a_prefetch_reaches_the_engine_and_a_refusal_is_an_answer() -> None:
     engine = ScriptedEngine(prefetch_refusal="staging is full")
     service = await _service("decode", engine)
     request = worker_pb2.PrefetchKVRequest(
-        request_id="d2", kv_address="p:1", num_prompt_tokens=300, num_cached_tokens=128, kv_capability=CAPABILITY
+        request_id="d2", kv_address="p:1", num_prompt_tokens=300, num_decode_cached_tokens=128, kv_capability=CAPABILITY
     )
     response = await service.PrefetchKV(request, Context())  # type: ignore[arg-type]
     assert not response.accepted and response.reason == "staging is full"
@@ -467,7 +469,7 @@ async def test_a_greedy_resumed_decode_takes_the_tokens_so_far_as_prompt_and_rep
     )
     chunks = await _decode(service, request)
     stats = chunks[-1].stats
-    assert (stats.num_local_cached_tokens, stats.num_computed_prompt_tokens) == (5, 0)
+    assert (stats.num_decode_cached_tokens, stats.num_computed_prompt_tokens) == (5, 0)
     assert "".join(c.text for c in chunks) == "京!" and [t for c in chunks for t in c.token_ids] == [14, 15]
     (params,) = engine.params
     assert engine.prompts == [{"prompt_token_ids": [1, 2, 3, 11, 12]}]

@@ -27,7 +27,6 @@ def _handle(num_tokens: int = 200, num_blocks: int = 2) -> common_pb2.KVHandle:
     return common_pb2.KVHandle(
         engine_id="prefill-abc",
         kv_address="127.0.0.1:50061",
-        remote_request_id="chatcmpl-0123abcd",
         block_ids=list(range(num_blocks)),
         num_tokens=num_tokens,
     )
@@ -127,8 +126,8 @@ def test_sampling_values_at_their_bounds_pass() -> None:
         _handle(num_tokens=0),
         _handle(num_blocks=1),  # 200 tokens need 2 blocks of 128
         _handle(num_blocks=100),  # more than a whole context's blocks
-        common_pb2.KVHandle(engine_id="e", kv_address="no-port", remote_request_id="r", block_ids=[0], num_tokens=1),
-        common_pb2.KVHandle(engine_id="e", kv_address="h:1", remote_request_id="r/../x", block_ids=[0], num_tokens=1),
+        common_pb2.KVHandle(engine_id="e", kv_address="no-port", block_ids=[0], num_tokens=1),
+        common_pb2.KVHandle(kv_address="h:1", block_ids=[0], num_tokens=1),  # no engine id
     ],
 )
 def test_handles_that_do_not_describe_this_prompts_blocks_are_refused(handle: common_pb2.KVHandle) -> None:
@@ -164,7 +163,7 @@ def test_prefetch_bounds() -> None:
         worker_pb2.PrefetchKVRequest(request_id="r1", kv_address="10.0.0.7:50061", num_prompt_tokens=5000),
         worker_pb2.PrefetchKVRequest(request_id="r1", kv_address="http://x/", num_prompt_tokens=3),
         worker_pb2.PrefetchKVRequest(
-            request_id="r1", kv_address="10.0.0.7:50061", num_prompt_tokens=3, num_cached_tokens=4
+            request_id="r1", kv_address="10.0.0.7:50061", num_prompt_tokens=3, num_decode_cached_tokens=4
         ),
     ):
         assert check_prefetch(bad, LIMITS) != ""
@@ -203,9 +202,7 @@ def test_any_decode_request_gets_an_answer_and_what_passes_is_in_bounds(
         prompt_token_ids=prompt,
         first_token_id=first_token_id,
         sampling=options,
-        kv_handle=common_pb2.KVHandle(
-            engine_id="e", kv_address="h:1", remote_request_id="r", block_ids=block_ids, num_tokens=num_tokens
-        ),
+        kv_handle=common_pb2.KVHandle(engine_id="e", kv_address="h:1", block_ids=block_ids, num_tokens=num_tokens),
     )
     if check_decode(request, LIMITS) == "":
         assert prompt and max(prompt) < LIMITS.vocab_size and first_token_id < LIMITS.vocab_size

@@ -183,7 +183,7 @@ class Orchestrator:
                         if chunk.HasField("stats"):
                             _record_decode_stats(job.clock, chunk.stats)
                             if prefill is None:
-                                num_cached_tokens = chunk.stats.num_local_cached_tokens
+                                num_cached_tokens = chunk.stats.num_decode_cached_tokens
                         if prefill is None and chunk.token_ids:
                             job.clock.mark("prefill_done")  # the decode worker's own prefill
                         if migrated_at_s is not None and chunk.token_ids:
@@ -290,7 +290,7 @@ class Orchestrator:
             request_id=job.request_id,
             kv_address=placement.prefill.kv_address,
             num_prompt_tokens=len(job.prompt_token_ids),
-            num_cached_tokens=placement.num_decode_cached_tokens,
+            num_decode_cached_tokens=placement.num_decode_cached_tokens,
             kv_capability=job.kv_capability,
         )
         self.run_in_background(self._prefetch(placement.decode.address, request))

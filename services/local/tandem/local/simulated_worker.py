@@ -323,7 +323,6 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
                 common_pb2.KVHandle(
                     engine_id=self.config.worker_id,
                     kv_address=f"{self.config.host}:{self.config.port}",
-                    remote_request_id=request.request_id,
                     num_tokens=len(prompt),
                 )
             )

@@ -41,8 +41,9 @@ class DecodeRole(Role):
         return self.peers is None or await self.peers.allows(kv_address)
 
     async def prefetch(self, request: worker_pb2.PrefetchKVRequest, context: Ctx) -> worker_pb2.PrefetchKVResponse:
-        """Start streaming a running prefill's KV into staging (see the puller); the Decode of the same
-        request id loads from there. A refusal is an answer, not an error: the Decode pulls as usual."""
+        """Start streaming a running prefill's KV into staging (see the puller), under the request's id; the
+        Decode of the same request id loads from there. A refusal is an answer, not an error: the Decode
+        pulls as usual."""
         if not await self._dials(request.kv_address):
             self._counters.prefetches_by_outcome["refused"] += 1
             return worker_pb2.PrefetchKVResponse(
@@ -52,7 +53,7 @@ class DecodeRole(Role):
             request.request_id,
             request.kv_address,
             request.num_prompt_tokens,
-            request.num_cached_tokens,
+            request.num_decode_cached_tokens,
             request.kv_capability,
         )
         self._counters.prefetches_by_outcome["started" if not reason else "refused"] += 1
@@ -104,7 +105,9 @@ class DecodeRole(Role):
                 self._layout.check_compatible(KVLayout.from_proto(request.kv_handle.layout))
             except Exception as exc:  # KVLayoutMismatchError
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            handle = KVHandleParams.from_proto(request.kv_handle, request.kv_capability)
+            # The KV is this request's, by its one id: staged under it by PrefetchKV, or held under it by
+            # the prefill worker's KV server (tandem.worker.kv_connector.params).
+            handle = KVHandleParams.from_proto(request.kv_handle, request.request_id, request.kv_capability)
             if await self._dials(handle.kv_address):
                 extra_args["kv_transfer_params"] = decode_params(handle)
             else:
@@ -173,13 +176,13 @@ class DecodeRole(Role):
         load = load_record_of(out.kv_transfer_params)
         num_loaded = load.num_kv_tokens_loaded if load is not None and not load.failed else 0
         num_cached_total = int(out.num_cached_tokens or 0)
-        num_local_cached = max(0, num_cached_total - num_loaded)
-        num_computed = num_prompt - num_local_cached - num_loaded
+        num_decode_cached = max(0, num_cached_total - num_loaded)
+        num_computed = num_prompt - num_decode_cached - num_loaded
         self._counters.prompt_tokens_computed += num_computed
         return worker_pb2.DecodeStats(
             num_kv_tokens_loaded=num_loaded,
             num_computed_prompt_tokens=num_computed,
-            num_local_cached_tokens=num_local_cached,
+            num_decode_cached_tokens=num_decode_cached,
             num_output_tokens=num_output,
             kv_transfer_seconds=load.seconds if load is not None else 0.0,
             kv_transfer_bytes=load.num_bytes if load is not None else 0,

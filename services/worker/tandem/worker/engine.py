@@ -181,18 +181,19 @@ class VLLMEngine:
             raise RuntimeError("the engine's KV connector has no KV caches registered")
         return KVLayout.from_dict(layouts[0])
 
-    async def kv_release(self, request_id: str) -> bool:
-        return any(await self.llm.collective_rpc("tandem_kv_release", args=(request_id,)))
+    async def kv_abort(self, request_id: str) -> bool:
+        return any(await self.llm.collective_rpc("tandem_kv_abort", args=(request_id,)))
 
     async def kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
     ) -> str:
         reasons = await self.llm.collective_rpc(
-            "tandem_kv_prefetch", args=(request_id, kv_address, num_prompt_tokens, num_cached_tokens, capability)
+            "tandem_kv_prefetch",
+            args=(request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability),
         )
         refused = next((str(r) for r in reasons if r), "")
         if refused and any(not r for r in reasons):
-            await self.kv_release(request_id)  # started on some ranks only: no use to anyone
+            await self.kv_abort(request_id)  # started on some ranks only: no use to anyone
         return refused
 
     async def kv_stats(self) -> kv_transfer_pb2.KVStats:

@@ -42,13 +42,13 @@ class WorkerEngine(Protocol):
         """The block layout of this engine's KV cache (the same on every rank)."""
         ...
 
-    async def kv_release(self, request_id: str) -> bool:
-        """Free the KV blocks held (prefill) or prefetched (decode) for ``request_id`` on every rank;
-        True if there were any."""
+    async def kv_abort(self, request_id: str) -> bool:
+        """``request_id`` was aborted: on every rank, release the hold on its KV blocks (prefill) and drop
+        its prefetch's staging (decode); True if there was either."""
         ...
 
     async def kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
     ) -> str:
         """Start prefetching a running prefill's KV (read with ``capability``) on every rank; "" if started,
         else why not."""

@@ -26,7 +26,11 @@ class PrefillRole(Role):
             max_tokens=1,
             model_defaults=self._model_defaults,
             output_kind=RequestOutputKind.FINAL_ONLY,
-            extra_args={"kv_transfer_params": prefill_params(request.kv_capability)} if request.keep_kv else None,
+            extra_args=(
+                {"kv_transfer_params": prefill_params(request.request_id, request.kv_capability)}
+                if request.keep_kv
+                else None
+            ),
         )
         started = time.perf_counter()
         final = None

@@ -192,7 +192,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if self.engine_dead:
             return worker_pb2.AbortResponse(found=False)
         await self._engine.abort(request.request_id)
-        return worker_pb2.AbortResponse(found=await self._engine.kv_release(request.request_id))
+        return worker_pb2.AbortResponse(found=await self._engine.kv_abort(request.request_id))
 
     async def GetLoad(self, request: worker_pb2.LoadRequest, context: Ctx) -> worker_pb2.LoadReport:
         await self._admission.check_serving(context)

@@ -141,11 +141,10 @@ def _check_structured(options: common_pb2.SamplingOptions) -> str:
 
 def check_kv_handle(handle: common_pb2.KVHandle, num_prompt_tokens: int, limits: ModelLimits) -> str:
     """A handle is the prefill worker's answer passed through the gateway: its numbers must describe
-    whole blocks of this prompt (the KV server checks the blocks against what it holds)."""
-    if not (handle.engine_id and handle.remote_request_id and _HOST_PORT.fullmatch(handle.kv_address)):
-        return "kv_handle needs engine_id, remote_request_id and a host:port kv_address"
-    if check_request_id(handle.remote_request_id):
-        return "kv_handle.remote_request_id is not a request id"
+    whole blocks of this prompt (the KV server checks the blocks against what it holds). The KV is the
+    request's own, by its request id (checked with the request)."""
+    if not (handle.engine_id and _HOST_PORT.fullmatch(handle.kv_address)):
+        return "kv_handle needs engine_id and a host:port kv_address"
     if not 0 < handle.num_tokens <= num_prompt_tokens:
         return "kv_handle.num_tokens must be in [1, the prompt's length]"
     # The prefill engine's blocks of the request: its prompt's, and the one its first token went into.
@@ -219,8 +218,8 @@ def check_prefetch(request: worker_pb2.PrefetchKVRequest, limits: ModelLimits) -
         return "kv_address must be host:port"
     if not 0 < request.num_prompt_tokens < limits.max_model_len:
         return f"num_prompt_tokens must be in [1, {limits.max_model_len - 1}]"
-    if request.num_cached_tokens > request.num_prompt_tokens:
-        return "num_cached_tokens must be at most num_prompt_tokens"
+    if request.num_decode_cached_tokens > request.num_prompt_tokens:
+        return "num_decode_cached_tokens must be at most num_prompt_tokens"
     return _check_capability(request.kv_capability)
 
 

@@ -3,8 +3,8 @@
 vLLM mixes :class:`KVWorkerExtension` into its model-runner worker
 (``worker_extension_cls``); ``AsyncLLM.collective_rpc`` calls these methods on
 every tensor-parallel rank, between engine steps, over the engine's own IPC.
-So the worker service needs no gRPC channel to its own KV server, and a
-release reaches every rank's holds, not rank 0's alone. Values are plain
+So the worker service needs no gRPC channel to its own KV server, and an
+abort reaches every rank's holds and prefetches, not rank 0's alone. Values are plain
 (msgpack-able): the layout as a dict, the counters as serialized
 ``tandem.v1.KVStats``."""
 
@@ -35,16 +35,16 @@ class KVWorkerExtension:
         layout = _side().layout
         return layout.to_dict() if layout is not None else None
 
-    def tandem_kv_release(self, request_id: str) -> bool:
-        """Free the blocks held for ``request_id`` (the caller's id or the handle's) and its prefetch's
-        staging; False if there were none."""
-        return bool(_side().release(request_id))
+    def tandem_kv_abort(self, request_id: str) -> bool:
+        """``request_id`` was aborted: release its hold (prefill) and drop its prefetch's staging (decode);
+        False if there was neither."""
+        return bool(_side().abort(request_id))
 
     def tandem_kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
     ) -> str:
         """Start prefetching ``request_id``'s prompt KV (decode side); "" if started, else why not."""
-        return str(_side().prefetch(request_id, kv_address, num_prompt_tokens, num_cached_tokens, capability))
+        return str(_side().prefetch(request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability))
 
     def tandem_kv_stats(self) -> bytes:
         return bytes(_side().stats().SerializeToString())

@@ -3,8 +3,16 @@
 The scheduler-side connector announces each hold (blocks and lease expiry)
 through the step metadata; this server keeps it until the decode engine
 releases it (``Release``, after its pull), the worker service releases it
-(an abort, by the caller's request id) or its lease expires, then reports the
-request done sending so that vLLM frees the blocks.
+(an abort) or its lease expires, then reports the request done sending so
+that vLLM frees the blocks.
+
+A hold is named two ways, each on its own side: by vLLM's request id towards
+the engine (the step metadata, and the ids reported done sending), and by the
+gateway's request id towards every caller (``PullBlockBytes``,
+``StreamBlockBytes``, ``Release``, the worker service's abort), kept in one
+index beside the records. Should one request id be prefilled twice here, the
+later prefill is the one callers reach; the earlier is freed by its lease or
+with its request.
 
 Before a hold is announced, while its prompt is still being prefilled, the
 same record tracks how far each layer's KV is computed (the step metadata's
@@ -42,8 +50,7 @@ from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector import wire
 from tandem.worker.kv_connector.cpus import move_this_thread, threads_started_on
 from tandem.worker.kv_connector.layout import KVLayout
-from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, PrefillProgress
-from tandem.worker.kv_connector.params import external_request_id
+from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, HoldSpec, PrefillProgress
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +65,7 @@ _HOLD_ANNOUNCE_WAIT_S = 5.0
 #: A stream waiting for its prompt to be scheduled or computed looks at its call this often (a caller
 #: that gave up ends the wait).
 _STREAM_POLL_S = 0.5
-#: Caller ids of the last prompts that ended or were freed, so that a stream arriving after its prompt
+#: Request ids of the last prompts that ended or were freed, so that a stream arriving after its prompt
 #: is gone ends at once instead of waiting for it until its deadline.
 _NUM_GONE_REMEMBERED = 4096
 
@@ -70,6 +77,8 @@ class Hold:
 
     block_ids: tuple[int, ...]
     expiry_unix_s: float | None
+    #: The gateway's request id: what callers name it by.
+    request_id: str = ""
     num_prompt_tokens: int = 0
     ready_tokens: list[int] | None = None
     #: Prompt tokens computed once this step's forward has saved a layer (while prefilling).
@@ -119,8 +128,11 @@ class KVServer:
         self._thread_cpus = thread_cpus
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        #: By vLLM's request id (what the engine announces and is told done sending).
         self._holds: dict[str, Hold] = {}
-        #: Caller ids of prompts that ended or were freed lately (oldest first).
+        #: The gateway's request id → vLLM's, for the records callers can reach.
+        self._by_request_id: dict[str, str] = {}
+        #: Request ids of prompts that ended or were freed lately (oldest first).
         self._gone: OrderedDict[str, None] = OrderedDict()
         #: Prompts computed further in the step running now (their layers advance as they are saved).
         self._stepping: list[Hold] = []
@@ -176,19 +188,24 @@ class KVServer:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _lookup(self, req_id: str) -> tuple[str, Hold | None]:
-        """(vLLM's id, record) of ``req_id``: vLLM's own id, or the id the caller gave the request (the
-        lock held)."""
-        if req_id in self._holds:
-            return req_id, self._holds[req_id]
-        held = next((r for r in self._holds if external_request_id(r) == req_id), req_id)
-        return held, self._holds.get(held)
+    def _find(self, request_id: str) -> tuple[str, Hold | None]:
+        """(vLLM's id, record) of the prompt the gateway named ``request_id`` (the lock held)."""
+        engine_request_id = self._by_request_id.get(request_id, "")
+        return engine_request_id, self._holds.get(engine_request_id)
 
-    def _remove(self, req_id: str) -> Hold:
-        """Drop ``req_id``'s record (the lock held): whoever reads its blocks must stop."""
-        hold = self._holds.pop(req_id)
+    def _add(self, engine_request_id: str, hold: Hold) -> None:
+        """Keep ``hold`` as vLLM's ``engine_request_id`` (the lock held); callers reach it by its request id."""
+        self._holds[engine_request_id] = hold
+        self._by_request_id[hold.request_id] = engine_request_id
+        self._gone.pop(hold.request_id, None)
+
+    def _remove(self, engine_request_id: str) -> Hold:
+        """Drop the record of vLLM's ``engine_request_id`` (the lock held): whoever reads its blocks must stop."""
+        hold = self._holds.pop(engine_request_id)
         hold.gone = True
-        self._gone[external_request_id(req_id)] = None
+        if self._by_request_id.get(hold.request_id) == engine_request_id:
+            del self._by_request_id[hold.request_id]
+        self._gone[hold.request_id] = None
         while len(self._gone) > _NUM_GONE_REMEMBERED:
             self._gone.popitem(last=False)
         self._changed.notify_all()
@@ -196,23 +213,35 @@ class KVServer:
 
     # -- per step (engine loop) --------------------------------------------------
 
-    def hold(self, holds: dict[str, tuple[tuple[int, ...], float, str]]) -> None:
-        """Keep the blocks the scheduler-side connector announced this step."""
+    def hold(self, holds: dict[str, HoldSpec]) -> None:
+        """Keep the blocks the scheduler-side connector announced this step (by vLLM's request id)."""
         if not holds:
             return
         with self._lock:
-            for req_id, (block_ids, expiry, capability) in holds.items():
+            for req_id, spec in holds.items():
                 hold = self._holds.get(req_id)
                 if hold is not None and not hold.announced:
                     # The prompt was being streamed: the same record, now held under a lease (a stream
                     # reading it goes on with every layer ready).
-                    hold.block_ids, hold.expiry_unix_s, hold.ready_tokens = block_ids, expiry, None
-                    hold.capability = capability
+                    hold.block_ids, hold.expiry_unix_s, hold.ready_tokens = (
+                        spec.block_ids,
+                        spec.lease_expires_unix_s,
+                        None,
+                    )
+                    hold.capability = spec.capability
                     if hold.release_on_announce:
                         self._remove(req_id)
                         self._done_sending.add(req_id)
                 else:
-                    self._holds[req_id] = Hold(block_ids, expiry, capability=capability)
+                    self._add(
+                        req_id,
+                        Hold(
+                            spec.block_ids,
+                            spec.lease_expires_unix_s,
+                            request_id=spec.request_id,
+                            capability=spec.capability,
+                        ),
+                    )
             self._changed.notify_all()
 
     def progress(self, updates: Iterable[PrefillProgress], ended: Iterable[str]) -> None:
@@ -228,19 +257,19 @@ class KVServer:
                 if hold is not None and not hold.announced:
                     self._remove(req_id)
             for update in updates:
-                hold = self._holds.get(update.request_id)
+                hold = self._holds.get(update.engine_request_id)
                 if hold is None:
-                    self._gone.pop(external_request_id(update.request_id), None)
                     num_layers = len(self._caches)
                     hold = Hold(
                         block_ids=update.block_ids,
                         expiry_unix_s=None,
+                        request_id=update.request_id,
                         num_prompt_tokens=update.num_prompt_tokens,
                         ready_tokens=[update.num_computed_tokens] * num_layers,
                         ready_events=[None] * num_layers,
                         capability=update.capability,
                     )
-                    self._holds[update.request_id] = hold
+                    self._add(update.engine_request_id, hold)
                 elif hold.announced:
                     continue
                 hold.block_ids = update.block_ids
@@ -286,27 +315,27 @@ class KVServer:
 
     # -- serving (KV server threads, and the worker service through the engine) ---
 
-    def wait_for_hold(self, req_id: str) -> Hold | None:
-        """The announced hold of ``req_id`` (vLLM's id), waiting a little for its announcement."""
+    def wait_for_hold(self, request_id: str) -> Hold | None:
+        """The announced hold of ``request_id``, waiting a little for its announcement."""
         deadline = time.monotonic() + _HOLD_ANNOUNCE_WAIT_S
         with self._lock:
-            while (hold := self._holds.get(req_id)) is None or not hold.announced:
+            while (hold := self._find(request_id)[1]) is None or not hold.announced:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 self._changed.wait(remaining)
             return hold
 
-    def find_prompt(self, caller_id: str, is_active: Callable[[], bool]) -> Hold | None:
-        """The record of the prompt the caller named ``caller_id`` (prefilling or held), waiting until
-        the engine schedules it; a record already ``gone`` if the prompt ended or was freed before; None
-        once ``is_active`` says the caller gave up."""
+    def find_prompt(self, request_id: str, is_active: Callable[[], bool]) -> Hold | None:
+        """The record of the prompt of ``request_id`` (prefilling or held), waiting until the engine
+        schedules it; a record already ``gone`` if the prompt ended or was freed before; None once
+        ``is_active`` says the caller gave up."""
         with self._lock:
             while True:
-                _, hold = self._lookup(caller_id)
+                _, hold = self._find(request_id)
                 if hold is not None:
                     return hold
-                if caller_id in self._gone:
+                if request_id in self._gone:
                     return Hold(block_ids=(), expiry_unix_s=None, gone=True)
                 if not is_active():
                     return None
@@ -344,14 +373,13 @@ class KVServer:
                 event.synchronize()
         return ready
 
-    def release(self, req_id: str, *, capability: str | None = None) -> bool:
-        """Free the blocks held for ``req_id``: the handle's id (vLLM's internal request id), or the
-        id the caller gave the request (what the worker service knows when it aborts one). A prompt
-        still being prefilled is the engine's: it is freed when it is announced, or ends with its
-        request without one. A caller over gRPC must present the prompt's ``capability`` (None: the
-        engine's own abort, through the worker service)."""
+    def release_hold(self, request_id: str, *, capability: str | None = None) -> bool:
+        """Release the hold of ``request_id``'s prompt: its blocks are freed. A prompt still being
+        prefilled is the engine's: it is freed when it is announced, or ends with its request without
+        one. A caller over gRPC must present the prompt's ``capability`` (None: the engine's own abort,
+        through the worker service)."""
         with self._lock:
-            req_id, hold = self._lookup(req_id)
+            req_id, hold = self._find(request_id)
             if hold is None or (capability is not None and not kv_capability.matches(hold.capability, capability)):
                 return False
             if not hold.announced:
@@ -430,12 +458,12 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     ) -> Iterator[bytes]:
         kv = self._kv
         self._check_layout(request.expected_layout, context)
-        hold = kv.wait_for_hold(request.remote_request_id)
+        hold = kv.wait_for_hold(request.request_id)
         if hold is None or not kv_capability.matches(hold.capability, request.capability):
             # The same answer as for an id nobody holds: a wrong capability learns nothing.
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"no KV held for {request.remote_request_id} (released, expired or never prefilled)",
+                f"no KV held for {request.request_id} (released, expired or never prefilled)",
             )
         assert hold is not None
         wanted = list(request.block_ids)
@@ -508,7 +536,7 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     def Release(
         self, request: kv_transfer_pb2.ReleaseBlocksRequest, context: grpc.ServicerContext
     ) -> kv_transfer_pb2.ReleaseBlocksResponse:
-        found = self._kv.release(request.remote_request_id, capability=request.capability)
+        found = self._kv.release_hold(request.request_id, capability=request.capability)
         return kv_transfer_pb2.ReleaseBlocksResponse(found=found)
 
     def GetStats(

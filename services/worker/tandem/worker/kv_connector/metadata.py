@@ -1,6 +1,11 @@
 """Messages between the two halves of the connector, once per engine step:
 scheduler to worker (``build_connector_meta``) and worker to scheduler
-(``build_connector_worker_meta``). Plain data only."""
+(``build_connector_worker_meta``). Plain data only.
+
+Two ids meet here: ``engine_request_id`` is vLLM's own id of a request in this
+engine (what vLLM's scheduler is told of: loads done, blocks to free), and
+``request_id`` is the gateway's, which names the prompt's KV between engines
+(:mod:`params`)."""
 
 from __future__ import annotations
 
@@ -23,9 +28,11 @@ IDLE_STEP_WAIT_S = 0.01
 @dataclass(frozen=True)
 class LoadSpec:
     """Decode side: pull ``remote_block_ids`` into ``local_block_ids``; the first of them is block
-    ``first_block_index`` of the prompt (the blocks before it are in the local prefix cache)."""
+    ``first_block_index`` of the prompt (the blocks before it are in the local prefix cache). The KV is
+    ``handle.request_id``'s: a prefetch of that id is copied from instead of pulling."""
 
-    request_id: str
+    #: vLLM's id of the decode request in this engine (its load is reported done under it).
+    engine_request_id: str
     handle: KVHandleParams
     remote_block_ids: tuple[int, ...]
     local_block_ids: tuple[int, ...]
@@ -37,6 +44,9 @@ class LoadSpec:
 class PrefillProgress:
     """Prefill side: a prompt that a decode engine will pull is computed further in this step."""
 
+    #: vLLM's id of the prefill request in this engine.
+    engine_request_id: str
+    #: The gateway's: a stream of the prompt's KV names it by this.
     request_id: str
     num_prompt_tokens: int
     #: The request's blocks so far, in prompt order.
@@ -49,20 +59,32 @@ class PrefillProgress:
     capability: str = field(default="", repr=False)
 
 
+@dataclass(frozen=True)
+class HoldSpec:
+    """Prefill side: a finished prefill's blocks, to hold for a decode engine until it releases them or
+    the lease expires."""
+
+    #: The gateway's: a pull or a release names the hold by this.
+    request_id: str
+    block_ids: tuple[int, ...]
+    lease_expires_unix_s: float
+    #: What a caller must present to read or release it (tandem.common.kv_capability).
+    capability: str = field(default="", repr=False)
+
+
 @dataclass
 class GrpcKVMetadata(KVConnectorMetadata):
     #: Decode side: loads to start this step.
     loads: list[LoadSpec] = field(default_factory=list)
     #: Decode side: handles to release without loading (local cache hit, abort).
     releases: list[KVHandleParams] = field(default_factory=list)
-    #: Prefill side: request id → (block ids, lease expiry in Unix seconds, the capability that reads and
-    #: releases them).
-    holds: dict[str, tuple[tuple[int, ...], float, str]] = field(default_factory=dict)
+    #: Prefill side: holds to start, by vLLM's request id.
+    holds: dict[str, HoldSpec] = field(default_factory=dict)
     #: Prefill side: prompts computed further in this step, whose blocks may be streamed as each
     #: layer is saved.
     progress: list[PrefillProgress] = field(default_factory=list)
-    #: Prefill side: streamed prompts that ended without a hold (stopped, aborted, preempted): their
-    #: blocks may be reused from this step on.
+    #: Prefill side: streamed prompts that ended without a hold (stopped, aborted, preempted), by vLLM's
+    #: request id: their blocks may be reused from this step on.
     ended: set[str] = field(default_factory=set)
     #: No tokens are scheduled this step: the engine only polls the connector (it is waiting for loads).
     idle_step: bool = False
@@ -70,7 +92,7 @@ class GrpcKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class GrpcKVWorkerMeta(KVConnectorWorkerMetadata):
-    """Decode side: the loads that ended since the last step, by vLLM request id."""
+    """Decode side: the loads that ended since the last step, by vLLM's request id."""
 
     loads: dict[str, LoadRecord] = field(default_factory=dict)
 

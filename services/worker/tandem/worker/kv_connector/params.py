@@ -7,6 +7,22 @@ as a ``tandem.v1.KVHandle`` (:meth:`KVHandleParams.to_proto`), and the decode
 worker service reads it back (:meth:`KVHandleParams.from_proto`) into the
 decode engine's ``kv_transfer_params`` (:func:`decode_params`).
 
+One id names a prompt's KV on the whole KV path: the gateway's request id. The
+prefill worker passes it to its engine in ``kv_transfer_params``
+(:func:`prefill_params`), so the KV server holds the blocks under it; the
+decode worker's ``PrefetchKV`` stages the KV under it, and its ``Decode``
+carries it beside the handle (:meth:`KVHandleParams.from_proto`), so a load
+finds the staged KV, or pulls and releases the hold, by that same id. vLLM's
+own request ids (the caller's id with ``-`` and 8 random characters appended)
+stay inside each engine: they are what vLLM's scheduler is told of
+(``engine_request_id`` in the connector's messages), and no id is ever parsed
+back out of one. Why the gateway's id and not one minted for the KV: it exists
+before the prefill starts (a prefetch names the KV while the prefill runs, when
+vLLM's id of it is not known anywhere outside the prefill engine), every call
+on a request already carries it (``Abort`` frees the hold or the staging by it),
+and it is unique per request (random, minted by the gateway; a prefill retried
+goes to another worker). A second id would only have to be mapped back to it.
+
 On the way back, what a decode engine's load did (:class:`LoadRecord`) travels
 from its puller to its scheduler-side connector (vLLM's connector worker
 metadata) and out in the finished request's ``kv_transfer_params``
@@ -27,6 +43,9 @@ HANDLE = "tandem_kv_handle"
 #: Set on a prefill request that keeps its KV: the capability that reads and releases it
 #: (tandem.common.kv_capability); kept beside the blocks by the KV server.
 CAPABILITY = "tandem_kv_capability"
+#: Set on a prefill request that keeps its KV: the gateway's request id, which names the KV on the KV
+#: path (vLLM's scheduler knows the request by its own id only).
+REQUEST_ID = "tandem_request_id"
 #: In a finished decode request's ``kv_transfer_params``: what its KV load did.
 KV_LOAD = "tandem_kv_load"
 
@@ -38,7 +57,9 @@ class KVHandleParams:
 
     engine_id: str
     kv_address: str
-    remote_request_id: str
+    #: The gateway's request id, which names the KV on the KV path (not part of the proto handle: the
+    #: decode worker adds it from ``DecodeRequest.request_id``).
+    request_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
     lease_expires_unix_s: float
@@ -50,7 +71,7 @@ class KVHandleParams:
         return {
             "engine_id": self.engine_id,
             "kv_address": self.kv_address,
-            "remote_request_id": self.remote_request_id,
+            "request_id": self.request_id,
             "block_ids": list(self.block_ids),
             "num_tokens": self.num_tokens,
             "lease_expires_unix_s": self.lease_expires_unix_s,
@@ -62,7 +83,7 @@ class KVHandleParams:
         return cls(
             engine_id=str(data["engine_id"]),
             kv_address=str(data["kv_address"]),
-            remote_request_id=str(data["remote_request_id"]),
+            request_id=str(data["request_id"]),
             block_ids=tuple(int(b) for b in data["block_ids"]),
             num_tokens=int(data["num_tokens"]),
             lease_expires_unix_s=float(data["lease_expires_unix_s"]),
@@ -74,7 +95,6 @@ class KVHandleParams:
         return common_pb2.KVHandle(
             engine_id=self.engine_id,
             kv_address=self.kv_address,
-            remote_request_id=self.remote_request_id,
             block_ids=list(self.block_ids),
             num_tokens=self.num_tokens,
             layout=layout,
@@ -82,13 +102,13 @@ class KVHandleParams:
         )
 
     @classmethod
-    def from_proto(cls, handle: common_pb2.KVHandle, capability: str) -> KVHandleParams:
-        """The handle a decode request carries, with the request's capability (its layout is checked by
-        the caller)."""
+    def from_proto(cls, handle: common_pb2.KVHandle, request_id: str, capability: str) -> KVHandleParams:
+        """The handle a decode request carries, for the KV of ``request_id`` (the request's own id) read
+        with ``capability`` (its layout is checked by the caller)."""
         return cls(
             engine_id=handle.engine_id,
             kv_address=handle.kv_address,
-            remote_request_id=handle.remote_request_id,
+            request_id=request_id,
             block_ids=tuple(handle.block_ids),
             num_tokens=handle.num_tokens,
             lease_expires_unix_s=handle.lease_expires_unix_s,
@@ -96,20 +116,15 @@ class KVHandleParams:
         )
 
 
-def prefill_params(capability: str) -> dict[str, Any]:
-    """``kv_transfer_params`` for a prefill request whose KV a decode engine will pull with ``capability``."""
-    return {DO_REMOTE_DECODE: True, CAPABILITY: capability}
+def prefill_params(request_id: str, capability: str) -> dict[str, Any]:
+    """``kv_transfer_params`` for the prefill of ``request_id`` (the gateway's id), whose KV a decode engine
+    will pull with ``capability``."""
+    return {DO_REMOTE_DECODE: True, REQUEST_ID: request_id, CAPABILITY: capability}
 
 
 def decode_params(handle: KVHandleParams) -> dict[str, Any]:
     """``kv_transfer_params`` for a decode request that loads its prompt KV from ``handle``."""
     return {DO_REMOTE_PREFILL: True, HANDLE: handle.to_dict()}
-
-
-def external_request_id(internal_request_id: str) -> str:
-    """vLLM appends ``-<8 random chars>`` to the id a caller passes in."""
-    head, sep, tail = internal_request_id.rpartition("-")
-    return head if sep and len(tail) == 8 else internal_request_id
 
 
 @dataclass(frozen=True)

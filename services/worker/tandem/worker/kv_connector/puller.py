@@ -14,7 +14,17 @@ path instead of the network. A prefetch that failed, or does not cover the
 blocks the load needs, is dropped and the load pulls as it would without one;
 staging is bounded (``prefetch_max_bytes``) and freed when the load has copied
 it, when the request is aborted here, or ``prefetch_keep_s`` after it was
-started."""
+started.
+
+The prefetch and the load name the prompt's KV by the same id, the gateway's
+request id: ``PrefetchKV`` carries it, and the load's handle carries it from
+the ``Decode`` (:mod:`params`). vLLM's id of the decode request
+(``LoadSpec.engine_request_id``) only names the load towards vLLM's scheduler.
+
+Two kinds of freeing happen here, under two names: *dropping a prefetch* frees
+this engine's staging (:meth:`KVPuller.drop_prefetch`), and *releasing a hold*
+asks the prefill engine to free the blocks it holds for the request
+(:meth:`KVPuller.release_hold`, the ``Release`` call)."""
 
 from __future__ import annotations
 
@@ -40,7 +50,7 @@ from tandem.worker.kv_connector import wire
 from tandem.worker.kv_connector.cpus import move_this_thread
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, LoadSpec
-from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord, external_request_id
+from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +123,7 @@ def _same_prompt(prefetch: _Prefetch, handle: KVHandleParams) -> bool:
     capability."""
     return (
         prefetch.kv_address == handle.kv_address
-        and prefetch.request_id == external_request_id(handle.remote_request_id)
+        and prefetch.request_id == handle.request_id
         and kv_capability.matches(prefetch.capability, handle.capability)
     )
 
@@ -135,7 +145,7 @@ class KVPuller:
         self._tp_rank = tp_rank
         self._prefetch_max_bytes = prefetch_max_bytes
         self._prefetch_keep_s = prefetch_keep_s
-        #: By the caller's request id (the gateway's, which the decode request carries too).
+        #: By request id (the gateway's, which the load's handle carries too).
         self._prefetches: dict[str, _Prefetch] = {}
         self._num_staged_bytes = 0
         self._num_prefetching = 0
@@ -151,8 +161,8 @@ class KVPuller:
         self._load_finished = threading.Condition(self._lock)
         self._num_in_flight = 0
         self._failed_block_ids: set[int] = set()
-        #: Loads that ended (done or failed), with when (perf_counter), until a step reports them to
-        #: vLLM's scheduler.
+        #: Loads that ended (done or failed), by vLLM's request id, with when (perf_counter), until a step
+        #: reports them to vLLM's scheduler.
         self._ended: dict[str, tuple[LoadRecord, float]] = {}
         #: Reported loads' records, until the step's worker metadata takes them.
         self._records: dict[str, LoadRecord] = {}
@@ -189,6 +199,8 @@ class KVPuller:
     # -- per step (engine loop) --------------------------------------------------
 
     def submit(self, loads: Iterable[LoadSpec], releases: Iterable[KVHandleParams]) -> None:
+        """Start this step's loads (each releases its hold once done), and release the holds of
+        ``releases`` (decode requests that load nothing)."""
         if self._prefetches:
             self._expire_prefetches()
         loads = list(loads)
@@ -197,11 +209,11 @@ class KVPuller:
         for spec in loads:
             self._pool.submit(self._load_and_release, spec)
         for handle in releases:
-            self._pool.submit(self.release_remote, handle)
+            self._pool.submit(self.release_hold, handle)
 
     def take_results(self, *, idle_step: bool) -> tuple[set[str], set[str]]:
-        """(loaded, failed) since the last call. On a step with nothing else to do, wait a little
-        for a load in flight first (see :data:`IDLE_STEP_WAIT_S`)."""
+        """(loaded, failed) since the last call, by vLLM's request id. On a step with nothing else to
+        do, wait a little for a load in flight first (see :data:`IDLE_STEP_WAIT_S`)."""
         with self._lock:
             if idle_step and self._num_in_flight and not self._ended:
                 self._load_finished.wait(IDLE_STEP_WAIT_S)
@@ -258,12 +270,12 @@ class KVPuller:
     # -- prefetches (the worker service through the engine; prefetch threads) ------
 
     def prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
     ) -> str:
         """Start streaming ``request_id``'s prompt KV from the prefill engine at ``kv_address`` (with the
-        prompt's ``capability``) into staging, skipping the whole blocks of ``num_cached_tokens`` (what
-        this engine is expected to have cached). Returns "" when started, else why not (the decode then
-        pulls as usual)."""
+        prompt's ``capability``) into staging, skipping the whole blocks of ``num_decode_cached_tokens``
+        (the prefix hit the router expects of this engine). Returns "" when started, else why not (the
+        decode then pulls as usual)."""
         layout = self._layout
         if layout is None:
             return "the KV caches are not registered yet"
@@ -271,7 +283,7 @@ class KVPuller:
             return "prefetching is off (kv.prefetch_max_bytes is 0)"
         block_size = layout.block_size_tokens
         num_prompt_blocks = -(-num_prompt_tokens // block_size)
-        first = min(num_cached_tokens, num_prompt_tokens) // block_size
+        first = min(num_decode_cached_tokens, num_prompt_tokens) // block_size
         num_blocks = num_prompt_blocks - first
         if num_blocks <= 0:
             return "nothing to prefetch"
@@ -350,7 +362,7 @@ class KVPuller:
                 self._num_staged_bytes -= prefetch.num_staged_bytes
 
     def abort(self, request_id: str) -> bool:
-        """The request was aborted here: drop its prefetch, and refuse one that arrives later."""
+        """``request_id`` was aborted here: drop its prefetch, and refuse one that arrives later."""
         with self._lock:
             self._remember_done(request_id)
         return self.drop_prefetch(request_id)
@@ -393,7 +405,7 @@ class KVPuller:
 
     def _take_prefetch(self, spec: LoadSpec) -> _Prefetch | None:
         with self._lock:
-            return self._prefetches.pop(external_request_id(spec.request_id), None)
+            return self._prefetches.pop(spec.handle.request_id, None)
 
     def _load_from_prefetch(self, spec: LoadSpec, prefetch: _Prefetch) -> tuple[int, float] | None:
         """Copy ``spec``'s blocks from the prefetch's staging into the paged cache; (the bytes copied,
@@ -416,7 +428,7 @@ class KVPuller:
                 usable, why = False, "the blocks to load were not prefetched (a prefix cache miss)"
         try:
             if not usable or staging is None:
-                logger.info("KV prefetch of %s not used: %s", spec.request_id, why)
+                logger.info("KV prefetch of %s not used: %s", spec.handle.request_id, why)
                 return None
             offset = spec.first_block_index - prefetch.first_block_index
             positions = range(offset, offset + len(spec.local_block_ids))
@@ -437,7 +449,7 @@ class KVPuller:
         finally:
             with self._lock:
                 self._num_in_flight -= 1
-        self.release_remote(spec.handle)
+        self.release_hold(spec.handle)
 
     def load(self, spec: LoadSpec) -> LoadRecord:
         """Pull ``spec``'s blocks into the paged cache; report it done (or failed) to the next step."""
@@ -451,7 +463,7 @@ class KVPuller:
             num_bytes, waited_s = copied
             return self._finish_load(spec, started, num_bytes, "", prefetched=True, prefetch_wait_s=waited_s)
         with self._lock:
-            self._remember_done(external_request_id(spec.request_id))
+            self._remember_done(spec.handle.request_id)
         chunk_bytes = wire.pull_chunk_bytes(
             self._writer.block_bytes * len(spec.remote_block_ids) * len(self._caches), self._max_chunk_bytes
         )
@@ -460,7 +472,7 @@ class KVPuller:
                 spec.handle.kv_address,
                 wire.PULL_METHOD,
                 kv_transfer_pb2.PullBlocksRequest(
-                    remote_request_id=spec.handle.remote_request_id,
+                    request_id=spec.handle.request_id,
                     block_ids=list(spec.remote_block_ids),
                     expected_layout=self._layout.to_proto(),
                     max_chunk_bytes=chunk_bytes,
@@ -470,7 +482,7 @@ class KVPuller:
             num_bytes = self._writer.write_chunks(spec.local_block_ids, chunk_bytes, stream)
         except Exception as exc:
             message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-            logger.error("KV load of %s from %s failed: %s", spec.request_id, spec.handle.kv_address, message)
+            logger.error("KV load of %s from %s failed: %s", spec.handle.request_id, spec.handle.kv_address, message)
             error = str(message)[:500] or type(exc).__name__
         return self._finish_load(spec, started, num_bytes, error, prefetched=False)
 
@@ -504,19 +516,17 @@ class KVPuller:
             else:
                 c.blocks_received += record.num_blocks_loaded
                 c.kv_tokens_loaded += spec.num_tokens
-            self._ended[spec.request_id] = (record, time.perf_counter())
+            self._ended[spec.engine_request_id] = (record, time.perf_counter())
             self._load_finished.notify_all()
         return record
 
-    def release_remote(self, handle: KVHandleParams) -> None:
-        """Tell the prefill engine it may free the blocks it holds for ``handle``."""
+    def release_hold(self, handle: KVHandleParams) -> None:
+        """Release the prefill engine's hold on ``handle``'s blocks (``Release``): it may free them."""
         try:
             kv_transfer_pb2_grpc.KVTransferStub(self._channel(handle)).Release(
-                kv_transfer_pb2.ReleaseBlocksRequest(
-                    remote_request_id=handle.remote_request_id, capability=handle.capability
-                ),
+                kv_transfer_pb2.ReleaseBlocksRequest(request_id=handle.request_id, capability=handle.capability),
                 timeout=5.0,
             )
         except grpc.RpcError as exc:
             # The lease on the prefill side frees the blocks anyway.
-            logger.warning("releasing %s on %s failed: %s", handle.remote_request_id, handle.kv_address, exc)
+            logger.warning("releasing the hold of %s on %s failed: %s", handle.request_id, handle.kv_address, exc)

@@ -6,7 +6,13 @@ come back from the worker side and leave with the finished request.
 On the prefill side it also tells the worker side, step by step, how far each
 prompt that a decode engine will pull is computed (its blocks, tokens before
 and after the step), and when such a prompt ends without a hold, so that the
-KV server can stream the prompt's blocks while the prefill still runs."""
+KV server can stream the prompt's blocks while the prefill still runs.
+
+vLLM calls it with its own request ids (``Request.request_id``: the caller's id
+with ``-`` and 8 random characters appended); everything it announces to the
+worker side names a prefill's KV by the gateway's request id too (from
+``kv_transfer_params``, :data:`params.REQUEST_ID`), which is what the handle
+carries and what a decode engine pulls and releases by."""
 
 from __future__ import annotations
 
@@ -14,13 +20,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from tandem.worker.kv_connector.metadata import GrpcKVMetadata, GrpcKVWorkerMeta, LoadSpec, PrefillProgress
+from tandem.worker.kv_connector.metadata import GrpcKVMetadata, GrpcKVWorkerMeta, HoldSpec, LoadSpec, PrefillProgress
 from tandem.worker.kv_connector.params import (
     CAPABILITY,
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
     HANDLE,
     KV_LOAD,
+    REQUEST_ID,
     KVHandleParams,
     LoadRecord,
 )
@@ -46,10 +53,12 @@ class SchedulerSide:
         #: Decode requests whose load is planned and not yet reported, and the reports not yet handed out.
         self._loading: set[str] = set()
         self._load_records: dict[str, LoadRecord] = {}
-        #: Prefill requests a decode engine will pull, while they run: request id → (prompt tokens,
+        #: Prefill requests a decode engine will pull, while they run: vLLM's request id → (prompt tokens,
         #: block ids so far).
         self._streamed: dict[str, tuple[int, list[int]]] = {}
-        #: Prefill requests a decode engine will pull: request id → the capability that reads their KV.
+        #: Prefill requests a decode engine will pull: vLLM's request id → the gateway's, which names their KV.
+        self._request_ids: dict[str, str] = {}
+        #: Prefill requests a decode engine will pull: vLLM's request id → the capability that reads their KV.
         self._capabilities: dict[str, str] = {}
 
     # -- decode side -------------------------------------------------------------
@@ -69,6 +78,7 @@ class SchedulerSide:
         if params and params.get(DO_REMOTE_DECODE) and request.request_id not in self._streamed:
             # A prefill a decode engine will pull: its progress goes to the worker side each step.
             self._streamed[request.request_id] = (request.num_prompt_tokens, [])
+            self._request_ids[request.request_id] = _kv_request_id(request, params)
             self._capabilities[request.request_id] = str(params.get(CAPABILITY, ""))
             return
         if not params or not params.get(DO_REMOTE_PREFILL):
@@ -101,7 +111,7 @@ class SchedulerSide:
         self._loading.add(request.request_id)
         self._pending.loads.append(
             LoadSpec(
-                request_id=request.request_id,
+                engine_request_id=request.request_id,
                 handle=handle,
                 remote_block_ids=remote_ids,
                 local_block_ids=local_ids,
@@ -125,6 +135,7 @@ class SchedulerSide:
             self._pending.releases.append(KVHandleParams.from_dict(params[HANDLE]))
             return False, None
         streamed = self._streamed.pop(request.request_id, None) is not None
+        kv_request_id = self._request_ids.pop(request.request_id, "") or _kv_request_id(request, params)
         capability = self._capabilities.pop(request.request_id, "") or str(params.get(CAPABILITY, ""))
         if not params.get(DO_REMOTE_DECODE):
             # A decode request: its load's figures leave with it (a load still in flight reports to no one).
@@ -139,11 +150,11 @@ class SchedulerSide:
             return False, None
         expiry = time.time() + self._lease_s
         ids = tuple(int(b) for b in block_ids)
-        self._pending.holds[request.request_id] = (ids, expiry, capability)
+        self._pending.holds[request.request_id] = HoldSpec(kv_request_id, ids, expiry, capability)
         handle = KVHandleParams(
             engine_id=self._engine_id,
             kv_address=self._kv_address,
-            remote_request_id=request.request_id,
+            request_id=kv_request_id,
             block_ids=ids,
             num_tokens=request.num_computed_tokens,
             lease_expires_unix_s=expiry,
@@ -202,7 +213,8 @@ class SchedulerSide:
             return  # the prompt is computed; the request only samples now
         self._pending.progress.append(
             PrefillProgress(
-                request_id=req_id,
+                engine_request_id=req_id,
+                request_id=self._request_ids.get(req_id, req_id),
                 num_prompt_tokens=num_prompt,
                 block_ids=tuple(block_ids),
                 num_computed_tokens=num_computed,
@@ -210,3 +222,9 @@ class SchedulerSide:
                 capability=self._capabilities.get(req_id, ""),
             )
         )
+
+
+def _kv_request_id(request: Request, params: dict[str, Any]) -> str:
+    """The id that names a prefill's KV between engines: the gateway's, as the worker service passed it
+    (:func:`params.prefill_params`); vLLM's own id for a caller that named none."""
+    return str(params.get(REQUEST_ID) or request.request_id)

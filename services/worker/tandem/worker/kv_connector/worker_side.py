@@ -7,7 +7,8 @@ holds, leases, serving blocks, streaming a prompt's blocks layer by layer as
 the forward pass saves them) and :mod:`puller` (decode: pulls into the paged
 cache, prefetches into staging while the prefill runs, and what each pull
 did). :mod:`extension` exposes it to the worker service through the engine
-(layout, counters, releasing a hold or a prefetch, starting a prefetch).
+(layout, counters, an abort: its hold released or its prefetch dropped,
+starting a prefetch).
 """
 
 from __future__ import annotations
@@ -156,17 +157,17 @@ class WorkerSide:
 
     # -- for the worker service (through the engine) and GetStats ------------------
 
-    def release(self, req_id: str) -> bool:
-        """Free what this rank keeps for ``req_id``: blocks held for a decode engine (prefill), a
-        prefetch's staging (decode)."""
-        released = self.server.release(req_id)
-        return self.puller.abort(req_id) or released
+    def abort(self, request_id: str) -> bool:
+        """``request_id`` was aborted: release its hold on blocks kept for a decode engine (prefill),
+        drop its prefetch's staging (decode). True if there was either."""
+        released = self.server.release_hold(request_id)
+        return self.puller.abort(request_id) or released
 
     def prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_cached_tokens: int, capability: str
+        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
     ) -> str:
         """Start streaming a running prefill's KV into staging; "" if started, else why not."""
-        return self.puller.prefetch(request_id, kv_address, num_prompt_tokens, num_cached_tokens, capability)
+        return self.puller.prefetch(request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability)
 
     def load(self, spec: LoadSpec) -> LoadRecord:
         """Pull one request's blocks now, on the calling thread (benchmarks)."""
