@@ -34,6 +34,16 @@ async def test_the_decode_worker_is_asked_to_prefetch_from_the_prefill_workers_k
     assert started == 1.0
 
 
+async def test_the_decode_workers_prefix_hit_reaches_the_timings_beside_the_routers_expectation(stack: Any) -> None:
+    stack.router.placements[0].num_decode_cached_tokens = 128
+    stack.decode.num_decode_cached_tokens = 64  # evicted meanwhile: the hit was smaller than expected
+    response = await stack.client.post("/v1/chat/completions", json=chat_body(), headers={"X-Tandem-Timings": "1"})
+    assert response.status_code == 200, response.text
+    worker = response.json()["tandem_timings"]["worker"]
+    assert worker["num_router_expected_decode_cached_tokens"] == 128
+    assert worker["num_decode_cached_tokens"] == 64
+
+
 async def test_no_prefetch_without_a_handoff(stack: Any) -> None:
     # One token: the prefill worker keeps no KV. A local prefill: no prefill worker at all.
     response = await stack.client.post("/v1/chat/completions", json=chat_body(max_tokens=1))

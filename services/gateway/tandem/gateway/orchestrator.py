@@ -104,6 +104,10 @@ def _record_decode_stats(clock: StageClock, stats: worker_pb2.DecodeStats) -> No
         clock.worker["decode_first_token_s"] = stats.first_token_seconds
     if stats.num_kv_tokens_loaded:
         clock.worker["num_kv_tokens_loaded"] = stats.num_kv_tokens_loaded
+    if stats.num_decode_cached_tokens:
+        # The decode worker's prefix hit, beside the router's expectation of it
+        # (num_router_expected_decode_cached_tokens), as num_cached_tokens is the prefill worker's.
+        clock.worker["num_decode_cached_tokens"] = stats.num_decode_cached_tokens
     if stats.engine_first_token_after_seconds:
         clock.worker["decode_engine_queued_after_s"] = stats.engine_queued_after_seconds
         clock.worker["decode_engine_scheduled_after_s"] = stats.engine_scheduled_after_seconds
