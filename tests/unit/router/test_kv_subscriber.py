@@ -205,7 +205,7 @@ def test_simulated_ids_are_marked() -> None:
 async def test_a_follower_yields_to_the_loop_once_its_slice_is_spent(monkeypatch: pytest.MonkeyPatch) -> None:
     """A burst of queued batches must not run as one loop callback: a follower applies what is queued
     for ``APPLY_SLICE_S``, then lets the callbacks waiting meanwhile (Schedules) run."""
-    from tandem.router import kv_subscriber
+    from tandem.router import kv_follower
 
     publisher = SimulatedKVEventPublisher("127.0.0.1", 0, 0)
     publisher.start()
@@ -222,10 +222,10 @@ async def test_a_follower_yields_to_the_loop_once_its_slice_is_spent(monkeypatch
         clock = [100.0]
 
         def tick() -> float:
-            clock[0] += kv_subscriber.APPLY_SLICE_S / 4
+            clock[0] += kv_follower.APPLY_SLICE_S / 4
             return clock[0]
 
-        monkeypatch.setattr(kv_subscriber.time, "perf_counter", tick)
+        monkeypatch.setattr(kv_follower.time, "perf_counter", tick)
 
         def probe() -> None:  # a callback that waits its turn as a Schedule would
             seen.append(subscriber.stats.num_batches)
