@@ -135,7 +135,7 @@ async def test_a_restarted_gateway_settles_its_predecessor_at_start(prefix: str)
             released.append(request_id)
             return True
 
-        sweeper = UsageSweeper(successor, liveness_s=5, sweep_interval_s=60, release=release)
+        sweeper = UsageSweeper(successor, liveness_s=5, sweep_interval_s=60, end_reservation=release)
         await _sweep_once(sweeper)
         assert sweeper.num_settled == 1
         assert released == ["r-1"]  # its router reservation too, not held until its lease ends

@@ -108,7 +108,7 @@ def build_app(
         usage,
         liveness_s=tenancy.usage_liveness_s,
         sweep_interval_s=tenancy.usage_sweep_interval_s,
-        release=router.release,
+        end_reservation=router.release,
         free_slot=quota.free_slot,
     )
     orchestrator = Orchestrator(

@@ -46,7 +46,7 @@ import grpc
 from tandem.common.errors import PermanentError, TandemError, WorkerUnavailableError
 from tandem.gateway.job import Finished, GenerationEvent, GenerationJob, TextDelta, Usage
 from tandem.gateway.metrics import GatewayMetrics
-from tandem.gateway.placement import RELEASE_RETRY_S, Placer, Placing
+from tandem.gateway.placement import END_RESERVATION_RETRY_S, Placer, Placing
 from tandem.gateway.prefix_hashes import PromptHasher
 from tandem.gateway.router import Router
 from tandem.gateway.timings import StageClock
@@ -274,7 +274,7 @@ class Orchestrator:
                     self._metrics.worker_retries_total.labels(role="prefill").inc()
                     self._metrics.migrations_total.labels(role="prefill", reason="unavailable").inc()
                     progress.placement = None
-                    await self._placer.release(job.request_id)
+                    await self._placer.end_reservation(job.request_id)
                     excluded.append(placement.prefill.worker_id)
                     continue
                 raise map_worker_error(exc, role="prefill", address=placement.prefill.address) from exc
@@ -353,7 +353,7 @@ class Orchestrator:
         task.add_done_callback(self._cleanup_tasks.discard)
 
     async def _cleanup(self, request_id: str, placement: router_pb2.Placement, *, aborted: bool) -> None:
-        calls = [self._placer.release(request_id, retry_for_s=RELEASE_RETRY_S)]
+        calls = [self._placer.end_reservation(request_id, retry_for_s=END_RESERVATION_RETRY_S)]
         if aborted:
             addresses = {placement.prefill.address, placement.decode.address} - {""}
             calls += [self._abort(address, request_id) for address in sorted(addresses)]

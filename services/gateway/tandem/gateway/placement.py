@@ -8,7 +8,8 @@ Called by :class:`tandem.gateway.orchestrator.Orchestrator`; calls the router th
   one, decode-only, with the prefill worker that holds the KV (the KV moves from there as before);
 * :meth:`Placer.migrate_decode`: the decode worker died mid-stream: another one, decode-only, that
   computes the prompt and resumes after the tokens sent (the orchestrator's ``Decode`` says so);
-* :meth:`Placer.release`: ``Release``, retried in the background by cleanup.
+* :meth:`Placer.end_reservation`: ``Release``, which ends the request's budget reservation in the router
+  (the router's name for it too), retried in the background by cleanup.
 
 The state a request's placements share (the placement now, the prompt's block hashes, the workers
 that died under it) is a :class:`Placing`; the orchestrator's per-request progress is one.
@@ -32,8 +33,9 @@ from tandem.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
 
-#: How long cleanup keeps retrying a router Release that failed or timed out (it runs in the background).
-RELEASE_RETRY_S = 30.0
+#: How long cleanup keeps retrying a router Release (ending the reservation) that failed or timed out (it runs
+#: in the background).
+END_RESERVATION_RETRY_S = 30.0
 
 
 @dataclass
@@ -119,7 +121,7 @@ class Placer:
     ) -> router_pb2.Placement:
         """One ``Schedule``. If the request is cancelled meanwhile (the client left), the call
         is not cancelled with it: the router may already have reserved a pair, so the call runs to its
-        end in the background and what it reserved is released, rather than held until its lease ends."""
+        end in the background and the reservation it made is ended, rather than held until its lease ends."""
         schedule = asyncio.ensure_future(
             self._router.schedule(
                 request_id=job.request_id,
@@ -137,15 +139,17 @@ class Placer:
         try:
             return await asyncio.shield(schedule)
         except asyncio.CancelledError:
-            self._run_in_background(self._release_once_placed(job.request_id, schedule))
+            self._run_in_background(self._end_reservation_once_placed(job.request_id, schedule))
             raise
 
-    async def _release_once_placed(self, request_id: str, schedule: asyncio.Future[router_pb2.Placement]) -> None:
+    async def _end_reservation_once_placed(
+        self, request_id: str, schedule: asyncio.Future[router_pb2.Placement]
+    ) -> None:
         try:
             await schedule
         except Exception:  # it failed: nothing was reserved
             return
-        await self.release(request_id, retry_for_s=RELEASE_RETRY_S)
+        await self.end_reservation(request_id, retry_for_s=END_RESERVATION_RETRY_S)
 
     async def replace_decode_worker(self, job: GenerationJob, progress: Placing) -> None:
         """Ask the router for another decode worker, keeping the prefill worker that holds the KV.
@@ -153,10 +157,10 @@ class Placer:
         A disaggregated placement is placed again decode-only (``prefill_done_on_worker_id`` names the
         prefill worker), a local prefill as a local prefill again (``local_prefill_only``: nothing was
         streamed, the new decode worker prefills the prompt): either way the router reserves decode
-        budget alone, none on a prefill worker that would do nothing. Nothing is released first: a
+        budget alone, none on a prefill worker that would do nothing. Nothing is ended first: a
         second Schedule of one request id replaces its earlier reservation in the router in one step
-        (the dead pair's budget released, the new one reserved). Meanwhile ``progress.placement`` stays
-        the previous one, so that if this Schedule fails (or the client leaves) cleanup still releases
+        (the dead pair's reservation ended, the new one made). Meanwhile ``progress.placement`` stays
+        the previous one, so that if this Schedule fails (or the client leaves) cleanup still ends
         the reservation and aborts the prefill worker's held KV rather than leaving it to its lease.
         """
         assert progress.placement is not None
@@ -216,9 +220,10 @@ class Placer:
         migrated.ClearField("prefill")
         progress.placement = migrated
 
-    async def release(self, request_id: str, *, retry_for_s: float = 0.0) -> None:
-        """``Release`` on the router; idempotent, so a background caller retries it for ``retry_for_s``
-        (a busy or restarting router) rather than leaving the budget held until the lease ends."""
+    async def end_reservation(self, request_id: str, *, retry_for_s: float = 0.0) -> None:
+        """End the request's budget reservation in the router (``Release``); idempotent, so a background
+        caller retries it for ``retry_for_s`` (a busy or restarting router) rather than leaving the budget
+        held until the lease ends."""
         delays = backoff_delays(within_s=retry_for_s)
         while True:
             try:
@@ -229,7 +234,9 @@ class Placer:
                 if self.closing or delay_s is None:
                     # The reservation is a lease in the router: it expires by itself.
                     logger.warning(
-                        "router release failed: %s", exc or type(exc).__name__, extra={"request_id": request_id}
+                        "ending the router reservation failed: %s",
+                        exc or type(exc).__name__,
+                        extra={"request_id": request_id},
                     )
                     return
             await asyncio.sleep(delay_s)

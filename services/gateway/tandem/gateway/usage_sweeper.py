@@ -8,7 +8,7 @@ mid-stream (OOM kill, node loss) has its requests billed with the tokens its
 records last held, within ``liveness_s + sweep_interval_s`` of its death, by
 any live replica (its own successor included: a restart is a new replica).
 It also frees their tenants' concurrency slots (a killed gateway held its
-tenant's slot until the quota lease ran out, ~630 s) and releases their router
+tenant's slot until the quota lease ran out, ~630 s) and ends their router
 reservations (both idempotent), so that a dead replica's requests hold neither
 a tenant's streams nor prefill and decode budget until their leases run out. A
 Redis outage only delays all of it; the loop keeps going.
@@ -35,7 +35,7 @@ class UsageSweeper:
         *,
         liveness_s: float,
         sweep_interval_s: float,
-        release: Callable[[str], Awaitable[object]] | None = None,
+        end_reservation: Callable[[str], Awaitable[object]] | None = None,
         free_slot: Callable[[str, str], Awaitable[object]] | None = None,
     ) -> None:
         if not store.replica_id:
@@ -46,7 +46,7 @@ class UsageSweeper:
         self._sweep_interval_s = sweep_interval_s
         #: Ends a dead replica's router reservation (idempotent), so that its budget is not held until
         #: the lease runs out.
-        self._release = release
+        self._end_reservation = end_reservation
         #: Frees a dead replica's request's concurrency slot of its tenant: ``(tenant_id, request_id)``.
         self._free_slot = free_slot
         self._task: asyncio.Task[None] | None = None
@@ -80,11 +80,11 @@ class UsageSweeper:
                 await self._free_slot(orphan.tenant_id, orphan.request_id)
             except Exception as exc:  # its lease frees it anyway
                 logger.warning("quota slot of a dead replica's request not freed: %s", exc)
-        if self._release is not None:
+        if self._end_reservation is not None:
             try:
-                await self._release(orphan.request_id)
-            except Exception as exc:  # its lease frees it anyway
-                logger.warning("reservation of a dead replica's request not released: %s", exc)
+                await self._end_reservation(orphan.request_id)
+            except Exception as exc:  # its lease ends it anyway
+                logger.warning("router reservation of a dead replica's request not ended: %s", exc)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name="usage-sweeper")
