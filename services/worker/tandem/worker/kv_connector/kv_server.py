@@ -306,7 +306,7 @@ class KVServer:
                     self._remove(req_id)
                     self._done_sending.add(req_id)
                     self.counters.leases_expired += 1
-                    logger.warning("KV lease of %s expired before a decode engine released it", req_id)
+                    logger.warning("KV lease of %s expired before a decode engine released it", hold.request_id)
             # vLLM only accepts ids it has already reported finished to us.
             sending = {r for r in self._done_sending if r in self._seen_finished}
             self._done_sending -= sending
