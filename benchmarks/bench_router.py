@@ -66,13 +66,16 @@ from tandem.local.simulated_worker import (
 from tandem.local.stack import LocalStack, StackConfig
 from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
-from tandem.router.policy import ScheduleRequest, create_policy
-from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import Scheduler
+from tandem.router.policy import ScheduleRequest
+from tandem.router.replica import build_replica
+from tandem.router.settings import RouterConfig
 from tandem.router.worker_view import CachedWorkerView
 from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
+#: The router as deployed but for its Redis, and with every request through a prefill worker (the
+#: figures compare where prompts are prefilled).
+ROUTER_CONFIG = {"redis": {"url": REDIS_URL}, "disaggregation": {"min_uncached_tokens": 0}}
 #: KV bytes per token of SmolLM2-135M in float32: 30 layers x (K+V) x 3 heads x 64 dims x 4 bytes.
 SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 CPU_BLOCK_SIZE_TOKENS = 128
@@ -158,7 +161,8 @@ async def run_policy(
     with_decode: bool,
     tls: TLSSettings,
 ) -> PolicyResult:
-    scheduler = Scheduler(view, create_policy(policy), ReservationTable(lease_s=600), subscriber=subscriber)
+    config = RouterConfig.model_validate({**ROUTER_CONFIG, "policy": policy})
+    scheduler = build_replica(config, view, subscriber=subscriber).scheduler
     workers = await view.workers()
     prefills = [w for w in workers if w.role == "prefill"]
     before = await computed_totals(prefills, tls)
@@ -355,11 +359,14 @@ async def bench_scale(args: argparse.Namespace) -> float:
     ]
     cluster = SimulatedCluster(configs, redis_url=REDIS_URL, key_prefix=key_prefix)
     await cluster.start()
-    registry = WorkerRegistry(REDIS_URL, key_prefix=key_prefix, ttl_s=3.0)
-    view = CachedWorkerView(registry, refresh_interval_s=1.0, max_stale_s=5.0)
-    index = KVIndex()
-    subscriber = KVEventSubscriber(index)
-    scheduler = Scheduler(view, create_policy("cache_aware"), ReservationTable(lease_s=600), subscriber=subscriber)
+    replica = build_replica(
+        RouterConfig.model_validate(
+            {**ROUTER_CONFIG, "registry": {"key_prefix": key_prefix, "ttl_s": 3.0}, "registry_refresh_interval_s": 1.0}
+        )
+    )
+    scheduler, index = replica.scheduler, replica.index
+    assert replica.subscriber is not None
+    subscriber = replica.subscriber
     try:
         await scheduler.refresh_workers()
         await asyncio.sleep(0.5)  # let the SUB sockets connect
@@ -385,7 +392,8 @@ async def bench_scale(args: argparse.Namespace) -> float:
         memory_bytes = index.approx_memory_bytes()
         await cluster.heartbeat_once()
         await asyncio.sleep(1.0)  # past the view's refresh interval
-        workers = await view.workers()
+        await scheduler.refresh_workers()
+        workers = scheduler.intake.last_workers or []
         # The benchmark's own corpus (400 documents of 2,048 ints) would make every
         # full GC pass walk ~1M list slots; freeze what exists now, as a long-running
         # router replica's start-up objects would be.
@@ -417,9 +425,8 @@ async def bench_scale(args: argparse.Namespace) -> float:
         )
         return p99_ms
     finally:
-        await subscriber.aclose()
+        await replica.aclose()
         await cluster.aclose()
-        await registry.aclose()
 
 
 def main() -> int:

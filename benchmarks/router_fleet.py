@@ -66,20 +66,17 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from tandem.common.errors import NoCapacityError
-from tandem.common.registry import WorkerRegistry
 from tandem.local.simulated_fleet import FleetCorpus, FleetSpec, SimulatedFleet
 from tandem.local.simulated_worker import SimulatedCluster, SimulatedLatencyModel, SimulatedWorkerConfig
 from tandem.local.stack import free_port
-from tandem.router.budget import BudgetConfig
 from tandem.router.gc_tuning import tune_gc
-from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
 from tandem.router.ledger import Ledger
-from tandem.router.policy import ScheduleRequest, create_policy
-from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import PlacementDecision, QueueConfig, Scheduler
+from tandem.router.policy import ScheduleRequest
+from tandem.router.replica import KVEventDrops, LedgerIdentity, build_replica
+from tandem.router.replica import Replica as RouterReplica
+from tandem.router.scheduler import PlacementDecision, Scheduler
 from tandem.router.settings import RouterConfig
-from tandem.router.worker_view import CachedWorkerView
 from tandem.v1 import worker_pb2
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -139,14 +136,24 @@ class Trace:
 
 @dataclass
 class Replica:
-    """One router replica as the Serve deployment builds it (without Serve)."""
+    """One router replica as the Serve deployment builds it (:func:`build_replica`), without Serve."""
 
-    scheduler: Scheduler
-    subscriber: KVEventSubscriber
-    ledger: Ledger
-    view: CachedWorkerView
-    registry: WorkerRegistry
+    parts: RouterReplica
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.parts.scheduler
+
+    @property
+    def subscriber(self) -> KVEventSubscriber:
+        assert self.parts.subscriber is not None
+        return self.parts.subscriber
+
+    @property
+    def ledger(self) -> Ledger:
+        assert self.parts.ledger is not None
+        return self.parts.ledger
 
     async def start(self) -> None:
         self.ledger.start()
@@ -164,36 +171,35 @@ class Replica:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.subscriber.aclose()
-        await self.ledger.aclose()
-        await self.registry.aclose()
+        await self.parts.aclose()
 
 
 def make_replica(
-    key_prefix: str, name: str, *, drop_fraction: float = 0.0, drop_seed: int = 0, ledger_prefix: str | None = None
+    key_prefix: str,
+    name: str,
+    *,
+    drop_fraction: float = 0.0,
+    drop_seed: int = 0,
+    ledger_prefix: str | None = None,
+    **config: object,
 ) -> Replica:
-    registry = WorkerRegistry(REDIS_URL, key_prefix=key_prefix, ttl_s=10.0)
-    view = CachedWorkerView(registry, refresh_interval_s=0.5, max_stale_s=10.0, refresh_in_background=True)
-    subscriber = KVEventSubscriber(KVIndex(), drop_fraction=drop_fraction, drop_seed=drop_seed)
-    ledger = Ledger(
-        REDIS_URL,
-        key_prefix=ledger_prefix or key_prefix,
-        replica_id=name,
-        secret=LEDGER_SECRET,
-        lease_s=600,
-        young_s=3.0,
+    """A replica with the router's defaults but for ``config`` (RouterConfig's fields, groups as dicts)."""
+    settings = RouterConfig.model_validate(
+        {
+            "redis": {"url": REDIS_URL},
+            "registry": {"key_prefix": key_prefix, "ttl_s": 10.0},
+            # the ledger's snapshot round this benchmark's figures were measured with (the Ledger's default)
+            "replica_sync_interval_s": 0.5,
+            **config,
+        }
     )
-    scheduler = Scheduler(
-        view,
-        create_policy("cache_aware"),
-        ReservationTable(lease_s=600, young_s=3.0),
-        budget=BudgetConfig(),
-        subscriber=subscriber,
-        ledger=ledger,
-        queue=QueueConfig(timeout_s=5.0),
-        min_uncached_tokens_to_disaggregate=128,
+    return Replica(
+        build_replica(
+            settings,
+            ledger=LedgerIdentity(name, LEDGER_SECRET, key_prefix=ledger_prefix),
+            kv_event_drops=KVEventDrops(drop_fraction, drop_seed),
+        )
     )
-    return Replica(scheduler, subscriber, ledger, view, registry)
 
 
 # -- (1) speed ---------------------------------------------------------------------------------
@@ -793,25 +799,15 @@ async def fair_run(args: argparse.Namespace, loads: Sequence[TenantLoad], second
     names = ["f0", "f1", "f2", "f3"]
     replicas: dict[str, Replica] = {}
     for name in names:
-        registry = WorkerRegistry(REDIS_URL, key_prefix=key_prefix, ttl_s=10.0)
-        view = CachedWorkerView(registry, refresh_interval_s=0.5, max_stale_s=10.0, refresh_in_background=True)
-        subscriber = KVEventSubscriber(KVIndex())
-        ledger = Ledger(
-            REDIS_URL, key_prefix=key_prefix, replica_id=name, secret=LEDGER_SECRET, lease_s=600, young_s=3.0
-        )
-        scheduler = Scheduler(
-            view,
-            create_policy("cache_aware"),
-            ReservationTable(lease_s=600, young_s=3.0),
+        replicas[name] = make_replica(
+            key_prefix,
+            name,
             # One prompt per prefill worker: the router's queue, where the fair share is decided, holds
             # the backlog, not the engines' own first-come-first-served queues.
-            budget=BudgetConfig(prefill_tokens_in_flight=max(t.prompt_tokens for t in loads)),
-            subscriber=subscriber,
-            ledger=ledger,
-            queue=QueueConfig(timeout_s=args.fair_queue_timeout_s),
-            min_uncached_tokens_to_disaggregate=0,
+            budget={"prefill_tokens_in_flight": max(t.prompt_tokens for t in loads)},
+            queue={"timeout_s": args.fair_queue_timeout_s},
+            disaggregation={"min_uncached_tokens": 0},
         )
-        replicas[name] = Replica(scheduler, subscriber, ledger, view, registry)
     result = FairRun()
     try:
         for replica in replicas.values():

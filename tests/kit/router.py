@@ -1,7 +1,9 @@
 """The router for tests: a ``tandem.v1.Router`` gRPC servicer and the server
 around it, standing in for the deployment in tests of its clients
-(``RouterClient``, the gateway); and the real router as a process
-(:func:`router_process`) for the integration tests."""
+(``RouterClient``, the gateway); the real router as a process
+(:func:`router_process`) for the integration tests; and a real replica in-process
+(:func:`make_scheduler`, :func:`make_replica`), assembled by the deployment's own
+:func:`tandem.router.replica.build_replica`."""
 
 from __future__ import annotations
 
@@ -11,23 +13,68 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
 import redis
 
 from tandem.common.errors import TandemError
+from tandem.common.registry import WorkerRecord
 from tandem.common.router_wire import status_for_error
 from tandem.v1 import router_pb2, router_pb2_grpc
 from tests.kit.net import free_port
+from tests.kit.workers import StaticView
+
+if TYPE_CHECKING:  # the router's modules load on first use: the gateway's tests use this kit too
+    from tandem.router.intake import WorkerView
+    from tandem.router.metrics import RouterMetrics
+    from tandem.router.replica import Replica
+    from tandem.router.scheduler import Scheduler
 
 #: The ledger secret the tests' router replicas share (``Ledger(secret=...)``; at least 16 bytes).
 LEDGER_SECRET = b"tests-router-ledger-secret-0123456789"
+
+
+def make_replica(
+    workers: list[WorkerRecord] | None = None,
+    *,
+    view: WorkerView | None = None,
+    metrics: RouterMetrics | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    replica_id: str = "",
+    follow_kv_events: bool = False,
+    **config: Any,
+) -> Replica:
+    """A real router replica over ``workers`` (``StaticView``: ``TWO_WORKERS`` unless given) or ``view``,
+    built as the deployment builds one. ``config`` overrides :class:`RouterConfig`'s fields, groups as
+    dicts (``lease_s=60, budget={"prefill_tokens_in_flight": 100}, queue={"timeout_s": 0.3}``); with a
+    ``replica_id`` it shares budgets through a ledger on ``config``'s Redis (tagged with
+    :data:`LEDGER_SECRET`; the caller starts it). Its KV index is fed by the test unless
+    ``follow_kv_events``. Unless ``config`` sets ``disaggregation``, every request goes through a
+    prefill worker (``min_uncached_tokens`` 0), as most tests of placement expect."""
+    from tandem.router.replica import LedgerIdentity, build_replica
+    from tandem.router.settings import RouterConfig
+
+    config.setdefault("disaggregation", {"min_uncached_tokens": 0})
+    return build_replica(
+        RouterConfig.model_validate(config),
+        view or StaticView(workers),
+        metrics=metrics,
+        ledger=LedgerIdentity(replica_id, LEDGER_SECRET) if replica_id else None,
+        follow_kv_events=follow_kv_events,
+        clock=clock,
+    )
+
+
+def make_scheduler(workers: list[WorkerRecord] | None = None, **overrides: Any) -> Scheduler:
+    """The scheduler of :func:`make_replica` (same arguments)."""
+    return make_replica(workers, **overrides).scheduler
+
 
 #: What the servicer hands out unless told otherwise.
 DEFAULT_PLACEMENT = router_pb2.Placement(

@@ -8,12 +8,10 @@ import pytest
 
 from tandem.common.errors import NoCapacityError
 from tandem.router.admission import AdmissionQueue, QueueFullError
-from tandem.router.budget import BudgetConfig
 from tandem.router.metrics import NullRouterMetrics
-from tandem.router.policy import ScheduleRequest, create_policy
-from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import QueueConfig, Scheduler
-from tests.kit.workers import StaticView
+from tandem.router.policy import ScheduleRequest
+from tandem.router.scheduler import Scheduler
+from tests.kit.router import make_scheduler
 
 
 class QueueMetrics(NullRouterMetrics):
@@ -30,13 +28,11 @@ class QueueMetrics(NullRouterMetrics):
 
 def make(timeout_s: float = 2.0, **queue: object) -> tuple[Scheduler, QueueMetrics]:
     metrics = QueueMetrics()
-    scheduler = Scheduler(
-        StaticView(),
-        create_policy("cache_aware"),
-        ReservationTable(lease_s=60),
-        metrics,
-        budget=BudgetConfig(prefill_tokens_in_flight=100),
-        queue=QueueConfig(timeout_s=timeout_s, poll_interval_s=0.01, **queue),  # type: ignore[arg-type]
+    scheduler = make_scheduler(
+        metrics=metrics,
+        lease_s=60,
+        budget={"prefill_tokens_in_flight": 100},
+        queue={"timeout_s": timeout_s, "poll_interval_s": 0.01, **queue},
     )
     return scheduler, metrics
 
@@ -163,21 +159,16 @@ class PoolMetrics(QueueMetrics):
         self.queued[waiting_for] = (num_requests, num_uncached_tokens)
 
 
-def _pool_scheduler(budget: BudgetConfig) -> tuple[Scheduler, PoolMetrics]:
+def _pool_scheduler(**budget: float) -> tuple[Scheduler, PoolMetrics]:
     metrics = PoolMetrics()
-    scheduler = Scheduler(
-        StaticView(),
-        create_policy("cache_aware"),
-        ReservationTable(lease_s=60),
-        metrics,
-        budget=budget,
-        queue=QueueConfig(timeout_s=2.0, poll_interval_s=0.01),
+    scheduler = make_scheduler(
+        metrics=metrics, lease_s=60, budget=budget, queue={"timeout_s": 2.0, "poll_interval_s": 0.01}
     )
     return scheduler, metrics
 
 
 async def test_each_pools_tokens_in_flight_are_reported_apart() -> None:
-    scheduler, metrics = _pool_scheduler(BudgetConfig(prefill_tokens_in_flight=100))
+    scheduler, metrics = _pool_scheduler(prefill_tokens_in_flight=100)
     await scheduler.schedule(req("a", tokens=60))
     # Prefill holds the uncached prompt; decode holds prompt plus max_tokens: neither counts as the other.
     assert metrics.tokens == {("p0", "prefill"): 60, ("d0", "decode"): 64}
@@ -187,7 +178,7 @@ async def test_each_pools_tokens_in_flight_are_reported_apart() -> None:
 
 async def test_the_queue_says_which_pools_budget_its_requests_wait_for() -> None:
     # Prefill budget 100 tokens: the second 60-token prompt waits for prefill.
-    scheduler, metrics = _pool_scheduler(BudgetConfig(prefill_tokens_in_flight=100))
+    scheduler, metrics = _pool_scheduler(prefill_tokens_in_flight=100)
     await scheduler.schedule(req("first", tokens=60))
     waiting = [asyncio.create_task(scheduler.schedule(req(f"w{i}", tokens=60))) for i in range(3)]
     await asyncio.sleep(0.05)
@@ -200,7 +191,7 @@ async def test_the_queue_says_which_pools_budget_its_requests_wait_for() -> None
         task.cancel()
 
     # Decode budget 10,000 blocks x 16 tokens x 0.0065 = 1,040 tokens: room for one 904-token request.
-    scheduler, metrics = _pool_scheduler(BudgetConfig(prefill_tokens_in_flight=10_000, decode_kv_fraction=0.0065))
+    scheduler, metrics = _pool_scheduler(prefill_tokens_in_flight=10_000, decode_kv_fraction=0.0065)
     await scheduler.schedule(req("first", tokens=900))
     waiting = [asyncio.create_task(scheduler.schedule(req(f"w{i}", tokens=900))) for i in range(2)]
     await asyncio.sleep(0.05)
@@ -215,7 +206,7 @@ async def test_a_request_both_pools_are_too_full_for_waits_for_both() -> None:
     # Room for one 900-token prompt on prefill and one 904-token request on decode: the next lacks both,
     # and both pools must grow before it can go (counting it for decode alone hid prefill's shortage
     # from the autoscaler until decode had grown: make autoscale-demo's decision log).
-    scheduler, metrics = _pool_scheduler(BudgetConfig(prefill_tokens_in_flight=1000, decode_kv_fraction=0.0065))
+    scheduler, metrics = _pool_scheduler(prefill_tokens_in_flight=1000, decode_kv_fraction=0.0065)
     await scheduler.schedule(req("first", tokens=900))
     waiting = [asyncio.create_task(scheduler.schedule(req(f"w{i}", tokens=900))) for i in range(2)]
     await asyncio.sleep(0.05)
@@ -227,7 +218,7 @@ async def test_a_request_both_pools_are_too_full_for_waits_for_both() -> None:
 
 
 async def test_a_quiet_pool_reads_zero_not_no_data() -> None:
-    scheduler, metrics = _pool_scheduler(BudgetConfig())
+    scheduler, metrics = _pool_scheduler()
     await scheduler.refresh_workers()
     scheduler.tick()
     assert metrics.tokens == {("p0", "prefill"): 0, ("d0", "decode"): 0}

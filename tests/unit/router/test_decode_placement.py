@@ -9,16 +9,14 @@ import pytest
 from tandem.common.block_hash import BlockHasher
 from tandem.common.errors import InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord
-from tandem.router.budget import BudgetConfig
 from tandem.router.handoff import _decode_pending, _encode_pending
 from tandem.router.kv_index import KVIndex
 from tandem.router.ledger import RemoteWaiter
 from tandem.router.ledger_events import WaitingRequest
 from tandem.router.placement import PendingRequest
-from tandem.router.policy import CacheAwareWeights, ScheduleRequest, create_policy
-from tandem.router.reservations import ReservationTable
+from tandem.router.policy import CacheAwareWeights, ScheduleRequest
 from tandem.router.scheduler import Scheduler
-from tests.kit.workers import StaticView
+from tests.kit.router import make_scheduler
 
 BLOCK = 16
 DOC = list(range(5000, 5000 + 8 * BLOCK))  # 8 full blocks
@@ -34,17 +32,13 @@ WORKERS = [worker("p0", "prefill"), worker("p1", "prefill"), worker("d0", "decod
 def scheduler(
     workers: list[WorkerRecord] = WORKERS, weights: CacheAwareWeights | None = None
 ) -> tuple[Scheduler, KVIndex]:
-    index = KVIndex()
-    return (
-        Scheduler(
-            StaticView(workers),
-            create_policy("cache_aware", weights),
-            ReservationTable(lease_s=60),
-            budget=BudgetConfig(prefill_tokens_in_flight=10_000),
-            index=index,
-        ),
-        index,
+    s = make_scheduler(
+        workers,
+        lease_s=60,
+        weights=weights or CacheAwareWeights(),
+        budget={"prefill_tokens_in_flight": 10_000},
     )
+    return s, s.index
 
 
 def request(request_id: str, prompt: list[int], **kwargs: object) -> ScheduleRequest:

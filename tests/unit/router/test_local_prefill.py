@@ -8,16 +8,14 @@ import pytest
 from tandem.common.block_hash import BlockHasher
 from tandem.common.errors import NoCapacityError
 from tandem.common.registry import WorkerRecord
-from tandem.router.budget import BudgetConfig
 from tandem.router.deployment import placement_to_proto
 from tandem.router.kv_index import KVIndex
 from tandem.router.metrics import NullRouterMetrics
-from tandem.router.policy import ScheduleRequest, create_policy
-from tandem.router.reservations import ReservationTable
+from tandem.router.policy import ScheduleRequest
 from tandem.router.scheduler import Scheduler
 from tandem.router.settings import RouterConfig
+from tests.kit import router as kit
 from tests.kit.clock import FakeClock
-from tests.kit.workers import StaticView
 from tests.unit.router.test_cache_aware import BLOCK, request, worker
 
 THRESHOLD = 40
@@ -40,18 +38,16 @@ class PlacementCounts(NullRouterMetrics):
 def make_scheduler(
     workers: list[WorkerRecord], *, threshold: int = THRESHOLD
 ) -> tuple[Scheduler, KVIndex, PlacementCounts]:
-    index = KVIndex()
     metrics = PlacementCounts()
-    scheduler = Scheduler(
-        StaticView(workers),
-        create_policy("cache_aware"),
-        ReservationTable(lease_s=60, clock=FakeClock()),
-        metrics,
-        budget=BudgetConfig(prefill_tokens_in_flight=10_000),
-        index=index,
-        min_uncached_tokens_to_disaggregate=threshold,
+    scheduler = kit.make_scheduler(
+        workers,
+        metrics=metrics,
+        clock=FakeClock(),
+        lease_s=60,
+        budget={"prefill_tokens_in_flight": 10_000},
+        disaggregation={"min_uncached_tokens": threshold},
     )
-    return scheduler, index, metrics
+    return scheduler, scheduler.index, metrics
 
 
 POOL = [worker("p0", "prefill"), worker("d0", "decode")]

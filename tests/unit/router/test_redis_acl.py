@@ -21,7 +21,8 @@ from tandem.router.budget import BudgetConfig
 from tandem.router.ledger import Ledger
 from tandem.router.policy import ScheduleRequest, create_policy
 from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import QueueConfig, Scheduler
+from tandem.router.scheduler import Scheduler
+from tandem.router.settings import QueueSettings
 from tests.kit.redis import acl_denials, acl_users
 from tests.kit.router import LEDGER_SECRET
 from tests.kit.workers import StaticView
@@ -54,7 +55,7 @@ async def test_router_replicas_share_reservations_and_read_the_registry_under_th
                     ReservationTable(lease_s=60, young_s=5.0),
                     budget=BudgetConfig(prefill_tokens_in_flight=100),
                     ledger=ledger,
-                    queue=QueueConfig(timeout_s=0.3, poll_interval_s=0.02),
+                    queue=QueueSettings(timeout_s=0.3, poll_interval_s=0.02),
                 )
             )
             ledger.start()

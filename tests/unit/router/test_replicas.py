@@ -5,7 +5,6 @@ forwarded Releases, repair after a lost message, and the fair-share order across
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,14 +15,12 @@ import redis.asyncio as aioredis
 
 from tandem.common.errors import NoCapacityError
 from tandem.common.registry import WorkerRecord
-from tandem.router.budget import BudgetConfig
 from tandem.router.ledger import Ledger
-from tandem.router.policy import ScheduleRequest, create_policy
+from tandem.router.policy import ScheduleRequest
 from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import PlacementDecision, QueueConfig, Scheduler
+from tandem.router.scheduler import PlacementDecision, Scheduler
 from tests.kit.redis import delete_prefix
-from tests.kit.router import LEDGER_SECRET
-from tests.kit.workers import StaticView
+from tests.kit.router import LEDGER_SECRET, make_replica
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 SNAPSHOT_S = 0.05
@@ -48,26 +45,27 @@ async def replicas() -> AsyncIterator[Callable[..., tuple[Scheduler, Ledger]]]:
     made: list[Ledger] = []
 
     def make(
-        name: str, *, workers: list[WorkerRecord] | None = None, prefill_budget: int = 100, timeout_s: float = 0.3
+        name: str,
+        *,
+        workers: list[WorkerRecord] | None = None,
+        prefill_budget: int = 100,
+        timeout_s: float = 0.3,
+        handoff_timeout_s: float = 2.0,
     ) -> tuple[Scheduler, Ledger]:
-        ledger = Ledger(
-            REDIS_URL,
-            key_prefix=key_prefix,
+        replica = make_replica(
+            workers,
             replica_id=name,
-            secret=LEDGER_SECRET,
+            redis={"url": REDIS_URL},
+            # young_s = 2 x heartbeat + 1 = 5 s: a reservation counts as young through every test
+            registry={"key_prefix": key_prefix, "heartbeat_interval_s": 2.0},
             lease_s=60,
-            young_s=5.0,
-            snapshot_interval_s=SNAPSHOT_S,
-            ttl_s=TTL_S,
+            replica_sync_interval_s=SNAPSHOT_S,
+            ledger={"replica_ttl_s": TTL_S},
+            budget={"prefill_tokens_in_flight": prefill_budget},
+            queue={"timeout_s": timeout_s, "poll_interval_s": 0.02, "handoff_timeout_s": handoff_timeout_s},
         )
-        scheduler = Scheduler(
-            StaticView(workers),
-            create_policy("cache_aware"),
-            ReservationTable(lease_s=60, young_s=5.0),
-            budget=BudgetConfig(prefill_tokens_in_flight=prefill_budget),
-            ledger=ledger,
-            queue=QueueConfig(timeout_s=timeout_s, poll_interval_s=0.02),
-        )
+        scheduler, ledger = replica.scheduler, replica.ledger
+        assert ledger is not None
         ledger.start()
         made.append(ledger)
         return scheduler, ledger
@@ -307,9 +305,8 @@ async def test_a_handoff_for_a_request_that_no_longer_waits_is_refused_and_frees
 async def test_a_handoff_nobody_answers_gives_its_budget_back(replicas) -> None:  # type: ignore[no-untyped-def]
     """The waiter's replica died before answering: the placement's budget comes back after the
     hand-off timeout, not at the lease's end."""
-    a, ledger_a = replicas("a", timeout_s=3.0)
+    a, ledger_a = replicas("a", timeout_s=3.0, handoff_timeout_s=0.2)
     b, ledger_b = replicas("b", timeout_s=3.0)
-    a._room.config = dataclasses.replace(a._room.config, handoff_timeout_s=0.2)
     await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
     victim = await victim_waiting_on_b(a, ledger_a, b, ledger_b)
     ledger_b.on_change = None  # B stops answering (its process hangs, then dies)
@@ -324,9 +321,8 @@ async def test_a_handoff_nobody_answers_gives_its_budget_back(replicas) -> None:
 async def test_a_retry_placed_here_is_not_released_by_the_handoff_it_replaced(replicas) -> None:  # type: ignore[no-untyped-def]
     """B died with A's hand-off unanswered, and the gateway retried the request on A: A's new
     placement of it must outlive the hand-off's timeout."""
-    a, ledger_a = replicas("a", timeout_s=3.0)
+    a, ledger_a = replicas("a", timeout_s=3.0, handoff_timeout_s=0.2)
     b, ledger_b = replicas("b", timeout_s=3.0)
-    a._room.config = dataclasses.replace(a._room.config, handoff_timeout_s=0.2)
     await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
     victim = await victim_waiting_on_b(a, ledger_a, b, ledger_b)
     ledger_b.on_change = None  # B stops answering

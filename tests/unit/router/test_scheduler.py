@@ -7,11 +7,10 @@ import pytest
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord
 from tandem.router.metrics import NullRouterMetrics
-from tandem.router.policy import ScheduleRequest, create_policy
-from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import Scheduler
+from tandem.router.policy import ScheduleRequest
 from tandem.router.worker_view import CachedWorkerView
 from tests.kit.clock import FakeClock
+from tests.kit.router import make_scheduler
 from tests.kit.workers import FakeRegistry, make_pool, make_worker
 
 pytestmark = pytest.mark.asyncio
@@ -36,8 +35,8 @@ class Harness:
         self.registry = FakeRegistry(workers)
         self.metrics = RecordingMetrics()
         view = CachedWorkerView(self.registry, refresh_interval_s=0.0, max_stale_s=5.0, clock=self.clock)
-        self.scheduler = Scheduler(
-            view, create_policy(policy), ReservationTable(lease_s=lease_s, clock=self.clock), self.metrics
+        self.scheduler = make_scheduler(
+            view=view, metrics=self.metrics, clock=self.clock, policy=policy, lease_s=lease_s
         )
 
     async def schedule(self, request_id: str, model: str = "m", **kwargs: object):  # type: ignore[no-untyped-def]
@@ -195,7 +194,7 @@ async def test_a_model_missing_from_the_cached_list_is_read_for_before_it_is_ref
 
     clock, registry = FakeClock(), RawRegistry(make_pool(1, 1))
     view = CachedWorkerView(registry, refresh_interval_s=0.5, max_stale_s=5.0, clock=clock, refresh_in_background=True)
-    scheduler = Scheduler(view, create_policy("cache_aware"), ReservationTable(lease_s=60))
+    scheduler = make_scheduler(view=view, lease_s=60)
     await scheduler.schedule(ScheduleRequest(request_id="r1", model="m", num_prompt_tokens=10, max_tokens=4))
     new_workers = [make_worker("p-new", "prefill", model="new"), make_worker("d-new", "decode", model="new")]
     registry.workers = [*make_pool(1, 1), *new_workers]

@@ -30,21 +30,15 @@ from ray.serve.deployment import Application
 from ray.serve.grpc_util import RayServegRPCContext
 
 from tandem.common.errors import BackendUnavailableError, TandemError
-from tandem.common.registry import WorkerRecord, WorkerRegistry
+from tandem.common.registry import WorkerRecord
 from tandem.common.router_wire import METADATA_PRIORITY, status_for_error
-from tandem.router.budget import BudgetConfig
-from tandem.router.fair_share import TenantShares
 from tandem.router.gc_tuning import tune_gc
-from tandem.router.kv_index import KVIndex
-from tandem.router.kv_subscriber import KVEventSubscriber
-from tandem.router.ledger import Ledger
 from tandem.router.ledger_auth import check_secret_file, read_secret
 from tandem.router.metrics import RayRouterMetrics
-from tandem.router.policy import ScheduleRequest, create_policy
-from tandem.router.reservations import ReservationTable
-from tandem.router.scheduler import PlacementDecision, QueueConfig, Scheduler
+from tandem.router.policy import ScheduleRequest
+from tandem.router.replica import LedgerIdentity, build_replica
+from tandem.router.scheduler import PlacementDecision
 from tandem.router.settings import RouterConfig
-from tandem.router.worker_view import CachedWorkerView
 from tandem.v1 import router_pb2
 
 logger = logging.getLogger(__name__)
@@ -58,63 +52,20 @@ _STICKY_REQUEST_ROUTER = "ray.serve.experimental.consistent_hash_router.Consiste
 
 
 class RouterDeployment:
-    """One router replica: its own reservation table, policy state and registry cache."""
+    """One router replica (:func:`tandem.router.replica.build_replica`): its own reservation table,
+    policy state, registry cache, KV index and ledger."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = RouterConfig.model_validate(config)
         tune_gc(cfg.gc_young_threshold)
-        redis_url = cfg.redis.connection_url()  # the router's own Redis user (tandem.common.redis_acl)
-        self._registry = WorkerRegistry(redis_url, key_prefix=cfg.registry.key_prefix, ttl_s=cfg.registry.ttl_s)
-        view = CachedWorkerView(
-            self._registry,
-            refresh_interval_s=cfg.registry_refresh_interval_s,
-            max_stale_s=cfg.registry.ttl_s,
-            refresh_in_background=True,  # a Schedule never waits for the registry read (worker_view)
+        replica = build_replica(
+            cfg,
+            metrics=RayRouterMetrics(),
+            ledger=LedgerIdentity(replica_id=uuid.uuid4().hex[:12], secret=_ledger_secret(cfg)),
         )
-        q = cfg.queue
-        young_s = 2 * cfg.registry.heartbeat_interval_s + 1.0
-        metrics = RayRouterMetrics()
-        self._ledger = Ledger(
-            redis_url,
-            key_prefix=cfg.registry.key_prefix,
-            replica_id=uuid.uuid4().hex[:12],
-            secret=_ledger_secret(cfg),
-            max_replicas=cfg.ledger.max_replicas,
-            max_message_age_s=cfg.ledger.max_message_age_s,
-            metrics=metrics,
-            lease_s=cfg.lease_s,
-            young_s=young_s,
-            flush_interval_s=cfg.ledger.flush_interval_s,
-            snapshot_interval_s=cfg.replica_sync_interval_s,
-            ttl_s=cfg.ledger.replica_ttl_s,
-            shares=TenantShares(half_life_s=q.fair_share_half_life_s, weights=dict(q.tenant_weights)),
-        )
-        self._subscriber = KVEventSubscriber(
-            KVIndex(max_blocks_per_worker=cfg.kv_index.max_blocks_per_worker),
-            replay_timeout_s=cfg.kv_index.replay_timeout_s,
-            catch_up_interval_s=cfg.kv_index.catch_up_interval_s,
-        )
-        self._scheduler = Scheduler(
-            view,
-            create_policy(cfg.policy, cfg.weights),
-            ReservationTable(lease_s=cfg.lease_s, young_s=young_s),
-            metrics,
-            budget=BudgetConfig(cfg.budget.prefill_tokens_in_flight, cfg.budget.decode_kv_fraction),
-            subscriber=self._subscriber,
-            ledger=self._ledger,
-            queue=QueueConfig(
-                priority_classes=tuple(q.priority_classes),
-                default_priority=q.default_priority,
-                tenant_priorities=dict(q.tenant_priorities),
-                timeout_s=q.timeout_s,
-                poll_interval_s=q.poll_interval_s,
-                max_depth=q.max_depth,
-                tenant_weights=dict(q.tenant_weights),
-                fair_share_half_life_s=q.fair_share_half_life_s,
-                handoff_timeout_s=q.handoff_timeout_s,
-            ),
-            min_uncached_tokens_to_disaggregate=cfg.disaggregation.min_uncached_tokens,
-        )
+        assert replica.ledger is not None
+        self._ledger = replica.ledger
+        self._scheduler = replica.scheduler
         self._ticker: asyncio.Task[None] | None = None
         self._syncer: asyncio.Task[None] | None = None
 

@@ -8,7 +8,7 @@ age) and :meth:`HandOffs.place_for` to place it here: the placement is reserved 
 to the waiter's replica (:meth:`tandem.router.ledger.Ledger.handed_off`), which adopts it
 (:meth:`HandOffs.adopt`: the reservation moves there, the placer's copy ends in the same message)
 or refuses it when the request no longer waits. A placement never answered ends after
-``QueueConfig.handoff_timeout_s`` (:meth:`HandOffs.expire`).
+``QueueSettings.handoff_timeout_s`` (:meth:`HandOffs.expire`).
 
 On the wire (msgpack through the ledger): :class:`tandem.router.scheduler.Scheduler` publishes a
 waiting request through :meth:`tandem.router.ledger.Ledger.queued` with :func:`_encode_pending`; a

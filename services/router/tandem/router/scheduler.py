@@ -56,9 +56,10 @@ from tandem.router.placement import (
 )
 from tandem.router.policy import RoutingPolicy, ScheduleRequest
 from tandem.router.reservations import Reservation, ReservationTable
-from tandem.router.waiting import BudgetEpoch, QueueConfig, WaitingRoom
+from tandem.router.settings import QueueSettings
+from tandem.router.waiting import BudgetEpoch, WaitingRoom
 
-__all__ = ["PlacementDecision", "QueueConfig", "Scheduler"]
+__all__ = ["PlacementDecision", "Scheduler"]
 
 
 class Scheduler:
@@ -75,7 +76,7 @@ class Scheduler:
         index: KVIndex | None = None,
         subscriber: KVEventSubscriber | None = None,
         ledger: Ledger | None = None,
-        queue: QueueConfig | None = None,
+        queue: QueueSettings | None = None,
         min_uncached_tokens_to_disaggregate: int = 0,
     ) -> None:
         self._reservations = reservations
@@ -83,13 +84,13 @@ class Scheduler:
         budget = budget or BudgetConfig()
         self._index = index if index is not None else (subscriber.index if subscriber else KVIndex())
         self._ledger = ledger
-        queue_config = queue or QueueConfig()
+        queue_config = queue or QueueSettings()
         #: Every tenant's recent service in uncached prompt tokens: this replica's placements, plus the
         #: other replicas' through the ledger (which then shares this object).
         self._shares = (
             ledger.shares
             if ledger is not None
-            else TenantShares(half_life_s=queue_config.fair_share_half_life_s, weights=queue_config.tenant_weights)
+            else TenantShares(half_life_s=queue_config.fair_share_half_life_s, weights=dict(queue_config.tenant_weights))
         )
         self._epoch = BudgetEpoch(ledger)
         self.intake = WorkerIntake(view, budget, reservations, self._index, subscriber, ledger, self._epoch.bump)

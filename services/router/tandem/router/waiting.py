@@ -4,7 +4,7 @@
 worker with budget (or others wait before it), and :meth:`WaitingRoom.drain` whenever budget may
 have come free (a reservation ended or expired, a new worker list, another replica's ledger
 message). The request waits in the :class:`tandem.router.admission.AdmissionQueue` (priority, then
-the tenants' fair share) until budget frees up or ``QueueConfig.timeout_s`` passes (then
+the tenants' fair share) until budget frees up or ``QueueSettings.timeout_s`` passes (then
 NoCapacityError with a Retry-After). With several replicas the queue is the router's: a drain also
 places other replicas' waiters that go first (:mod:`tandem.router.handoff`, through the
 :class:`RemotePlacer` it is given), and each waiter is published on the ledger for them.
@@ -16,8 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from tandem.common.errors import NoCapacityError, TandemError
@@ -30,33 +30,13 @@ from tandem.router.ledger import Ledger, RemoteWaiter
 from tandem.router.metrics import RouterMetrics
 from tandem.router.placement import NO_CAPACITY_RETRY_AFTER_S, NoBudget, PendingRequest, PlacementDecision, Placer
 from tandem.router.policy import ScheduleRequest
+from tandem.router.settings import QueueSettings
 
 logger = logging.getLogger(__name__)
 
 #: Other replicas' waiters a drain tries and finds no budget for (or cannot place here) before it
 #: turns to this replica's own head alone: each try is a placement decision.
 MAX_REMOTE_MISSES = 4
-
-
-@dataclass(frozen=True)
-class QueueConfig:
-    #: Priority classes, highest first.
-    priority_classes: tuple[str, ...] = ("high", "normal", "low")
-    default_priority: str = "normal"
-    #: Tenant → priority class, for callers that do not send one.
-    tenant_priorities: Mapping[str, str] = field(default_factory=dict)
-    #: How long a request may wait for budget; must stay below the gateway's router timeout.
-    timeout_s: float = 5.0
-    #: How often a waiting request re-reads the budget (other replicas free budget too).
-    poll_interval_s: float = 0.05
-    max_depth: int = 10_000
-    #: Tenant → weight of its fair share (1 unless listed).
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)
-    #: Half-life of a tenant's service (uncached prompt tokens placed) in the fair-share order.
-    fair_share_half_life_s: float = 60.0
-    #: Longest a placement made for another replica's waiter holds its budget unanswered (that
-    #: replica adopts or refuses it within milliseconds; this covers a lost message or a dead replica).
-    handoff_timeout_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -99,7 +79,7 @@ class WaitingRoom:
 
     def __init__(
         self,
-        config: QueueConfig,
+        config: QueueSettings,
         placer: Placer,
         intake: WorkerIntake,
         shares: TenantShares,
