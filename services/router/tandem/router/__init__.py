@@ -8,9 +8,12 @@ gateway-side :mod:`tandem.common.router_client` needs only grpc.
 
 Request path inside the router::
 
-    deployment.RouterDeployment.Schedule      (Ray Serve replica, gRPC mapping)
-      └── scheduler.Scheduler.schedule         (pure logic, no Ray)
-            ├── worker_view.CachedWorkerView   (registry read through a short cache)
-            ├── policy.RoutingPolicy            (filter → score → pick, chosen by name)
-            └── reservations.ReservationTable   (in-flight leases, swept on expiry)
+    deployment.RouterDeployment.Schedule          (Ray Serve replica, gRPC mapping)
+      └── scheduler.Scheduler.schedule             (a façade, no Ray; built by replica.build_replica)
+            ├── intake.WorkerIntake                (worker_view.CachedWorkerView's list → fleet.FleetTable)
+            ├── placement.Placer                   (decide: KV index lookup, policy.RoutingPolicy's
+            │                                       filter → score → pick; commit: reservations.ReservationTable)
+            ├── waiting.WaitingRoom                (admission queue, its poller and drain)
+            ├── handoff.HandOffs                   (other replicas' waiters, through the ledger)
+            └── gauges.Gauges                      (per-worker and per-pool gauges)
 """
