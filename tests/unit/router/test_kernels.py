@@ -15,7 +15,7 @@ import pytest
 
 from tandem.common.registry import WorkerRecord
 from tandem.router import kernels
-from tandem.router.kernels import Budgets, WorkerNumbers
+from tandem.router.kernels import BUDGETS, WORKER_NUMBERS, Records
 from tandem.router.policy import CacheAwarePolicy, CacheAwareWeights, ScheduleRequest
 from tandem.router.pool import PoolArrays, request_key, worker_key
 
@@ -179,29 +179,24 @@ def test_the_compiled_pick_is_the_rendezvous_order() -> None:
         assert chosen == candidates[np.argmax(oracle_tie_order(pool.worker_keys[candidates], request_id))]
 
 
-def random_numbers(rng: np.random.Generator, n: int, num_slots: int) -> WorkerNumbers:
+def random_numbers(rng: np.random.Generator, n: int, num_slots: int) -> Records:
     def tokens() -> F64:
         return rng.choice([0.0, 100.0, 3000.0, 7000.0], n)
 
-    own, others = tokens(), tokens()
-    return WorkerNumbers(
-        capacity_tokens=rng.choice([0.0, 4096.0, 8192.0], n),
-        reported_tokens=tokens(),
-        kv_usage=rng.choice([0.0, 0.3, 1.0, 1.5], n),
-        num_kv_blocks=rng.choice([0.0, 100.0, 1000.0], n),
-        own_tokens=own,
-        own_young_tokens=own * rng.choice([0.0, 0.5, 1.0], n),
-        own_in_flight=rng.choice([0.0, 1.0, 4.0], n),
-        recent_tokens=rng.random(n) * 5000,
-        recent_at_s=rng.random(n) * 100,
-        others_tokens=others,
-        others_young_tokens=others * rng.choice([0.0, 1.0], n),
-        others_in_flight=rng.choice([0.0, 2.0], n),
-        others_recent_tokens=rng.random(n) * 5000,
-        others_recent_at_s=rng.random(n) * 100,
-        # the pool's workers sit at shuffled index slots, some not indexed (0)
-        index_slots=rng.permutation(num_slots)[:n].astype(np.int64),
-    )
+    w = np.zeros(n, WORKER_NUMBERS)
+    w["capacity_tokens"] = rng.choice([0.0, 4096.0, 8192.0], n)
+    w["reported_tokens"] = tokens()
+    w["kv_usage"] = rng.choice([0.0, 0.3, 1.0, 1.5], n)
+    w["num_kv_blocks"] = rng.choice([0.0, 100.0, 1000.0], n)
+    w["own_tokens"], w["others_tokens"] = tokens(), tokens()
+    w["own_young_tokens"] = w["own_tokens"] * rng.choice([0.0, 0.5, 1.0], n)
+    w["others_young_tokens"] = w["others_tokens"] * rng.choice([0.0, 1.0], n)
+    w["own_in_flight"], w["others_in_flight"] = rng.choice([0.0, 1.0, 4.0], n), rng.choice([0.0, 2.0], n)
+    w["recent_tokens"], w["others_recent_tokens"] = rng.random(n) * 5000, rng.random(n) * 5000
+    w["recent_at_s"], w["others_recent_at_s"] = rng.random(n) * 100, rng.random(n) * 100
+    # the pool's workers sit at shuffled index slots, some not indexed (0)
+    w["index_slot"] = rng.permutation(num_slots)[:n]
+    return w
 
 
 @pytest.mark.parametrize("decode", [False, True])
@@ -210,40 +205,38 @@ def test_the_compiled_budgets_are_the_numpy_formulas(decode: bool) -> None:
     n = 257
     w = random_numbers(rng, n, n + 11)
     blocks_by_slot = np.concatenate(([0], rng.choice([0, 50, 5000], n + 10))).astype(np.int64)
-    indexed = blocks_by_slot[w.index_slots].astype(np.float64)
+    indexed = blocks_by_slot[w["index_slot"]].astype(np.float64)
     now_s, half_life_s = 120.0, 30.0
     for has_indexed in (False, True) if not decode else (False,):
-        out = Budgets.empty(n)
-        kernels.budget_state(
-            decode, w, now_s, half_life_s, blocks_by_slot if has_indexed else np.zeros(0, np.int64), out
-        )
-        np.testing.assert_array_equal(out.num_in_flight, w.own_in_flight + w.others_in_flight)
+        out = np.empty(n, BUDGETS)
+        blocks = blocks_by_slot if has_indexed else np.zeros(0, np.int64)
+        kernels.budget_state(decode, w, now_s, half_life_s, blocks, out)
+        np.testing.assert_array_equal(out["num_in_flight"], w["own_in_flight"] + w["others_in_flight"])
         load = oracle_load_tokens(
             decode=decode,
-            own=w.own_tokens,
-            own_young=w.own_young_tokens,
-            others=w.others_tokens,
-            others_young=w.others_young_tokens,
-            reported=w.reported_tokens,
+            own=w["own_tokens"],
+            own_young=w["own_young_tokens"],
+            others=w["others_tokens"],
+            others_young=w["others_young_tokens"],
+            reported=w["reported_tokens"],
         )
-        np.testing.assert_array_equal(out.load_tokens, load)
-        recent = w.recent_tokens * np.exp2((w.recent_at_s - now_s) / half_life_s)
-        recent += w.others_recent_tokens * np.exp2((w.others_recent_at_s - now_s) / half_life_s)
-        np.testing.assert_allclose(out.recent_tokens, recent, rtol=1e-15)
-        fraction = oracle_load_fraction(w.capacity_tokens, load)
-        np.testing.assert_array_equal(out.load_fraction, fraction)
-        np.testing.assert_array_equal(
-            out.busy_fraction, oracle_load_fraction(w.capacity_tokens, load + out.recent_tokens)
-        )
+        np.testing.assert_array_equal(out["load_tokens"], load)
+        recent = w["recent_tokens"] * np.exp2((w["recent_at_s"] - now_s) / half_life_s)
+        recent += w["others_recent_tokens"] * np.exp2((w["others_recent_at_s"] - now_s) / half_life_s)
+        np.testing.assert_allclose(out["recent_tokens"], recent, rtol=1e-15)
+        fraction = oracle_load_fraction(w["capacity_tokens"], load)
+        np.testing.assert_array_equal(out["load_fraction"], fraction)
+        busy = oracle_load_fraction(w["capacity_tokens"], load + out["recent_tokens"])
+        np.testing.assert_array_equal(out["busy_fraction"], busy)
         fullness = oracle_kv_fullness(
             decode=decode,
             load_fraction=fraction,
-            kv_usage=w.kv_usage,
+            kv_usage=w["kv_usage"],
             num_indexed_blocks=indexed if has_indexed else None,
-            num_kv_blocks=w.num_kv_blocks,
+            num_kv_blocks=w["num_kv_blocks"],
         )
-        np.testing.assert_array_equal(out.kv_fullness, fullness)
-        assert 0 < fraction.mean() < 1 and (out.load_tokens > 0).any()  # the random numbers reach both sides
+        np.testing.assert_array_equal(out["kv_fullness"], fullness)
+        assert 0 < fraction.mean() < 1 and (out["load_tokens"] > 0).any()  # the random numbers reach both sides
 
 
 @pytest.mark.parametrize("decode", [False, True])

@@ -98,7 +98,7 @@ class BudgetView:
         self._others = others or NoOtherReplicas()
         # One decision asks about each worker several times: read the table once, memoize budgets.
         self._own_tokens, self._young_tokens = reservations.token_snapshot()
-        self._budgets: dict[str, tuple[F64, kernels.Budgets]] = {}
+        self._budgets: dict[str, tuple[F64, kernels.Records]] = {}
         #: Prompt tokens cached per worker for the request being placed.
         self.cached_tokens: Mapping[str, int] = cached_tokens or {}
         self._num_indexed_blocks = num_indexed_blocks
@@ -113,7 +113,7 @@ class BudgetView:
         """The worker's budget; 0 means unknown (no limit)."""
         return capacity_tokens(worker, self._config)
 
-    def budgets(self, decode: bool, workers: Sequence[WorkerRecord]) -> tuple[F64, kernels.Budgets]:
+    def budgets(self, decode: bool, workers: Sequence[WorkerRecord]) -> tuple[F64, kernels.Records]:
         """Capacities and budgets of ``workers`` (one role), in order."""
         n = len(workers)
 
@@ -122,39 +122,35 @@ class BudgetView:
 
         ids = [w.worker_id for w in workers]
         reservations, others = self._reservations, self._others
-        numbers = kernels.WorkerNumbers(
-            capacity_tokens=column(capacity_tokens(w, self._config) for w in workers),
-            reported_tokens=column(reported_tokens(w) for w in workers),
-            kv_usage=column(w.load.kv_usage for w in workers),
-            num_kv_blocks=column(w.num_kv_blocks for w in workers),
-            own_tokens=column(self._own_tokens.get(i, 0) for i in ids),
-            own_young_tokens=column(self._young_tokens.get(i, 0) for i in ids),
-            own_in_flight=column(reservations.num_in_flight(i) for i in ids),
-            # decayed to now already: at_s = now_s = 0 multiplies them by exactly 1
-            recent_tokens=column(reservations.recent_tokens(i) for i in ids),
-            recent_at_s=np.zeros(n),
-            others_tokens=column(others.others_tokens(i) for i in ids),
-            others_young_tokens=column(others.others_young_tokens(i) for i in ids),
-            others_in_flight=np.zeros(n),
-            others_recent_tokens=np.zeros(n),
-            others_recent_at_s=np.zeros(n),
-            index_slots=np.arange(n, dtype=np.int64),
-        )
+        numbers = np.zeros(n, kernels.WORKER_NUMBERS)
+        numbers["capacity_tokens"] = column(capacity_tokens(w, self._config) for w in workers)
+        numbers["reported_tokens"] = column(reported_tokens(w) for w in workers)
+        numbers["kv_usage"] = column(w.load.kv_usage for w in workers)
+        numbers["num_kv_blocks"] = column(w.num_kv_blocks for w in workers)
+        numbers["own_tokens"] = column(self._own_tokens.get(i, 0) for i in ids)
+        numbers["own_young_tokens"] = column(self._young_tokens.get(i, 0) for i in ids)
+        numbers["own_in_flight"] = column(reservations.num_in_flight(i) for i in ids)
+        # Decayed to now already: at_s = now_s = 0 multiplies them by exactly 1. (The others' recent
+        # tokens and requests are the fleet table's, not this view's.)
+        numbers["recent_tokens"] = column(reservations.recent_tokens(i) for i in ids)
+        numbers["others_tokens"] = column(others.others_tokens(i) for i in ids)
+        numbers["others_young_tokens"] = column(others.others_young_tokens(i) for i in ids)
+        numbers["index_slot"] = np.arange(n)
         indexed = _NO_INDEX
         if not decode and self._num_indexed_blocks is not None:
             indexed = np.fromiter(map(self._num_indexed_blocks, ids), np.int64, count=n)
-        out = kernels.Budgets.empty(n)
+        out = np.empty(n, kernels.BUDGETS)
         kernels.budget_state(decode, numbers, 0.0, 1.0, indexed, out)
-        return numbers.capacity_tokens, out
+        return numbers["capacity_tokens"], out
 
-    def _one(self, worker: WorkerRecord) -> tuple[F64, kernels.Budgets]:
+    def _one(self, worker: WorkerRecord) -> tuple[F64, kernels.Records]:
         found = self._budgets.get(worker.worker_id)
         if found is None:
             found = self._budgets[worker.worker_id] = self.budgets(worker.role == ROLE_DECODE, [worker])
         return found
 
     def load_tokens(self, worker: WorkerRecord) -> int:
-        return int(self._one(worker)[1].load_tokens[0])
+        return int(self._one(worker)[1]["load_tokens"][0])
 
     def need_tokens(self, worker: WorkerRecord, num_prompt_tokens: int, max_tokens: int) -> int:
         """Tokens the request would hold on ``worker``."""
@@ -167,16 +163,16 @@ class BudgetView:
         capacity, budgets = self._one(worker)
         ok = np.empty(1, np.bool_)
         # As a decode need (the prompt plus nothing): num_tokens exactly, whatever the role.
-        kernels.eligible(True, float(num_tokens), 0.0, capacity, budgets.load_tokens, np.zeros(1), _NO_INDEX, ok)
+        kernels.eligible(True, float(num_tokens), 0.0, capacity, budgets["load_tokens"], np.zeros(1), _NO_INDEX, ok)
         return bool(ok[0])
 
     def load_fraction(self, worker: WorkerRecord) -> float:
-        return float(self._one(worker)[1].load_fraction[0])
+        return float(self._one(worker)[1]["load_fraction"][0])
 
     def busy_fraction(self, worker: WorkerRecord) -> float:
-        """See :attr:`tandem.router.kernels.Budgets.busy_fraction`."""
-        return float(self._one(worker)[1].busy_fraction[0])
+        """See :data:`tandem.router.kernels.BUDGETS`."""
+        return float(self._one(worker)[1]["busy_fraction"][0])
 
     def kv_fullness(self, worker: WorkerRecord) -> float:
-        """See :attr:`tandem.router.kernels.Budgets.kv_fullness`."""
-        return float(self._one(worker)[1].kv_fullness[0])
+        """See :data:`tandem.router.kernels.BUDGETS`."""
+        return float(self._one(worker)[1]["kv_fullness"][0])

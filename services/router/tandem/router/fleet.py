@@ -12,7 +12,7 @@ call per worker (the profile at 1,000 workers: 14.6 ms per decision, 87 % of it 
 compiled call per pool. Pure data, no I/O.
 
 Layout: one :class:`_Pool` per (role, model), workers in id order; per worker its
-:class:`~tandem.router.kernels.WorkerNumbers`: the registry's numbers (capacity, reported load, KV
+:data:`~tandem.router.kernels.WORKER_NUMBERS` record: the registry's numbers (capacity, reported load, KV
 usage), this replica's reservations (tokens, the young part, requests, recently placed tokens) and
 the other replicas' (the same, from :mod:`tandem.router.ledger`). Workers are grouped by how their
 engine hashes prompt blocks, so a request is looked up in the KV index once per hashing
@@ -33,7 +33,7 @@ from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
 from tandem.router import budget as formulas
 from tandem.router import kernels
 from tandem.router.budget import BudgetConfig
-from tandem.router.kernels import Budgets, WorkerNumbers
+from tandem.router.kernels import BUDGETS, WORKER_NUMBERS, Records
 from tandem.router.pool import F64, PoolArrays, worker_key
 from tandem.router.reservations import ReservationTable
 
@@ -87,8 +87,9 @@ class _Pool:
     role: str
     workers: list[WorkerRecord]
     positions: dict[str, int]
-    #: What the budget kernel reads, updated in place for the workers a change touches.
-    numbers: WorkerNumbers
+    #: What the budget kernel reads (:data:`~tandem.router.kernels.WORKER_NUMBERS` records), updated
+    #: in place for the workers a change touches.
+    numbers: Records
     num_reported_requests: F64
     worker_keys: npt.NDArray[np.uint64]
     #: Per hashing configuration, the positions of the workers that hash that way.
@@ -101,23 +102,11 @@ class _Pool:
         def column(values: Iterable[float]) -> F64:
             return np.fromiter(values, dtype=np.float64, count=n)
 
-        numbers = WorkerNumbers(
-            capacity_tokens=column(formulas.capacity_tokens(w, config) for w in workers),
-            reported_tokens=column(formulas.reported_tokens(w) for w in workers),
-            kv_usage=column(w.load.kv_usage for w in workers),
-            num_kv_blocks=column(w.num_kv_blocks for w in workers),
-            own_tokens=np.zeros(n),
-            own_young_tokens=np.zeros(n),
-            own_in_flight=np.zeros(n),
-            recent_tokens=np.zeros(n),
-            recent_at_s=np.zeros(n),
-            others_tokens=np.zeros(n),
-            others_young_tokens=np.zeros(n),
-            others_in_flight=np.zeros(n),
-            others_recent_tokens=np.zeros(n),
-            others_recent_at_s=np.zeros(n),
-            index_slots=np.zeros(n, np.int64),
-        )
+        numbers = np.zeros(n, WORKER_NUMBERS)
+        numbers["capacity_tokens"] = column(formulas.capacity_tokens(w, config) for w in workers)
+        numbers["reported_tokens"] = column(formulas.reported_tokens(w) for w in workers)
+        numbers["kv_usage"] = column(w.load.kv_usage for w in workers)
+        numbers["num_kv_blocks"] = column(w.num_kv_blocks for w in workers)
         return cls(
             role=role,
             workers=workers,
@@ -252,10 +241,10 @@ class FleetTable:
             new = workers[position]
             pool, i = self._where[new.worker_id]
             pool.workers[i] = new
-            numbers = pool.numbers
-            numbers.capacity_tokens[i] = formulas.capacity_tokens(new, self.config)
-            numbers.reported_tokens[i] = formulas.reported_tokens(new)
-            numbers.kv_usage[i] = new.load.kv_usage
+            numbers = pool.numbers[i]
+            numbers["capacity_tokens"] = formulas.capacity_tokens(new, self.config)
+            numbers["reported_tokens"] = formulas.reported_tokens(new)
+            numbers["kv_usage"] = new.load.kv_usage
             pool.num_reported_requests[i] = new.load.num_running_requests + new.load.num_waiting_requests
 
     def refresh_own(self, worker_ids: Iterable[str], reservations: ReservationTable) -> None:
@@ -266,11 +255,11 @@ class FleetTable:
             if where is None:
                 continue  # not registered (any more)
             pool, i = where
-            numbers = pool.numbers
-            numbers.own_tokens[i] = tokens.get(worker_id, 0)
-            numbers.own_young_tokens[i] = young.get(worker_id, 0)
-            numbers.own_in_flight[i] = reservations.num_in_flight(worker_id)
-            numbers.recent_tokens[i], numbers.recent_at_s[i] = reservations.recent_tokens_at(worker_id)
+            numbers = pool.numbers[i]
+            numbers["own_tokens"] = tokens.get(worker_id, 0)
+            numbers["own_young_tokens"] = young.get(worker_id, 0)
+            numbers["own_in_flight"] = reservations.num_in_flight(worker_id)
+            numbers["recent_tokens"], numbers["recent_at_s"] = reservations.recent_tokens_at(worker_id)
 
     def refresh_others(self, worker_ids: Iterable[str], others: OtherReplicaLoads) -> None:
         """Re-read the other replicas' holds on ``worker_ids``."""
@@ -279,11 +268,11 @@ class FleetTable:
             if where is None:
                 continue
             pool, i = where
-            numbers = pool.numbers
-            numbers.others_tokens[i] = others.others_tokens(worker_id)
-            numbers.others_young_tokens[i] = others.others_young_tokens(worker_id)
-            numbers.others_in_flight[i] = others.others_in_flight(worker_id)
-            numbers.others_recent_tokens[i], numbers.others_recent_at_s[i] = others.others_recent_tokens_at(worker_id)
+            numbers = pool.numbers[i]
+            numbers["others_tokens"] = others.others_tokens(worker_id)
+            numbers["others_young_tokens"] = others.others_young_tokens(worker_id)
+            numbers["others_in_flight"] = others.others_in_flight(worker_id)
+            numbers["others_recent_tokens"], numbers["others_recent_at_s"] = others.others_recent_tokens_at(worker_id)
 
     def sync_index_slots(self, index: IndexSlots) -> None:
         """Read each worker's KV-index slot again when the index gave or took any."""
@@ -291,8 +280,9 @@ class FleetTable:
             return
         self._index_version = index.slots_version
         for pool in self.pools.values():
-            slots = np.fromiter((index.slot_of(w.worker_id) for w in pool.workers), np.int64, len(pool.workers))
-            pool.numbers = pool.numbers._replace(index_slots=slots)
+            pool.numbers["index_slot"] = np.fromiter(
+                (index.slot_of(w.worker_id) for w in pool.workers), np.int64, len(pool.workers)
+            )
 
     # -- one decision -------------------------------------------------------------------------
 
@@ -313,12 +303,12 @@ class FleetTable:
         indexed = _NO_INDEX
         if role != ROLE_DECODE and index is not None:
             indexed = index.num_blocks_by_slot()
-        budgets = Budgets.empty(len(pool.workers))
+        budgets = np.empty(len(pool.workers), BUDGETS)
         kernels.budget_state(role == ROLE_DECODE, pool.numbers, now_s, self.recent_half_life_s, indexed, budgets)
         return PoolArrays.of_budgets(
             role,
             pool.workers,
-            pool.numbers.capacity_tokens,
+            pool.numbers["capacity_tokens"],
             budgets,
             pool.num_reported_requests,
             self._cached(pool, cached),
@@ -336,7 +326,7 @@ class FleetTable:
                 positions = pool.positions_by_config.get(config)
                 if positions is not None and positions.size:
                     kernels.credit_cached(
-                        out, positions, pool.numbers.index_slots, blocks_by_slot, config[0], max_tokens
+                        out, positions, pool.numbers["index_slot"], blocks_by_slot, config[0], max_tokens
                     )
         elif cached:
             for worker_id, num_tokens in cached.items():

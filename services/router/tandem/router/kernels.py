@@ -2,44 +2,46 @@
 weighted score and the pick.
 
 Who calls what: :meth:`tandem.router.fleet.FleetTable.arrays` and
-:meth:`tandem.router.pool.PoolArrays.from_view` turn a pool's :class:`WorkerNumbers` into its
-:class:`Budgets` (:func:`budget_state`); :meth:`tandem.router.policy.RoutingPolicy.choose_in`
+:meth:`tandem.router.pool.PoolArrays.from_view` turn a pool's :data:`WORKER_NUMBERS` into its
+:data:`BUDGETS` (:func:`budget_state`); :meth:`tandem.router.policy.RoutingPolicy.choose_in`
 filters with :func:`eligible` and picks with :func:`pick`; :class:`tandem.router.policy.CacheAwarePolicy`
 adds its scorers' rows up with :func:`weighted_scores` (the scorers themselves are plain numpy, one
 class each: :mod:`tandem.router.scorers`); :func:`credit_cached` reads the KV index's match into
-prompt tokens per worker. They call nothing. Each takes its per-worker arrays grouped in a
-``NamedTuple`` whose numba type is derived from its fields, so a new column is one field (and one
-line where :mod:`tandem.router.fleet` keeps it), not a position in a signature string.
+prompt tokens per worker. They call nothing. A pool's numbers go in and its budgets come out as
+numpy record arrays (:data:`WORKER_NUMBERS`, :data:`BUDGETS`), one record per worker, read and written
+by field name in the kernel, so a new column is one field of a dtype (and one line where
+:mod:`tandem.router.fleet` keeps it), not a position in a signature string.
 
 Why compiled, and why only compiled (issue 39, 2026-12-06). Until then the budget and score formulas
 existed twice: numpy expressions in ``budget.py``/``policy.py`` and the same arithmetic again in a
 numba kernel with 17 positional arguments. The numpy versions now live in
 ``tests/unit/router/test_kernels.py`` as the oracle the kernels are compared with, bit for bit, on
-random pools. The figures behind keeping the compiler (one pool's share of a decision: 5,000 calls
-of each path on random pools of 750 prefill and 250 decode workers, p50, a shared 2-core host):
+random pools. The figures behind keeping the compiler, one pool's share of a decision (20,000
+calls on a fleet table of 250 decode and 750 prefill workers with 300 reservations, p50 in us, one
+run of each on a shared 2-core host; a decision takes both pools):
 
-============================  ==================  ==================  ====================
-per pool, 750 prefill / 250    numpy (the oracle)  17-argument kernel  these kernels
-decode workers                                     (before)            (filter, scorers,
-                                                                       pick apart)
-============================  ==================  ==================  ====================
-budget state                   19.3 / 24.5 us      9.7 / 5.5 us        15.8 / 9.7 us [1]_
-filter, scores, pick           36.7 / 30.4 us      8.4 / 5.5 us        15.5 / 12.3 us
-============================  ==================  ==================  ====================
+=====================================  ===============  ===============
+                                       decode (250)     prefill (750)
+=====================================  ===============  ===============
+numpy filter, scores, pick (oracle)    30.8             36.2
+the fused 17-argument kernel (before)  5.9              8.4
+filter, scorer classes, pick (now)     11.2             14.7
+budget state, 24 arguments (before)    6.9              13.7
+budget state, records (now)            6.6              14.3
+=====================================  ===============  ===============
 
-.. [1] With the ``NamedTuple`` built and the outputs allocated in the timed loop; the fleet table
-   keeps its ``WorkerNumbers`` and only allocates the outputs.
+The numpy budget state measured 19-25 us per pool the same way. Numpy throughout would cost ~80 us
+more per decision at p50, and more at p99 (~60 numpy calls per pool, each paying numpy's fixed cost
+and each a point where the busy host preempts): the decision CPU p99 was 0.55 ms against the issue's
+1 ms target, and the arrival p99 (1.30 ms, decisions queueing behind each other) grows with every
+microsecond a decision holds the event loop. Splitting the fused kernel into a filter, plug-in
+scorers (plain numpy, so that adding one needs no numba) and a pick costs ~11 us per decision; the
+records cost nothing over positional arrays (a ``NamedTuple`` of 15 arrays did: numba types it in
+Python at every call, +3 us).
 
-Numpy throughout costs ~80 us more per decision (two pools) at p50 and far more at p99 (its ~60
-calls each pay numpy's fixed cost, and each is a point where the busy host can preempt): the
-decision's CPU p99 was 0.55 ms with the 17-argument kernel against the issue's 1 ms target, and the
-arrival p99 (1.30 ms, same-millisecond decisions queueing behind each other) grows with every
-microsecond a decision holds the event loop. The plug-in scorers cost ~7 us per pool over the fused
-kernel (each is a numpy expression, so that adding one needs no numba).
-
-A decision is ~1 ms of router CPU under a TTFT of hundreds of milliseconds, so these microseconds
-matter to a user only through the router's throughput and its queueing at bursts (the arrival p99
-above); that, and the issue's ≤ 1 ms decision target, are what the compiler is kept for.
+A decision is ~0.1-0.5 ms of router CPU under a TTFT of hundreds of milliseconds, so these
+microseconds matter to a user only through the router's throughput and its queueing at bursts (the
+arrival p99 above); that, and the issue's ≤ 1 ms decision target, are what the compiler is kept for.
 
 Compiled by numba when this module is imported (explicit signatures: nothing compiles during a
 Schedule), and cached on disk beside the module where that is writable (numba's own fallback:
@@ -50,8 +52,9 @@ no writable place at all they are compiled at every start (~1 s), not cached.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
+import numba
 import numpy as np
 import numpy.typing as npt
 from numba import njit, types
@@ -75,81 +78,72 @@ def _compiled(signature: Any) -> Callable[[_F], _F]:
     return decorate
 
 
-_NUMBA_ARRAYS = {"F64": types.float64[::1], "I64": types.int64[::1], "U64": types.uint64[::1]}
+#: Per worker of one pool, one record: what its budget is computed from, the registry's numbers,
+#: this replica's reservations and the other replicas' (:mod:`tandem.router.ledger`).
+#: :class:`tandem.router.fleet.FleetTable` keeps a pool's records in step in place
+#: (``numbers["own_tokens"][i] = ...``). A new column is one more field here.
+WORKER_NUMBERS = np.dtype(
+    [
+        # The worker's budget (tandem.router.budget.capacity_tokens); 0: unknown, no limit.
+        ("capacity_tokens", np.float64),
+        # What the worker reported in flight at its last heartbeat, in its budget's unit.
+        ("reported_tokens", np.float64),
+        # Share of its KV cache the engine reported in use, and the cache's size.
+        ("kv_usage", np.float64),
+        ("num_kv_blocks", np.float64),
+        # This replica's reservations: budget tokens, the part too young for a report to show, requests.
+        ("own_tokens", np.float64),
+        ("own_young_tokens", np.float64),
+        ("own_in_flight", np.float64),
+        # Budget tokens this replica placed lately, decayed as of recent_at_s.
+        ("recent_tokens", np.float64),
+        ("recent_at_s", np.float64),
+        # The same, of the other live replicas.
+        ("others_tokens", np.float64),
+        ("others_young_tokens", np.float64),
+        ("others_in_flight", np.float64),
+        ("others_recent_tokens", np.float64),
+        ("others_recent_at_s", np.float64),
+        # The worker's slot in the KV index (0: none), where its block count is read.
+        ("index_slot", np.int64),
+    ]
+)
 
+#: Per worker, one record: what a decision reads of its budget (:func:`budget_state`'s output).
+BUDGETS = np.dtype(
+    [
+        # Budget tokens in use: reservations, old ones capped by the worker's report (decode: a report
+        # above them counts in full).
+        ("load_tokens", np.float64),
+        # Share of the budget in use, in [0, 1] (0 where the capacity is unknown).
+        ("load_fraction", np.float64),
+        # Tokens placed lately (this replica's and the others'), decayed to now.
+        ("recent_tokens", np.float64),
+        # Share of the budget in use or placed lately, in [0, 1]: between requests nothing is in
+        # flight, and this still tells a worker that just computed a long prompt from one that sat idle.
+        ("busy_fraction", np.float64),
+        # How full the KV cache is, in [0, 1]: decode from its reservations and report, prefill from
+        # the blocks the KV index counts (its report where the index has none).
+        ("kv_fullness", np.float64),
+        # Requests in flight: this replica's and the others'.
+        ("num_in_flight", np.float64),
+    ]
+)
 
-def _numba_type(columns: type[tuple[Any, ...]]) -> types.BaseNamedTuple:
-    """The numba type of a NamedTuple of C-contiguous arrays, read from its annotations (as
-    ``numba.typeof`` types an instance: uniform when every field has the same type)."""
-    names = [str(getattr(a, "__forward_arg__", a)) for a in columns.__annotations__.values()]  # "F64", ...
-    fields = [_NUMBA_ARRAYS[name] for name in names]
-    if len(set(fields)) == 1:
-        return types.NamedUniTuple(fields[0], len(fields), columns)
-    return types.NamedTuple(fields, columns)
+#: Arrays of :data:`WORKER_NUMBERS` and :data:`BUDGETS` records.
+Records = npt.NDArray[np.void]
 
-
-class WorkerNumbers(NamedTuple):
-    """Per worker of one pool, what its budget is computed from: the registry's numbers, this
-    replica's reservations and the other replicas' (:mod:`tandem.router.ledger`). One array each,
-    one entry per worker; :class:`tandem.router.fleet.FleetTable` keeps them in step in place."""
-
-    #: The worker's budget (:func:`tandem.router.budget.capacity_tokens`); 0: unknown, no limit.
-    capacity_tokens: F64
-    #: What the worker reported in flight at its last heartbeat, in its budget's unit.
-    reported_tokens: F64
-    #: Share of its KV cache the engine reported in use.
-    kv_usage: F64
-    num_kv_blocks: F64
-    #: This replica's reservations: budget tokens, the part too young for a report to show, requests.
-    own_tokens: F64
-    own_young_tokens: F64
-    own_in_flight: F64
-    #: Budget tokens this replica placed lately, decayed as of ``recent_at_s``.
-    recent_tokens: F64
-    recent_at_s: F64
-    #: The same, of the other live replicas.
-    others_tokens: F64
-    others_young_tokens: F64
-    others_in_flight: F64
-    others_recent_tokens: F64
-    others_recent_at_s: F64
-    #: The worker's slot in the KV index (0: none), where its block count is read.
-    index_slots: I64
-
-
-class Budgets(NamedTuple):
-    """Per worker, what a decision reads of its budget (:func:`budget_state`'s output)."""
-
-    #: Budget tokens in use: reservations, old ones capped by the worker's report (decode: a report
-    #: above them counts in full).
-    load_tokens: F64
-    #: Share of the budget in use, in [0, 1] (0 where the capacity is unknown).
-    load_fraction: F64
-    #: Tokens placed lately (this replica's and the others'), decayed to now.
-    recent_tokens: F64
-    #: Share of the budget in use or placed lately, in [0, 1]: between requests nothing is in flight,
-    #: and this still tells a worker that just computed a long prompt from one that sat idle.
-    busy_fraction: F64
-    #: How full the KV cache is, in [0, 1]: decode from its reservations and report, prefill from the
-    #: blocks the KV index counts (its report where the index has none).
-    kv_fullness: F64
-    #: Requests in flight: this replica's and the others'.
-    num_in_flight: F64
-
-    @classmethod
-    def empty(cls, n: int) -> Budgets:
-        return cls(*(np.empty(n) for _ in cls._fields))
-
-
-_WORKER_NUMBERS = _numba_type(WorkerNumbers)
-_BUDGETS = _numba_type(Budgets)
+_WORKER_NUMBERS = numba.from_dtype(WORKER_NUMBERS)[::1]
+_BUDGETS = numba.from_dtype(BUDGETS)[::1]
+#: A pool's column: contiguous, or a field of a record array (strided).
+_COLUMN = types.float64[:]
 
 
 @_compiled(types.void(types.boolean, _WORKER_NUMBERS, types.float64, types.float64, types.int64[::1], _BUDGETS))
 def budget_state(
-    decode: bool, w: WorkerNumbers, now_s: float, half_life_s: float, num_blocks_by_slot: I64, out: Budgets
+    decode: bool, numbers: Records, now_s: float, half_life_s: float, num_blocks_by_slot: I64, out: Records
 ) -> None:
-    """``out`` for every worker of ``w``. ``num_blocks_by_slot``: the KV index's blocks per slot
+    """``out[i]`` for every worker's ``numbers[i]``. ``num_blocks_by_slot``: the KV index's blocks per slot
     (prefill pools), empty when unknown.
 
     Reservations older than a heartbeat should appear in the worker's report, so where it reports
@@ -157,41 +151,34 @@ def budget_state(
     counted; on decode a report above the reservations (requests of a replica that died) counts in
     full. Prefill reports prompt tokens, cached ones included, so there the report is only a cap."""
     has_indexed = num_blocks_by_slot.shape[0] > 0
-    for i in range(w.capacity_tokens.shape[0]):
-        out.num_in_flight[i] = w.own_in_flight[i] + w.others_in_flight[i]
-        young = w.own_young_tokens[i] + w.others_young_tokens[i]
-        old = w.own_tokens[i] + w.others_tokens[i] - young
-        reported = w.reported_tokens[i]
+    for i in range(numbers.shape[0]):
+        w, o = numbers[i], out[i]
+        o.num_in_flight = w.own_in_flight + w.others_in_flight
+        young = w.own_young_tokens + w.others_young_tokens
+        old = w.own_tokens + w.others_tokens - young
+        reported = w.reported_tokens
         capped = young + min(old, reported)
         load = max(capped, reported) if decode else capped
-        out.load_tokens[i] = load
-        recent = w.recent_tokens[i] * np.exp2((w.recent_at_s[i] - now_s) / half_life_s) + w.others_recent_tokens[
-            i
-        ] * np.exp2((w.others_recent_at_s[i] - now_s) / half_life_s)
-        out.recent_tokens[i] = recent
-        capacity = w.capacity_tokens[i]
+        o.load_tokens = load
+        recent = w.recent_tokens * np.exp2((w.recent_at_s - now_s) / half_life_s) + w.others_recent_tokens * np.exp2(
+            (w.others_recent_at_s - now_s) / half_life_s
+        )
+        o.recent_tokens = recent
+        capacity = w.capacity_tokens
         fraction = min(load / capacity, 1.0) if capacity > 0 else 0.0
-        out.load_fraction[i] = fraction
-        out.busy_fraction[i] = min((load + recent) / capacity, 1.0) if capacity > 0 else 0.0
+        o.load_fraction = fraction
+        o.busy_fraction = min((load + recent) / capacity, 1.0) if capacity > 0 else 0.0
         if decode:
-            out.kv_fullness[i] = min(1.0, max(fraction, w.kv_usage[i]))
-        elif has_indexed and w.num_kv_blocks[i] > 0:
-            indexed = np.float64(num_blocks_by_slot[w.index_slots[i]])
-            out.kv_fullness[i] = min(1.0, indexed / w.num_kv_blocks[i])
+            o.kv_fullness = min(1.0, max(fraction, w.kv_usage))
+        elif has_indexed and w.num_kv_blocks > 0:
+            o.kv_fullness = min(1.0, np.float64(num_blocks_by_slot[w.index_slot]) / w.num_kv_blocks)
         else:
-            out.kv_fullness[i] = min(1.0, max(0.0, w.kv_usage[i]))
+            o.kv_fullness = min(1.0, max(0.0, w.kv_usage))
 
 
 @_compiled(
     types.void(
-        types.boolean,
-        types.float64,
-        types.float64,
-        types.float64[::1],
-        types.float64[::1],
-        types.float64[::1],
-        types.int64[::1],
-        types.boolean[::1],
+        types.boolean, types.float64, types.float64, _COLUMN, _COLUMN, _COLUMN, types.int64[::1], types.boolean[::1]
     )
 )
 def eligible(
@@ -216,7 +203,7 @@ def eligible(
         out[excluded[j]] = False
 
 
-@_compiled(types.void(types.float64[:, ::1], types.float64[::1], types.float64[::1], types.float64, types.float64[::1]))
+@_compiled(types.void(types.float64[:, ::1], types.float64[::1], _COLUMN, types.float64, types.float64[::1]))
 def weighted_scores(scores: F64, weights: F64, num_in_flight: F64, tiebreak: float, out: F64) -> None:
     """Per worker (a column of ``scores``, one row per scorer), the scorers' weighted mean (1 when
     every weight is 0), with a ``tiebreak`` share given to fewer requests in flight, into ``out``.
@@ -224,14 +211,20 @@ def weighted_scores(scores: F64, weights: F64, num_in_flight: F64, tiebreak: flo
     total = 0.0
     for k in range(weights.shape[0]):
         total += weights[k]
-    for i in range(out.shape[0]):
-        weighted = 1.0
-        if total > 0:
-            acc = 0.0
-            for k in range(weights.shape[0]):
-                acc += weights[k] * scores[k, i]
-            weighted = acc / total
-        out[i] = (1.0 - tiebreak) * weighted + tiebreak * (1.0 / (1.0 + num_in_flight[i]))
+    n = out.shape[0]
+    if total > 0:
+        # Row by row (contiguous), each worker's sum still built in scorer order: 0 + w0 s0 + w1 s1 ...
+        out[:] = 0.0
+        for k in range(weights.shape[0]):
+            w = weights[k]
+            for i in range(n):
+                out[i] += w * scores[k, i]
+        for i in range(n):
+            out[i] /= total
+    else:
+        out[:] = 1.0
+    for i in range(n):
+        out[i] = (1.0 - tiebreak) * out[i] + tiebreak * (1.0 / (1.0 + num_in_flight[i]))
 
 
 # The rendezvous rank: mixed = (worker key ^ request key) * _MIX, rank = mixed ^ (mixed >> 29).
@@ -267,7 +260,7 @@ def pick(ok: npt.NDArray[np.bool_], scores: F64, tolerance: float, worker_keys: 
 # -- the KV index's match (tandem.router.kv_index) ---------------------------------------------
 
 
-@_compiled("void(f8[::1], i8[::1], i8[::1], i8[::1], f8, f8)")
+@_compiled("void(f8[::1], i8[::1], i8[:], i8[::1], f8, f8)")
 def credit_cached(
     out: F64,
     positions: I64,

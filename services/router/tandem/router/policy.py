@@ -81,6 +81,10 @@ class LoadView(Protocol):
         ...
 
 
+#: A request that avoids no worker.
+_NO_EXCLUSIONS: npt.NDArray[np.int64] = np.zeros(0, np.int64)
+
+
 @dataclass(frozen=True)
 class ScoredWorker:
     """A candidate and its score in [0, 1] (higher is better)."""
@@ -111,16 +115,19 @@ class RoutingPolicy(ABC):
     def choose_in(self, request: ScheduleRequest, pool: PoolArrays) -> ScoredWorker | None:
         """The worker of ``pool`` for ``request``, or None when none passes the filter."""
         ok = self.eligible(request, pool)
-        if not ok.any():
-            return None
         scores = self.scores(request, pool)
         i = self.pick(request, pool, scores, ok)
+        if i < 0:
+            return None
         return ScoredWorker(pool.workers[i], float(scores[i]), i)
 
     def eligible(self, request: ScheduleRequest, pool: PoolArrays) -> npt.NDArray[np.bool_]:
         """Workers that may take ``request`` at all: not excluded, and token budget left (the pool
         holds the right role and model already)."""
-        excluded = np.fromiter((i for i in map(pool.position, request.exclude_worker_ids) if i is not None), np.int64)
+        excluded = _NO_EXCLUSIONS
+        if request.exclude_worker_ids:
+            positions = (pool.position(worker_id) for worker_id in request.exclude_worker_ids)
+            excluded = np.fromiter((i for i in positions if i is not None), np.int64)
         ok = np.empty(len(pool), np.bool_)
         kernels.eligible(
             pool.is_decode,
@@ -146,8 +153,8 @@ class RoutingPolicy(ABC):
         return self.tie_tolerance
 
     def pick(self, request: ScheduleRequest, pool: PoolArrays, scores: F64, ok: npt.NDArray[np.bool_]) -> int:
-        """The best-scored of the ``ok`` workers; a tie (within :meth:`tolerance`) goes to the highest
-        rendezvous hash of the request and worker ids, the same in every replica."""
+        """The best-scored of the ``ok`` workers (-1: none); a tie (within :meth:`tolerance`) goes to
+        the highest rendezvous hash of the request and worker ids, the same in every replica."""
         key = np.uint64(request_key(request.request_id))
         return int(kernels.pick(ok, scores, self.tolerance(request, pool), pool.worker_keys, key))
 
@@ -210,6 +217,8 @@ class RoundRobinPolicy(RoutingPolicy):
 
     def pick(self, request: ScheduleRequest, pool: PoolArrays, scores: F64, ok: npt.NDArray[np.bool_]) -> int:
         ordered = sorted((int(i) for i in np.flatnonzero(ok)), key=lambda i: pool.workers[i].worker_id)
+        if not ordered:
+            return -1
         num_picks = self._num_picks_by_role.get(pool.role, 0)
         self._num_picks_by_role[pool.role] = num_picks + 1
         return ordered[num_picks % len(ordered)]

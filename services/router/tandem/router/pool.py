@@ -21,7 +21,7 @@ import numpy.typing as npt
 
 from tandem.common.registry import ROLE_DECODE, WorkerRecord
 from tandem.router.budget import BudgetView
-from tandem.router.kernels import Budgets
+from tandem.router.kernels import Records
 
 F64 = npt.NDArray[np.float64]
 U64 = npt.NDArray[np.uint64]
@@ -46,7 +46,8 @@ def request_key(request_id: str) -> int:
 
 @dataclass
 class PoolArrays:
-    """Workers of one role (and model) with, per worker, what a decision reads. Arrays are float64."""
+    """Workers of one role (and model) with, per worker, what a decision reads. Arrays are float64,
+    contiguous or (from the kernels' records) strided."""
 
     role: str
     workers: Sequence[WorkerRecord]
@@ -57,7 +58,7 @@ class PoolArrays:
     capacity_tokens: F64
     load_tokens: F64
     recent_tokens: F64
-    #: See :class:`tandem.router.kernels.Budgets`.
+    #: See :data:`tandem.router.kernels.BUDGETS`.
     busy_fraction: F64
     kv_fullness: F64
     #: Requests in flight on the worker: this replica's, plus the other replicas' where known.
@@ -90,23 +91,24 @@ class PoolArrays:
         role: str,
         workers: Sequence[WorkerRecord],
         capacity_tokens: F64,
-        budgets: Budgets,
+        budgets: Records,
         num_reported_requests: F64,
         cached_tokens: F64,
         worker_keys: U64,
         positions: Mapping[str, int],
     ) -> PoolArrays:
-        """A pool with budgets, from :func:`tandem.router.kernels.budget_state`'s output."""
+        """A pool with budgets, from :func:`tandem.router.kernels.budget_state`'s output (its columns
+        are views of the records)."""
         return cls(
             role=role,
             workers=workers,
             has_budget=True,
             capacity_tokens=capacity_tokens,
-            load_tokens=budgets.load_tokens,
-            recent_tokens=budgets.recent_tokens,
-            busy_fraction=budgets.busy_fraction,
-            kv_fullness=budgets.kv_fullness,
-            num_in_flight=budgets.num_in_flight,
+            load_tokens=budgets["load_tokens"],
+            recent_tokens=budgets["recent_tokens"],
+            busy_fraction=budgets["busy_fraction"],
+            kv_fullness=budgets["kv_fullness"],
+            num_in_flight=budgets["num_in_flight"],
             num_reported_requests=num_reported_requests,
             cached_tokens=cached_tokens,
             worker_keys=worker_keys,
