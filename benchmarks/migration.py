@@ -4,12 +4,13 @@ A supervised local stack (as ``make run`` runs it: a worker that exits is starte
 prefill and two decode workers (real vLLM engines), the Ray Serve router, the gateway. Each stream
 is sent twice through the gateway: once undisturbed (the reference), then again while the decode
 worker serving it is SIGKILLed at a random token. The gateway migrates it (tandem.gateway.orchestrator):
-the other decode worker computes the prompt, replays the tokens the client has, and goes on. The
-client's text is compared with the reference's, token for token.
+the other decode worker computes the prompt and the tokens the client has (as prompt, or replayed),
+and goes on. The client's text is compared with the reference's, token for token.
 
 The streams (max_tokens 200, temperature 0) come in four kinds, a quarter each: a prompt that starts
 with multi-byte characters (emoji, CJK, accents), stop strings, presence/frequency penalties with a
-seed, and plain. ``--concurrency C`` sends C streams at once and kills one decode worker that is
+seed (taken as prompt with their counts carried: tandem.worker.carried_penalties), and plain.
+``--concurrency C`` sends C streams at once and kills one decode worker that is
 serving some of them, at a random token of the first; the others on it migrate too.
 
 Per stream, from the gateway's own timings (``X-Tandem-Timings``: ``migration_ms`` is the time from
@@ -17,6 +18,9 @@ the failure seen to the first token from the new worker, ``num_resumed_tokens`` 
 replayed): the extra gap, and the tokens recomputed (prompt + resumed). Ends with one line:
 
     migration: streams=… completed=… identical=… extra_gap_p99_ms=… reprefill_tokens_p50=… leaked_blocks=…
+
+and, after it, what the kills may have left anywhere: KV in use, requests running, the router's
+reserved budget tokens, and the dev tenant's quota slots (``kills=`` counts the SIGKILLs).
 
 Each kill costs a worker restart (an engine start: ~30-60 s on a 2-core host), so 200 streams take
 hours there; ``--streams`` sets the number.
@@ -39,7 +43,7 @@ import httpx
 import redis
 
 from tandem.local.stack import LocalStack, StackConfig, free_port
-from tests.probes import gauge, quiesce, wait_until, worker_names
+from tests.probes import gauge, quiesce, quota_slots, router_budget_tokens, wait_until, worker_names
 
 MAX_TOKENS = 200
 KINDS = ("multibyte", "stop", "penalties", "plain")
@@ -222,6 +226,7 @@ def main() -> None:
     stack.start()
     url, headers, model = config.gateway_url, stack.auth_headers, config.served_model_name
     rows: list[dict[str, Any]] = []
+    kills = 0
     try:
         index = 0
         while index < args.streams:
@@ -251,11 +256,15 @@ def main() -> None:
                 print(json.dumps(rows[-1], ensure_ascii=False), flush=True)
             index += len(bodies)
             if round_.killed:
+                kills += 1
                 everyone_back(stack)
         left = quiesce(stack, timeout_s=60)
         leaked_blocks = sum(r.held_blocks for r in left.values())
         kv_in_use_pct = sum(r.kv_usage_perc for r in left.values()) * 100
         leaked_requests = sum(r.running + r.waiting for r in left.values())
+        wait_until(lambda: router_budget_tokens(stack) == 0, timeout_s=30)
+        leaked_budget_tokens = router_budget_tokens(stack)
+        leaked_quota_slots = quota_slots(stack, config.dev_tenant_id)
     finally:
         stack.stop()
     completed = sum(r["completed"] for r in rows)
@@ -274,7 +283,8 @@ def main() -> None:
         f"migration: streams={len(rows)} completed={completed} identical={identical} "
         f"migrated={sum(r['migrated'] for r in rows)} extra_gap_p99_ms={gap_p99:.0f} "
         f"reprefill_tokens_p50={statistics.median(reprefill) if reprefill else 0:.0f} leaked_blocks={leaked_blocks} "
-        f"kv_in_use_pct={kv_in_use_pct:.2f} leaked_requests={leaked_requests:.0f}"
+        f"kv_in_use_pct={kv_in_use_pct:.2f} leaked_requests={leaked_requests:.0f} kills={kills} "
+        f"leaked_budget_tokens={leaked_budget_tokens} leaked_quota_slots={leaked_quota_slots}"
     )
 
 

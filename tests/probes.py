@@ -11,10 +11,34 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import redis
 
 from tandem.common.tls import channel
 from tandem.local.stack import LocalStack
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+
+def router_budget_tokens(stack: LocalStack) -> int:
+    """Tokens every live router replica still reserves (the per-worker totals each publishes to Redis)."""
+    client = redis.Redis.from_url(stack.config.redis_url, socket_timeout=2)
+    try:
+        total = 0
+        for key in client.scan_iter(match=f"{stack.config.key_prefix}:router:replica:*"):
+            raw = client.get(key)
+            for value in json.loads(raw or "{}").values():
+                total += value if isinstance(value, int) else int(value[0])
+        return total
+    finally:
+        client.close()
+
+
+def quota_slots(stack: LocalStack, tenant: str) -> int:
+    """The gateway's concurrency slots ``tenant`` holds (one per stream in flight)."""
+    client = redis.Redis.from_url(stack.config.redis_url, socket_timeout=2)
+    try:
+        return int(client.zcard(f"{stack.config.key_prefix}:gw:quota:{tenant}:streams"))
+    finally:
+        client.close()
 
 
 def worker_names(stack: LocalStack, role: str | None = None) -> list[str]:

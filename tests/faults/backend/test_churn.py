@@ -16,14 +16,12 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import redis
 
 from tandem.local.stack import LocalStack
 from tests.faults.backend.client import chat_body, usage_total
 from tests.faults.backend.conftest import KV_LEASE_S, BackendStack
-from tests.faults.backend.test_restarts import router_budget_tokens
 from tests.faults.ledger import FaultLedger
-from tests.probes import gauge, quiesce, wait_until, worker_names
+from tests.probes import gauge, quiesce, quota_slots, router_budget_tokens, wait_until, worker_names
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(1800)]
 
@@ -147,14 +145,6 @@ async def _churn(stack: LocalStack, keys: dict[str, str]) -> list[Outcome]:
     return outcomes
 
 
-def _quota_slots(stack: LocalStack, tenant: str) -> int:
-    client = redis.Redis.from_url(stack.config.redis_url, socket_timeout=2)
-    try:
-        return int(client.zcard(f"{stack.config.key_prefix}:gw:quota:{tenant}:streams"))
-    finally:
-        client.close()
-
-
 def test_churn_leaves_nothing_behind(backend: BackendStack, ledger: FaultLedger) -> None:
     stack = backend.stack
     workers = worker_names(stack)
@@ -182,8 +172,8 @@ def test_churn_leaves_nothing_behind(backend: BackendStack, ledger: FaultLedger)
         f.leaked("KV prefetch bytes staged", sum(r.staged_bytes for r in left.values()))
         wait_until(lambda: router_budget_tokens(stack) == 0, timeout_s=30)
         f.leaked("router budget tokens", router_budget_tokens(stack))
-        wait_until(lambda: _quota_slots(stack, "churn-chaos") + _quota_slots(stack, "churn-clean") == 0, timeout_s=30)
-        f.leaked("quota concurrency slots", _quota_slots(stack, "churn-chaos") + _quota_slots(stack, "churn-clean"))
+        wait_until(lambda: quota_slots(stack, "churn-chaos") + quota_slots(stack, "churn-clean") == 0, timeout_s=30)
+        f.leaked("quota concurrency slots", quota_slots(stack, "churn-chaos") + quota_slots(stack, "churn-clean"))
 
         # Billing. Requests that ran to completion: billed exactly what their clients were told.
         served_clean = [o for o in outcomes if o.kind in COMPLETE_KINDS and o.what == "200"]

@@ -20,7 +20,7 @@ from tandem.local.stack import LocalStack
 from tests.faults.backend.client import chat_body, num_content_events, stream_chat, usage_total
 from tests.faults.backend.conftest import GATEWAY_LIVENESS_S, KV_LEASE_S, USAGE_MAX_UNSAVED_TOKENS, BackendStack
 from tests.faults.ledger import FaultLedger, FaultRecord
-from tests.probes import StreamResult, gauge, quiesce, wait_until, worker_names
+from tests.probes import StreamResult, gauge, quiesce, router_budget_tokens, wait_until, worker_names
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -146,20 +146,6 @@ def probe_until_refused(stack: LocalStack, f: FaultRecord, *, within_s: float = 
         f.saw("right after the kill: 200 (still dying)")
         assert time.monotonic() - started < within_s, "still serving long after the kill"
         time.sleep(0.2)
-
-
-def router_budget_tokens(stack: LocalStack) -> int:
-    """Tokens every live router replica still reserves (what they share through Redis)."""
-    client = redis.Redis.from_url(stack.config.redis_url, socket_timeout=2)
-    try:
-        total = 0
-        for key in client.scan_iter(match=f"{stack.config.key_prefix}:router:replica:*"):
-            raw = client.get(key)
-            for value in json.loads(raw or "{}").values():
-                total += value if isinstance(value, int) else int(value[0])
-        return total
-    finally:
-        client.close()
 
 
 def assert_nothing_left(backend: BackendStack, f: FaultRecord) -> None:
