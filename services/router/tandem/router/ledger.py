@@ -489,7 +489,7 @@ class Ledger:
                 await asyncio.sleep(0.5)
             finally:
                 if subscription is not None:
-                    subscription.close()
+                    await subscription.aclose()
 
     async def leave(self) -> None:
         """Clean shutdown: our keys go at once, so the others adopt what we hold without waiting for

@@ -1,29 +1,50 @@
-"""The ledger's Redis pub/sub on raw connections: a publish is one socket write, a received
-message one parse, and neither wakes a task.
+"""The ledger's Redis pub/sub, on redis-py's asyncio client (``redis.asyncio``): one connection
+that publishes, one that listens.
 
-Why (2026-12-05, ``benchmarks/router_fleet.py --skip-replicas --skip-fairness``, one replica, 250
-schedules/s, every event-loop callback timed): through redis-py's asyncio client the ledger's ~380
-publishes a second and their echo on the channel took 3.4 s of the event loop in 33 s, more than
-the 7,480 placement decisions themselves (2.65 s). Each publish went through the connection pool,
-a ``wait_for`` task around the send (the client's socket timeout) and a reply read under a timeout;
-each message received went through ``PubSub.get_message`` and a timeout of its own.
+Called by :class:`tandem.router.ledger.Ledger` only: :meth:`Publisher.publish` once per ledger
+message (no I/O: it queues, a writer task sends), :meth:`Subscription.open` for every message of
+every replica on the channel (``on_message`` runs in the subscription's reader task).
 
-Here (:class:`Publisher`) a publish is a ``transport.write`` of a pre-encoded command on a
-connection of its own: no await, no task; the replies are counted as they arrive. Messages
-(:class:`Subscription`) are parsed by hiredis inside ``data_received`` and handed to a callback
-there and then. Order is the connection's: the messages of one publisher reach every subscriber in
-the order :meth:`Publisher.publish` was called.
+Why the maintained client (issue 39; before it, a client hand-written on ``asyncio.Protocol``
+with hiredis). Measured side by side in one run, ``python benchmarks/ledger_pubsub.py --seconds 8
+--repeats 3 --rate 250`` (2026-12-06, the 2-core dev host shared with other jobs, load average
+~10; medians of 3): a replica publishing 250 messages a second of 300 B and receiving them with
+750 more from the other replicas:
 
-What a publish that fails costs is the same as before: it is lost, the receivers see a gap in the
-sender's sequence numbers and repair from its next snapshot (:mod:`tandem.router.ledger`). A
-connection that breaks is reopened in the background; one that Redis stops answering for
-``timeout_s`` is closed and reopened; while a connection's unsent bytes exceed
-``max_buffered_bytes`` (Redis not reading), publishes are refused rather than queued without
-bound.
+==========================  =================  ===========================
+per message published       redis.asyncio      hand-written (6a98561)
+==========================  =================  ===========================
+event-loop CPU              544 us (11.7 %)    333 us (6.7 %)
+``publish()`` call p50/p99  4.7 / 11 us        21 / 57 us
+to own subscriber p50/p99   0.35 / 8.8 ms      0.13 / 5.9 ms
+==========================  =================  ===========================
 
-URLs: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` (TLS; ``?ssl_cert_reqs=none``
-and ``?ssl_ca_certs=PATH`` as redis-py reads them) and ``unix://PATH``. Pub/sub ignores the
-database number.
+(CPU includes the benchmark's 1 ms lag timer, the same for both.) The maintained client costs
+about 0.05 of a core more at this rate and ~0.2 ms more per hop, well under what the fleet
+targets depend on: replicas place ~10 ms apart at the fleet benchmark's 100 requests a second,
+so 0.2 ms more lag should leave replica agreement where it was, and the decision's own CPU is
+not touched. The hand-written client was built when each publish went through redis-py's pool, a
+``wait_for`` around the send and a reply read under a timeout, per message (3.4 s of the event
+loop in 33 s at 250 schedules a second, more than the decisions took): here a publish only queues,
+and one writer task sends what is queued when it wakes (one command, or one pipeline). The fleet
+benchmark (``benchmarks/router_fleet.py``) was not rerun with it on a quiet host: do that before
+reading its arrival p99 against the 1 ms target.
+
+Order is the writer's: one task sends the queue, in the order :meth:`Publisher.publish` was called,
+on one connection (the messages waiting when it wakes go as one pipeline), so a publisher's
+messages reach every subscriber in order. What a publish that fails costs: it is lost, the
+receivers see a gap in the sender's sequence numbers and repair from its next snapshot
+(:mod:`tandem.router.ledger`). A connection that breaks, or that Redis stops answering for
+``timeout_s`` (the socket timeout), is reopened by the writer every ``reconnect_wait_s``; publishes
+meanwhile are refused, not queued; while the queue holds more than ``max_queued_bytes`` (Redis not
+reading), publishes are refused rather than queued without bound. A subscription whose connection
+breaks ends (:meth:`Subscription.wait_closed`), and the ledger subscribes again and repairs from
+snapshots: redis-py's own retries are off on both connections, so that a break is seen.
+
+Commands sent: PUBLISH; SUBSCRIBE (and UNSUBSCRIBE at close); AUTH and SELECT as the URL says;
+nothing else (``lib_name=None``, ``lib_version=None``: no CLIENT SETINFO), which the router's Redis
+user allows (:mod:`tandem.common.redis_acl`). URLs are redis-py's (``redis://``, ``rediss://``,
+``unix://``).
 """
 
 from __future__ import annotations
@@ -31,155 +52,51 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-import hiredis
-from redis.connection import SSLConnection, parse_url
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 logger = logging.getLogger(__name__)
 
-#: Unsent bytes on a publisher's connection past which a publish is refused (Redis is not reading).
-MAX_BUFFERED_BYTES = 8 * 2**20
+#: Queued bytes past which a publish is refused (Redis is not reading).
+MAX_QUEUED_BYTES = 8 * 2**20
 #: Wait between attempts to reopen a broken connection.
 RECONNECT_WAIT_S = 0.5
+#: Longest a close waits for the writer or reader task to end.
+_CLOSE_WAIT_S = 1.0
 
 
-@dataclass(frozen=True)
-class RedisAddress:
-    """Where a raw connection goes, from a Redis URL (see the module docstring)."""
-
-    host: str = "127.0.0.1"
-    port: int = 6379
-    path: str = ""
-    tls: ssl.SSLContext | None = None
-    username: str | None = None
-    password: str | None = None
-
-    @classmethod
-    def from_url(cls, url: str) -> RedisAddress:
-        options: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
-        tls = None
-        if options.get("connection_class") is SSLConnection:
-            tls = ssl.create_default_context(cafile=options.get("ssl_ca_certs"))
-            if str(options.get("ssl_cert_reqs", "required")).lower() in ("none", "cert_none"):
-                tls.check_hostname = False
-                tls.verify_mode = ssl.CERT_NONE
-        return cls(
-            host=options.get("host") or "127.0.0.1",
-            port=int(options.get("port") or 6379),
-            path=options.get("path") or "",
-            tls=tls,
-            username=options.get("username"),
-            password=options.get("password"),
-        )
-
-
-def encode_command(*parts: bytes) -> bytes:
-    """One command in RESP (an array of bulk strings)."""
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        out += (b"$%d\r\n" % len(part), part, b"\r\n")
-    return b"".join(out)
-
-
-class _Connection(asyncio.Protocol):
-    """One RESP connection: replies go to the futures of the handshake's commands first, in order,
-    then to ``on_reply``."""
-
-    def __init__(self, on_reply: Callable[[Any], None]) -> None:
-        self._reader = hiredis.Reader()
-        self._on_reply = on_reply
-        self._handshake: deque[asyncio.Future[Any]] = deque()
-        self.transport: asyncio.Transport | None = None
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        #: ``time.monotonic()`` of the last bytes received.
-        self.heard_s = time.monotonic()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # No isinstance check: uvloop's transports (Ray Serve runs the router on uvloop) have the
-        # interface of asyncio.Transport without deriving from it.
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.heard_s = time.monotonic()
-        self._reader.feed(data)
-        while (reply := self._reader.gets()) is not False:
-            if self._handshake:
-                future = self._handshake.popleft()
-                if not future.done():
-                    future.set_result(reply)
-                continue
-            try:
-                self._on_reply(reply)
-            except Exception:  # a receiver's bug must not close the connection under the others
-                logger.exception("pub/sub reply handler failed")
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        for future in self._handshake:
-            if not future.done():
-                future.set_exception(RedisConnectionError(f"connection lost: {exc}"))
-        self._handshake.clear()
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-    async def call(self, *parts: bytes) -> Any:
-        """Send a command of the handshake and wait for its reply (an error reply raises)."""
-        assert self.transport is not None
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._handshake.append(future)
-        self.transport.write(encode_command(*parts))
-        reply = await future
-        if isinstance(reply, hiredis.ReplyError):
-            raise ResponseError(str(reply))
-        return reply
-
-    def close(self) -> None:
-        transport, self.transport = self.transport, None  # nothing more is written to it from now
-        if transport is not None:
-            transport.abort()
-
-
-async def _open(address: RedisAddress, on_reply: Callable[[Any], None], timeout_s: float) -> _Connection:
-    """A connection to ``address``, authenticated; raises ``OSError``, ``TimeoutError`` or
-    :class:`redis.exceptions.RedisError`."""
-    loop = asyncio.get_running_loop()
-
-    async def connect() -> _Connection:
-        factory = lambda: _Connection(on_reply)  # noqa: E731
-        if address.path:
-            _, connection = await loop.create_unix_connection(factory, address.path)
-        else:
-            _, connection = await loop.create_connection(factory, address.host, address.port, ssl=address.tls)
-        if connection.transport is None:  # connection_made did not run, or the peer left at once
-            raise RedisConnectionError("connection closed as it opened")
-        try:
-            if address.password is not None:
-                auth = (address.username.encode(),) if address.username else ()
-                await connection.call(b"AUTH", *auth, address.password.encode())
-        except BaseException:
-            connection.close()
-            raise
-        return connection
-
-    return await asyncio.wait_for(connect(), timeout_s)
+def _client(url: str, timeout_s: float) -> aioredis.Redis:
+    """A client whose errors surface (no retry) and that sends no CLIENT SETINFO."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        health_check_interval=0,
+        retry_on_timeout=False,
+        retry=Retry(NoBackoff(), retries=0),
+        lib_name=None,
+        lib_version=None,
+        single_connection_client=True,
+    )
 
 
 @dataclass
 class PublisherStats:
-    #: Publishes written to the connection, and the replies received for them.
+    #: Publishes queued, and those Redis acknowledged.
     num_sent: int = 0
     num_answered: int = 0
-    #: Publishes refused: no connection, or its unsent bytes past ``max_buffered_bytes``.
+    #: Publishes refused: no connection, or the queue past ``max_queued_bytes``.
     num_refused: int = 0
-    #: Error replies (each publish answered with one was lost).
+    #: Publishes lost after they were queued (an error reply, or the connection broke under them).
     num_error_replies: int = 0
     #: Connections opened after the first one.
     num_reconnects: int = 0
@@ -194,137 +111,183 @@ class Publisher:
         channel: str,
         *,
         timeout_s: float,
-        max_buffered_bytes: int = MAX_BUFFERED_BYTES,
+        max_queued_bytes: int = MAX_QUEUED_BYTES,
         reconnect_wait_s: float = RECONNECT_WAIT_S,
     ) -> None:
-        self._address = RedisAddress.from_url(url)
-        channel_bytes = channel.encode()
-        #: Everything of a PUBLISH command up to the payload's length.
-        self._head = b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n" % (len(channel_bytes), channel_bytes)
+        self._url = url
+        self._channel = channel
         self._timeout_s = timeout_s
-        self._max_buffered_bytes = max_buffered_bytes
+        self._max_queued_bytes = max_queued_bytes
         self._reconnect_wait_s = reconnect_wait_s
-        self._connection: _Connection | None = None
-        self._connecting: asyncio.Task[None] | None = None
-        #: ``time.monotonic()`` since when the oldest publish still unanswered has waited at most.
-        self._waiting_since_s = 0.0
+        self._client: aioredis.Redis | None = None
+        self._queue: deque[bytes] = deque()
+        self._queued_bytes = 0
+        self._wakeup: asyncio.Event | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._connected = False
+        self._ever_connected = False
         self._closed = False
         self.stats = PublisherStats()
 
     @property
     def connected(self) -> bool:
-        return self._connection is not None and self._connection.transport is not None
+        return self._connected
 
     async def connect(self) -> None:
-        """Open the connection now (raises when Redis cannot be reached); later breaks reconnect
-        by themselves."""
+        """Open the connection now (raises when Redis cannot be reached or refuses); later breaks
+        reconnect by themselves."""
         await self._open()
+        self.start()
 
     def start(self) -> None:
-        """Open the connection in the background, retrying every ``reconnect_wait_s`` until it opens
-        (no-op while connected or connecting)."""
-        if self._closed or self.connected or (self._connecting is not None and not self._connecting.done()):
+        """Start the writer, which opens the connection in the background, retrying every
+        ``reconnect_wait_s`` (no-op while it runs)."""
+        if self._closed or (self._writer is not None and not self._writer.done()):
             return
-        self._connecting = asyncio.get_running_loop().create_task(self._reconnect_forever())
+        self._wakeup = asyncio.Event()
+        self._writer = asyncio.get_running_loop().create_task(self._write_forever())
 
     def publish(self, payload: bytes) -> bool:
-        """Send ``payload`` on the channel; False when it was not sent (it is lost)."""
-        connection = self._connection
-        transport = None if connection is None else connection.transport
-        if connection is None or transport is None:
+        """Queue ``payload`` for the channel; False when it was refused (it is lost)."""
+        if not self._connected or self._wakeup is None:
             self.stats.num_refused += 1
             self.start()
             return False
-        unanswered = self.stats.num_sent - self.stats.num_answered
-        if unanswered and time.monotonic() - max(self._waiting_since_s, connection.heard_s) > self._timeout_s:
-            logger.warning("ledger publisher: Redis has not answered for %.1f s; reconnecting", self._timeout_s)
-            connection.close()
+        if self._queued_bytes > self._max_queued_bytes:
             self.stats.num_refused += 1
             return False
-        if transport.get_write_buffer_size() > self._max_buffered_bytes:
-            self.stats.num_refused += 1
-            return False
-        if not unanswered:
-            self._waiting_since_s = time.monotonic()
-        transport.write(b"%s$%d\r\n%s\r\n" % (self._head, len(payload), payload))
+        self._queue.append(payload)
+        self._queued_bytes += len(payload)
         self.stats.num_sent += 1
+        self._wakeup.set()
         return True
 
-    def _on_reply(self, reply: Any) -> None:
-        self.stats.num_answered += 1
-        if isinstance(reply, hiredis.ReplyError):
-            self.stats.num_error_replies += 1
-            logger.warning("ledger publish refused by Redis: %s", reply)
-
     async def _open(self) -> None:
-        connection = await _open(self._address, self._on_reply, self._timeout_s)
+        client = _client(self._url, self._timeout_s)
+        try:
+            await client.ping()
+        except BaseException:
+            await client.aclose()
+            raise
         if self._closed:
-            connection.close()
+            await client.aclose()
             return
-        if self._connection is not None:
+        old, self._client = self._client, client
+        if old is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await old.aclose()
+        if self._ever_connected:
             self.stats.num_reconnects += 1
-        # Replies to the old connection's publishes will never come: they are lost (gaps, repaired).
-        self.stats.num_answered = self.stats.num_sent
-        self._connection = connection
+        self._ever_connected = self._connected = True
 
-    async def _reconnect_forever(self) -> None:
-        while not self._closed and not self.connected:
-            try:
-                await self._open()
-            except (OSError, TimeoutError, RedisConnectionError, ResponseError) as exc:
-                logger.warning("ledger publisher cannot reach Redis: %s", exc)
-            if not self.connected:  # failed, or lost as soon as it opened: never a tight loop
-                await asyncio.sleep(self._reconnect_wait_s)
+    async def _write_forever(self) -> None:
+        assert self._wakeup is not None
+        while not self._closed:
+            if not self._connected:
+                try:
+                    await self._open()
+                except (RedisError, OSError) as exc:
+                    logger.warning("ledger publisher cannot reach Redis: %s", exc)
+                    await asyncio.sleep(self._reconnect_wait_s)
+                    continue
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            await self._send()
+
+    async def _send(self) -> None:
+        batch = list(self._queue)
+        self._queue.clear()
+        self._queued_bytes = 0
+        if not batch or self._client is None:
+            return
+        try:
+            if len(batch) == 1:
+                await self._client.publish(self._channel, batch[0])
+            else:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for payload in batch:
+                        pipe.publish(self._channel, payload)
+                    await pipe.execute()
+            self.stats.num_answered += len(batch)
+        except (RedisError, OSError) as exc:
+            # Lost: the receivers see a gap and repair from our next snapshot.
+            self.stats.num_error_replies += len(batch)
+            self._connected = False
+            logger.warning("ledger publish failed (%d messages lost): %s", len(batch), exc)
 
     async def aclose(self) -> None:
         self._closed = True
-        if self._connecting is not None:
-            self._connecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._connecting
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+        self._connected = False
+        if self._writer is not None:
+            self._writer.cancel()
+            # (bounded: redis-py can swallow a cancellation that lands inside a command)
+            await asyncio.wait((self._writer,), timeout=_CLOSE_WAIT_S)
+        if self._client is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._client.aclose()
+            self._client = None
 
 
 class Subscription:
-    """One connection subscribed to one channel: each message's payload goes to ``on_message`` as
-    it is parsed, inside the connection's ``data_received``."""
+    """One connection subscribed to one channel: each message's payload goes to ``on_message`` in
+    the subscription's reader task, in the order Redis delivered them."""
 
-    def __init__(self, connection: _Connection) -> None:
-        self._connection = connection
+    def __init__(self, client: aioredis.Redis, pubsub: PubSub, on_message: Callable[[bytes], None]) -> None:
+        self._client = client
+        self._pubsub = pubsub
+        self._on_message = on_message
+        #: ``time.monotonic()`` of the last message received.
+        self.heard_s = time.monotonic()
+        self._closed = False
+        self._reader = asyncio.get_running_loop().create_task(self._read_forever())
 
     @classmethod
     async def open(
         cls, url: str, channel: str, on_message: Callable[[bytes], None], *, timeout_s: float
     ) -> Subscription:
         """Subscribed once this returns (raises when Redis cannot be reached or refuses)."""
-
-        def on_reply(reply: Any) -> None:
-            # (b"message", channel, payload); the others are (un)subscribe confirmations
-            if type(reply) is list and len(reply) == 3 and reply[0] == b"message":
-                on_message(reply[2])
-
-        connection = await _open(RedisAddress.from_url(url), on_reply, timeout_s)
+        client = _client(url, timeout_s)
+        pubsub = client.pubsub()
         try:
-            confirmation = await asyncio.wait_for(connection.call(b"SUBSCRIBE", channel.encode()), timeout_s)
+            await pubsub.subscribe(channel)
+            deadline_s = time.monotonic() + timeout_s
+            while True:  # the confirmation (messages cannot come before it)
+                reply: dict[str, Any] | None = await pubsub.get_message(timeout=max(0.0, deadline_s - time.monotonic()))
+                if reply is not None and reply["type"] == "subscribe":
+                    break
+                if time.monotonic() > deadline_s:
+                    raise TimeoutError(f"no answer to SUBSCRIBE {channel} in {timeout_s} s")
         except BaseException:
-            connection.close()
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await client.aclose()
             raise
-        if not (isinstance(confirmation, list) and confirmation and confirmation[0] == b"subscribe"):
-            connection.close()
-            raise ResponseError(f"unexpected answer to SUBSCRIBE: {confirmation!r}")
-        return cls(connection)
+        return cls(client, pubsub, on_message)
 
-    @property
-    def heard_s(self) -> float:
-        """``time.monotonic()`` of the last bytes received."""
-        return self._connection.heard_s
+    async def _read_forever(self) -> None:
+        on_message = self._on_message
+        try:
+            while not self._closed:
+                reply = await self._pubsub.get_message(timeout=None)
+                self.heard_s = time.monotonic()
+                if reply is not None and reply["type"] == "message":
+                    try:
+                        on_message(reply["data"])
+                    except Exception:  # a receiver's bug must not end the subscription
+                        logger.exception("pub/sub message handler failed")
+        except (RedisError, OSError) as exc:
+            logger.warning("ledger subscription lost: %s", exc)
 
     async def wait_closed(self, timeout_s: float) -> bool:
         """Wait until the connection is lost (True) or ``timeout_s`` passed (False)."""
-        done, _ = await asyncio.wait((self._connection.closed,), timeout=timeout_s)
+        done, _ = await asyncio.wait((self._reader,), timeout=timeout_s)
         return bool(done)
 
-    def close(self) -> None:
-        self._connection.close()
+    async def aclose(self) -> None:
+        self._closed = True
+        self._reader.cancel()
+        # (bounded: redis-py can swallow a cancellation that lands inside a read; closing the
+        # connection below ends the read then)
+        await asyncio.wait((self._reader,), timeout=_CLOSE_WAIT_S)
+        with contextlib.suppress(RedisError, OSError):
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+            await self._client.aclose()
