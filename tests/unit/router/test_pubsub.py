@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 from redis.exceptions import AuthenticationError
 
-from tandem.router.pubsub import Publisher, Subscription
+from tandem.router.pubsub import Publisher, Subscription, subscribe_forever
 from tests.kit.redis import acl_users
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
@@ -132,6 +132,47 @@ async def test_a_subscription_learns_that_its_connection_was_cut(relay: Relay) -
     assert not await subscription.wait_closed(0.05)
     await relay.cut()
     assert await subscription.wait_closed(2.0)
+
+
+async def test_subscribe_forever_subscribes_again_after_a_cut(relay: Relay) -> None:
+    """The ledger's listener: a cut connection is reopened by itself, ``on_subscribed`` runs each time
+    (the ledger then repairs its mirrors from snapshots), and messages flow again."""
+    name = channel()
+    received: list[bytes] = []
+    num_subscribed = [0]
+    closed = [False]
+
+    def on_subscribed() -> None:
+        num_subscribed[0] += 1
+
+    listener = asyncio.create_task(
+        subscribe_forever(
+            f"redis://127.0.0.1:{relay.port}/0",
+            name,
+            received.append,
+            on_subscribed=on_subscribed,
+            silent_s=5.0,
+            timeout_s=1.0,
+            closed=lambda: closed[0],
+        )
+    )
+    publisher = Publisher(REDIS_URL, name, timeout_s=2.0)
+    await publisher.connect()
+    try:
+        await until(lambda: num_subscribed[0] == 1)
+        assert publisher.publish(b"before")
+        await until(lambda: received == [b"before"])
+        port = relay.port
+        await relay.cut()
+        await relay.start(port)
+        await until(lambda: num_subscribed[0] == 2, timeout_s=5.0)
+        assert publisher.publish(b"after")
+        await until(lambda: received == [b"before", b"after"])
+    finally:
+        closed[0] = True
+        listener.cancel()
+        await asyncio.wait((listener,), timeout=2.0)
+        await publisher.aclose()
 
 
 async def test_a_redis_that_stops_answering_is_left_after_the_timeout(relay: Relay) -> None:

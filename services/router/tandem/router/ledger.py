@@ -99,7 +99,7 @@ from tandem.router.ledger_events import (
 )
 from tandem.router.ledger_mirror import HandOff, LedgerStats, Mirror, RemoteWaiter, ReplicaMirrors
 from tandem.router.metrics import NullRouterMetrics, RouterMetrics
-from tandem.router.pubsub import Publisher, Subscription
+from tandem.router.pubsub import Publisher, subscribe_forever
 from tandem.router.reservations import Reservation, ReservationTable
 
 __all__ = ["DEFAULT_MAX_MESSAGE_AGE_S", "DEFAULT_MAX_REPLICAS", "HandOff", "Ledger", "LedgerStats", "RemoteWaiter"]
@@ -365,11 +365,6 @@ class Ledger:
         """Rebuild the mirror of ``replica_id`` from its snapshot (see :meth:`ReplicaMirrors.apply_snapshot`)."""
         self.others.apply_snapshot(replica_id, payload)
 
-    def declare_dead(self, replica_id: str) -> None:
-        """``replica_id`` died: its waiters leave the order; its reservations are adopted (see the
-        module docstring)."""
-        self.others.declare_dead(replica_id)
-
     # -- snapshots, liveness -------------------------------------------------------------------
 
     def snapshot(self) -> bytes:
@@ -465,31 +460,16 @@ class Ledger:
     async def _listen_forever(self) -> None:
         # Our own heartbeat comes back on the channel every snapshot round: a subscription that has
         # heard nothing for several rounds is dead without knowing it (a half-open connection).
-        silent_s = max(2.0, 4 * self.snapshot_interval_s)
-        while not self._closed:
-            subscription: Subscription | None = None
-            try:
-                subscription = await Subscription.open(
-                    self._redis_url, self._channel, lambda payload: self.receive(payload), timeout_s=1.0
-                )
-                # Anything published before we listened is in the others' snapshots.
-                self.others.resubscribed()
-                while not self._closed:
-                    if await subscription.wait_closed(silent_s):
-                        logger.warning("ledger subscription lost: Redis closed the connection")
-                        await asyncio.sleep(0.5)
-                        break
-                    if time.monotonic() - subscription.heard_s > silent_s:
-                        logger.warning("ledger subscription silent for %.1f s; subscribing again", silent_s)
-                        break
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError, TimeoutError) as exc:
-                logger.warning("ledger subscription lost: %s", exc)
-                await asyncio.sleep(0.5)
-            finally:
-                if subscription is not None:
-                    await subscription.aclose()
+        await subscribe_forever(
+            self._redis_url,
+            self._channel,
+            lambda payload: self.receive(payload),
+            # Anything published before we listened is in the others' snapshots.
+            on_subscribed=self.others.resubscribed,
+            silent_s=max(2.0, 4 * self.snapshot_interval_s),
+            timeout_s=1.0,
+            closed=lambda: self._closed,
+        )
 
     async def leave(self) -> None:
         """Clean shutdown: our keys go at once, so the others adopt what we hold without waiting for

@@ -454,10 +454,7 @@ class ReplicaMirrors:
         return sum(m.table.num_tokens_in_flight(worker_id) for m in self.by_id.values())
 
     def others_young_tokens(self, worker_id: str) -> int:
-        total = 0
-        for mirror in self.by_id.values():
-            total += mirror.table.token_snapshot()[1].get(worker_id, 0)
-        return total
+        return sum(m.table.token_snapshot()[1].get(worker_id, 0) for m in self.by_id.values())
 
     def others_in_flight(self, worker_id: str) -> int:
         return sum(m.table.num_in_flight(worker_id) for m in self.by_id.values())

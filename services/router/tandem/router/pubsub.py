@@ -2,8 +2,9 @@
 that publishes, one that listens.
 
 Called by :class:`tandem.router.ledger.Ledger` only: :meth:`Publisher.publish` once per ledger
-message (no I/O: it queues, a writer task sends), :meth:`Subscription.open` for every message of
-every replica on the channel (``on_message`` runs in the subscription's reader task).
+message (no I/O: it queues, a writer task sends), and :func:`subscribe_forever` to keep a
+:class:`Subscription` to the channel (``on_message`` runs in the subscription's reader task, for
+every message of every replica).
 
 Why the maintained client (issue 39; before it, a client hand-written on ``asyncio.Protocol``
 with hiredis). Measured side by side in one run, ``python benchmarks/ledger_pubsub.py --seconds 8
@@ -291,3 +292,39 @@ class Subscription:
         with contextlib.suppress(RedisError, OSError):
             await self._pubsub.aclose()  # type: ignore[no-untyped-call]
             await self._client.aclose()
+
+
+async def subscribe_forever(
+    url: str,
+    channel: str,
+    on_message: Callable[[bytes], None],
+    *,
+    on_subscribed: Callable[[], None],
+    silent_s: float,
+    timeout_s: float,
+    closed: Callable[[], bool],
+) -> None:
+    """Keep ``channel`` subscribed until cancelled or ``closed()``: subscribe again when the
+    connection breaks, cannot be opened (every ``RECONNECT_WAIT_S``), or heard nothing for
+    ``silent_s``; ``on_subscribed`` is called each time the subscription is (re)established."""
+    while not closed():
+        subscription: Subscription | None = None
+        try:
+            subscription = await Subscription.open(url, channel, on_message, timeout_s=timeout_s)
+            on_subscribed()
+            while not closed():
+                if await subscription.wait_closed(silent_s):
+                    logger.warning("ledger subscription lost: Redis closed the connection")
+                    await asyncio.sleep(RECONNECT_WAIT_S)
+                    break
+                if time.monotonic() - subscription.heard_s > silent_s:
+                    logger.warning("ledger subscription silent for %.1f s; subscribing again", silent_s)
+                    break
+        except asyncio.CancelledError:
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            logger.warning("ledger subscription lost: %s", exc)
+            await asyncio.sleep(RECONNECT_WAIT_S)
+        finally:
+            if subscription is not None:
+                await subscription.aclose()
