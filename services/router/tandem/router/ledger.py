@@ -7,8 +7,8 @@ every change as it happens (:meth:`Ledger.reserved`, :meth:`Ledger.released`,
 
 * **publishes** the outbox on one Redis pub/sub channel as a numbered message ``[replica id,
   seq, events]``: at the end of the event-loop iteration that made the changes (or every
-  ``flush_interval_s``, to batch more), as one write on a connection of its own
-  (:class:`tandem.router.pubsub.Publisher`), so the messages leave in seq order;
+  ``flush_interval_s``, to batch more), as one PUBLISH on a connection of its own, sent by one
+  writer task (:class:`tandem.router.pubsub.Publisher`), so the messages leave in seq order;
 * **mirrors** every other replica from the same channel: their reservations in a
   :class:`~tandem.router.reservations.ReservationTable` each (so their tokens, young tokens,
   requests in flight and recently placed tokens per worker come out of the same code as this
