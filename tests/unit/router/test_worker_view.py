@@ -1,12 +1,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from tandem.common.errors import BackendUnavailableError
+from tandem.common.registry import WorkerRegistry
 from tandem.router.worker_view import CachedWorkerView
 from tests.kit.clock import FakeClock
+from tests.kit.redis import acl_users
 from tests.kit.workers import FakeRegistry, make_pool
 
 pytestmark = pytest.mark.asyncio
@@ -123,3 +126,45 @@ async def test_callers_that_arrived_before_a_forced_read_began_share_it() -> Non
     results = await asyncio.gather(*(view.workers_now(f"k{i}") for i in range(10)))
     assert all(r is results[0] for r in results)
     assert registry.num_calls == 2
+
+
+@pytest.mark.parametrize("removal_check_interval_s", [0.05, 0.0])
+async def test_a_worker_that_unregisters_leaves_the_view_within_the_removal_check(
+    removal_check_interval_s: float,
+) -> None:
+    """The real registry on the real Redis, each side under its own ACL user: the worker's unregister
+    counts itself, and the router's view, reading that counter every 50 ms, drops the worker long
+    before its next full read (60 s here). Off (0), the view keeps the worker until that read."""
+    async with acl_users(label="removals") as users:
+        worker_side = WorkerRegistry(users.url("worker"), key_prefix=users.key_prefix, ttl_s=30)
+        router_side = WorkerRegistry(users.url("router"), key_prefix=users.key_prefix, ttl_s=30)
+        try:
+            for record in make_pool(1, 2):
+                await worker_side.heartbeat(record)
+            view = CachedWorkerView(
+                router_side,
+                refresh_interval_s=60.0,
+                max_stale_s=30.0,
+                refresh_in_background=True,
+                removal_check_interval_s=removal_check_interval_s,
+            )
+            assert {w.worker_id for w in await view.workers()} == {"p0", "d0", "d1"}
+            await asyncio.sleep(0.1)  # the first look at the counter: the baseline
+            await view.workers()
+            removed_at = time.monotonic()
+            await worker_side.unregister("d1")
+            gone_after_s = None
+            while time.monotonic() - removed_at < 1.0:
+                if "d1" not in {w.worker_id for w in await view.workers()}:
+                    gone_after_s = time.monotonic() - removed_at
+                    break
+                await asyncio.sleep(0.01)
+            if removal_check_interval_s:
+                assert gone_after_s is not None and gone_after_s < 0.5, gone_after_s
+                assert {w.worker_id for w in await view.workers()} == {"p0", "d0"}
+            else:
+                assert gone_after_s is None  # only the full read (60 s) would have dropped it
+            assert await router_side.removals() == 1
+        finally:
+            await worker_side.aclose()
+            await router_side.aclose()

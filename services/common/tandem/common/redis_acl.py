@@ -65,13 +65,15 @@ _CONNECTION = ("+ping", "+select")
 #: Redis-py runs a registered script with EVALSHA and loads it once on NOSCRIPT.
 _SCRIPTS = ("+evalsha", "+script|load")
 
-#: Reading the registry (WorkerRegistry.list_raw_records): the index, the records, and pruning the index.
-_REGISTRY_READ = ("+zrange", "+mget")
+#: Reading the registry (WorkerRegistry.list_raw_records, .removals): the index, the records, the
+#: removals counter, and pruning the index.
+_REGISTRY_READ = ("+zrange", "+mget", "+get")
 
 
 def _registry_read_keys(p: str) -> tuple[str, ...]:
-    # Read-only root rights on the records and the index; ZREM on the index alone, in a selector.
-    return (f"%R~{p}:worker:*", f"%R~{p}:workers", f"(~{p}:workers +zrem)")
+    # Read-only root rights on the records, the index and the removals counter; ZREM on the index
+    # alone, in a selector.
+    return (f"%R~{p}:worker:*", f"%R~{p}:workers", f"%R~{p}:workers:removed", f"(~{p}:workers +zrem)")
 
 
 def _gateway(p: str) -> tuple[str, ...]:
@@ -80,7 +82,7 @@ def _gateway(p: str) -> tuple[str, ...]:
         *_SCRIPTS,
         *_REGISTRY_READ,
         # tenancy.store.lookup_key; usage and conversations; the scripts' own commands
-        "+get", "+set", "+del", "+exists", "+expire", "+pexpire", "+time",
+        "+set", "+del", "+exists", "+expire", "+pexpire", "+time",
         "+ttl", "+hget", "+hgetall", "+hmget", "+hset", "+hdel", "+hincrby",
         "+sadd", "+srem", "+smembers", "+scard",
         "+zadd", "+zrem", "+zcard", "+zcount", "+zrangebyscore", "+zremrangebyscore", "+zremrangebyrank",
@@ -110,9 +112,12 @@ def _router(p: str) -> tuple[str, ...]:
 
 
 def _worker(p: str) -> tuple[str, ...]:
-    # registry.WorkerRegistry.heartbeat / unregister (MULTI ... EXEC), and reading the others.
-    commands = (*_CONNECTION, *_REGISTRY_READ, "+set", "+del", "+zadd", "+zrem", "+multi", "+exec", "+discard")
-    return (*commands, f"~{p}:worker:*", f"~{p}:workers")
+    # registry.WorkerRegistry.heartbeat / unregister (MULTI ... EXEC; an unregister counts itself, which
+    # redis-py sends as INCRBY), and reading the others.
+    commands = (
+        *_CONNECTION, *_REGISTRY_READ, "+set", "+del", "+zadd", "+zrem", "+incrby", "+multi", "+exec", "+discard"
+    )  # fmt: skip
+    return (*commands, f"~{p}:worker:*", f"~{p}:workers", f"~{p}:workers:removed")
 
 
 def _admin(p: str) -> tuple[str, ...]:

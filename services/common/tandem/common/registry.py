@@ -109,6 +109,9 @@ class WorkerRegistry:
     def _record_key(self, worker_id: str) -> str:
         return f"{self._prefix}:worker:{worker_id}"
 
+    def _removals_key(self) -> str:
+        return f"{self._prefix}:workers:removed"
+
     async def heartbeat(self, record: WorkerRecord) -> None:
         """Register or refresh ``record`` for another ``ttl_s``."""
         # Redis rejects PX 0; a sub-millisecond TTL means "expire at once" anyway.
@@ -123,14 +126,25 @@ class WorkerRegistry:
             raise BackendUnavailableError(f"worker registry unreachable: {exc}") from exc
 
     async def unregister(self, worker_id: str) -> None:
-        """Remove a worker at once (clean shutdown or drain)."""
+        """Remove a worker at once (clean shutdown, drain, a dead engine, a supervisor that saw it die),
+        and count the removal (:meth:`removals`), so that readers drop it now, not at their next read."""
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.delete(self._record_key(worker_id))
                 pipe.zrem(self._set_key(), worker_id)
+                pipe.incr(self._removals_key())
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             raise BackendUnavailableError(f"worker registry unreachable: {exc}") from exc
+
+    async def removals(self) -> int:
+        """How many times a worker was unregistered (one small GET): a reader that polls it often can
+        refresh its list as soon as it changes, and read the whole list rarely."""
+        try:
+            raw = await self._redis.get(self._removals_key())
+        except (RedisError, OSError) as exc:
+            raise BackendUnavailableError(f"worker registry unreachable: {exc}") from exc
+        return int(raw or 0)
 
     async def list_raw_records(self, *, batch_size: int = 0) -> list[bytes]:
         """Every live worker's record as stored (JSON), for readers that parse them themselves.

@@ -106,6 +106,7 @@ def build_replica(
             refresh_interval_s=config.registry_refresh_interval_s,
             max_stale_s=config.registry.ttl_s,
             refresh_in_background=True,  # a Schedule never waits for the registry read (worker_view)
+            removal_check_interval_s=config.registry_removal_check_interval_s,
         )
     queue = config.queue
     shared: Ledger | None = None

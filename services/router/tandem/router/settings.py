@@ -113,6 +113,9 @@ class RouterConfig(BaseModel):
     lease_s: float = Field(default=600.0, gt=0)
     #: The registry is read from Redis at most this often; Schedule uses the cached list in between.
     registry_refresh_interval_s: float = Field(default=0.5, ge=0)
+    #: The registry's removals counter is read this often (one small GET), and the list at once when a
+    #: worker left: the router stops placing on a worker that is gone within about this (0: off).
+    registry_removal_check_interval_s: float = Field(default=0.1, ge=0)
     #: Python's cyclic GC runs its youngest pass after this many more container objects were made
     #: than freed (Python's default: 700); 0 keeps Python's. See :func:`tandem.router.gc_tuning.tune_gc`.
     gc_young_threshold: int = Field(default=20_000, ge=0)

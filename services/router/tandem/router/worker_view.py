@@ -14,6 +14,14 @@ loop, and every Schedule that arrived meanwhile waited; records whose JSON did n
 change since the last read are not parsed again). Only the first call, or one whose list is
 older than ``max_stale_s``, waits.
 
+A worker that leaves (it drains, its engine dies, or the supervisor that saw it die removes it:
+tandem.common.registry.WorkerRegistry.unregister) bumps the registry's removals counter. With
+``removal_check_interval_s`` the view reads that counter (one small GET, in the background) that
+often and reads the whole list at once when it changed, so the router stops placing on a worker
+that is gone within about that interval plus one read, not ``refresh_interval_s`` later (issue 37:
+within 1 s of its death; measured in tests/faults/test_engine_death.py). A worker that dies
+without anyone unregistering it still drops out when its record expires (the registry's TTL).
+
 A Schedule for a model that no worker in the cached list serves does not fail
 on that list: its workers may have registered since the last read.
 :meth:`CachedWorkerView.workers_now` reads the registry for it (one such read at a time, at most
@@ -28,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from tandem.common.errors import BackendUnavailableError
@@ -69,10 +77,20 @@ class CachedWorkerView:
         max_stale_s: float,
         clock: Callable[[], float] = time.monotonic,
         refresh_in_background: bool = False,
+        removal_check_interval_s: float = 0.0,
     ) -> None:
         self._source = source
         self._in_background = refresh_in_background
         self._background: asyncio.Task[None] | None = None
+        # The registry's removals counter (module docstring): read every removal_check_interval_s, in
+        # the background; 0, or a source without one, never.
+        self._removals_of: Callable[[], Awaitable[int]] | None = (
+            getattr(source, "removals", None) if removal_check_interval_s > 0 and refresh_in_background else None
+        )
+        self._removal_check_interval_s = removal_check_interval_s
+        self._removals_checked_at_s = -float("inf")
+        self._removals: int | None = None
+        self._removals_check: asyncio.Task[None] | None = None
         # raw record JSON -> its parsed record, from the last read (unchanged records are not parsed again)
         self._parsed: dict[bytes, WorkerRecord] = {}
         self._refresh_interval_s = refresh_interval_s
@@ -92,6 +110,8 @@ class CachedWorkerView:
         return self._workers is not None and self._clock() - self._fetched_at_s < self._refresh_interval_s
 
     async def workers(self) -> list[WorkerRecord]:
+        if self._removals_of is not None:
+            self._maybe_check_removals()
         if self._is_fresh():
             assert self._workers is not None
             return self._workers
@@ -150,6 +170,30 @@ class CachedWorkerView:
         if len(self._unknown) >= _MAX_UNKNOWN_KEYS:
             self._unknown.pop(next(iter(self._unknown)))
         self._unknown[key] = self._clock()
+
+    def _maybe_check_removals(self) -> None:
+        now_s = self._clock()
+        if now_s - self._removals_checked_at_s < self._removal_check_interval_s:
+            return
+        if self._removals_check is not None and not self._removals_check.done():
+            return
+        self._removals_checked_at_s = now_s
+        self._removals_check = asyncio.get_running_loop().create_task(self._check_removals())
+
+    async def _check_removals(self) -> None:
+        """Read the removals counter; when a worker left since the last look, read the list now."""
+        assert self._removals_of is not None
+        try:
+            removals = await self._removals_of()
+        except BackendUnavailableError:
+            return  # the list's own refresh says so
+        except Exception:
+            logger.exception("worker registry removals check failed")
+            return
+        changed = self._removals is not None and removals != self._removals
+        self._removals = removals
+        if changed and self._workers is not None:
+            await self._refresh_in_background()
 
     async def _refresh_in_background(self) -> None:
         async with self._refresh_lock:
