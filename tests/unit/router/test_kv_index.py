@@ -283,6 +283,8 @@ def test_hashes_outside_64_bits_are_refused_and_never_match() -> None:
     assert index.match([-1]) == {} and index.match([2**64 - 1 + 2**64]) == {}
     index.remove("w0", [-1])
     assert index.match([2**64 - 1]) == {"w0": 1} and index.num_block_entries == 1
+    index.remove("w0", iter([-1, 2**64 - 1]))  # the others in a batch still go, from any iterable
+    assert index.match([2**64 - 1]) == {} and index.num_block_entries == 0
 
 
 def test_hashes_crowding_one_home_slot_are_indexed() -> None:

@@ -1,10 +1,11 @@
 """Which prefix-cache blocks each worker holds, from its engine's KV events.
 
-:class:`tandem.router.kv_subscriber.KVEventSubscriber` applies every decoded
-event with :meth:`KVIndex.apply` and drops a worker that left the registry
-with :meth:`KVIndex.remove_worker`; :class:`tandem.router.scheduler.Scheduler`
-asks :meth:`KVIndex.match` how many leading blocks of a request each worker
-has and drops workers it no longer sees. The router benchmark reads
+:class:`tandem.router.kv_follower.Follower` applies every decoded event with
+:meth:`KVIndex.apply`, :class:`tandem.router.kv_subscriber.KVEventSubscriber`
+drops a worker that left the registry with :meth:`KVIndex.remove_worker`
+(:mod:`tandem.router.intake` does without a subscriber);
+:class:`tandem.router.placement.Placer` asks :meth:`KVIndex.match_by_slot` how many
+leading blocks of a request each worker has. The router benchmark reads
 :attr:`KVIndex.num_block_entries` and :meth:`KVIndex.approx_memory_bytes`;
 :meth:`KVIndex.entries_by_worker` lets two router replicas' indexes be
 compared. Pure data structure, no I/O; used from the replica's event loop only.
@@ -71,15 +72,17 @@ _MAX_STAMP = (1 << 32) - 1
 _MAX_EVICTION_QUEUE = 1 << 16
 
 
-def _as_u64(block_hashes: Iterable[int]) -> tuple[npt.NDArray[np.uint64], int | None]:
-    """``block_hashes`` as uint64 up to the first that is not a 64-bit unsigned int (never stored,
-    so no match goes past it), and that one (None if there is none)."""
+def _as_u64(block_hashes: Iterable[int], *, skip_refused: bool = False) -> tuple[npt.NDArray[np.uint64], int | None]:
+    """``block_hashes`` as uint64 up to the first that is not a 64-bit unsigned int (never stored, so
+    no match goes past it), and that one (None if there is none); with ``skip_refused``, all the others."""
     # An event's hashes are a list: the ABC check for other sequences (~1 us) only after that.
     hashes = block_hashes if type(block_hashes) is list or isinstance(block_hashes, Sequence) else list(block_hashes)
     try:
         return np.fromiter(hashes, np.uint64, len(hashes)), None
     except OverflowError:
         end = next(i for i, h in enumerate(hashes) if not 0 <= h < 1 << 64)
+        if skip_refused:
+            return np.array([h for h in hashes if 0 <= h < 1 << 64], np.uint64), hashes[end]
         return np.fromiter(hashes[:end], np.uint64, end), hashes[end]
 
 
@@ -268,9 +271,7 @@ class KVIndex:
         w = self._slot_by_worker.get(worker_id)
         if w is None:
             return
-        hashes, refused = _as_u64(block_hashes)
-        if refused is not None:  # never stored: the others still count
-            hashes = np.array([h for h in block_hashes if 0 <= h < 1 << 64], np.uint64)
+        hashes = _as_u64(block_hashes, skip_refused=True)[0]  # a refused hash was never stored
         if not len(hashes) or not self._num_entries:
             return
         rows = np.empty(len(hashes), np.int32)

@@ -166,7 +166,10 @@ def unlink_rows(
     """Take ``rows`` (in the table, keys still set) out of it: each one's slot is emptied and the rest
     of its run that sits past its home moves back one slot (no tombstones)."""
     for n in range(rows.shape[0]):
-        j = _probe(slots, keys, home_mask, keys[rows[n]])[0] + 1
+        i, row = _probe(slots, keys, home_mask, keys[rows[n]])
+        if row != rows[n]:
+            continue  # not in the table (already taken out): nothing to move
+        j = i + 1
         while True:
             q = slots[j]
             if q < 0 or np.int64(keys[q] & home_mask) >= j:
