@@ -39,6 +39,28 @@ async def until(condition: Callable[[], bool], timeout_s: float = 2.0) -> None:
         await asyncio.sleep(0.005)
 
 
+async def test_build_replica_hands_each_settings_group_to_its_part() -> None:
+    """The one assembly (the deployment's, the benchmarks', the tests'): each group of RouterConfig
+    reaches the part it configures, with nothing copied on the way."""
+    replica = make_replica(
+        lease_s=42,
+        policy="least_loaded",
+        budget={"prefill_tokens_in_flight": 100},
+        queue={"timeout_s": 0.05, "poll_interval_s": 0.01},
+        disaggregation={"min_uncached_tokens": 50},
+    )
+    scheduler = replica.scheduler
+    assert replica.ledger is None and replica.subscriber is None and scheduler.index is replica.index
+    short = await scheduler.schedule(req("short", 40))  # 40 uncached tokens < 50: the decode worker prefills
+    assert short.local_prefill and short.lease_s == 42 and short.reason.startswith("least_loaded local_prefill")
+    long = await scheduler.schedule(req("long", 60))  # through p0: 60 of its 100 tokens
+    assert long.prefill is not None and long.prefill.worker_id == "p0"
+    started = time.monotonic()
+    with pytest.raises(NoCapacityError):  # 60 more would be 120 > 100: refused after the queue's 0.05 s
+        await scheduler.schedule(req("over", 60))
+    assert 0.05 <= time.monotonic() - started < 1.0
+
+
 @pytest_asyncio.fixture
 async def replicas() -> AsyncIterator[Callable[..., tuple[Scheduler, Ledger]]]:
     key_prefix = f"tandem-test-replicas-{uuid.uuid4().hex[:8]}"
