@@ -43,40 +43,22 @@ A decision is ~0.1-0.5 ms of router CPU under a TTFT of hundreds of milliseconds
 microseconds matter to a user only through the router's throughput and its queueing at bursts (the
 arrival p99 above); that, and the issue's ≤ 1 ms decision target, are what the compiler is kept for.
 
-Compiled by numba when this module is imported (explicit signatures: nothing compiles during a
-Schedule), and cached on disk beside the module where that is writable (numba's own fallback:
-``NUMBA_CACHE_DIR`` or the user's cache folder; the router image compiles them at build time); with
-no writable place at all they are compiled at every start (~1 s), not cached.
+Compiled by numba when this module is imported and cached on disk (:mod:`tandem.router.jit`; ~1 s
+at a start without the cache).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
-
 import numba
 import numpy as np
 import numpy.typing as npt
-from numba import njit, types
+from numba import types
+
+from tandem.router.jit import native
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _compiled(signature: Any) -> Callable[[_F], _F]:
-    """``njit`` with an explicit signature, cached on disk when numba finds a writable place."""
-
-    def decorate(function: _F) -> _F:
-        try:
-            return njit(signature, cache=True, nogil=True)(function)  # type: ignore[no-any-return]
-        except RuntimeError:  # "cannot cache function ...: no locator available": read-only everywhere
-            return njit(signature, cache=False, nogil=True)(function)  # type: ignore[no-any-return]
-
-    return decorate
-
 
 #: Per worker of one pool, one record: what its budget is computed from, the registry's numbers,
 #: this replica's reservations and the other replicas' (:mod:`tandem.router.ledger`).
@@ -139,7 +121,7 @@ _BUDGETS = numba.from_dtype(BUDGETS)[::1]
 _COLUMN = types.float64[:]
 
 
-@_compiled(types.void(types.boolean, _WORKER_NUMBERS, types.float64, types.float64, types.int64[::1], _BUDGETS))
+@native(types.void(types.boolean, _WORKER_NUMBERS, types.float64, types.float64, types.int64[::1], _BUDGETS))
 def budget_state(
     decode: bool, numbers: Records, now_s: float, half_life_s: float, num_blocks_by_slot: I64, out: Records
 ) -> None:
@@ -176,7 +158,7 @@ def budget_state(
             o.kv_fullness = min(1.0, max(0.0, w.kv_usage))
 
 
-@_compiled(
+@native(
     types.void(
         types.boolean, types.float64, types.float64, _COLUMN, _COLUMN, _COLUMN, types.int64[::1], types.boolean[::1]
     )
@@ -203,7 +185,7 @@ def eligible(
         out[excluded[j]] = False
 
 
-@_compiled(types.void(types.float64[:, ::1], types.float64[::1], _COLUMN, types.float64, types.float64[::1]))
+@native(types.void(types.float64[:, ::1], types.float64[::1], _COLUMN, types.float64, types.float64[::1]))
 def weighted_scores(scores: F64, weights: F64, num_in_flight: F64, tiebreak: float, out: F64) -> None:
     """Per worker (a column of ``scores``, one row per scorer), the scorers' weighted mean (1 when
     every weight is 0), with a ``tiebreak`` share given to fewer requests in flight, into ``out``.
@@ -232,7 +214,7 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 _SHIFT = np.uint64(29)
 
 
-@_compiled(types.int64(types.boolean[::1], types.float64[::1], types.float64, types.uint64[::1], types.uint64))
+@native(types.int64(types.boolean[::1], types.float64[::1], types.float64, types.uint64[::1], types.uint64))
 def pick(ok: npt.NDArray[np.bool_], scores: F64, tolerance: float, worker_keys: U64, request_key: np.uint64) -> int:
     """The position of the best-scored worker among ``ok`` ones (-1: none). Scores within
     ``tolerance`` of the best tie, and a tie goes to the highest rendezvous rank of (worker key,
@@ -260,7 +242,7 @@ def pick(ok: npt.NDArray[np.bool_], scores: F64, tolerance: float, worker_keys: 
 # -- the KV index's match (tandem.router.kv_index) ---------------------------------------------
 
 
-@_compiled("void(f8[::1], i8[::1], i8[:], i8[::1], f8, f8)")
+@native("void(f8[::1], i8[::1], i8[:], i8[::1], f8, f8)")
 def credit_cached(
     out: F64,
     positions: I64,

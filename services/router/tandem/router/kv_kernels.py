@@ -50,19 +50,9 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
+from tandem.router.jit import native as _native
+
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _native(signature: str) -> Callable[[_F], _F]:
-    """``njit`` with an explicit signature, cached on disk when numba finds a writable place."""
-
-    def decorate(function: _F) -> _F:
-        try:
-            return njit(signature, cache=True, nogil=True)(function)  # type: ignore[no-any-return]
-        except RuntimeError:  # "cannot cache function ...: no locator available": read-only everywhere
-            return njit(signature, cache=False, nogil=True)(function)  # type: ignore[no-any-return]
-
-    return decorate
 
 
 def _inner(function: _F) -> _F:
