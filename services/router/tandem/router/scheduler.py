@@ -87,10 +87,11 @@ class Scheduler:
         queue_config = queue or QueueSettings()
         #: Every tenant's recent service in uncached prompt tokens: this replica's placements, plus the
         #: other replicas' through the ledger (which then shares this object).
+        weights = dict(queue_config.tenant_weights)
         self._shares = (
             ledger.shares
             if ledger is not None
-            else TenantShares(half_life_s=queue_config.fair_share_half_life_s, weights=dict(queue_config.tenant_weights))
+            else TenantShares(half_life_s=queue_config.fair_share_half_life_s, weights=weights)
         )
         self._epoch = BudgetEpoch(ledger)
         self.intake = WorkerIntake(view, budget, reservations, self._index, subscriber, ledger, self._epoch.bump)
