@@ -38,10 +38,11 @@ LAYERS = 3
 SHAPE = (NUM_BLOCKS, 2, BLOCK, 8)  # blocks, kv heads, block tokens, head content
 CAPABILITY = kv_capability.mint()
 #: The gateway's request id, which names the prompt's KV between engines; vLLM's own ids of its prefill and
-#: of its decode request (the gateway's with vLLM's random suffix), which each engine alone knows.
+#: of its decode request, which each engine alone knows. vLLM makes them of the gateway's id and a random
+#: suffix, but nothing may read one back out of them: here they have nothing in common with it.
 REQUEST = "req-1"
-PREFILL_ENGINE_ID = "req-1-abcdefgh"
-DECODE_ENGINE_ID = "req-1-12345678"
+PREFILL_ENGINE_ID = "prefill-engine-7"
+DECODE_ENGINE_ID = "decode-engine-9"
 
 
 # -- factories -------------------------------------------------------------------
