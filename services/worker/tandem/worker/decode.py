@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from tandem.v1 import worker_pb2
+from tandem.worker.carried_penalties import carried_args
 from tandem.worker.continuation import (
     ReplaySkipper,
     StreamAll,
@@ -22,7 +23,6 @@ from tandem.worker.continuation import (
     appends_first_token,
     resumed_split,
 )
-from tandem.worker.carried_penalties import carried_args
 from tandem.worker.first_token import replay_args
 from tandem.worker.handling import Ctx, Role, engine_errors, engine_prompt, sampling_params
 from tandem.worker.kv_connector.layout import KVLayout
