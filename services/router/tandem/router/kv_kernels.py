@@ -27,10 +27,21 @@ blocks/batch   store       re-store    remove
 128            114 -> 41   78 -> 26    118 -> 69
 =============  ==========  ==========  ===========
 
+At fleet scale (1,000 workers, 750 of them filled by prompts of 4 system blocks, a 16-block shared
+document and 4 blocks of their own to 7.5 M entries; then 20,000 rounds of a prefill's store, a
+decode step's one-block store and a removal of 4 blocks; the replica's GC threshold, the long-lived
+objects frozen; same host, one after the other): filling 37.4 -> 34.8 s, 17.3 B per entry either
+way; p50 (p99) a prefill's store 62 (761) -> 60 (180) us, a one-block store 2.0 (6.1) -> 4.6 (28.7)
+us, a removal 19.6 (101) -> 21.4 (75) us, a 130-block lookup 7.0 (16) -> 7.9 (36) us (the same
+kernels: noise). Without the GC threshold and the freeze, the compiled path's few more small
+containers a call (lists, the counters' array) made Python's full collections of the benchmark's
+own millions of ints more frequent (p99 of a prefill's store 0.4 -> 6 ms): a replica keeps both.
+
 A vLLM batch carries one step's newly full blocks: one for a decoding request, the whole prompt
 for a prefill. The compiled path costs ~3 us more per one-block batch (numpy and the dispatch),
-which at the fleet benchmark's ~255 batches a second is under 1 ms of CPU a second, and is 2-3x
-faster on a prefill's batch, which is what holds up the Schedules queued behind it. So the
+which at the fleet benchmark's ~255 batches a second is under 1 ms of CPU a second; it is level on
+a prompt of mostly known blocks and 2-3x faster on a long one of new blocks, the batches that hold
+up the Schedules queued behind them. So the
 compiled loop is the only one; the plain reference is the index tests' walk of the table
 (``tests/unit/router/test_kv_index.py``: every run sorted by home, every live key found, no absent
 one) and their dict-based reference index.
