@@ -22,22 +22,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tandem.router import ledger_auth
+from tandem.router import ledger_auth, ledger_events
 from tandem.router.fair_share import TenantShares
 from tandem.router.ledger_auth import LedgerAuth
-from tandem.router.ledger_events import (
-    Codec,
-    Dequeued,
-    Event,
-    ForwardedRelease,
-    HandedOff,
-    HandOffPlacement,
-    Message,
-    Queued,
-    Released,
-    Reserved,
-    WaitingRequest,
-)
 from tandem.router.metrics import RouterMetrics
 from tandem.router.reservations import ReservationTable
 
@@ -58,7 +45,7 @@ class RemoteWaiter:
     enqueued_at_unix: float
     replica_id: str
     #: What a placement of it needs (None: not sent, it cannot be placed here).
-    payload: WaitingRequest | None = None
+    payload: ledger_events.WaitingRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -68,7 +55,7 @@ class HandOff:
     request_id: str
     #: The replica that placed it and holds the reservation until this one adopts or refuses it.
     placer_id: str
-    placement: HandOffPlacement
+    placement: ledger_events.HandOffPlacement
 
 
 @dataclass
@@ -96,7 +83,7 @@ class Mirror:
     applied_seq: int = -1
     #: No snapshot applied yet, or a gap: messages wait in ``buffered`` until the next snapshot.
     needs_snapshot: bool = True
-    buffered: deque[tuple[int, list[Event]]] = field(default_factory=lambda: deque(maxlen=MAX_BUFFERED))
+    buffered: deque[tuple[int, list[ledger_events.Event]]] = field(default_factory=lambda: deque(maxlen=MAX_BUFFERED))
     #: Its liveness key expired: nothing more will come from it (see :mod:`tandem.router.ledger`).
     dead: bool = False
     #: The highest seq heard from it on the channel (the replay guard), and the seq of the last
@@ -106,7 +93,7 @@ class Mirror:
     #: The ledger's clock when its last authenticated message or snapshot arrived.
     heard_s: float = 0.0
 
-    def add_waiter(self, event: Queued) -> None:
+    def add_waiter(self, event: ledger_events.Queued) -> None:
         waiter = RemoteWaiter(
             event.request_id, event.tenant, event.priority_index, event.enqueued_at_unix, self.replica_id, event.payload
         )
@@ -165,7 +152,7 @@ class ReplicaMirrors:
         self._auth = auth
         self._max_message_age_s = max_message_age_s
         self._metrics = metrics
-        self._codec = Codec()
+        self._codec = ledger_events.Codec()
         #: How every message of ours begins (a 4-array, then our id with its length): the channel hands
         #: each publisher its own messages back, one per flush, and they are dropped undecoded.
         self._own_prefix = b"\x94" + msgspec.msgpack.encode(replica_id)
@@ -234,7 +221,7 @@ class ReplicaMirrors:
             return
         self._receive_message(message)
 
-    def _receive_message(self, message: Message) -> None:
+    def _receive_message(self, message: ledger_events.Message) -> None:
         mirror = self.mirror(message.replica_id)
         if mirror is None:
             self._reject(ledger_auth.REJECT_TOO_MANY_REPLICAS, "message")
@@ -249,18 +236,20 @@ class ReplicaMirrors:
         # Forwarded Releases and hand-offs are requests, not state (no snapshot carries them): act on
         # them at once, whatever the state of the sender's mirror.
         mine = self.replica_id
-        forwarded = [e.request_id for e in events if type(e) is ForwardedRelease and e.owner_replica_id == mine]
+        forwarded = [
+            e.request_id for e in events if type(e) is ledger_events.ForwardedRelease and e.owner_replica_id == mine
+        ]
         handoffs = [
             HandOff(e.request_id, message.replica_id, e.placement)
             for e in events
-            if type(e) is HandedOff and e.target_replica_id == mine
+            if type(e) is ledger_events.HandedOff and e.target_replica_id == mine
         ]
         if forwarded or handoffs:
             self._forwarded.extend(forwarded)
             self._handoffs.extend(handoffs)
             self._notify()
         for event in events:
-            if type(event) is ForwardedRelease and event.owner_replica_id != mine:
+            if type(event) is ledger_events.ForwardedRelease and event.owner_replica_id != mine:
                 owner = self.by_id.get(event.owner_replica_id)
                 if owner is not None:
                     self.released_elsewhere(owner, event.request_id)
@@ -279,27 +268,27 @@ class ReplicaMirrors:
             return
         self._apply(mirror, seq, events)
 
-    def _apply(self, mirror: Mirror, seq: int, events: Iterable[Event]) -> None:
+    def _apply(self, mirror: Mirror, seq: int, events: Iterable[ledger_events.Event]) -> None:
         mirror.applied_seq = seq
         notify = False
         for event in events:
-            if type(event) is Reserved:
+            if type(event) is ledger_events.Reserved:
                 self.lag_s.append(self._wall() - event.reserved_at_unix)
                 self._reserve(mirror, event)
                 self._shares.add(event.tenant, event.num_uncached_tokens, event.reserved_at_unix)
-            elif type(event) is Released:
+            elif type(event) is ledger_events.Released:
                 if mirror.table.release(event.request_id) is not None:
                     notify = True
                     self.num_frees += 1
-            elif type(event) is Queued:
+            elif type(event) is ledger_events.Queued:
                 mirror.add_waiter(event)
                 notify = True
-            elif type(event) is Dequeued:
+            elif type(event) is ledger_events.Dequeued:
                 notify |= mirror.pop_waiter(event.request_id) is not None
         if notify:
             self._notify()
 
-    def _reserve(self, mirror: Mirror, event: Reserved) -> None:
+    def _reserve(self, mirror: Mirror, event: ledger_events.Reserved) -> None:
         age_s = max(0.0, self._wall() - event.reserved_at_unix)
         mirror.table.reserve(
             event.request_id,
