@@ -59,7 +59,7 @@ import numpy.typing as npt
 from tandem.common.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from tandem.router import kv_holders, kv_kernels
 from tandem.router.kv_holders import OldestFirst, Overflow, OverflowBits
-from tandem.router.kv_slot_table import MIN_SLOT_BITS, SlotTable
+from tandem.router.kv_slot_table import MIN_SLOT_BITS, SlotTable, as_keys
 
 _NO_WORKER = 0
 _MAX_WORKER_SLOT = 0xFFFF
@@ -70,20 +70,6 @@ _ROW_GROWTH = 1.25
 _MAX_STAMP = (1 << 32) - 1
 #: A scan for a worker's oldest entries queues a quarter of them (at most this many, 8 bytes each).
 _MAX_EVICTION_QUEUE = 1 << 16
-
-
-def _as_u64(block_hashes: Iterable[int], *, skip_refused: bool = False) -> tuple[npt.NDArray[np.uint64], int | None]:
-    """``block_hashes`` as uint64 up to the first that is not a 64-bit unsigned int (never stored, so
-    no match goes past it), and that one (None if there is none); with ``skip_refused``, all the others."""
-    # An event's hashes are a list: the ABC check for other sequences (~1 us) only after that.
-    hashes = block_hashes if type(block_hashes) is list or isinstance(block_hashes, Sequence) else list(block_hashes)
-    try:
-        return np.fromiter(hashes, np.uint64, len(hashes)), None
-    except OverflowError:
-        end = next(i for i, h in enumerate(hashes) if not 0 <= h < 1 << 64)
-        if skip_refused:
-            return np.array([h for h in hashes if 0 <= h < 1 << 64], np.uint64), hashes[end]
-        return np.fromiter(hashes[:end], np.uint64, end), hashes[end]
 
 
 class KVIndex:
@@ -179,7 +165,7 @@ class KVIndex:
         Raises ValueError for a hash outside [0, 2**64) (the blocks before it are stored).
         """
         w = self._slot(worker_id)
-        hashes, refused = _as_u64(block_hashes)
+        hashes, refused = as_keys(block_hashes)
         if len(hashes):
             self._hold(w, self._rows_of(hashes).tolist())
         if refused is not None:
@@ -271,7 +257,7 @@ class KVIndex:
         w = self._slot_by_worker.get(worker_id)
         if w is None:
             return
-        hashes = _as_u64(block_hashes, skip_refused=True)[0]  # a refused hash was never stored
+        hashes = as_keys(block_hashes, skip_refused=True)[0]  # a refused hash was never stored
         if not len(hashes) or not self._num_entries:
             return
         rows = np.empty(len(hashes), np.int32)
@@ -422,7 +408,7 @@ class KVIndex:
         out = np.zeros(len(self._worker_by_slot), np.int64)
         if not block_hashes or not self._num_entries:
             return out
-        hashes = _as_u64(block_hashes)[0]
+        hashes = as_keys(block_hashes)[0]
         found = np.empty(len(hashes), np.int32)
         # Every block's row at once; a block the index lacks ends the match there.
         num_found = self._table.find(self._keys, hashes, found, stop_at_missing=True)

@@ -19,6 +19,7 @@ every probe ends.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +35,21 @@ _PAD_SLOTS = 256
 MAX_LOAD = 0.7
 #: Rows compared per numpy call in scans: keeps temporaries small.
 SCAN_CHUNK_ROWS = 1 << 20
+
+
+def as_keys(block_hashes: Iterable[int], *, skip_refused: bool = False) -> tuple[npt.NDArray[np.uint64], int | None]:
+    """``block_hashes`` as the table's keys (uint64) up to the first that is not a 64-bit unsigned
+    int (never stored, so no match goes past it), and that one (None if there is none); with
+    ``skip_refused``, all the others."""
+    # An event's hashes are a list: the ABC check for other sequences (~1 us) only after that.
+    hashes = block_hashes if type(block_hashes) is list or isinstance(block_hashes, Sequence) else list(block_hashes)
+    try:
+        return np.fromiter(hashes, np.uint64, len(hashes)), None
+    except OverflowError:
+        end = next(i for i, h in enumerate(hashes) if not 0 <= h < 1 << 64)
+        if skip_refused:
+            return np.array([h for h in hashes if 0 <= h < 1 << 64], np.uint64), hashes[end]
+        return np.fromiter(hashes[:end], np.uint64, end), hashes[end]
 
 
 def _place_run(
