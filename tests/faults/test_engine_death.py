@@ -35,9 +35,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.common import kv_capability
+from tandem.common.tls import channel
 from tandem.gateway.api.errors import PUBLIC_MESSAGES
 from tandem.local.stack import LocalStack, free_port
-from tandem.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tandem.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tandem.worker.liveness import EXIT_ENGINE_DEAD
 from tests.faults.backend.client import chat_body, num_content_events, stream_chat
 from tests.faults.backend.conftest import BackendStack, registered_workers
@@ -52,6 +53,8 @@ PULL_TIMEOUT_S = 8.0
 REGISTRY_TTL_S = 5.0
 #: Engine death seen → registration deleted (the issue's bound).
 DEREGISTER_BOUND_S = 1.0
+#: A worker's death → the router's last placement on it (the issue's bound).
+PLACEMENT_BOUND_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -387,6 +390,7 @@ def test_engine_process_killed_while_the_worker_lives(death: BackendStack, ledge
     stack = death.stack
     name = "decode-1"
     proc = stack._children[name].proc
+    restarts_before = stack.restarts.get(name, 0)
     with ledger.fault("decode engine-core process SIGKILLed, the worker process alive") as f:
         engine_pid = _engine_core_pid(stack, name)
         assert _health(stack, name) == health_pb2.HealthCheckResponse.SERVING
@@ -403,9 +407,77 @@ def test_engine_process_killed_while_the_worker_lives(death: BackendStack, ledge
         f.saw("requests meanwhile: 200")
         assert proc.wait(timeout=30) == EXIT_ENGINE_DEAD
         f.saw(f"worker exited {EXIT_ENGINE_DEAD}")
-        assert wait_until(lambda: stack.restarts.get(name) == 1 and name in registered_workers(stack), timeout_s=240)
+        assert wait_until(
+            lambda: stack.restarts.get(name, 0) == restarts_before + 1 and name in registered_workers(stack),
+            timeout_s=240,
+        )
         assert _health(stack, name) == health_pb2.HealthCheckResponse.SERVING
         f.saw("the supervisor restarted it; registered and SERVING again")
+        left = quiesce(stack, timeout_s=30)
+        f.leaked("running or held requests", sum(r.total for r in left.values()))
+
+
+def test_a_worker_killed_outright_gets_no_placement_a_second_after_its_death(
+    death: BackendStack, ledger: FaultLedger
+) -> None:
+    """SIGKILL leaves the worker no moment to unregister; the supervisor removes its registration, and
+    the router, which reads the registry every 0.5 s, places nothing more on it within 1 s. Measured on
+    the router's own answers: Schedule/Release pairs sent every ~10 ms across the kill."""
+    stack = death.stack
+    name = "decode-1"
+    dead_id = stack.worker_ids[name]
+    restarts_before = stack.restarts.get(name, 0)
+    placed: list[tuple[float, str]] = []  # (monotonic time of the answer, decode worker id)
+    stop = threading.Event()
+
+    def schedule_in_a_loop() -> None:
+        with channel(stack.router_address, stack.tls("gateway")) as router_channel:
+            stub = router_pb2_grpc.RouterStub(router_channel)
+            metadata = (("application", "tandem-router"),)
+            i = 0
+            while not stop.is_set():
+                i += 1
+                request = router_pb2.ScheduleRequest(
+                    request_id=f"placement-probe-{i}",
+                    model=stack.config.served_model_name,
+                    num_prompt_tokens=32,
+                    max_tokens=8,
+                    tenant="placement-probe",
+                )
+                with contextlib.suppress(grpc.RpcError):
+                    placement = stub.Schedule(request, timeout=5, metadata=metadata)
+                    placed.append((time.monotonic(), placement.decode.worker_id))
+                    stub.Release(
+                        router_pb2.RouterReleaseRequest(request_id=request.request_id), timeout=5, metadata=metadata
+                    )
+                time.sleep(0.01)
+
+    prober = threading.Thread(target=schedule_in_a_loop, daemon=True)
+    with ledger.fault("decode worker process SIGKILLed (no chance to unregister), router placing meanwhile") as f:
+        prober.start()
+        assert wait_until(lambda: sum(1 for _, w in placed if w == dead_id) >= 3, timeout_s=30), placed[-5:]
+        killed_at = time.monotonic()
+        stack.kill(name, signal.SIGKILL)
+        f.tried()
+        deregistered_after_s = _wait_deregistered(stack, name, killed_at)
+        time.sleep(3.0)
+        stop.set()
+        prober.join(timeout=10)
+        last_on_dead = max((t for t, w in placed if w == dead_id), default=killed_at)
+        after_s = max(0.0, last_on_dead - killed_at)
+        f.saw(
+            f"unregistered {deregistered_after_s * 1000:.0f} ms and last placed on "
+            f"{after_s * 1000:.0f} ms after its death"
+        )
+        assert after_s <= PLACEMENT_BOUND_S, after_s
+        later = [w for t, w in placed if t > killed_at + PLACEMENT_BOUND_S]
+        assert later and dead_id not in later, later[:5]  # placements went on, all elsewhere
+        f.saw(f"{len(later)} placements after that, none on it")
+        assert wait_until(
+            lambda: stack.restarts.get(name, 0) >= restarts_before + 1 and name in registered_workers(stack),
+            timeout_s=240,
+        )
+        f.saw("the supervisor restarted it under a new id")
         left = quiesce(stack, timeout_s=30)
         f.leaked("running or held requests", sum(r.total for r in left.values()))
 

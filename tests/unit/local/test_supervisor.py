@@ -1,12 +1,14 @@
 """The local stack's supervisor and ``python -m tandem.local``'s flags: a component that exits is
-started again (a real child process, killed for real), and the command line takes --help and the
-pool sizes."""
+started again (a real child process, killed for real), an exited worker is forgotten (its
+registration removed) at once, once, before its restart (against a scripted stack), and the command
+line takes --help and the pool sizes."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -14,6 +16,7 @@ import pytest
 
 from tandem.local.__main__ import config_from_args, parse_args
 from tandem.local.stack import LocalStack, StackConfig, free_port
+from tandem.local.supervisor import Supervisor
 
 #: A stand-in gateway: answers /readyz, nothing else (the supervisor restarts what exited and waits for
 #: its readiness as it would for the real gateway).
@@ -71,3 +74,65 @@ def test_help_prints_the_flags_and_starts_nothing() -> None:
     assert result.returncode == 0
     assert "--prefill-workers" in result.stdout and "--decode-workers" in result.stdout
     assert "starting" not in result.stdout
+
+
+class ScriptedStack:
+    def __init__(self, *, forget_fails: bool = False) -> None:
+        self.status: dict[str, int | None] = {"decode": None, "router": None}
+        self.events: list[tuple[str, str]] = []
+        self.lifecycle = threading.RLock()
+        self._forget_fails = forget_fails
+
+    @property
+    def components(self) -> list[str]:
+        return list(self.status)
+
+    def exit_status(self, name: str) -> int | None:
+        return self.status[name]
+
+    def forget(self, name: str) -> None:
+        self.events.append(("forget", name))
+        if self._forget_fails:
+            raise ConnectionError("redis away")
+
+    def restart(self, name: str) -> None:
+        self.events.append(("restart", name))
+        self.status[name] = None
+
+
+def _run(stack: ScriptedStack, notes: list[str], until: float = 3.0) -> Supervisor:
+    supervisor = Supervisor(stack, backoff_s=0.3, max_backoff_s=1.0, progress=notes.append, poll_s=0.01)
+    supervisor.start()
+    stack.status["decode"] = -9  # SIGKILLed
+    deadline = time.monotonic() + until
+    while ("restart", "decode") not in stack.events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    supervisor.stop()
+    return supervisor
+
+
+def test_an_exited_worker_is_forgotten_at_once_then_restarted_after_the_backoff() -> None:
+    stack = ScriptedStack()
+    notes: list[str] = []
+    started = time.monotonic()
+    forgotten_at: list[float] = []
+    forget = stack.forget
+
+    def timed_forget(name: str) -> None:
+        forgotten_at.append(time.monotonic() - started)
+        forget(name)
+
+    stack.forget = timed_forget  # type: ignore[method-assign]
+    supervisor = _run(stack, notes)
+    assert stack.events == [("forget", "decode"), ("restart", "decode")]
+    assert forgotten_at[0] < 0.25  # within a poll or two, not after the 0.3 s backoff
+    assert supervisor.restarts == {"decode": 1}
+
+
+def test_a_failure_to_forget_is_reported_and_the_restart_still_happens() -> None:
+    stack = ScriptedStack(forget_fails=True)
+    notes: list[str] = []
+    supervisor = _run(stack, notes)
+    assert stack.events == [("forget", "decode"), ("restart", "decode")]
+    assert any("could not remove its registration" in n for n in notes), notes
+    assert supervisor.restarts == {"decode": 1}

@@ -32,6 +32,7 @@ import grpc
 import httpx
 import redis
 
+from tandem.common.registry import WorkerRegistry
 from tandem.common.tls import TLSSettings, channel
 from tandem.local.pki import default_pki_dir, ensure_pki, settings_for
 from tandem.local.redis_users import RedisLogin, RedisUsersError, default_users_dir, drop_users, ensure_users
@@ -274,6 +275,8 @@ class LocalStack:
         self.redis_logins: dict[str, RedisLogin] = {}
         self.started_at: dict[str, float] = {}
         self.ready_after_s: dict[str, float] = {}
+        #: Each worker component's registry id, as its Health call last said (a restart makes a new one).
+        self.worker_ids: dict[str, str] = {}
         #: The dev tenant's API key (``Authorization: Bearer …``), created at start; "" with auth disabled.
         self.api_key = ""
         #: Credential of the gateway's admin endpoints, fresh at every start.
@@ -572,7 +575,29 @@ class LocalStack:
     def _worker_ready(self, name: str) -> bool:
         with self.worker_channel(name, role="operator") as probe_channel:
             reply = worker_pb2_grpc.WorkerStub(probe_channel).Health(worker_pb2.HealthRequest(), timeout=2)
+            if reply.ready:
+                self.worker_ids[name] = reply.worker_id
             return bool(reply.ready)
+
+    def forget(self, name: str) -> None:
+        """``name`` exited: delete the registration it left behind, as a worker whose engine died does
+        itself (tandem.worker.liveness), so that the router stops placing on it at once (it watches the
+        registry's removals: tandem.router.worker_view), not the registry's TTL later. A worker that was
+        SIGKILLed or crashed could not. Nothing for the other components."""
+        worker_id = self.worker_ids.get(name)
+        if worker_id is None:
+            return
+        login = self.redis_logins.get("worker")
+        url = login.url(self.config.redis_url) if login is not None else self.config.redis_url
+
+        async def unregister() -> None:
+            registry = WorkerRegistry(url, key_prefix=self.config.key_prefix)
+            try:
+                await registry.unregister(worker_id)
+            finally:
+                await registry.aclose()
+
+        asyncio.run(unregister())
 
     @property
     def components(self) -> list[str]:

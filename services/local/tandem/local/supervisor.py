@@ -1,6 +1,11 @@
 """Restarts the local stack's components that exit, as Kubernetes restarts a pod's container: a
 worker whose engine died exits (tandem.worker.liveness) and comes back.
 
+A worker that exits is first forgotten: its registration is deleted within one poll (0.05 s), so
+that the router, which notices a removal within ``registry_removal_check_interval_s`` (0.1 s; see
+tandem.router.worker_view), stops placing on it within a second of its death, not after the
+registry's TTL. A worker whose engine died deletes its own; one that was SIGKILLed or crashed cannot.
+
 Started by :class:`tandem.local.stack.LocalStack` once the stack is up, when
 ``StackConfig.supervise`` is on (``make run``); it calls back into the stack to restart a
 component (which kills what is left of it first: an engine's processes may outlive their worker,
@@ -23,6 +28,11 @@ class Supervised(Protocol):
 
     def exit_status(self, name: str) -> int | None:
         """The component's exit status; None while it runs."""
+        ...
+
+    def forget(self, name: str) -> None:
+        """``name`` exited: remove what it registered that it could not remove itself (a worker's
+        registration), so that nothing is placed on it while it restarts."""
         ...
 
     def restart(self, name: str) -> None:
@@ -48,7 +58,7 @@ class Supervisor:
         backoff_s: float,
         max_backoff_s: float,
         progress: Callable[[str], None],
-        poll_s: float = 0.2,
+        poll_s: float = 0.05,
     ) -> None:
         self._stack = stack
         self._backoff_s = backoff_s
@@ -78,11 +88,19 @@ class Supervisor:
     def _run(self) -> None:
         backoff_s: dict[str, float] = {}
         last_restart_s: dict[str, float] = {}
+        forgotten: set[str] = set()  # exited components whose registration was removed
         while not self._stopping.wait(self._poll_s):
             for name in self._stack.components:
                 status = self._stack.exit_status(name)
                 if status is None:
+                    forgotten.discard(name)
                     continue
+                if name not in forgotten:
+                    forgotten.add(name)
+                    try:
+                        self._stack.forget(name)
+                    except Exception as exc:  # Redis away: the registration expires by its TTL instead
+                        self._progress(f"{name}: could not remove its registration: {exc}")
                 if time.monotonic() - last_restart_s.get(name, -1e9) > 60:
                     backoff_s[name] = self._backoff_s
                 wait_s = backoff_s.get(name, self._backoff_s)
