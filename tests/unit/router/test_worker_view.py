@@ -134,7 +134,8 @@ async def test_a_worker_that_unregisters_leaves_the_view_within_the_removal_chec
 ) -> None:
     """The real registry on the real Redis, each side under its own ACL user: the worker's unregister
     counts itself, and the router's view, reading that counter every 50 ms, drops the worker long
-    before its next full read (60 s here). Off (0), the view keeps the worker until that read."""
+    before its next full read (60 s here). Off (0), the view keeps the worker until that read. (The
+    bound is loose: on a quiet host the drop takes ~50-100 ms; a loaded one delays the event loop.)"""
     async with acl_users(label="removals") as users:
         worker_side = WorkerRegistry(users.url("worker"), key_prefix=users.key_prefix, ttl_s=30)
         router_side = WorkerRegistry(users.url("router"), key_prefix=users.key_prefix, ttl_s=30)
@@ -154,13 +155,13 @@ async def test_a_worker_that_unregisters_leaves_the_view_within_the_removal_chec
             removed_at = time.monotonic()
             await worker_side.unregister("d1")
             gone_after_s = None
-            while time.monotonic() - removed_at < 1.0:
+            while time.monotonic() - removed_at < 3.0:
                 if "d1" not in {w.worker_id for w in await view.workers()}:
                     gone_after_s = time.monotonic() - removed_at
                     break
                 await asyncio.sleep(0.01)
             if removal_check_interval_s:
-                assert gone_after_s is not None and gone_after_s < 0.5, gone_after_s
+                assert gone_after_s is not None and gone_after_s < 2.0, gone_after_s
                 assert {w.worker_id for w in await view.workers()} == {"p0", "d0"}
             else:
                 assert gone_after_s is None  # only the full read (60 s) would have dropped it
