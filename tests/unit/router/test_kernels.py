@@ -15,6 +15,7 @@ import pytest
 
 from tandem.common.registry import WorkerRecord
 from tandem.router import kernels
+from tandem.router.decay import decayed
 from tandem.router.kernels import BUDGETS, WORKER_NUMBERS, Records
 from tandem.router.policy import CacheAwarePolicy, CacheAwareWeights, ScheduleRequest
 from tandem.router.pool import PoolArrays, request_key, worker_key
@@ -221,8 +222,14 @@ def test_the_compiled_budgets_are_the_numpy_formulas(decode: bool) -> None:
             reported=w["reported_tokens"],
         )
         np.testing.assert_array_equal(out["load_tokens"], load)
-        recent = w["recent_tokens"] * np.exp2((w["recent_at_s"] - now_s) / half_life_s)
-        recent += w["others_recent_tokens"] * np.exp2((w["others_recent_at_s"] - now_s) / half_life_s)
+        # The router's one decay (tandem.router.decay), worker by worker.
+        recent = np.array(
+            [
+                decayed(float(x["recent_tokens"]), now_s - float(x["recent_at_s"]), half_life_s)
+                + decayed(float(x["others_recent_tokens"]), now_s - float(x["others_recent_at_s"]), half_life_s)
+                for x in w
+            ]
+        )
         np.testing.assert_allclose(out["recent_tokens"], recent, rtol=1e-15)
         fraction = oracle_load_fraction(w["capacity_tokens"], load)
         np.testing.assert_array_equal(out["load_fraction"], fraction)

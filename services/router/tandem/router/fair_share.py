@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
+from tandem.router.decay import decayed
+
 
 class TenantShares:
     def __init__(
@@ -39,7 +41,7 @@ class TenantShares:
         return self._weights.get(tenant, 1.0)
 
     def _decayed(self, value: float, from_unix: float, to_unix: float) -> float:
-        return float(value * 0.5 ** ((to_unix - from_unix) / self._half_life_s))
+        return decayed(value, to_unix - from_unix, self._half_life_s)
 
     def add(self, tenant: str, num_uncached_tokens: int, at_unix: float | None = None) -> None:
         """``tenant`` was placed a request with ``num_uncached_tokens`` to compute, at ``at_unix``."""
@@ -47,8 +49,7 @@ class TenantShares:
         value, since = self._served.get(tenant, (0.0, at))
         later = max(since, at)
         self._served[tenant] = (
-            self._decayed(value, since, later)
-            + self._decayed(num_uncached_tokens / self.weight(tenant), at, later),
+            self._decayed(value, since, later) + self._decayed(num_uncached_tokens / self.weight(tenant), at, later),
             later,
         )
 

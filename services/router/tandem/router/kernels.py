@@ -149,6 +149,7 @@ def budget_state(
         capped = young + min(old, reported)
         load = max(capped, reported) if decode else capped
         o.load_tokens = load
+        # tandem.router.decay.decayed, inline (the kernel tests compare the two).
         recent = w.recent_tokens * np.exp2((w.recent_at_s - now_s) / half_life_s) + w.others_recent_tokens * np.exp2(
             (w.others_recent_at_s - now_s) / half_life_s
         )

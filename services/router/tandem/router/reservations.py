@@ -20,6 +20,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from tandem.router.decay import decayed
+
 
 @dataclass(frozen=True)
 class Reservation:
@@ -102,7 +104,7 @@ class ReservationTable:
         value, at_s = self._recent.get(worker_id, (0.0, 0.0))
         if not value:
             return 0.0
-        return float(value * 0.5 ** ((self._clock() - at_s) / self._recent_half_life_s))
+        return decayed(value, self._clock() - at_s, self._recent_half_life_s)
 
     def recent_tokens_at(self, worker_id: str) -> tuple[float, float]:
         """(recent tokens, as of this clock time): :meth:`recent_tokens` without the decay since then."""
@@ -112,7 +114,7 @@ class ReservationTable:
         """The largest :meth:`recent_tokens` of any worker (0 when nothing was placed lately)."""
         now_s = self._clock()
         return max(
-            (value * 0.5 ** ((now_s - at_s) / self._recent_half_life_s) for value, at_s in self._recent.values()),
+            (decayed(value, now_s - at_s, self._recent_half_life_s) for value, at_s in self._recent.values()),
             default=0.0,
         )
 
@@ -174,7 +176,7 @@ class ReservationTable:
         second Schedule of the same request (a retry elsewhere) replaces its
         earlier reservation. ``reserved_at_s`` (this table's clock) backdates it:
         a mirror of another replica's reservation made a moment ago."""
-        self.release(request_id)
+        self.end(request_id)
         self._age()
         now_s = self._clock() if reserved_at_s is None else reserved_at_s
         tokens = {w: n for w, n in (tokens_by_worker or {}).items() if n > 0}
@@ -185,7 +187,7 @@ class ReservationTable:
         self._num_young_tokens.update(tokens)
         for worker_id, n in tokens.items():
             value, at_s = self._recent.get(worker_id, (0.0, now_s))
-            self._recent[worker_id] = (value * 0.5 ** ((now_s - at_s) / self._recent_half_life_s) + n, now_s)
+            self._recent[worker_id] = (decayed(value, now_s - at_s, self._recent_half_life_s) + n, now_s)
         self._num_by_tenant[tenant] += 1
         self._changed.update(worker_ids)
         self._young.append((now_s, request_id))
@@ -200,7 +202,7 @@ class ReservationTable:
         """Every live reservation (snapshots for the other replicas)."""
         return list(self._by_request_id.values())
 
-    def release(self, request_id: str) -> Reservation | None:
+    def end(self, request_id: str) -> Reservation | None:
         """Drop ``request_id``'s reservation; None when there is none (idempotent)."""
         self._age()
         reservation = self._by_request_id.pop(request_id, None)
@@ -241,6 +243,6 @@ class ReservationTable:
             expires_at_s, request_id = heapq.heappop(self._expiry_heap)
             current = self._by_request_id.get(request_id)
             if current is not None and current.expires_at_s == expires_at_s:
-                self.release(request_id)
+                self.end(request_id)
                 expired.append(current)
         return expired
