@@ -59,7 +59,7 @@ def test_the_arrays_equal_the_one_worker_at_a_time_budget_view(seed: int) -> Non
                 f"r{step}", tuple(w.worker_id for w in chosen), {w.worker_id: rnd.randrange(1, 3000) for w in chosen}
             )
         else:
-            table.release(rnd.choice(table.reservations()).request_id)
+            table.end(rnd.choice(table.reservations()).request_id)
         fleet.refresh_own(table.drain_changed(), table)
         view = BudgetView(table, config)
         for role in ("prefill", "decode"):

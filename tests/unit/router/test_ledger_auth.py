@@ -108,7 +108,7 @@ async def test_forged_messages_on_the_real_channel_change_no_reservation(redis_p
         assert set(ledger_b._mirrors) == {"a"}
         assert metrics.rejected == {"bad_mac": len(forged)}
 
-        ledger_a.released(ledger_b._mirrors["a"].table.get("req-a"))  # type: ignore[arg-type]
+        ledger_a.reservation_ended(ledger_b._mirrors["a"].table.get("req-a"))  # type: ignore[arg-type]
         await until(lambda: ledger_b.others_tokens("p0") == 0)
     finally:
         await ledger_a.aclose()
@@ -130,7 +130,7 @@ async def test_a_replayed_genuine_message_is_dropped(redis_prefix: str) -> None:
         ledger_a.start()
         ledger_b.start()
         await until(lambda: ledger_a.num_live_replicas == 2 and ledger_b.num_live_replicas == 2)
-        ledger_a.forward_release_to("b", "req-b")
+        ledger_a.forward_end_to("b", "req-b")
         await until(lambda: ledger_b.others._forwarded == ["req-b"])
         assert ledger_b.take_forwarded() == ["req-b"]
         recorded = None

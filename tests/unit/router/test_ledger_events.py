@@ -13,13 +13,13 @@ from tandem.router.ledger_events import (
     BlockHashes,
     Codec,
     Dequeued,
+    Ended,
     Event,
-    ForwardedRelease,
+    ForwardedEnd,
     HandedOff,
     HandOffPlacement,
     Message,
     Queued,
-    Released,
     Reserved,
     Snapshot,
     WaitingRequest,
@@ -56,13 +56,13 @@ EVENTS: list[tuple[Event, tuple[object, ...]]] = [
         Reserved("r1", ["p0", "d0"], [300, 316], "t", 268, NOW_UNIX),
         ("+", "r1", ["p0", "d0"], [300, 316], "t", 268, NOW_UNIX),
     ),
-    (Released("r1"), ("-", "r1")),
+    (Ended("r1"), ("-", "r1")),
     (
         Queued("r2", "t", 1, NOW_UNIX, WAITING),
         ("q", "r2", "t", 1, NOW_UNIX, ["m", 300, 16, [[16, "sha256", [11, 12]]], ["d0"], "", "normal", True]),
     ),
     (Dequeued("r2"), ("d", "r2")),
-    (ForwardedRelease("r3", "b"), ("r", "r3", "b")),
+    (ForwardedEnd("r3", "b"), ("r", "r3", "b")),
     (
         HandedOff("r2", "b", PLACEMENT),
         (
@@ -172,7 +172,7 @@ async def test_every_event_reaches_the_receiver_typed() -> None:
         b.apply_snapshot("a", LedgerAuth(LEDGER_SECRET).seal_snapshot(Codec().encode(Snapshot("a", -1, NOW_UNIX))))
         a._outbox = [Reserved("r1", ["p0"], [40], "t", 40, NOW_UNIX), Queued("r2", "t", 0, NOW_UNIX, WAITING)]
         a._flush()
-        a._outbox = [ForwardedRelease("r9", "b"), HandedOff("r8", "b", PLACEMENT)]
+        a._outbox = [ForwardedEnd("r9", "b"), HandedOff("r8", "b", PLACEMENT)]
         a._flush()
         for payload in published:
             b.receive(payload)

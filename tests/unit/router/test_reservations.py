@@ -11,7 +11,7 @@ def test_reserve_counts_each_worker_and_release_frees_them() -> None:
     table.reserve("r1", ("p0", "d0"))
     table.reserve("r2", ("p0", "d1"))
     assert (table.num_in_flight("p0"), table.num_in_flight("d0"), table.num_in_flight("d1")) == (2, 1, 1)
-    released = table.release("r1")
+    released = table.end("r1")
     assert released is not None and released.worker_ids == ("p0", "d0")
     assert table.in_flight_by_worker() == {"p0": 1, "d1": 1}
     assert len(table) == 1
@@ -20,9 +20,9 @@ def test_reserve_counts_each_worker_and_release_frees_them() -> None:
 def test_release_is_idempotent() -> None:
     table = ReservationTable(lease_s=10, clock=FakeClock())
     table.reserve("r1", ("p0", "d0"))
-    assert table.release("r1") is not None
-    assert table.release("r1") is None
-    assert table.release("never-scheduled") is None
+    assert table.end("r1") is not None
+    assert table.end("r1") is None
+    assert table.end("never-scheduled") is None
     assert table.num_in_flight("p0") == 0
 
 
@@ -51,7 +51,7 @@ def test_sweep_ignores_released_and_replaced_reservations() -> None:
     clock = FakeClock()
     table = ReservationTable(lease_s=10, clock=clock)
     table.reserve("released", ("p0", "d0"))
-    table.release("released")
+    table.end("released")
     table.reserve("renewed", ("p0", "d0"))
     clock.advance(6)
     table.reserve("renewed", ("p1", "d1"))  # a retry: its lease starts again
@@ -64,7 +64,7 @@ def test_expiry_heap_stays_bounded_under_release_churn() -> None:
     table = ReservationTable(lease_s=600, clock=FakeClock())
     for i in range(20_000):
         table.reserve(f"r{i}", ("p0", "d0"))
-        table.release(f"r{i}")
+        table.end(f"r{i}")
     assert len(table._expiry_heap) <= 2 * len(table) + 1025
 
 

@@ -163,14 +163,14 @@ class HandOffs:
         placer's copy goes, in the same message), or refuse it when the request no longer waits."""
         waiter = self._room.waiters_by_id.get(handoff.request_id)
         if waiter is None or waiter.future.done():
-            self._ledger.forward_release_to(handoff.placer_id, handoff.request_id)
+            self._ledger.forward_end_to(handoff.placer_id, handoff.request_id)
             self._metrics.count_handoff("refused")
             return
         try:
             decision, worker_ids, tokens, tenant, age_s = _decode_handoff(handoff, self._intake.last_workers or ())
         except (TypeError, ValueError):
             logger.warning("undecodable hand-off of %s from %s: refused", handoff.request_id, handoff.placer_id)
-            self._ledger.forward_release_to(handoff.placer_id, handoff.request_id)
+            self._ledger.forward_end_to(handoff.placer_id, handoff.request_id)
             self._metrics.count_handoff("refused")
             return
         reservation = self._reservations.reserve(
@@ -181,7 +181,7 @@ class HandOffs:
                 self._gauges.note_role(worker)
         # The tenant's service was counted once, by the placer's reservation: 0 here.
         self._ledger.reserved(reservation, 0)
-        self._ledger.forward_release_to(handoff.placer_id, handoff.request_id)
+        self._ledger.forward_end_to(handoff.placer_id, handoff.request_id)
         self._gauges.publish(reservation)
         self._room.admit(waiter, decision)
         self._metrics.count_handoff("adopted")

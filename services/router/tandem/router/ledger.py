@@ -35,7 +35,7 @@ every change as it happens (:meth:`Ledger.reserved`, :meth:`Ledger.released`,
   replica orders its queue by the same global service in uncached prompt tokens.
 
 A Release that reaches a replica not holding the reservation is published to the owner
-(:meth:`forward_release`; :meth:`take_forwarded` on the owner). Nothing a retry needs lives only
+(:meth:`forward_end`; :meth:`take_forwarded` on the owner). Nothing a retry needs lives only
 in one replica: a Schedule retried on another replica is placed afresh.
 
 **Hand-offs.** A queued request travels with what a placement needs (its model, sizes, block
@@ -86,13 +86,13 @@ from tandem.router.ledger_auth import LedgerAuth
 from tandem.router.ledger_events import (
     Codec,
     Dequeued,
+    Ended,
     Event,
-    ForwardedRelease,
+    ForwardedEnd,
     HandedOff,
     HandOffPlacement,
     Message,
     Queued,
-    Released,
     Reserved,
     Snapshot,
     WaitingRequest,
@@ -229,9 +229,9 @@ class Ledger:
         self._own_reservations[reservation.request_id] = event
         self._emit(event)
 
-    def released(self, reservation: Reservation) -> None:
+    def reservation_ended(self, reservation: Reservation) -> None:
         if self._own_reservations.pop(reservation.request_id, None) is not None:
-            self._emit(Released(reservation.request_id))
+            self._emit(Ended(reservation.request_id))
 
     def queued(
         self,
@@ -258,13 +258,13 @@ class Ledger:
         """Placements other replicas made for this replica's waiters."""
         return self.others.take_handoffs()
 
-    def forward_release_to(self, owner_replica_id: str, request_id: str) -> None:
+    def forward_end_to(self, owner_replica_id: str, request_id: str) -> None:
         """Ask ``owner_replica_id`` to release ``request_id`` (a hand-off adopted or refused); it stops
         counting here at once."""
-        self._emit(ForwardedRelease(request_id, owner_replica_id))
+        self._emit(ForwardedEnd(request_id, owner_replica_id))
         owner = self._mirrors.get(owner_replica_id)
         if owner is not None:
-            self.others.released_elsewhere(owner, request_id)
+            self.others.ended_elsewhere(owner, request_id)
 
     def _emit(self, event: Event) -> None:
         self._outbox.append(event)
@@ -342,13 +342,13 @@ class Ledger:
 
     # -- forwarded Releases --------------------------------------------------------------------
 
-    async def forward_release(self, request_id: str) -> bool:
+    async def forward_end(self, request_id: str) -> bool:
         """Ask the replica holding ``request_id`` to release it; False when no live replica holds it."""
         owner = self.others.owner_of(request_id)
         if owner is None:
             return False
-        self._emit(ForwardedRelease(request_id, owner.replica_id))
-        self.others.released_elsewhere(owner, request_id)
+        self._emit(ForwardedEnd(request_id, owner.replica_id))
+        self.others.ended_elsewhere(owner, request_id)
         return True
 
     def take_forwarded(self) -> list[str]:

@@ -8,8 +8,8 @@ two payloads a waiting request and a hand-off carry (:class:`WaitingRequest`,
 
 A :class:`Message` is ``[replica_id, seq, events, sent_at_unix]``; its events are a tagged union
 (:data:`Event`), each an array whose first element is its tag: ``"+"`` :class:`Reserved`, ``"-"``
-:class:`Released`, ``"q"`` :class:`Queued`, ``"d"`` :class:`Dequeued`, ``"r"``
-:class:`ForwardedRelease`, ``"p"`` :class:`HandedOff`. A :class:`Snapshot` is a map (its keys are
+:class:`Ended`, ``"q"`` :class:`Queued`, ``"d"`` :class:`Dequeued`, ``"r"``
+:class:`ForwardedEnd`, ``"p"`` :class:`HandedOff`. A :class:`Snapshot` is a map (its keys are
 the names below). Arrays rather than maps for the messages: no field names on the wire, and the
 channel carries one message per event-loop iteration that placed something, to every replica.
 
@@ -97,8 +97,8 @@ class Reserved(msgspec.Struct, frozen=True, array_like=True, tag="+"):
     reserved_at_unix: float
 
 
-class Released(msgspec.Struct, frozen=True, array_like=True, tag="-"):
-    """The sender released its reservation of a request."""
+class Ended(msgspec.Struct, frozen=True, array_like=True, tag="-"):
+    """The sender ended its reservation of a request (its budget is free again)."""
 
     request_id: str
 
@@ -121,7 +121,7 @@ class Dequeued(msgspec.Struct, frozen=True, array_like=True, tag="d"):
     request_id: str
 
 
-class ForwardedRelease(msgspec.Struct, frozen=True, array_like=True, tag="r"):
+class ForwardedEnd(msgspec.Struct, frozen=True, array_like=True, tag="r"):
     """A Release that reached the sender for a request ``owner_replica_id`` holds."""
 
     request_id: str
@@ -137,7 +137,7 @@ class HandedOff(msgspec.Struct, frozen=True, array_like=True, tag="p"):
     placement: HandOffPlacement
 
 
-Event: TypeAlias = Reserved | Released | Queued | Dequeued | ForwardedRelease | HandedOff
+Event: TypeAlias = Reserved | Ended | Queued | Dequeued | ForwardedEnd | HandedOff
 
 
 class Message(msgspec.Struct, frozen=True, array_like=True):

@@ -237,7 +237,7 @@ class ReplicaMirrors:
         # them at once, whatever the state of the sender's mirror.
         mine = self.replica_id
         forwarded = [
-            e.request_id for e in events if type(e) is ledger_events.ForwardedRelease and e.owner_replica_id == mine
+            e.request_id for e in events if type(e) is ledger_events.ForwardedEnd and e.owner_replica_id == mine
         ]
         handoffs = [
             HandOff(e.request_id, message.replica_id, e.placement)
@@ -249,10 +249,10 @@ class ReplicaMirrors:
             self._handoffs.extend(handoffs)
             self._notify()
         for event in events:
-            if type(event) is ledger_events.ForwardedRelease and event.owner_replica_id != mine:
+            if type(event) is ledger_events.ForwardedEnd and event.owner_replica_id != mine:
                 owner = self.by_id.get(event.owner_replica_id)
                 if owner is not None:
-                    self.released_elsewhere(owner, event.request_id)
+                    self.ended_elsewhere(owner, event.request_id)
         if mirror.dead and seq > mirror.applied_seq:  # it speaks again (a partition healed): follow it afresh
             mirror.dead = False
             mirror.needs_snapshot = True
@@ -276,8 +276,8 @@ class ReplicaMirrors:
                 self.lag_s.append(self._wall() - event.reserved_at_unix)
                 self._reserve(mirror, event)
                 self._shares.add(event.tenant, event.num_uncached_tokens, event.reserved_at_unix)
-            elif type(event) is ledger_events.Released:
-                if mirror.table.release(event.request_id) is not None:
+            elif type(event) is ledger_events.Ended:
+                if mirror.table.end(event.request_id) is not None:
                     notify = True
                     self.num_frees += 1
             elif type(event) is ledger_events.Queued:
@@ -421,11 +421,11 @@ class ReplicaMirrors:
         """The mirror holding ``request_id``'s reservation, if any."""
         return next((m for m in self.by_id.values() if m.table.get(request_id) is not None), None)
 
-    def released_elsewhere(self, owner: Mirror, request_id: str) -> None:
+    def ended_elsewhere(self, owner: Mirror, request_id: str) -> None:
         """``request_id`` of ``owner`` was released through another replica: its request ended, so it
         stops counting here at once (the owner's own release, when it comes, finds nothing more to
         do; an owner that died never sends one)."""
-        if owner.table.release(request_id) is not None:
+        if owner.table.end(request_id) is not None:
             self.num_frees += 1
             self._notify()
 

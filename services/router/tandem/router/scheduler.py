@@ -165,7 +165,7 @@ class Scheduler:
         # A repeated Schedule of one request is a retry elsewhere: its earlier
         # pair must not count as load while choosing the new one.
         if not self._end_here(request.request_id) and self._ledger is not None:
-            await self._ledger.forward_release(request.request_id)  # it was placed by another replica
+            await self._ledger.forward_end(request.request_id)  # it was placed by another replica
         pending = PendingRequest(request)
         if not self._room and not (self._handoffs is not None and self._handoffs.ahead_of_new(request)):
             try:
@@ -211,11 +211,11 @@ class Scheduler:
         if self.end_reservation(request_id):
             return True
         if self._ledger is not None:
-            return await self._ledger.forward_release(request_id)
+            return await self._ledger.forward_end(request_id)
         return False
 
     def _end_here(self, request_id: str) -> bool:
-        return self._ended(self._reservations.release(request_id))
+        return self._ended(self._reservations.end(request_id))
 
     def _ended(self, reservation: Reservation | None) -> bool:
         """A reservation of this replica ended (ended, expired or replaced): gauges and the ledger."""
@@ -228,7 +228,7 @@ class Scheduler:
             self._handoffs.handed_off.pop(reservation.request_id, None)
         self._gauges.publish(reservation)
         if self._ledger is not None:
-            self._ledger.released(reservation)
+            self._ledger.reservation_ended(reservation)
         return True
 
     def _sweep(self) -> None:
