@@ -692,7 +692,7 @@ async def replay(
                 task = loop.create_task(replicas[live[0]].scheduler.end_reservation_anywhere(request_id))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-            oracle.scheduler.reservations.release(request_id)
+            oracle.scheduler.reservations.end(request_id)
 
         async def one(index: int, request: ScheduleRequest, hashes: list[int]) -> None:
             owner = owner_of(request.request_id, live)
