@@ -381,6 +381,18 @@ async def test_a_first_token_beyond_the_vocabulary_never_reaches_the_engine() ->
     assert engine.params == []
 
 
+def _resumed_request(sampling: common_pb2.SamplingOptions) -> worker_pb2.DecodeRequest:
+    """A migrated stream's Decode: prompt [1, 2, 3], the client holds tokens 11-13 ("Olá 👋 東")."""
+    return worker_pb2.DecodeRequest(
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        local_prefill=True,
+        resume_token_ids=[11, 12, 13],
+        resume_text="Olá 👋 東",
+        sampling=sampling,
+    )
+
+
 async def _decode_collect_request(
     service: WorkerService, request: worker_pb2.DecodeRequest, context: Context
 ) -> list[worker_pb2.DecodeChunk]:
@@ -399,15 +411,8 @@ async def test_a_resumed_decode_replays_what_the_client_has_and_streams_only_wha
         ]
     )
     service = await _service("decode", engine)
-    request = worker_pb2.DecodeRequest(
-        request_id="r1",
-        prompt_token_ids=[1, 2, 3],
-        local_prefill=True,
-        resume_token_ids=[11, 12, 13],
-        resume_text="Olá 👋 東",
-        # Seeded random sampling: the generator's draws so far cannot be re-made, so every token is replayed.
-        sampling=common_pb2.SamplingOptions(max_tokens=8, temperature=0.7, presence_penalty=1.0, seed=7),
-    )
+    # Seeded random sampling: the generator's draws so far cannot be re-made, so every token is replayed.
+    request = _resumed_request(common_pb2.SamplingOptions(max_tokens=8, temperature=0.7, presence_penalty=1.0, seed=7))
     chunks = await _decode(service, request)
     assert [(c.text, list(c.token_ids)) for c in chunks] == [("京!", [14])]
     assert chunks[-1].finish_reason == "stop" and chunks[-1].stats.num_output_tokens == 1
@@ -459,14 +464,7 @@ async def test_a_greedy_resumed_decode_takes_the_tokens_so_far_as_prompt_and_rep
         ],
     )
     service = await _service("decode", engine)
-    request = worker_pb2.DecodeRequest(
-        request_id="r1",
-        prompt_token_ids=[1, 2, 3],
-        local_prefill=True,
-        resume_token_ids=[11, 12, 13],
-        resume_text="Olá 👋 東",
-        sampling=common_pb2.SamplingOptions(max_tokens=8, temperature=0.0, min_tokens=4, stop=["END"]),
-    )
+    request = _resumed_request(common_pb2.SamplingOptions(max_tokens=8, temperature=0.0, min_tokens=4, stop=["END"]))
     chunks = await _decode(service, request)
     stats = chunks[-1].stats
     assert (stats.num_decode_cached_tokens, stats.num_computed_prompt_tokens) == (5, 0)
@@ -486,14 +484,8 @@ async def test_a_penalised_greedy_resumed_decode_takes_the_tokens_as_prompt_and_
         outputs=[Output([Completion([14], "京", finish_reason="stop")], finished=True)],
     )
     service = await _service("decode", engine)
-    request = worker_pb2.DecodeRequest(
-        request_id="r1",
-        prompt_token_ids=[1, 2, 3],
-        local_prefill=True,
-        resume_token_ids=[11, 12, 13],
-        resume_text="Olá 👋 東",
-        sampling=common_pb2.SamplingOptions(max_tokens=8, temperature=0.0, presence_penalty=0.6, frequency_penalty=0.2),
-    )
+    sampling = common_pb2.SamplingOptions(max_tokens=8, temperature=0.0, presence_penalty=0.6, frequency_penalty=0.2)
+    request = _resumed_request(sampling)
     chunks = await _decode(service, request)
     assert "".join(c.text for c in chunks) == "京"
     (params,) = engine.params
