@@ -65,8 +65,11 @@ class ValidatingWorker(FakeWorker):
 @pytest.fixture
 def edge_overrides() -> dict[str, Any]:
     """Every generated request comes from one key: each must meet its own answer, not the 429 of a key over
-    its refused requests (tests/unit/gateway/test_rejections.py)."""
-    return {"auth": {"max_rejected_requests_per_minute": 0}}
+    its refused requests (tests/unit/gateway/test_rejections.py). Redis gets 5 s rather than the default
+    0.5 s to answer the key lookup: this test is about request bodies, and on the loaded 2-core CI host a
+    0.5 s stall of the shared Redis once made one of 10,000 requests a (correct) 503 backend_unavailable.
+    That 503 has its own tests (test_redis_client.py here, tests/faults/backend/test_restarts.py)."""
+    return {"auth": {"max_rejected_requests_per_minute": 0}, "tenancy": {"redis_timeout_s": 5.0}}
 
 
 def test_openapi_document_lists_the_endpoints() -> None:
