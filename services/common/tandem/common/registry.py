@@ -69,6 +69,10 @@ class WorkerRecord:
     num_kv_blocks: int = 0
     max_model_len: int = 0
     started_unix_s: float = 0.0
+    #: LoRA adapters the engine can hold at once (vLLM's max_loras); 0: LoRA is off on this worker.
+    max_adapters: int = 0
+    #: Engine names (tandem.common.adapters) of the adapters loaded now, least recently used first.
+    adapters: tuple[str, ...] = ()
     load: WorkerLoad = field(default_factory=WorkerLoad)
 
     @property
@@ -84,7 +88,10 @@ class WorkerRecord:
         """Fields this version does not know are skipped (a newer worker may send more)."""
         data: dict[str, Any] = json.loads(raw)
         load = WorkerLoad(**{k: v for k, v in (data.get("load") or {}).items() if k in _LOAD_FIELDS})
-        return cls(**{k: v for k, v in data.items() if k in _RECORD_FIELDS}, load=load)
+        fields = {k: v for k, v in data.items() if k in _RECORD_FIELDS}
+        if "adapters" in fields:
+            fields["adapters"] = tuple(fields["adapters"])
+        return cls(**fields, load=load)
 
 
 _RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerRecord)) - {"load"}
