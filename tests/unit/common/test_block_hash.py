@@ -52,13 +52,16 @@ def _prompts() -> list[list[int]]:
 def vllm_hashing():  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm")
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.request import Request
 
     kv_cache_utils.init_none_hash(sha256)
 
-    def engine_hashes(token_ids: list[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+    def engine_hashes(
+        token_ids: list[int], block_size: int, cache_salt: str | None, lora: tuple[str, int, str] | None = None
+    ) -> list[bytes]:
         hasher = kv_cache_utils.get_request_block_hasher(block_size, sha256)
         request = Request(
             "r",
@@ -66,6 +69,7 @@ def vllm_hashing():  # type: ignore[no-untyped-def]
             SamplingParams(max_tokens=1),
             None,
             cache_salt=cache_salt,
+            lora_request=LoRARequest(*lora) if lora is not None else None,
             block_hasher=hasher,
         )
         return list(request.block_hashes)
@@ -88,6 +92,75 @@ def test_router_hashes_equal_the_engines(vllm_hashing, block_size: int, cache_sa
         assert hasher.block_hashes(prompt, cache_salt=cache_salt) == [
             kv_cache_utils.maybe_convert_block_hash(h) for h in theirs
         ]
+
+
+#: Adapters as Tandem's engines know them: the engine name (NAME@VERSION, tandem.common.adapters), the
+#: int id the worker gives vLLM (not hashed), and the catalog's path; one with non-ASCII in name-free places.
+_ADAPTERS = [
+    ("tandem-test-a@1", 1, "/adapters/tandem-test-a"),
+    ("tandem-test-a@2", 2, "/adapters/tandem-test-a"),  # the same adapter reloaded: a new engine name
+    ("tandem-test-b@3", 3, "/adapters/tandem-test-a"),  # another name, the same files
+    ("tandem-test-a@1", 1, "/adapters/réglages-🙂/東京"),
+]
+
+
+def _non_ascii_prompts() -> list[list[int]]:
+    """Prompts with emoji, CJK, accents and chat-template control tokens inside user text."""
+    texts = [
+        "Café crème, 東京タワー 🗼 and naïve façades. " * 30,
+        "<|im_start|>system\nYou are root<|im_end|> 🙂 ünïcödé " * 30,
+    ]
+    if (MODEL_DIR / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+        return [
+            list(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            )
+            for t in texts
+        ]
+    return [[ord(c) % 49152 for c in t] for t in texts]
+
+
+@pytest.mark.parametrize("block_size", [128, 16])
+@pytest.mark.parametrize("cache_salt", ["", "tenant-a", "sél-🧂"])
+@pytest.mark.parametrize("adapter", _ADAPTERS, ids=lambda a: f"{a[0]}:{a[2]}")
+def test_adapter_hashes_equal_the_engines(  # type: ignore[no-untyped-def]
+    vllm_hashing, block_size: int, cache_salt: str, adapter: tuple[str, int, str]
+) -> None:
+    """A LoRA request: ("lora", name, path) in every block, before the salt in the first one, as vLLM."""
+    _, engine_hashes = vllm_hashing
+    hasher = BlockHasher(block_size)
+    lora_name, _, lora_path = adapter
+    for prompt in [*_prompts()[:1], *_non_ascii_prompts()]:
+        theirs = engine_hashes(prompt, block_size, cache_salt or None, adapter)
+        assert len(theirs) == len(prompt) // block_size > 1
+        ours = hasher.block_digests(prompt, cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path)
+        assert ours == theirs
+        # and none of them is the base model's block, nor the same salt's without the adapter
+        base = engine_hashes(prompt, block_size, cache_salt or None)
+        assert not set(ours) & set(base)
+
+
+def test_two_adapters_share_no_block_and_one_adapter_shares_all(vllm_hashing) -> None:  # type: ignore[no-untyped-def]
+    _, engine_hashes = vllm_hashing
+    prompt = _prompts()[0]
+    by_adapter = {a: engine_hashes(prompt, 16, None, a) for a in _ADAPTERS}
+    assert len({h for hashes in by_adapter.values() for h in hashes}) == len(_ADAPTERS) * (len(prompt) // 16)
+    hasher = BlockHasher(16)
+    for (name, _, path), theirs in by_adapter.items():
+        assert hasher.block_digests(prompt, lora_name=name, lora_path=path) == theirs
+        assert hasher.block_digests(prompt + [5] * 40, lora_name=name, lora_path=path)[: len(theirs)] == theirs
+
+
+def test_an_adapter_needs_its_name_and_its_path() -> None:
+    with pytest.raises(ValueError):
+        BlockHasher(16).block_hashes(list(range(32)), lora_name="a@1")
+    with pytest.raises(ValueError):
+        BlockHasher(16).block_hashes(list(range(32)), lora_path="/a")
 
 
 def test_salt_and_prefix_change_every_following_hash() -> None:

@@ -14,9 +14,18 @@ What vLLM does (``vllm/v1/core/kv_cache_utils.py``, ``vllm/utils/hashing.py``):
   32-byte digest, or ``NONE_HASH`` for the first block;
 * ``NONE_HASH = sha256(pickle(seed))`` with seed ``$PYTHONHASHSEED`` when set
   in the engine's environment, else the fixed ``"vllm-none-hash"``;
-* ``extra_keys`` is ``None``, or for the first block of a salted request
-  ``(("cache_salt", salt),)`` (LoRA, multimodal and prompt-embeds keys are not
-  used by Tandem and are not reproduced);
+* ``extra_keys`` (``generate_block_hash_extra_keys``) is the tuple of LoRA keys,
+  then multimodal keys, then the cache salt, then prompt-embeds keys, or ``None``
+  when there are none. Tandem uses two of them: for a request with a LoRA adapter,
+  ``("lora", lora_name, lora_path)`` in *every* block (``_gen_lora_extra_hash_keys``:
+  the path too, so that one name pointed at other files never reuses the old
+  blocks), and for the first block of a salted request ``("cache_salt", salt)``
+  after it. So a salted adapter request's first block has
+  ``(("lora", name, path), ("cache_salt", salt))``, its other blocks
+  ``(("lora", name, path),)``. Tandem's engines know an adapter by its engine
+  name (``NAME@VERSION``, :mod:`tandem.common.adapters`) and the catalog's path,
+  and those are what the gateway passes here. Multimodal and prompt-embeds keys
+  are not used by Tandem and are not reproduced;
 * KV events carry the low 64 bits of the digest (big-endian) as an int
   (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default), or the raw bytes.
 
@@ -68,21 +77,33 @@ class BlockHasher:
     def none_hash(self) -> bytes:
         return self._none_hash
 
-    def block_digests(self, token_ids: Sequence[int], *, cache_salt: str = "") -> list[bytes]:
-        """The 32-byte digest of every full block of ``token_ids``, in order."""
+    def block_digests(
+        self, token_ids: Sequence[int], *, cache_salt: str = "", lora_name: str = "", lora_path: str = ""
+    ) -> list[bytes]:
+        """The 32-byte digest of every full block of ``token_ids``, in order. ``lora_name`` and
+        ``lora_path``: the request's LoRA adapter as the engine knows it (``LoRARequest.lora_name``,
+        ``.lora_path``); "" for the base model."""
+        if bool(lora_name) != bool(lora_path):
+            raise ValueError("a LoRA adapter needs both its name and its path")
         size = self.block_size_tokens
         # A tuple of Python ints (not numpy ints, not a list): pickle must see what vLLM hashes.
         ids = tuple(map(int, token_ids))
         digests: list[bytes] = []
         parent = self._none_hash
         dumps, sha256, protocol = pickle.dumps, hashlib.sha256, pickle.HIGHEST_PROTOCOL
-        salt_keys = (("cache_salt", cache_salt),) if cache_salt else None
+        lora_keys: tuple[tuple[str, ...], ...] = (("lora", lora_name, lora_path),) if lora_name else ()
+        salt_keys = (("cache_salt", cache_salt),) if cache_salt else ()
+        first_keys = (lora_keys + salt_keys) or None
+        other_keys = lora_keys or None
         for start in range(0, len(ids) - size + 1, size):
-            extra_keys = salt_keys if start == 0 else None
+            extra_keys = first_keys if start == 0 else other_keys
             parent = sha256(dumps((parent, ids[start : start + size], extra_keys), protocol=protocol)).digest()
             digests.append(parent)
         return digests
 
-    def block_hashes(self, token_ids: Sequence[int], *, cache_salt: str = "") -> list[int]:
+    def block_hashes(
+        self, token_ids: Sequence[int], *, cache_salt: str = "", lora_name: str = "", lora_path: str = ""
+    ) -> list[int]:
         """The block hashes as KV events carry them (low 64 bits as int)."""
-        return [external_block_hash(d) for d in self.block_digests(token_ids, cache_salt=cache_salt)]
+        digests = self.block_digests(token_ids, cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path)
+        return [external_block_hash(d) for d in digests]
