@@ -59,7 +59,10 @@ EVENTS: list[tuple[Event, tuple[object, ...]]] = [
     (Ended("r1"), ("-", "r1")),
     (
         Queued("r2", "t", 1, NOW_UNIX, WAITING),
-        ("q", "r2", "t", 1, NOW_UNIX, ["m", 300, 16, [[16, "sha256", [11, 12]]], ["d0"], "", "normal", True]),
+        # The version before ends the payload at local_prefill_only; the trailing adapter ("": the base
+        # model, issue 40) is one element more, which the version before ignores (msgspec drops extra
+        # trailing elements of an array-like struct).
+        ("q", "r2", "t", 1, NOW_UNIX, ["m", 300, 16, [[16, "sha256", [11, 12]]], ["d0"], "", "normal", True, ""]),
     ),
     (Dequeued("r2"), ("d", "r2")),
     (ForwardedEnd("r3", "b"), ("r", "r3", "b")),
@@ -139,6 +142,24 @@ def test_the_version_befores_shorter_payloads_decode_with_their_defaults() -> No
     without, seven = codec.decode_message(old).events
     assert isinstance(without, Queued) and without.payload is None
     assert isinstance(seven, Queued) and seven.payload is not None and seven.payload.local_prefill_only is False
+    assert seven.payload.adapter == ""
+
+
+def test_the_version_before_reads_a_payload_with_an_adapter_and_ignores_it() -> None:
+    class WaitingBefore(msgspec.Struct, frozen=True, array_like=True):
+        model: str
+        num_prompt_tokens: int
+        max_tokens: int
+        block_hashes: list[BlockHashes]
+        exclude_worker_ids: list[str]
+        prefill_done_on_worker_id: str
+        priority: str
+        local_prefill_only: bool = False
+
+    with_adapter = msgspec.structs.replace(WAITING, adapter="support-bot@3")
+    before = msgspec.msgpack.decode(msgspec.msgpack.encode(with_adapter), type=WaitingBefore)
+    assert before.local_prefill_only is True and before.model == "m"
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(with_adapter), type=WaitingRequest) == with_adapter
 
 
 def test_a_snapshot_round_trips_and_keeps_its_keys() -> None:

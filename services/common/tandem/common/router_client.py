@@ -93,6 +93,7 @@ class RouterClient:
         prompt_block_hashes: Iterable[router_pb2.PromptBlockHashes] = (),
         prefill_done_on_worker_id: str = "",
         local_prefill_only: bool = False,
+        adapter: str = "",
     ) -> router_pb2.Placement:
         """A (prefill, decode) pair for the request, reserved until :meth:`release` or the lease ends.
 
@@ -104,7 +105,9 @@ class RouterClient:
         replacement): the prefill already ran on that worker, which holds the KV; the router reserves
         decode budget only and the placement's prefill names that worker. ``local_prefill_only`` asks
         for a decode worker that prefills the prompt itself (a local prefill's replacement): decode
-        budget only, and the placement is a local prefill. A second Schedule of one request id replaces
+        budget only, and the placement is a local prefill. ``adapter``: the request's LoRA adapter as its
+        engine name (``NAME@VERSION``, tandem.common.adapters), "" for the base model; the router places
+        it only on workers with adapter slots. A second Schedule of one request id replaces
         its earlier reservation.
 
         Raises NoCapacityError (no worker now; retry later), InvalidRequestError
@@ -124,6 +127,7 @@ class RouterClient:
             prompt_block_hashes=list(prompt_block_hashes),
             prefill_done_on_worker_id=prefill_done_on_worker_id,
             local_prefill_only=local_prefill_only,
+            adapter=adapter,
         )
         try:
             placement: router_pb2.Placement = await self._current_stub().Schedule(

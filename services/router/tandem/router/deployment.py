@@ -157,6 +157,7 @@ def schedule_request_from_proto(request: router_pb2.ScheduleRequest, *, priority
         priority=priority,
         prefill_done_on_worker_id=request.prefill_done_on_worker_id,
         local_prefill_only=request.local_prefill_only,
+        adapter=request.adapter,
     )
 
 

@@ -214,6 +214,7 @@ def _encode_pending(pending: PendingRequest, priority: str) -> WaitingRequest:
         prefill_done_on_worker_id=request.prefill_done_on_worker_id,
         priority=priority,
         local_prefill_only=request.local_prefill_only,
+        adapter=request.adapter,
     )
 
 
@@ -234,6 +235,7 @@ def _decode_pending(remote: RemoteWaiter) -> PendingRequest | None:
         priority=waiting.priority,
         prefill_done_on_worker_id=waiting.prefill_done_on_worker_id,
         local_prefill_only=waiting.local_prefill_only,
+        adapter=waiting.adapter,
     )
     return PendingRequest(request, hashes=dict(hashes))
 

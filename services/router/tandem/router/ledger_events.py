@@ -64,6 +64,9 @@ class WaitingRequest(msgspec.Struct, frozen=True, array_like=True):
     priority: str
     #: Absent from the version before local prefills' replacements.
     local_prefill_only: bool = False
+    #: The request's LoRA adapter (engine name), "" for the base model; absent from the versions before
+    #: adapters (issue 40), which read such a waiter as a base-model request.
+    adapter: str = ""
 
 
 class HandOffPlacement(msgspec.Struct, frozen=True, array_like=True):

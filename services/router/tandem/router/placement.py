@@ -21,6 +21,7 @@ import numpy.typing as npt
 from tandem.common.block_hash import BlockHasher
 from tandem.common.errors import InvalidRequestError, NoCapacityError, TandemError
 from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
+from tandem.router.adapter_slots import AdapterOverlay
 from tandem.router.fair_share import TenantShares
 from tandem.router.fleet import CachedPrefix, FleetTable
 from tandem.router.gauges import Gauges
@@ -121,6 +122,8 @@ class Placer:
         #: Below this many prompt tokens missing from the decode worker's cache, it prefills alone (0: never).
         self._min_uncached_tokens_to_disaggregate = min_uncached_tokens_to_disaggregate
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
+        #: Adapters this replica placed lately, as loaded on their workers before the records say so.
+        self.adapters = AdapterOverlay(clock=reservations.now_s)
 
     def place(self, pending: PendingRequest, workers: Sequence[WorkerRecord]) -> PlacementDecision:
         return self.commit(self.decide(pending, workers))
@@ -134,6 +137,10 @@ class Placer:
         now_s = self._reservations.now_s()
         decode_pool = fleet.arrays(ROLE_DECODE, request.model, cached, now_s)
         prefill_pool = fleet.arrays(ROLE_PREFILL, request.model, cached, now_s, self._index)
+        if request.adapter:
+            for pool in (decode_pool, prefill_pool):
+                if pool is not None:
+                    pool.overlay = self.adapters
         num_most_cached = max(
             (float(p.cached_tokens.max()) for p in (decode_pool, prefill_pool) if p is not None and len(p)),
             default=0.0,
@@ -195,6 +202,7 @@ class Placer:
         chosen = [choice.decode] if choice.prefill is None else [choice.prefill, choice.decode]
         for scored in chosen:
             self._gauges.note_role(scored.worker)
+            self.adapters.placed(scored.worker.worker_id, request.adapter)
         reservation = self._reservations.reserve(
             request.request_id, tuple(s.worker.worker_id for s in chosen), choice.tokens, tenant=request.tenant
         )
@@ -255,10 +263,15 @@ class Placer:
 
 
 def num_candidates(request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> int:
+    """Workers of ``role`` that could take ``request`` given budget: its model, not excluded, and LoRA
+    on for an adapter request."""
     return sum(
         1
         for w in workers
-        if w.role == role and w.model == request.model and w.worker_id not in request.exclude_worker_ids
+        if w.role == role
+        and w.model == request.model
+        and w.worker_id not in request.exclude_worker_ids
+        and (not request.adapter or w.max_adapters > 0)
     )
 
 
@@ -291,6 +304,13 @@ def no_worker_error(request: ScheduleRequest, workers: Sequence[WorkerRecord], r
     num_excluded = sum(
         1 for w in workers if w.role == role and w.model == request.model and w.worker_id in request.exclude_worker_ids
     )
+    if request.adapter:
+        num_lora = sum(1 for w in workers if w.role == role and w.model == request.model and w.max_adapters > 0)
+        return NoCapacityError(
+            f"no {role} worker with LoRA adapters available for model {request.model!r} "
+            f"({num_of_role} registered, {num_lora} with adapter slots, {num_excluded} excluded by the caller)",
+            retry_after_s=NO_CAPACITY_RETRY_AFTER_S,
+        )
     return NoCapacityError(
         f"no {role} worker available for model {request.model!r} "
         f"({num_of_role} registered, {num_excluded} excluded by the caller)",

@@ -67,6 +67,9 @@ class ScheduleRequest:
     #: Place a decode worker that prefills the prompt itself (a local prefill's replacement: nothing was
     #: streamed, no prefill worker holds KV): decode budget only, a local prefill whatever the threshold.
     local_prefill_only: bool = False
+    #: The LoRA adapter the request names: its engine name (``NAME@VERSION``, tandem.common.adapters);
+    #: "": the base model. Placed only on workers with LoRA on, preferring those that hold it.
+    adapter: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -139,6 +142,8 @@ class RoutingPolicy(ABC):
             excluded,
             ok,
         )
+        if request.adapter:
+            ok &= pool.adapter_columns(request.adapter).capable
         return ok
 
     @abstractmethod
@@ -242,6 +247,8 @@ class CacheAwareWeights(BaseModel):
     token_load: float = Field(1.0, ge=0)
     #: Balance: 1 - how full the worker's KV cache is.
     kv_headroom: float = Field(0.5, ge=0)
+    # Scorers with a default weight of their own (Scorer.default_weight: adapter_affinity, 2) run
+    # unless a weight of their name here says otherwise (TANDEM_ROUTER_WEIGHTS__ADAPTER_AFFINITY=0).
 
     @model_validator(mode="after")
     def _extra_weights_name_scorers(self) -> CacheAwareWeights:
@@ -255,13 +262,23 @@ class CacheAwareWeights(BaseModel):
         return self
 
     def by_role(self, decode: bool) -> dict[str, float]:
-        """Scorer name → weight on one kind of pool, in configuration order (built-ins first)."""
+        """Scorer name → weight on one kind of pool, in configuration order (built-ins first); scorers
+        with a default weight that configuration does not name are not listed (see :meth:`in_effect`)."""
         weights = {**self.model_dump(), **(self.model_extra or {})}
         by_name: dict[str, float] = {}
         for name, weight in weights.items():
             if name.startswith("decode_"):
                 continue
             by_name[name] = float(weights.get(f"decode_{name}", weight) if decode else weight)
+        return by_name
+
+    def in_effect(self, decode: bool) -> dict[str, float]:
+        """:meth:`by_role`, then every scorer with a default weight (:attr:`Scorer.default_weight`) that
+        configuration does not name, at that weight."""
+        by_name = self.by_role(decode)
+        for name, scorer in SCORERS.items():
+            if scorer.default_weight > 0 and name not in by_name:
+                by_name[name] = scorer.default_weight
         return by_name
 
 
@@ -271,12 +288,26 @@ class _WeightedScorers:
 
     scorers: tuple[Scorer, ...]
     weights: F64
+    #: Per subset of the scorers that apply to a request (as a mask), that subset (built once).
+    _subsets: dict[tuple[bool, ...], _WeightedScorers] = field(default_factory=dict, compare=False)
 
     @classmethod
     def build(cls, weights: Mapping[str, float]) -> _WeightedScorers:
         # A weight of 0 adds exactly nothing to the weighted sum (nor to the total): skipped.
         chosen = [(SCORERS[name](), w) for name, w in weights.items() if w > 0]
         return cls(tuple(s for s, _ in chosen), np.array([w for _, w in chosen], np.float64))
+
+    def for_request(self, request: ScheduleRequest) -> _WeightedScorers:
+        """The scorers that apply to ``request`` (:meth:`Scorer.applies`), in the same order."""
+        mask = tuple(s.applies(request) for s in self.scorers)
+        if all(mask):
+            return self
+        subset = self._subsets.get(mask)
+        if subset is None:
+            kept = [k for k, keep in enumerate(mask) if keep]
+            subset = _WeightedScorers(tuple(self.scorers[k] for k in kept), self.weights[kept].copy())
+            self._subsets[mask] = subset
+        return subset
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -310,13 +341,13 @@ class CacheAwarePolicy(RoutingPolicy):
     def __init__(self, weights: CacheAwareWeights | None = None) -> None:
         super().__init__()
         self.weights = weights or CacheAwareWeights()
-        self._prefill = _WeightedScorers.build(self.weights.by_role(decode=False))
-        self._decode = _WeightedScorers.build(self.weights.by_role(decode=True))
+        self._prefill = _WeightedScorers.build(self.weights.in_effect(decode=False))
+        self._decode = _WeightedScorers.build(self.weights.in_effect(decode=True))
 
     def scorers(self, request: ScheduleRequest, worker: WorkerRecord, load: LoadView) -> dict[str, float]:
         """Each scorer's value in [0, 1] for one worker (for tests and the placement reason)."""
         pool = PoolArrays.from_view(worker.role, worker.model, [worker], load)
-        weighted = self._decode if pool.is_decode else self._prefill
+        weighted = (self._decode if pool.is_decode else self._prefill).for_request(request)
         return {s.name: float(s.scores(request, pool)[0]) for s in weighted.scorers}
 
     #: Share of the score given to fewer requests in flight: breaks ties between workers
@@ -325,7 +356,7 @@ class CacheAwarePolicy(RoutingPolicy):
     _TIEBREAK = 0.01
 
     def scores(self, request: ScheduleRequest, pool: PoolArrays) -> F64:
-        weighted = self._decode if pool.is_decode else self._prefill
+        weighted = (self._decode if pool.is_decode else self._prefill).for_request(request)
         rows = np.empty((len(weighted.scorers), len(pool)))
         for k, scorer in enumerate(weighted.scorers):
             rows[k] = scorer.scores(request, pool)

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tandem.common.registry import ROLE_DECODE, WorkerRecord
+from tandem.router.adapter_slots import AdapterColumns, AdapterOverlay, record_columns
 from tandem.router.budget import BudgetView
 from tandem.router.kernels import Records
 
@@ -69,9 +70,26 @@ class PoolArrays:
     cached_tokens: F64
     worker_keys: U64
     positions: Mapping[str, int] = field(default_factory=dict)
+    #: This replica's recent adapter placements (:mod:`tandem.router.adapter_slots`), set by the placer;
+    #: None: the workers' records alone.
+    overlay: AdapterOverlay | None = None
+    _adapter_columns: dict[str, AdapterColumns] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.workers)
+
+    def adapter_columns(self, adapter: str) -> AdapterColumns:
+        """Which workers can serve, hold, or have a free slot for ``adapter`` (an engine name), built
+        once per pool and adapter: only adapter requests pay for it."""
+        columns = self._adapter_columns.get(adapter)
+        if columns is None:
+            overlay = self.overlay
+            if overlay is None:
+                columns = record_columns(self.workers, adapter)
+            else:
+                columns = overlay.columns(self.workers, adapter)
+            self._adapter_columns[adapter] = columns
+        return columns
 
     @property
     def is_decode(self) -> bool:

@@ -49,6 +49,8 @@ class Scorer(ABC):
     #: Configuration name: the weight's field in :class:`~tandem.router.policy.CacheAwareWeights`.
     name: ClassVar[str]
     kind: ClassVar[ScorerKind]
+    #: Its weight where configuration names none (0: off unless configured).
+    default_weight: ClassVar[float] = 0.0
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -60,6 +62,11 @@ class Scorer(ABC):
     @abstractmethod
     def scores(self, request: ScheduleRequest, pool: PoolArrays) -> F64:
         """One value in [0, 1] per worker of ``pool`` (in the pool's order)."""
+
+    def applies(self, request: ScheduleRequest) -> bool:
+        """Whether this scorer counts for ``request`` at all (False: it is left out of the weighted
+        mean, weight and all, as if its weight were 0)."""
+        return True
 
 
 class PrefixLocality(Scorer):
@@ -100,3 +107,30 @@ class KVHeadroom(Scorer):
         if not pool.has_budget:
             return np.ones(len(pool))
         return 1.0 - pool.kv_fullness
+
+
+class AdapterAffinity(Scorer):
+    """Affinity for LoRA requests: 1 where the request's adapter is loaded (the worker's record, or a
+    placement of this replica that its record does not show yet, :mod:`tandem.router.adapter_slots`),
+    :attr:`FREE_SLOT` where loading it evicts nothing, 0 where it evicts the worker's least recently
+    used adapter. Its weight (:attr:`default_weight`, 2) is above what the two balance scorers can differ by
+    between a loaded worker and one that must evict (1.5), so a popular adapter stays on the workers
+    that hold it until the filter drops them for budget, and only then spreads; between a loaded
+    worker and a free slot it is half that, so a loaded worker much busier than an empty one gives
+    way. A rare adapter is never filtered out: it takes a free slot, or evicts where the load is
+    lightest. Base-model requests skip this scorer (:meth:`applies`), so their scores are unchanged.
+    Prefill and decode pools alike: both engines apply the adapter."""
+
+    name = "adapter_affinity"
+    kind = "affinity"
+    default_weight = 2.0
+
+    #: Score of a worker with a free adapter slot (no eviction) that does not hold the adapter.
+    FREE_SLOT = 0.5
+
+    def applies(self, request: ScheduleRequest) -> bool:
+        return bool(request.adapter)
+
+    def scores(self, request: ScheduleRequest, pool: PoolArrays) -> F64:
+        columns = pool.adapter_columns(request.adapter)
+        return np.where(columns.resident, 1.0, np.where(columns.free_slot, self.FREE_SLOT, 0.0))
