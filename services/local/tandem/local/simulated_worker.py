@@ -10,7 +10,15 @@ protocols as a real worker so that the router cannot tell the difference:
 * it keeps a prefix cache of ``num_kv_blocks`` blocks (LRU, hashed exactly as
   vLLM does, :mod:`tandem.common.block_hash`) and publishes BlockStored /
   BlockRemoved on a ZMQ PUB socket with a replay ROUTER socket, in vLLM's
-  wire format (:mod:`tandem.common.kv_events`).
+  wire format (:mod:`tandem.common.kv_events`);
+* with ``max_adapters`` > 0 it holds SIMULATED LoRA adapter slots as the real worker does
+  (:mod:`tandem.worker.adapters`): an adapter is loaded on first use (``adapter_load_s`` of engine
+  time, no prefill computes meanwhile), evicts the least recently used adapter no running request
+  uses, and its record reports ``max_adapters`` and ``adapters`` (loaded now, least recently used
+  first); a request for an adapter on a worker with ``max_adapters`` 0 is refused with
+  FAILED_PRECONDITION, as the real worker refuses it. Nothing is loaded: an adapter is its name.
+  Its blocks hash with the adapter as vLLM's do (``lora_name`` the engine name, ``lora_path``
+  :func:`simulated_adapter_path`), so two adapters never share blocks here either.
 
 The latency model is fitted to measured CPU numbers (``benchmarks/data/
 simulated_latency_cpu.json`` says how they were measured). Numbers from
@@ -73,6 +81,19 @@ class SimulatedLatencyModel:
             decode_s_per_token=float(data["decode_s_per_token"]),
             time_scale=time_scale,
         )
+
+
+#: Where a SIMULATED adapter "lives": the path its blocks are hashed with (a real worker hashes with the
+#: catalog's path; a caller that sends block hashes for a SIMULATED worker uses this one).
+SIMULATED_ADAPTER_PATH_PREFIX = "/simulated-adapters/"
+
+
+def simulated_adapter_path(adapter: str) -> str:
+    return SIMULATED_ADAPTER_PATH_PREFIX + adapter
+
+
+class SimulatedAdapterRefused(Exception):
+    """A request names an adapter this worker cannot serve (LoRA off)."""
 
 
 class SimulatedPrefixCache:
@@ -210,6 +231,9 @@ class SimulatedWorkerConfig:
     latency: SimulatedLatencyModel = field(default_factory=SimulatedLatencyModel)
     #: Serve tandem.v1.Worker over gRPC (scale benchmarks that only need KV events skip it).
     serve_grpc: bool = True
+    #: SIMULATED LoRA adapter slots (vLLM's max_loras; 0: LoRA off) and the engine seconds one load takes.
+    max_adapters: int = 0
+    adapter_load_s: float = 0.0
 
 
 class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
@@ -228,6 +252,12 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
         self.num_prompt_tokens_in_flight = 0
         self.num_kv_tokens_in_flight = 0
         self.prompt_tokens_computed_total = 0
+        #: SIMULATED adapters loaded now, least recently used first, and the running requests of each.
+        self.adapters: OrderedDict[str, None] = OrderedDict()
+        self._adapter_users: dict[str, int] = {}
+        self._adapter_lock = asyncio.Lock()
+        #: Every load: (time.monotonic() when it finished, engine name).
+        self.adapter_loads: list[tuple[float, str]] = []
 
     async def start(self) -> None:
         c = self.config
@@ -254,6 +284,8 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
             num_kv_blocks=c.num_kv_blocks,
             max_model_len=1 << 16,
             started_unix_s=time.time(),
+            max_adapters=c.max_adapters,
+            adapters=tuple(self.adapters),
             load=WorkerLoad(
                 num_running_requests=self.num_running,
                 kv_usage=len(self.cache) / c.num_kv_blocks,
@@ -262,10 +294,13 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
             ),
         )
 
-    async def cache_prompt(self, token_ids: Sequence[int], cache_salt: str = "", *, lose_event: bool = False) -> int:
+    async def cache_prompt(
+        self, token_ids: Sequence[int], cache_salt: str = "", *, lose_event: bool = False, adapter: str = ""
+    ) -> int:
         """Put a prompt's blocks in the cache and publish the events; returns cached prompt tokens.
         ``lose_event`` simulates a dropped PUB message (the batch is only in the replay buffer)."""
-        hashes = self._hasher.block_hashes(token_ids, cache_salt=cache_salt)
+        lora = {"lora_name": adapter, "lora_path": simulated_adapter_path(adapter)} if adapter else {}
+        hashes = self._hasher.block_hashes(token_ids, cache_salt=cache_salt, **lora)
         num_hit = await self.cache_blocks(hashes, lose_event=lose_event)
         num_cached = min(num_hit * self.config.block_size_tokens, max(0, len(token_ids) - 1))
         return num_cached
@@ -285,11 +320,41 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
         await self._publisher.publish(events, block_size=self.config.block_size_tokens, lose=lose_event)
         return num_hit
 
-    async def _compute_prompt(self, prompt: list[int], cache_salt: str) -> int:
+    @contextlib.asynccontextmanager
+    async def using_adapter(self, adapter: str) -> AsyncIterator[None]:
+        """Hold ``adapter`` (an engine name; "" the base model: nothing) for a request: loaded if it is
+        not (its load time with the engine busy), evicting the least recently used adapter no running
+        request uses, waiting while every slot is in use; SimulatedAdapterRefused with LoRA off."""
+        if not adapter:
+            yield
+            return
+        slots = self.config.max_adapters
+        if slots <= 0:
+            raise SimulatedAdapterRefused(f"LoRA adapters are off on this worker (adapter {adapter!r})")
+        async with self._adapter_lock:
+            while adapter not in self.adapters:
+                if len(self.adapters) >= slots:
+                    idle = next((a for a in self.adapters if not self._adapter_users.get(a)), None)
+                    if idle is None:
+                        await asyncio.sleep(0.01)  # every slot in use: wait for a request to end
+                        continue
+                    del self.adapters[idle]
+                async with self._compute:  # a load holds the engine
+                    await asyncio.sleep(self.config.adapter_load_s)
+                self.adapters[adapter] = None
+                self.adapter_loads.append((time.monotonic(), adapter))
+            self.adapters.move_to_end(adapter)
+            self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
+        try:
+            yield
+        finally:
+            self._adapter_users[adapter] -= 1
+
+    async def _compute_prompt(self, prompt: list[int], cache_salt: str, adapter: str = "") -> int:
         """Prefill ``prompt`` (one at a time, like one CPU engine): cache it, take the simulated time of
         its uncached tokens; returns the cached ones."""
         async with self._compute:
-            num_cached = await self.cache_prompt(prompt, cache_salt)
+            num_cached = await self.cache_prompt(prompt, cache_salt, adapter=adapter)
             num_computed = len(prompt) - num_cached
             await asyncio.sleep(self.config.latency.prefill_s(num_computed))
             self.prompt_tokens_computed_total += num_computed
@@ -303,7 +368,10 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
         self.num_running += 1
         self.num_prompt_tokens_in_flight += len(prompt)
         try:
-            num_cached = await self._compute_prompt(prompt, request.cache_salt)
+            async with self.using_adapter(request.adapter):
+                num_cached = await self._compute_prompt(prompt, request.cache_salt, request.adapter)
+        except SimulatedAdapterRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         finally:
             self.num_running -= 1
             self.num_prompt_tokens_in_flight -= len(prompt)
@@ -335,16 +403,19 @@ class SimulatedWorker(worker_pb2_grpc.WorkerServicer):
         self.num_running += 1
         self.num_kv_tokens_in_flight += num_kv
         try:
-            num_streamed = max_tokens - 1  # the first token came from the prefill worker
-            if request.local_prefill:  # this worker prefills the prompt itself and streams every token
-                num_streamed = max_tokens
-                await self._compute_prompt(prompt, request.cache_salt)
-            for i in range(num_streamed):
-                await asyncio.sleep(self.config.latency.decode_token_s())
-                chunk = worker_pb2.DecodeChunk(text=" sim", token_ids=[2 + i])
-                if i == num_streamed - 1:
-                    chunk.finish_reason = "length"
-                yield chunk
+            async with self.using_adapter(request.adapter):
+                num_streamed = max_tokens - 1  # the first token came from the prefill worker
+                if request.local_prefill:  # this worker prefills the prompt itself and streams every token
+                    num_streamed = max_tokens
+                    await self._compute_prompt(prompt, request.cache_salt, request.adapter)
+                for i in range(num_streamed):
+                    await asyncio.sleep(self.config.latency.decode_token_s())
+                    chunk = worker_pb2.DecodeChunk(text=" sim", token_ids=[2 + i])
+                    if i == num_streamed - 1:
+                        chunk.finish_reason = "length"
+                    yield chunk
+        except SimulatedAdapterRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         finally:
             self.num_running -= 1
             self.num_kv_tokens_in_flight -= num_kv
