@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from tandem.common.adapters import AdapterEntry
 from tandem.v1 import kv_transfer_pb2
 from tandem.worker.engine_api import EngineLoad
 from tandem.worker.kv_connector.layout import KVLayout
@@ -77,10 +78,22 @@ class ScriptedEngine:
     dead: bool = False
     #: decode_tokens' tokenizer: token id -> text (ids it lacks decode to U+FFFD, a split character).
     vocab: dict[int, str] = field(default_factory=dict)
+    #: The adapter of each generate call ("" for the base model), and the engine's add/remove calls.
+    adapters_used: list[str] = field(default_factory=list)
+    adapter_calls: list[tuple[str, str]] = field(default_factory=list)
 
-    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
+    async def add_adapter(self, entry: AdapterEntry) -> None:
+        self.adapter_calls.append(("add", entry.engine_name))
+
+    async def remove_adapter(self, entry: AdapterEntry) -> None:
+        self.adapter_calls.append(("remove", entry.engine_name))
+
+    async def generate(
+        self, prompt: dict[str, Any], params: Any, request_id: str, adapter: AdapterEntry | None = None
+    ) -> AsyncIterator[Any]:
         self.params.append(params)
         self.prompts.append(prompt)
+        self.adapters_used.append(adapter.engine_name if adapter is not None else "")
         for out in self.outputs:
             yield out
 

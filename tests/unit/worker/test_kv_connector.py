@@ -12,6 +12,7 @@ import torch
 
 from tandem.common import kv_capability
 from tandem.common.errors import KVLayoutMismatchError
+from tandem.v1 import common_pb2
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import (
     IDLE_STEP_WAIT_S,
@@ -71,6 +72,8 @@ class FakeRequest:
     status: Any = None
     num_computed_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: vLLM's LoRARequest (its lora_name is the adapter's engine name), None for the base model.
+    lora_request: Any = None
 
 
 def make_handle(block_ids: tuple[int, ...], num_tokens: int, kv_address: str = "127.0.0.1:1") -> KVHandleParams:
@@ -191,6 +194,28 @@ def test_prefill_holds_blocks_only_when_length_capped() -> None:
     aborted = FakeRequest("c", 9, prefill_params("c", CAPABILITY), status=RequestStatus.FINISHED_ABORTED)
     assert side.request_finished(aborted, [7]) == (False, None)  # type: ignore[arg-type]
     assert list(side.build_connector_meta().holds) == []  # announced once, above
+
+
+def test_the_handle_names_the_adapter_the_prefill_engine_ran_with() -> None:
+    """KVHandle.adapter comes from the engine's own request (its LoRARequest), not from the caller."""
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import RequestStatus
+
+    side = SchedulerSide(engine_id="p", kv_address="h:5", block_size_tokens=BLOCK, lease_s=30)
+    for lora, expected in ((LoRARequest("tandem-test-a@7", 7, "/adapters/a"), "tandem-test-a@7"), (None, "")):
+        req = FakeRequest(
+            "a-abcdefgh",
+            9,
+            prefill_params("a", CAPABILITY),
+            status=RequestStatus.FINISHED_LENGTH_CAPPED,
+            num_computed_tokens=9,
+            lora_request=lora,
+        )
+        _, params = side.request_finished(req, [3, 4, 5])  # type: ignore[arg-type]
+        assert params is not None
+        handle = KVHandleParams.from_dict(params[HANDLE])
+        assert handle.adapter == expected
+        assert handle.to_proto(common_pb2.KVLayout()).adapter == expected
 
 
 def _planned_load(side: SchedulerSide, req_id: str) -> FakeRequest:

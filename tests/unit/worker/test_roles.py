@@ -322,7 +322,7 @@ async def test_metrics_count_decodes_by_how_they_continued() -> None:
 class _DyingEngine(ScriptedEngine):
     """Streams one token, then raises vLLM's EngineDeadError, as every request of a dead engine gets."""
 
-    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str):  # type: ignore[no-untyped-def,override]
+    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str, adapter: Any = None):  # type: ignore[no-untyped-def,override]
         from vllm.v1.engine.exceptions import EngineDeadError
 
         self.params.append(params)

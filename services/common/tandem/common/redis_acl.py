@@ -20,7 +20,8 @@ gateway    read API keys and tenants; read worker registrations; read and write
            (``<prefix>:gw:{quota,usage,conv,stored}:*``)
 router     read worker registrations; its ledger (``<prefix>:router:*``) and its
            pub/sub channel
-worker     write worker registrations (it registers itself), read them
+worker     write worker registrations (it registers itself), read them; read
+           the adapter catalog (``<prefix>:adapters``, HGETALL only)
 admin      tenants, keys, quotas, usage, conversations (``<prefix>:gw:*``): the
            ``tandem-admin`` CLI, the only writer of keys and tenants
 =========  =====================================================================
@@ -114,10 +115,12 @@ def _router(p: str) -> tuple[str, ...]:
 def _worker(p: str) -> tuple[str, ...]:
     # registry.WorkerRegistry.heartbeat / unregister (MULTI ... EXEC; an unregister counts itself, which
     # redis-py sends as INCRBY), and reading the others.
+    # The adapter catalog: AdapterCatalog.entries (tandem.worker.adapters), read-only.
     commands = (
-        *_CONNECTION, *_REGISTRY_READ, "+set", "+del", "+zadd", "+zrem", "+incrby", "+multi", "+exec", "+discard"
+        *_CONNECTION, *_REGISTRY_READ, "+set", "+del", "+zadd", "+zrem", "+incrby", "+multi", "+exec", "+discard",
+        "+hgetall",
     )  # fmt: skip
-    return (*commands, f"~{p}:worker:*", f"~{p}:workers", f"~{p}:workers:removed")
+    return (*commands, f"~{p}:worker:*", f"~{p}:workers", f"~{p}:workers:removed", f"%R~{p}:adapters")
 
 
 def _admin(p: str) -> tuple[str, ...]:

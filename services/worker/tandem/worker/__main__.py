@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tandem.common.adapters import AdapterCatalog
 from tandem.common.identity import role_checks
 from tandem.common.ids import new_worker_id
 from tandem.common.logging import configure_logging
 from tandem.common.registry import WorkerRegistry
 from tandem.common.tls import add_port, warn_if_plaintext
 from tandem.v1 import worker_pb2_grpc
+from tandem.worker.adapters import AdapterResidency
 from tandem.worker.liveness import EXIT_ENGINE_DEAD, EngineWatch
 from tandem.worker.peers import PrefillPeers
 from tandem.worker.registration import build_record, heartbeat_forever
@@ -119,12 +121,13 @@ async def serve(settings: WorkerSettings) -> int:
     engine = build_engine(settings)
     engine_start_s = time.perf_counter() - started
     service = WorkerService(settings, engine, worker_id=worker_id)
-    await service.start()
     registry = WorkerRegistry(
         settings.redis.connection_url(), key_prefix=settings.registry.key_prefix, ttl_s=settings.registry.ttl_s
     )
     model = settings.engine.served_model_name
+    catalog, adapters, adapter_refresh = _start_adapters(settings, engine, service)
     service.use_kv_peers(PrefillPeers(lambda: registry.list_workers(role="prefill", model=model)))
+    await service.start()
     health_servicer = health.aio.HealthServicer()
     await asyncio.gather(*_set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING))
     warn_if_plaintext(settings.tls, f"the {settings.role} worker")
@@ -187,6 +190,7 @@ async def serve(settings: WorkerSettings) -> int:
     for each in servers:
         await each.stop(grace=1.0)
     await registry.aclose()
+    await _stop_adapters(catalog, adapters, adapter_refresh)
     engine.shutdown()
     logger.info("worker stopped", extra={"worker_id": worker_id})
     return 0
@@ -234,6 +238,40 @@ async def _die(
         await registry.aclose()
     logger.info("worker stopped", extra={"worker_id": worker_id, "exit_status": EXIT_ENGINE_DEAD})
     return EXIT_ENGINE_DEAD
+
+
+def _start_adapters(
+    settings: WorkerSettings, engine: VLLMEngine, service: WorkerService
+) -> tuple[AdapterCatalog | None, AdapterResidency | None, asyncio.Task[None] | None]:
+    """With LoRA on: the adapter catalog, the engine's adapter residency (given to ``service``) and the
+    task that keeps the catalog fresh; Nones with LoRA off."""
+    conf = settings.adapters
+    if not conf.max_adapters:
+        return None, None, None
+    catalog = AdapterCatalog.connect(settings.redis.connection_url(), key_prefix=settings.registry.key_prefix)
+    adapters = AdapterResidency(
+        engine,
+        catalog.entries,
+        model=settings.engine.served_model_name,
+        max_adapters=conf.max_adapters,
+        catalog_max_age_s=conf.catalog_max_age_s,
+        catalog_stale_s=conf.catalog_stale_s,
+        slot_wait_s=conf.slot_wait_s,
+    )
+    service.use_adapters(adapters)
+    return catalog, adapters, asyncio.create_task(adapters.run())
+
+
+async def _stop_adapters(
+    catalog: AdapterCatalog | None, adapters: AdapterResidency | None, refresh: asyncio.Task[None] | None
+) -> None:
+    if refresh is not None:
+        refresh.cancel()
+    if adapters is not None:
+        await adapters.aclose()
+    if catalog is not None:
+        with contextlib.suppress(Exception):
+            await catalog.aclose()
 
 
 def main(argv: list[str] | None = None) -> None:

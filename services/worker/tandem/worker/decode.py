@@ -105,6 +105,13 @@ class DecodeRole(Role):
                 self._layout.check_compatible(KVLayout.from_proto(request.kv_handle.layout))
             except Exception as exc:  # KVLayoutMismatchError
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            if request.kv_handle.adapter != request.adapter:
+                # Blocks computed with other weights: loading them would answer with neither adapter.
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the KV handle's adapter {request.kv_handle.adapter or '(base model)'!r} is not the "
+                    f"request's {request.adapter or '(base model)'!r}",
+                )
             # The KV is this request's, by its one id: staged under it by PrefetchKV, or held under it by
             # the prefill worker's KV server (tandem.worker.kv_connector.params).
             handle = KVHandleParams.from_proto(request.kv_handle, request.request_id, request.kv_capability)
@@ -138,9 +145,9 @@ class DecodeRole(Role):
         self._counters.num_running += 1
         self._counters.num_kv_tokens_in_flight += num_kv_tokens
         try:
-            async with engine_errors(context):
+            async with self.adapter(context, request.adapter) as adapter, engine_errors(context):
                 async for out in self._engine.generate(
-                    engine_prompt(engine_prompt_ids, request.cache_salt), params, request.request_id
+                    engine_prompt(engine_prompt_ids, request.cache_salt), params, request.request_id, adapter
                 ):
                     completion = out.outputs[0]
                     token_ids, logprobs = skipper.tokens(completion.token_ids, completion.logprobs)

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from tandem.common.adapters import AdapterEntry
 from tandem.v1 import kv_transfer_pb2
 from tandem.worker import vllm_plugin
 from tandem.worker.engine_api import EngineLoad
@@ -128,6 +129,7 @@ def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str,
         "max_num_seqs": eng.max_num_seqs,
         "tensor_parallel_size": eng.tensor_parallel_size,
         "enable_prefix_caching": True,
+        **lora_kwargs(settings),
         # Decode replays the prefill's first token (tandem.worker.first_token), or takes output tokens as
         # prompt with their penalties carried (tandem.worker.carried_penalties).
         "logits_processors": [FIRST_TOKEN_REPLAY, CARRIED_PENALTIES],
@@ -156,6 +158,28 @@ def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str,
     }
 
 
+def lora_kwargs(settings: WorkerSettings) -> dict[str, Any]:
+    """LoRA's engine arguments: none with LoRA off; else as many adapters in a batch as in memory, so that
+    vLLM holds exactly what tandem.worker.adapters loaded (and never evicts on its own)."""
+    adapters = settings.adapters
+    if not adapters.max_adapters:
+        return {}
+    return {
+        "enable_lora": True,
+        "max_loras": adapters.max_adapters,
+        "max_cpu_loras": adapters.max_adapters,
+        "max_lora_rank": adapters.max_adapter_rank,
+    }
+
+
+def lora_request(adapter: AdapterEntry) -> Any:
+    """vLLM's ``LoRARequest`` for one load of an adapter: known by its engine name (hashed into every block
+    with its path), its version as the id (unique: one counter for all loads)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=adapter.engine_name, lora_int_id=adapter.version, lora_path=adapter.path)
+
+
 class VLLMEngine:
     """:class:`~tandem.worker.engine_api.WorkerEngine` over a started ``AsyncLLM``. The KV server's
     layout, counters and holds are reached with ``collective_rpc`` on every rank (the methods of
@@ -165,9 +189,19 @@ class VLLMEngine:
         self.llm = llm
         self._relay = relay
 
-    def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
-        result: AsyncIterator[Any] = self.llm.generate(prompt, params, request_id)
+    def generate(
+        self, prompt: dict[str, Any], params: Any, request_id: str, adapter: AdapterEntry | None = None
+    ) -> AsyncIterator[Any]:
+        lora = lora_request(adapter) if adapter is not None else None
+        result: AsyncIterator[Any] = self.llm.generate(prompt, params, request_id, lora_request=lora)
         return result
+
+    async def add_adapter(self, entry: AdapterEntry) -> None:
+        if not await self.llm.add_lora(lora_request(entry)):
+            raise RuntimeError(f"the engine did not load {entry.engine_name}")
+
+    async def remove_adapter(self, entry: AdapterEntry) -> None:
+        await self.llm.remove_lora(entry.version)
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)

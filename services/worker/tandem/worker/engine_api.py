@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tandem.common.adapters import AdapterEntry
 from tandem.v1 import kv_transfer_pb2
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.validation import ModelLimits
@@ -28,8 +29,19 @@ class EngineLoad:
 
 
 class WorkerEngine(Protocol):
-    def generate(self, prompt: dict[str, Any], params: Any, request_id: str) -> AsyncIterator[Any]:
-        """vLLM ``RequestOutput``s for one request (``AsyncLLM.generate``)."""
+    def generate(
+        self, prompt: dict[str, Any], params: Any, request_id: str, adapter: AdapterEntry | None = None
+    ) -> AsyncIterator[Any]:
+        """vLLM ``RequestOutput``s for one request (``AsyncLLM.generate``), with ``adapter``'s LoRA (loaded by
+        tandem.worker.adapters) or the base model."""
+        ...
+
+    async def add_adapter(self, entry: AdapterEntry) -> None:
+        """Load a LoRA adapter (``AsyncLLM.add_lora``); raise if its files do not load."""
+        ...
+
+    async def remove_adapter(self, entry: AdapterEntry) -> None:
+        """Unload it (``AsyncLLM.remove_lora``)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

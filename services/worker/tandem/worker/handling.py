@@ -11,7 +11,9 @@ from typing import Any
 
 import grpc
 
+from tandem.common.adapters import AdapterEntry
 from tandem.v1 import common_pb2
+from tandem.worker.adapters import AdapterRefused, AdapterResidency
 from tandem.worker.engine_api import WorkerEngine
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.sampling import sampling_kwargs, structured_output_spec
@@ -115,12 +117,36 @@ class Role:
         counters: WorkerCounters,
         layout: KVLayout,
         model_defaults: dict[str, Any],
+        adapters: AdapterResidency | None = None,
     ) -> None:
         self._engine = engine
         self._admission = admission
         self._counters = counters
         self._layout = layout
         self._model_defaults = model_defaults
+        #: LoRA adapters in the engine (None: LoRA off on this worker).
+        self._adapters = adapters
+
+    @contextlib.asynccontextmanager
+    async def adapter(self, context: Ctx, engine_name: str) -> AsyncIterator[AdapterEntry | None]:
+        """The request's adapter, loaded and held for the block (None: the base model); a refusal aborts
+        the call with its status (tandem.worker.adapters)."""
+        if not engine_name:
+            yield None
+            return
+        if self._adapters is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"worker {self._admission.worker_id} serves no LoRA adapters (adapter {engine_name!r})",
+            )
+        assert self._adapters is not None
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                entry = await stack.enter_async_context(self._adapters.use(engine_name))
+            except AdapterRefused as exc:
+                await context.abort(exc.code, exc.message)
+                raise  # unreachable: abort raises
+            yield entry
 
 
 def engine_prompt(token_ids: list[int], cache_salt: str) -> dict[str, Any]:

@@ -37,9 +37,9 @@ class PrefillRole(Role):
         self._counters.num_running += 1
         self._counters.num_prompt_tokens_in_flight += len(prompt_ids)
         try:
-            async with engine_errors(context):
+            async with self.adapter(context, request.adapter) as adapter, engine_errors(context):
                 async for out in self._engine.generate(
-                    engine_prompt(prompt_ids, request.cache_salt), params, request.request_id
+                    engine_prompt(prompt_ids, request.cache_salt), params, request.request_id, adapter
                 ):
                     final = out
         finally:

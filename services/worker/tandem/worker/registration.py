@@ -38,6 +38,7 @@ def build_record(
         num_kv_blocks=num_kv_blocks,
         max_model_len=settings.engine.max_model_len,
         started_unix_s=time.time(),
+        max_adapters=settings.adapters.max_adapters,
     )
 
 
@@ -69,6 +70,7 @@ async def _current(record: WorkerRecord, service: WorkerService) -> WorkerRecord
     engine = service.engine_load()
     return dataclasses.replace(
         record,
+        adapters=service.loaded_adapters,
         load=WorkerLoad(
             num_running_requests=service.num_running,
             num_waiting_requests=engine.num_waiting_requests,

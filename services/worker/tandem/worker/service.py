@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from tandem.v1 import kv_transfer_pb2, worker_pb2, worker_pb2_grpc
+from tandem.worker.adapters import AdapterResidency
 from tandem.worker.decode import DecodeRole
 from tandem.worker.engine_api import EngineLoad, WorkerEngine
 from tandem.worker.handling import Admission, Ctx, WorkerCounters
@@ -61,6 +62,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._prefill: PrefillRole | None = None
         self._decode: DecodeRole | None = None
         self._kv_peers: PrefillPeers | None = None
+        #: LoRA adapters in the engine (tandem.worker.adapters); None: LoRA off (``adapters.max_adapters`` 0).
+        self.adapters: AdapterResidency | None = None
         #: The KV server's counters as last read (the heartbeat and GetLoad refresh them; /metrics reads them).
         self.last_kv_stats = kv_transfer_pb2.KVStats()
         self._kv_stats_read_s = -1e9
@@ -70,11 +73,22 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def set_layout(self, layout: KVLayout) -> None:
         self.layout = layout
-        args = (self._engine, self._admission, self._counters, layout, self._model_defaults)
+        args = (self._engine, self._admission, self._counters, layout, self._model_defaults, self.adapters)
         self._prefill = PrefillRole(*args) if self._role == "prefill" else None
         self._decode = DecodeRole(*args) if self._role == "decode" else None
         if self._decode is not None:
             self._decode.peers = self._kv_peers
+
+    def use_adapters(self, adapters: AdapterResidency) -> None:
+        """Serve requests naming a LoRA adapter through ``adapters`` (before :meth:`start`)."""
+        self.adapters = adapters
+        if self.layout is not None:
+            self.set_layout(self.layout)
+
+    @property
+    def loaded_adapters(self) -> tuple[str, ...]:
+        """Engine names of the adapters loaded now, least recently used first."""
+        return self.adapters.loaded() if self.adapters is not None else ()
 
     def use_kv_peers(self, peers: PrefillPeers) -> None:
         """Dial only these prefill workers' KV servers (tandem.worker.peers)."""

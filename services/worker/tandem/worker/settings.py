@@ -107,6 +107,34 @@ class KVEventsSettings(BaseModel):
     buffer_steps: int = Field(10_000, gt=0)
 
 
+#: The LoRA ranks vLLM can be started for (``vllm.config.lora.MaxLoRARanks``).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class AdapterSettings(BaseModel):
+    """LoRA adapters (issue 40; tandem.worker.adapters): how many the engine holds at once, and how the
+    worker reads the adapter catalog."""
+
+    #: Adapters the engine holds at once (vLLM's ``max_loras`` and ``max_cpu_loras``); 0: LoRA off,
+    #: every request naming an adapter is refused (FAILED_PRECONDITION).
+    max_adapters: int = Field(0, ge=0)
+    #: The highest LoRA rank an adapter may have (vLLM's ``max_lora_rank``); one above it fails to load.
+    max_adapter_rank: int = 16
+    #: A request reads a catalog at most this old (refreshed in the background twice as often).
+    catalog_max_age_s: float = Field(1.0, gt=0)
+    #: Redis unreachable: the last catalog read serves adapter requests this long, then they are refused.
+    catalog_stale_s: float = Field(30.0, gt=0)
+    #: Every adapter slot in use by running requests: a request waits this long for one, then is refused
+    #: (RESOURCE_EXHAUSTED).
+    slot_wait_s: float = Field(2.0, ge=0)
+
+    @model_validator(mode="after")
+    def _rank_is_one_vllm_takes(self) -> AdapterSettings:
+        if self.max_adapter_rank not in LORA_RANKS:
+            raise ValueError(f"adapters.max_adapter_rank must be one of {LORA_RANKS}, not {self.max_adapter_rank}")
+        return self
+
+
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_WORKER_", env_nested_delimiter="__")
 
@@ -126,6 +154,7 @@ class WorkerSettings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     kv: KVSettings = Field(default_factory=KVSettings)
     kv_events: KVEventsSettings = Field(default_factory=KVEventsSettings)
+    adapters: AdapterSettings = Field(default_factory=AdapterSettings)
     redis: RedisSettings = Field(default_factory=RedisSettings)
     registry: RegistrySettings = Field(default_factory=RegistrySettings)
     #: TLS/mTLS for the Worker service and the KV transfer server (off: NetworkPolicies fence them).

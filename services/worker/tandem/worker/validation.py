@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass
 
 from tandem.common import kv_capability
+from tandem.common.adapters import split_engine_name
 from tandem.v1 import common_pb2, worker_pb2
 
 #: Request ids: what Tandem's gateway mints (hex) and what a person types into grpcurl, never a path or
@@ -165,6 +166,7 @@ def check_prefill(request: worker_pb2.PrefillRequest, limits: ModelLimits) -> st
         or check_sampling(request.sampling, limits)
         or _check_salt(request.cache_salt)
         or (_check_capability(request.kv_capability) if request.keep_kv else "")
+        or _check_adapter(request.adapter)
     )
 
 
@@ -177,6 +179,7 @@ def check_decode(request: worker_pb2.DecodeRequest, limits: ModelLimits) -> str:
         or check_sampling(request.sampling, limits)
         or _check_salt(request.cache_salt)
         or _check_shape(request)
+        or _check_adapter(request.adapter)
     )
     if error:
         return error
@@ -231,6 +234,17 @@ def _check_capability(capability: str) -> str:
 
 def check_abort(request: worker_pb2.AbortRequest) -> str:
     return check_request_id(request.request_id)
+
+
+def _check_adapter(adapter: str) -> str:
+    """Empty (the base model) or an engine name, ``NAME@VERSION`` (tandem.common.adapters)."""
+    if not adapter:
+        return ""
+    try:
+        split_engine_name(adapter)
+    except ValueError:
+        return "adapter must be an adapter's engine name, NAME@VERSION"
+    return ""
 
 
 def _check_salt(cache_salt: str) -> str:

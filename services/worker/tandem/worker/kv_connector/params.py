@@ -66,6 +66,9 @@ class KVHandleParams:
     #: Decode side: the capability the KV server asks for (tandem.common.kv_capability). Not part of the
     #: handle the gateway gets (it minted it): the decode worker adds it from ``DecodeRequest``.
     capability: str = field(default="", repr=False)
+    #: The LoRA adapter the blocks were computed with (its engine name, tandem.common.adapters; "" for the
+    #: base model), as the prefill engine itself ran the request.
+    adapter: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +79,7 @@ class KVHandleParams:
             "num_tokens": self.num_tokens,
             "lease_expires_unix_s": self.lease_expires_unix_s,
             "capability": self.capability,
+            "adapter": self.adapter,
         }
 
     @classmethod
@@ -88,6 +92,7 @@ class KVHandleParams:
             num_tokens=int(data["num_tokens"]),
             lease_expires_unix_s=float(data["lease_expires_unix_s"]),
             capability=str(data.get("capability", "")),
+            adapter=str(data.get("adapter", "")),
         )
 
     def to_proto(self, layout: common_pb2.KVLayout) -> common_pb2.KVHandle:
@@ -99,6 +104,7 @@ class KVHandleParams:
             num_tokens=self.num_tokens,
             layout=layout,
             lease_expires_unix_s=self.lease_expires_unix_s,
+            adapter=self.adapter,
         )
 
     @classmethod
@@ -113,6 +119,7 @@ class KVHandleParams:
             num_tokens=handle.num_tokens,
             lease_expires_unix_s=handle.lease_expires_unix_s,
             capability=capability,
+            adapter=handle.adapter,
         )
 
 

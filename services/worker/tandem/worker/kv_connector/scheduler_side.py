@@ -158,6 +158,7 @@ class SchedulerSide:
             block_ids=ids,
             num_tokens=request.num_computed_tokens,
             lease_expires_unix_s=expiry,
+            adapter=request.lora_request.lora_name if request.lora_request is not None else "",
         )
         return True, {HANDLE: handle.to_dict()}
 
