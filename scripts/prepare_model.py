@@ -19,6 +19,10 @@ answer like the model card says it should:
 * ``rope_theta`` is written at the top level of ``config.json``: transformers 5
   keeps it only inside ``rope_parameters`` and vLLM falls back to 10000 without
   it, which makes the model answer nonsense.
+
+Then it prepares, as idempotently, the three test LoRA adapters and the second
+base model made from this one (``scripts/prepare_adapters.py``; ``--no-adapters``
+skips them, ``--no-check`` skips their vLLM check).
 """
 
 from __future__ import annotations
@@ -224,9 +228,17 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of the saved weights (default: bfloat16)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    parser.add_argument("--no-adapters", action="store_true", help="skip the test adapters and the merged model")
+    parser.add_argument("--no-check", action="store_true", help="skip the adapters' check with a real vLLM engine")
     args = parser.parse_args(argv)
     cache_dir = args.cache_dir.expanduser() if args.cache_dir else default_cache_dir()
     model_dir = prepare(cache_dir, args.dtype, args.force)
+    if not args.no_adapters:
+        # A sibling module: importable as ``prepare_adapters`` when this file runs as a script.
+        import prepare_adapters
+
+        base_marker = json.loads((model_dir / MARKER_FILE_NAME).read_text())
+        prepare_adapters.prepare(cache_dir, model_dir, base_marker, check=not args.no_check, force=args.force)
     print(model_dir)
     return 0
 
