@@ -8,7 +8,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY requirements/constraints.txt requirements/constraints.txt
 COPY operators operators
-RUN python -m venv /opt/venv && /opt/venv/bin/pip install -c requirements/constraints.txt ./operators
+# tandem-common: the adapter catalog the operator writes (tandem.common.adapters); its stubs are in the tree.
+COPY services/common services/common
+RUN python -m venv /opt/venv && /opt/venv/bin/pip install -c requirements/constraints.txt ./services/common ./operators
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="tandem-operator"

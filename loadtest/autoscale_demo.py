@@ -197,7 +197,8 @@ async def control_loop(
         signals: dict[Role, PoolSignals] = {}
         for role in ROLES:
             pool = actuator.pools[role]
-            signals[role] = await source.read(role)
+            the_pool = next(p for p in spec.pools_of() if p.role == role)
+            signals[role] = await source.read(the_pool, the_pool.name(DEPLOYMENT))
             decision, history[role] = decide(
                 role=role,
                 current_replicas=pool.replicas,

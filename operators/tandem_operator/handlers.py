@@ -4,19 +4,27 @@ Thin on purpose: each handler parses the spec (:mod:`.spec`), asks a pure
 function what should be (:mod:`.reconcile`, :mod:`.autoscale`), applies it
 through :class:`.kube.KubeClient` and writes the answer into ``status``.
 
-* create / update / resume → both pools' Deployment and Service applied,
-  status ``pools`` and conditions ``SpecValid``, ``Reconciled``, ``Ready``.
-  A malformed resource gets ``SpecValid=False`` with the reason and is left
-  alone until it changes (no retry loop, no crash).
+* create / update / resume → every pool's Deployment and Service applied (each
+  model's prefill and decode pools), pools of a model no longer in the spec
+  deleted, ``spec.adapters`` synced into the adapter catalog
+  (:mod:`.adapters`), status ``pools``, ``adapters`` and conditions
+  ``SpecValid``, ``Reconciled``, ``Ready`` (and ``AdaptersReconciled`` when the
+  resource has adapters). A malformed resource (also: duplicate model names, an
+  adapter of an unknown model, a hostile name) gets ``SpecValid=False`` with
+  the reason and is left alone until it changes (no retry loop, no crash).
 * timer → every ``STATUS_REFRESH_S`` the pools' ready counts and the ``Ready``
   condition are refreshed in ``status`` (``kubectl get tandemdeployment`` shows
   what is ready now, not what was at the last change); every
-  ``autoscaling.intervalSeconds`` each pool's signals are read and the decision
+  ``ADAPTER_RESYNC_S`` the adapters are synced again (Redis back after an
+  outage, an admin's unload of a managed adapter undone); every
+  ``autoscaling.intervalSeconds`` each pool's signals (its model's) are read and the decision
   applied to its Deployment's replicas; every decision is logged as one JSON
   line (``tandem.autoscale``).
 * delete → the pools' Deployments and Services are deleted (the owner
   references would let the garbage collector do it too; this makes it
-  immediate). Deleting a Deployment sends SIGTERM to its workers, which
+  immediate), and the adapters the resource managed are removed from the
+  catalog (best effort: with Redis down they stay, and the deletion is not
+  held up). Deleting a Deployment sends SIGTERM to its workers, which
   drain before they exit.
 """
 
@@ -31,6 +39,10 @@ from typing import Any
 import aiohttp
 import kopf
 
+from tandem.common import redis_retry
+from tandem.common.adapters import AdapterCatalog
+from tandem.common.errors import BackendUnavailableError
+from tandem_operator.adapters import ADAPTER_RESYNC_S, remove_managed, sync_adapters
 from tandem_operator.autoscale import Recommendation, decide
 from tandem_operator.kube import KubeClient, KubeError
 from tandem_operator.reconcile import (
@@ -38,16 +50,17 @@ from tandem_operator.reconcile import (
     decision_status,
     desired_objects,
     invalid_status,
-    observed_pool,
+    observed_pools,
     owned_names,
     ready_condition,
     reconciled_status,
     set_condition,
+    stale_names,
 )
-from tandem_operator.resources import pool_name
+from tandem_operator.resources import LABEL_DEPLOYMENT
 from tandem_operator.settings import OperatorSettings
 from tandem_operator.signals import PrometheusSource, QueryScope, RouterSource, SignalSource
-from tandem_operator.spec import GROUP, PLURAL, ROLES, VERSION, Role, SpecError, TandemSpec, parse_spec
+from tandem_operator.spec import GROUP, PLURAL, VERSION, Pool, SpecError, TandemSpec, parse_spec
 
 FINALIZER = "tandem.dev/cleanup"
 _Logger = logging.Logger | logging.LoggerAdapter[Any]
@@ -91,23 +104,79 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     else:
         memo.kube = KubeClient.in_cluster(cfg.kubernetes_service_host, cfg.kubernetes_service_port)
     memo.http = aiohttp.ClientSession()
+    memo.redis = redis_retry.connect(cfg.redis_url, timeout_s=2.0) if cfg.redis_url else None
     memo.history = {}
     memo.last_decision_s = {}
     memo.last_status_s = {}
+    memo.last_adapter_sync_s = {}
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     await memo.kube.close()
     await memo.http.close()
+    if memo.redis is not None:
+        await memo.redis.aclose()
 
 
-async def _current_replicas(kube: KubeClient, owner: Owner) -> dict[Role, int | None]:
-    current: dict[Role, int | None] = {}
-    for role in ROLES:
-        dep = await kube.get("apps/v1", "Deployment", owner.namespace, pool_name(owner.name, role))
-        current[role] = None if dep is None else int((dep.get("spec") or {}).get("replicas", 0))
-    return current
+async def _deployments(kube: KubeClient, namespace: str, name: str, td: TandemSpec) -> dict[str, dict[str, Any] | None]:
+    """Each pool's Deployment (None where there is none yet), by pool key."""
+    return {pool.key: await kube.get("apps/v1", "Deployment", namespace, pool.name(name)) for pool in td.pools_of()}
+
+
+async def _delete_stale_pools(kube: KubeClient, owner: Owner, td: TandemSpec, logger: _Logger) -> None:
+    """Delete the pools of models the spec no longer has (only Deployments this resource owns)."""
+    listed = await kube.list("apps/v1", "Deployment", owner.namespace, f"{LABEL_DEPLOYMENT}={owner.name}")
+    owned = [
+        d for d in listed
+        if (d.get("metadata", {}).get("labels") or {}).get(LABEL_DEPLOYMENT) == owner.name
+        and any(ref.get("uid") == owner.uid for ref in d.get("metadata", {}).get("ownerReferences") or [])
+    ]
+    for stale in stale_names(owner.name, owned, td.pools_of()):
+        for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")):
+            if await kube.delete(api_version, kind, owner.namespace, stale):
+                logger.info("deleted %s %s/%s: its model is no longer in the spec", kind, owner.namespace, stale)
+
+
+def _managed_adapters(status: Any) -> list[str]:
+    managed = (status.get("adapters") or {}).get("managed") or []
+    return [str(n) for n in managed if isinstance(n, str)]
+
+
+async def _sync_adapters(
+    td: TandemSpec, status: Any, patch: kopf.Patch, memo: Any, generation: int, logger: _Logger
+) -> None:
+    """Sync ``spec.adapters`` into the catalog; status ``adapters`` and the AdaptersReconciled condition.
+    A resource that never had adapters is left without either."""
+    managed = _managed_adapters(status)
+    if not td.adapters and not managed:
+        return
+    conditions = list(patch.status.get("conditions") or status.get("conditions", []))
+    if memo.redis is None:
+        ok, reason, message = False, "NoRedis", "the operator has no Redis URL (TANDEM_OPERATOR_REDIS_URL)"
+    else:
+        catalog = AdapterCatalog(memo.redis, key_prefix=td.redis.key_prefix)
+        try:
+            done = await sync_adapters(catalog, td.adapters, managed, now_unix_s=time.time())
+        except BackendUnavailableError as exc:
+            ok, reason, message = False, "CatalogUnavailable", str(exc)
+        else:
+            ok, reason = True, "Synced"
+            message = f"{len(done.versions)} adapters in the catalog"
+            if done.put or done.removed:
+                logger.info("adapters put %s, removed %s", done.put, done.removed)
+            old_versions = dict((status.get("adapters") or {}).get("versions") or {})
+            if done.managed != managed or done.versions != old_versions:
+                # A merge patch: a name gone from the versions is removed by writing it as null.
+                gone: dict[str, int | None] = {name: None for name in old_versions if name not in done.versions}
+                patch.status["adapters"] = {"managed": done.managed, "versions": {**gone, **done.versions}}
+    previous: dict[str, Any] = next((c for c in conditions if c.get("type") == "AdaptersReconciled"), {})
+    if previous.get("status") == ("True" if ok else "False") and previous.get("message") == message:
+        return
+    if not ok:
+        logger.warning("adapters not reconciled: %s", message)
+    patch.status["conditions"] = set_condition(conditions, type_="AdaptersReconciled", status=ok, reason=reason,
+                                               message=message, now=_now(), generation=generation)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -128,18 +197,23 @@ async def reconcile_handler(
         return  # permanent until the resource changes: no retry, no crash loop
     kube: KubeClient = memo.kube
     try:
-        current = await _current_replicas(kube, owner)
+        current = {
+            key: None if dep is None else int((dep.get("spec") or {}).get("replicas", 0))
+            for key, dep in (await _deployments(kube, namespace, name, td)).items()
+        }
         for obj in desired_objects(owner, td, current):
             await kube.apply(obj)
-        deployments = {
-            role: await kube.get("apps/v1", "Deployment", namespace, pool_name(name, role)) for role in ROLES
-        }
+        await _delete_stale_pools(kube, owner, td, logger)
+        deployments = await _deployments(kube, namespace, name, td)
     except KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=memo.settings.retry_delay_s) from exc
-    patch.status.update(reconciled_status(owner, deployments, conditions, _now()))
+    patch.status.update(reconciled_status(owner, td, deployments, conditions, _now()))
+    await _sync_adapters(td, status, patch, memo, owner.generation, logger)
+    memo.last_adapter_sync_s[(namespace, name)] = time.monotonic()
 
 
 def _source(td: TandemSpec, namespace: str, name: str, http: aiohttp.ClientSession) -> SignalSource:
+    """The resource's signal source; its ``read(pool)`` selects that pool's model and pods."""
     if td.autoscaling.source == "router":
         return RouterSource(td.autoscaling.router_metrics_url, http)
     return PrometheusSource(td.autoscaling.prometheus_url, QueryScope(namespace, name), http)
@@ -159,7 +233,10 @@ async def autoscale_handler(
     now_s = time.monotonic()
     if now_s - memo.last_status_s.get(key, -1e9) >= STATUS_REFRESH_S:
         memo.last_status_s[key] = now_s
-        await _refresh_status(memo.kube, namespace, name, meta, status, patch)
+        await _refresh_status(memo.kube, namespace, name, td, meta, status, patch)
+    if now_s - memo.last_adapter_sync_s.get(key, -1e9) >= ADAPTER_RESYNC_S:
+        memo.last_adapter_sync_s[key] = now_s
+        await _sync_adapters(td, status, patch, memo, int(meta.get("generation") or 0), logger)
     if td.autoscaling.external or not td.autoscaling.enabled:
         return  # HPA/KEDA or nobody: the status above is all this timer does
     if now_s - memo.last_decision_s.get(key, -1e9) < td.autoscaling.interval_seconds:
@@ -171,25 +248,27 @@ async def autoscale_handler(
     num_with_metrics = 0
     without_metrics: list[str] = []
     try:
-        for role in ROLES:
-            dep_name = pool_name(name, role)
+        for pool in td.pools_of():
+            role = pool.role
+            dep_name = pool.name(name)
             dep = await kube.get("apps/v1", "Deployment", namespace, dep_name)
             if dep is None:
                 continue  # not reconciled yet
             current = int((dep.get("spec") or {}).get("replicas", 0))
             ready = int((dep.get("status") or {}).get("readyReplicas", 0) or 0)
-            signals = await source.read(role)
-            history: tuple[Recommendation, ...] = memo.history.get((namespace, name, role), ())
+            signals = await source.read(pool, dep_name)
+            history: tuple[Recommendation, ...] = memo.history.get((namespace, name, pool.key), ())
             decision, history = decide(
-                role=role, current_replicas=current, signals=signals, pool=td.pools.get(role),
+                role=role, current_replicas=current, signals=signals, pool=pool.spec,
                 policy=td.autoscaling, slo=td.slo, history=history, now_s=now_s, ready_replicas=ready,
             )
-            memo.history[(namespace, name, role)] = history
+            memo.history[(namespace, name, pool.key)] = history
             num_with_metrics += bool(decision.votes)
             if not decision.votes:
-                without_metrics.append(role)
+                without_metrics.append(pool.key)
             decision_logger.info(json.dumps({
                 "event": "autoscale_decision", "namespace": namespace, "name": name, "role": role,
+                "model": pool.model.name, "pool": dep_name,
                 "current": decision.current_replicas, "desired": decision.desired_replicas,
                 "raw": decision.raw_replicas, "votes": decision.votes, "reason": decision.reason,
                 "signals": {k: v for k, v in vars(signals).items() if v is not None},
@@ -197,13 +276,13 @@ async def autoscale_handler(
             if decision.changed:
                 await kube.patch("apps/v1", "Deployment", namespace, dep_name,
                                  {"spec": {"replicas": decision.desired_replicas}})
-                logger.info("%s pool %s → %s replicas: %s", role, decision.current_replicas,
+                logger.info("%s pool %s → %s replicas: %s", pool.key, decision.current_replicas,
                             decision.desired_replicas, decision.reason)
-            previous = (status.get("autoscaling") or {}).get(role) or {}
+            previous = (status.get("autoscaling") or {}).get(pool.key) or {}
             entry = decision_status(decision, _now())
             if all(previous.get(k) == entry[k] for k in ("currentReplicas", "desiredReplicas", "reason")):
                 continue  # nothing new: keep status writes rare
-            entries[role] = entry
+            entries[pool.key] = entry
     except KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=memo.settings.retry_delay_s) from exc
     _set_metrics_condition(td, status, patch, without_metrics, int(meta.get("generation") or 0))
@@ -214,17 +293,16 @@ async def autoscale_handler(
 
 
 async def _refresh_status(
-    kube: KubeClient, namespace: str, name: str, meta: Any, status: Any, patch: kopf.Patch
+    kube: KubeClient, namespace: str, name: str, td: TandemSpec, meta: Any, status: Any, patch: kopf.Patch
 ) -> None:
     """Write status.pools and the Ready condition when what is ready has changed."""
     try:
-        deployments = {role: await kube.get("apps/v1", "Deployment", namespace, pool_name(name, role))
-                       for role in ROLES}
+        deployments = await _deployments(kube, namespace, name, td)
     except KubeError:
         return  # the next tick tries again; the autoscaler below reports API trouble
     if any(dep is None for dep in deployments.values()):
         return  # not reconciled yet: the reconcile handler writes the first status
-    pools = {role: observed_pool(dep) for role, dep in deployments.items()}
+    pools = observed_pools(td.pools_of(), deployments)
     conditions = list(status.get("conditions", []))
     if pools != status.get("pools"):
         patch.status["pools"] = pools
@@ -273,17 +351,46 @@ def _condition_status(conditions: list[dict[str, Any]]) -> tuple[str, str]:
     return str(ready.get("status", "")), str(ready.get("message", ""))
 
 
+def _pools_to_delete(spec: Any) -> list[Pool]:
+    """The pools of the spec being deleted; a spec that no longer parses still had the single-model
+    form's two pools or none (the models form always parses: the API server checked it)."""
+    try:
+        return parse_spec(spec).pools_of()
+    except SpecError:
+        return parse_spec(_FALLBACK_SPEC).pools_of()
+
+
+#: What a resource whose spec no longer parses is deleted as: the single-model form's two pools.
+_FALLBACK_SPEC: dict[str, Any] = {
+    "model": {"servedModelName": "x", "pvc": {"claimName": "x"}},
+    "image": {"repository": "x", "tag": "x"},
+    "redis": {"url": "redis://x"},
+}
+
+
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-async def delete_handler(*, name: str, namespace: str | None, memo: Any, logger: _Logger, **_: Any) -> None:
+async def delete_handler(
+    *, name: str, namespace: str | None, spec: Any, status: Any, memo: Any, logger: _Logger, **_: Any
+) -> None:
     assert namespace is not None
     kube: KubeClient = memo.kube
+    pools = _pools_to_delete(spec)
     try:
-        for api_version, kind, obj_name in owned_names(name):
+        for api_version, kind, obj_name in owned_names(name, pools):
             if await kube.delete(api_version, kind, namespace, obj_name):
                 logger.info("deleted %s %s/%s", kind, namespace, obj_name)
     except KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=memo.settings.retry_delay_s) from exc
-    for role in ROLES:
-        memo.history.pop((namespace, name, role), None)
+    managed = _managed_adapters(status)
+    if managed and memo.redis is not None:
+        key_prefix = str((spec.get("redis") or {}).get("keyPrefix") or "tandem")
+        try:
+            removed = await remove_managed(AdapterCatalog(memo.redis, key_prefix=key_prefix), managed)
+            logger.info("removed adapters %s from the catalog", removed)
+        except BackendUnavailableError as exc:
+            logger.warning("adapters %s left in the catalog (Redis unreachable: %s)", managed, exc)
+    for pool in pools:
+        memo.history.pop((namespace, name, pool.key), None)
     memo.last_decision_s.pop((namespace, name), None)
     memo.last_status_s.pop((namespace, name), None)
+    memo.last_adapter_sync_s.pop((namespace, name), None)

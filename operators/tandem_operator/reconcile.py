@@ -6,12 +6,13 @@ API and applies the results; tests call them directly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tandem_operator.autoscale import Decision
-from tandem_operator.resources import build_pool_deployment, build_pool_service, pool_name
-from tandem_operator.spec import ROLES, PoolSpec, Role, TandemSpec
+from tandem_operator.resources import build_pool_deployment, build_pool_service
+from tandem_operator.spec import Pool, PoolSpec, TandemSpec
 
 
 @dataclass(frozen=True)
@@ -39,30 +40,41 @@ def replicas_to_apply(
     return min(max(current, pool.min_replicas), pool.max_replicas)
 
 
-def desired_objects(owner: Owner, spec: TandemSpec, current_replicas: dict[Role, int | None]) -> list[dict[str, Any]]:
-    """The Deployment and Service of both pools."""
+def desired_objects(
+    owner: Owner, spec: TandemSpec, current_replicas: Mapping[str, int | None]
+) -> list[dict[str, Any]]:
+    """The Deployment and Service of every pool; ``current_replicas`` by pool key (:attr:`Pool.key`)."""
     objects: list[dict[str, Any]] = []
-    for role in ROLES:
+    for pool in spec.pools_of():
         replicas = replicas_to_apply(
-            spec.pools.get(role),
+            pool.spec,
             autoscaling_enabled=spec.autoscaling.enabled,
-            current=current_replicas.get(role),
+            current=current_replicas.get(pool.key),
             external=spec.autoscaling.external,
         )
         objects.append(build_pool_deployment(name=owner.name, namespace=owner.namespace, uid=owner.uid,
-                                             cr_labels=owner.labels, spec=spec, role=role, replicas=replicas))
+                                             cr_labels=owner.labels, spec=spec, pool=pool, replicas=replicas))
         objects.append(build_pool_service(name=owner.name, namespace=owner.namespace, uid=owner.uid,
-                                          cr_labels=owner.labels, spec=spec, role=role))
+                                          cr_labels=owner.labels, spec=spec, pool=pool))
     return objects
 
 
-def owned_names(owner_name: str) -> list[tuple[str, str, str]]:
-    """(apiVersion, kind, name) of everything the operator creates for ``owner_name``."""
+def owned_names(owner_name: str, pools: list[Pool]) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of what the operator creates for ``owner_name``'s ``pools``."""
     return [
-        (api, kind, pool_name(owner_name, role))
-        for role in ROLES
+        (api, kind, pool.name(owner_name))
+        for pool in pools
         for api, kind in (("apps/v1", "Deployment"), ("v1", "Service"))
     ]
+
+
+def stale_names(owner_name: str, owned: list[dict[str, Any]], pools: list[Pool]) -> list[str]:
+    """Names of pool Deployments the operator made for ``owner_name`` (``owned``: those carrying its
+    ``tandem.dev/deployment`` label) that no pool of the spec has now: a model removed from
+    ``spec.models``, or the form changed. Their Deployment and Service are deleted."""
+    wanted = {pool.name(owner_name) for pool in pools}
+    names = {str(obj.get("metadata", {}).get("name", "")) for obj in owned}
+    return sorted(n for n in names if n and n not in wanted)
 
 
 def observed_pool(deployment: dict[str, Any] | None) -> dict[str, Any]:
@@ -101,21 +113,33 @@ def set_condition(
     return [c for c in conditions if c.get("type") != type_] + [new]
 
 
+def observed_pools(pools: list[Pool], deployments: Mapping[str, dict[str, Any] | None]) -> dict[str, Any]:
+    """``status.pools``: per pool key, its replica counts (and, in the models form, its model and role)."""
+    out: dict[str, Any] = {}
+    for pool in pools:
+        entry = observed_pool(deployments.get(pool.key))
+        if pool.model.slug is not None:
+            entry.update(model=pool.model.name, role=pool.role)
+        out[pool.key] = entry
+    return out
+
+
 def reconciled_status(
-    owner: Owner, deployments: dict[Role, dict[str, Any] | None], conditions: list[dict[str, Any]], now: str
+    owner: Owner, spec: TandemSpec, deployments: Mapping[str, dict[str, Any] | None],
+    conditions: list[dict[str, Any]], now: str,
 ) -> dict[str, Any]:
-    pools = {role: observed_pool(deployments.get(role)) for role in ROLES}
+    pools = observed_pools(spec.pools_of(), deployments)
     conditions = set_condition(conditions, type_="SpecValid", status=True, reason="Valid", message="",
                                now=now, generation=owner.generation)
     conditions = set_condition(conditions, type_="Reconciled", status=True, reason="Applied",
-                               message="Deployments and Services of both pools applied", now=now,
+                               message="Deployments and Services of every pool applied", now=now,
                                generation=owner.generation)
     conditions = ready_condition(conditions, pools, now, owner.generation)
     return {"observedGeneration": owner.generation, "pools": pools, "conditions": conditions}
 
 
 def ready_condition(
-    conditions: list[dict[str, Any]], pools: dict[Role, dict[str, Any]], now: str, generation: int
+    conditions: list[dict[str, Any]], pools: Mapping[str, dict[str, Any]], now: str, generation: int
 ) -> list[dict[str, Any]]:
     """``conditions`` with Ready set from the pools: every pool has a ready replica."""
     ready = all(p["readyReplicas"] > 0 for p in pools.values())

@@ -1,4 +1,4 @@
-"""The Kubernetes objects of one pool (prefill or decode) as plain dicts.
+"""The Kubernetes objects of one pool (a model's prefill or decode workers) as plain dicts.
 
 Pure functions: :mod:`tandem_operator.reconcile` calls them with a parsed
 :class:`tandem_operator.spec.TandemSpec` and gets the Deployment and Service
@@ -12,13 +12,17 @@ the kubelet's probes on :data:`HEALTH_PORT`; it advertises its pod IP
 to ``drainTimeoutSeconds``, then exits. The grace period is longer than the
 drain so the kubelet never kills a draining worker; that is how a scale-down
 drains.
+
+A pool of the models form (:class:`tandem_operator.spec.Pool` with a slug) also
+carries the ``tandem.dev/model`` label (the model's slug) in its labels and
+selector; a pool of the single-model form is built exactly as it always was.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tandem_operator.spec import GROUP, KIND, VERSION, PoolSpec, Role, TandemSpec
+from tandem_operator.spec import GROUP, KIND, VERSION, Pool, Role, TandemSpec
 
 WORKER_PORT = 50051
 KV_PORT = 50061
@@ -34,6 +38,11 @@ GRACE_MARGIN_S = 30
 
 LABEL_DEPLOYMENT = "tandem.dev/deployment"
 LABEL_POOL = "tandem.dev/pool"
+#: The model's slug, on the pools of the models form.
+LABEL_MODEL = "tandem.dev/model"
+#: The worker settings of LoRA (``WorkerSettings.adapters.max_adapters`` / ``.max_adapter_rank``).
+LORA_ENV_MAX_ADAPTERS = "TANDEM_WORKER_ADAPTERS__MAX_ADAPTERS"
+LORA_ENV_MAX_ADAPTER_RANK = "TANDEM_WORKER_ADAPTERS__MAX_ADAPTER_RANK"
 #: CR labels copied onto the pools (so the chart's NetworkPolicies and PDBs select them).
 INHERITED_LABELS = ("app.kubernetes.io/instance", "app.kubernetes.io/part-of", "app.kubernetes.io/name")
 
@@ -47,21 +56,25 @@ RESTRICTED_SECURITY_CONTEXT: dict[str, Any] = {
 
 
 def pool_name(deployment_name: str, role: Role) -> str:
+    """The name of ``role``'s pool in the single-model form (:meth:`Pool.name` in general)."""
     return f"{deployment_name}-{role}"
 
 
-def selector_labels(deployment_name: str, role: Role) -> dict[str, str]:
-    return {LABEL_DEPLOYMENT: deployment_name, LABEL_POOL: role}
+def selector_labels(deployment_name: str, pool: Pool) -> dict[str, str]:
+    labels = {LABEL_DEPLOYMENT: deployment_name, LABEL_POOL: pool.role}
+    if pool.model.slug is not None:
+        labels[LABEL_MODEL] = pool.model.slug
+    return labels
 
 
-def pool_labels(deployment_name: str, role: Role, cr_labels: dict[str, str], spec: TandemSpec) -> dict[str, str]:
+def pool_labels(deployment_name: str, pool: Pool, cr_labels: dict[str, str], spec: TandemSpec) -> dict[str, str]:
     labels = {key: cr_labels[key] for key in INHERITED_LABELS if key in cr_labels}
     labels.update(spec.pod_labels)
     labels.update(
         {
             "app.kubernetes.io/component": "worker",
             "app.kubernetes.io/managed-by": "tandem-operator",
-            **selector_labels(deployment_name, role),
+            **selector_labels(deployment_name, pool),
         }
     )
     return labels
@@ -78,7 +91,8 @@ def owner_reference(name: str, uid: str) -> dict[str, Any]:
     }
 
 
-def _env(spec: TandemSpec, role: Role, pool: PoolSpec) -> list[dict[str, Any]]:
+def _env(spec: TandemSpec, the_pool: Pool) -> list[dict[str, Any]]:
+    role, pool, model = the_pool.role, the_pool.spec, the_pool.model  # pool: its PoolSpec
     field = {"fieldRef": {"fieldPath": "status.podIP"}}
     env: list[dict[str, Any]] = [
         {"name": "TANDEM_WORKER_ROLE", "value": role},
@@ -89,9 +103,9 @@ def _env(spec: TandemSpec, role: Role, pool: PoolSpec) -> list[dict[str, Any]]:
         {"name": "TANDEM_WORKER_HEALTH_PORT", "value": str(HEALTH_PORT)},
         {"name": "TANDEM_WORKER_KV__HOST", "valueFrom": field},
         {"name": "TANDEM_WORKER_KV__PORT", "value": str(KV_PORT)},
-        {"name": "TANDEM_WORKER_ENGINE__MODEL_DIR", "value": spec.model.path},
-        {"name": "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME", "value": spec.model.served_model_name},
-        {"name": "TANDEM_WORKER_ENGINE__MAX_MODEL_LEN", "value": str(spec.model.max_model_len)},
+        {"name": "TANDEM_WORKER_ENGINE__MODEL_DIR", "value": model.source.path},
+        {"name": "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME", "value": model.name},
+        {"name": "TANDEM_WORKER_ENGINE__MAX_MODEL_LEN", "value": str(model.source.max_model_len)},
         {"name": "TANDEM_WORKER_ENGINE__DTYPE", "value": pool.engine_args.dtype},
         {
             "name": "TANDEM_WORKER_ENGINE__TENSOR_PARALLEL_SIZE",
@@ -106,6 +120,11 @@ def _env(spec: TandemSpec, role: Role, pool: PoolSpec) -> list[dict[str, Any]]:
     ]
     if pool.engine_args.kv_cache_bytes is not None:
         env.append({"name": "TANDEM_WORKER_ENGINE__KV_CACHE_BYTES", "value": str(pool.engine_args.kv_cache_bytes)})
+    if model.source.lora is not None:
+        env += [
+            {"name": LORA_ENV_MAX_ADAPTERS, "value": str(model.source.lora.max_adapters)},
+            {"name": LORA_ENV_MAX_ADAPTER_RANK, "value": str(model.source.lora.max_adapter_rank)},
+        ]
     if spec.redis.secret_name is not None:
         secret = {"secretKeyRef": {"name": spec.redis.secret_name, "key": spec.redis.secret_key}}
         env.append({"name": "TANDEM_WORKER_REDIS__URL", "valueFrom": secret})
@@ -131,16 +150,17 @@ def _health_check() -> dict[str, Any]:
     return {"port": HEALTH_PORT, "service": HEALTH_SERVICE}
 
 
-def _volumes(spec: TandemSpec, role: Role, pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(spec: TandemSpec, the_pool: Pool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(volumes, mounts): the model under /models, a writable /tmp, and /dev/shm for tensor parallelism."""
+    role, pool, source = the_pool.role, the_pool.spec, the_pool.model.source
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
-    if spec.model.pvc is not None:
-        claim = {"claimName": spec.model.pvc.claim_name, "readOnly": True}
+    if source.pvc is not None:
+        claim = {"claimName": source.pvc.claim_name, "readOnly": True}
         volumes.append({"name": "model", "persistentVolumeClaim": claim})
         mount: dict[str, Any] = {"name": "model", "mountPath": "/models", "readOnly": True}
-        if spec.model.pvc.sub_path:
-            mount["subPath"] = spec.model.pvc.sub_path
+        if source.pvc.sub_path:
+            mount["subPath"] = source.pvc.sub_path
         mounts.append(mount)
     else:
         volumes.append({"name": "model", "emptyDir": {}})
@@ -162,19 +182,19 @@ def build_pool_deployment(
     uid: str,
     cr_labels: dict[str, str],
     spec: TandemSpec,
-    role: Role,
+    pool: Pool,
     replicas: int,
 ) -> dict[str, Any]:
     """The Deployment of one pool, owned by the TandemDeployment ``name``."""
-    pool = spec.pools.get(role)
-    labels = pool_labels(name, role, cr_labels, spec)
-    volumes, mounts = _volumes(spec, role, pool)
+    role, source, pool_spec = pool.role, pool.model.source, pool.spec
+    labels = pool_labels(name, pool, cr_labels, spec)
+    volumes, mounts = _volumes(spec, pool)
     container: dict[str, Any] = {
         "name": "worker",
         "image": spec.image.ref,
         "imagePullPolicy": spec.image.pull_policy,
         "args": ["--role", role],
-        "env": _env(spec, role, pool),
+        "env": _env(spec, pool),
         "ports": [
             {"name": "grpc", "containerPort": WORKER_PORT, "protocol": "TCP"},
             {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"},
@@ -192,7 +212,7 @@ def build_pool_deployment(
         "startupProbe": {"grpc": _health_check(), "periodSeconds": 10, "failureThreshold": 120},
         "livenessProbe": {"grpc": _health_check(), "periodSeconds": 15, "failureThreshold": 4},
         "readinessProbe": {"grpc": _health_check(), "periodSeconds": 5, "failureThreshold": 2},
-        "resources": pool.resources.model_dump(),
+        "resources": pool_spec.resources.model_dump(),
         "securityContext": RESTRICTED_SECURITY_CONTEXT,
         "volumeMounts": mounts,
     }
@@ -200,16 +220,16 @@ def build_pool_deployment(
         "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": pool.drain_timeout_seconds + GRACE_MARGIN_S,
+        "terminationGracePeriodSeconds": pool_spec.drain_timeout_seconds + GRACE_MARGIN_S,
         "containers": [container],
         "volumes": volumes,
     }
-    if spec.model.init_container is not None:
+    if source.init_container is not None:
         pod_spec["initContainers"] = [
             {
                 "name": "fetch-model",
-                "image": spec.model.init_container.image,
-                "command": list(spec.model.init_container.command),
+                "image": source.init_container.image,
+                "command": list(source.init_container.command),
                 "securityContext": RESTRICTED_SECURITY_CONTEXT,
                 "volumeMounts": [{"name": "model", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}],
             }
@@ -218,22 +238,22 @@ def build_pool_deployment(
         pod_spec["serviceAccountName"] = spec.service_account_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
-    if pool.node_selector:
-        pod_spec["nodeSelector"] = dict(pool.node_selector)
-    if pool.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in pool.tolerations]
+    if pool_spec.node_selector:
+        pod_spec["nodeSelector"] = dict(pool_spec.node_selector)
+    if pool_spec.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in pool_spec.tolerations]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {
-            "name": pool_name(name, role),
+            "name": pool.name(name),
             "namespace": namespace,
             "labels": labels,
             "ownerReferences": [owner_reference(name, uid)],
         },
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": selector_labels(name, role)},
+            "selector": {"matchLabels": selector_labels(name, pool)},
             # Never two workers down at once because of a rollout; surge instead.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
@@ -248,21 +268,21 @@ def build_pool_deployment(
 
 
 def build_pool_service(
-    *, name: str, namespace: str, uid: str, cr_labels: dict[str, str], spec: TandemSpec, role: Role
+    *, name: str, namespace: str, uid: str, cr_labels: dict[str, str], spec: TandemSpec, pool: Pool
 ) -> dict[str, Any]:
     """A headless Service per pool: stable DNS for the pods and a target for monitoring."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {
-            "name": pool_name(name, role),
+            "name": pool.name(name),
             "namespace": namespace,
-            "labels": pool_labels(name, role, cr_labels, spec),
+            "labels": pool_labels(name, pool, cr_labels, spec),
             "ownerReferences": [owner_reference(name, uid)],
         },
         "spec": {
             "clusterIP": "None",
-            "selector": selector_labels(name, role),
+            "selector": selector_labels(name, pool),
             "ports": [
                 {"name": "grpc", "port": WORKER_PORT, "targetPort": "grpc", "protocol": "TCP"},
                 {"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"},

@@ -16,6 +16,9 @@ class OperatorSettings(BaseSettings):
     #: How often the autoscaling timer wakes up; each resource's
     #: ``autoscaling.intervalSeconds`` decides how often it actually decides.
     tick_s: float = Field(default=1.0, gt=0)
+    #: Redis of the adapter catalog (``spec.adapters``); each resource's ``redis.keyPrefix`` picks its
+    #: catalog there. "" = adapters are not reconciled (the resource says so in AdaptersReconciled).
+    redis_url: str = ""
     #: Seconds kopf waits before retrying a reconcile that hit an API error.
     retry_delay_s: float = Field(default=10.0, gt=0)
     kubernetes_service_host: str = Field(

@@ -20,6 +20,14 @@ router's admission check counts), the requests placed on them, those waiting for
 decode budget or in the decode engines' own queues, and their KV usage. Nothing
 of one pool feeds the other's vote.
 
+Per model: a pool of the models form reads only its model's series. The
+workers' (vLLM's) series are selected by the pool's pod names; the router's
+and the gateway's by their ``model`` label (the served model name), so a
+router or gateway that does not label a series by model gives that model's
+pools no signal from it (they hold on the others; ``MetricsAvailable`` says
+which pool has none) rather than every model's load. The single-model form
+reads the series unlabelled, as it always has.
+
 A signal that cannot be read is ``None``; the decision then rests on the
 others (and holds when none is left). Network errors are logged here, not
 raised: a flaky Prometheus must not crash-loop the operator.
@@ -36,7 +44,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_operator.autoscale import PoolSignals
-from tandem_operator.spec import Role
+from tandem_operator.spec import Pool, Role
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +56,18 @@ QUEUED_REQUESTS = "ray_tandem_router_queued_requests"
 QUEUED_UNCACHED_TOKENS = "ray_tandem_router_queued_uncached_tokens"
 POOL_BUDGET_USED = "ray_tandem_router_pool_budget_used_fraction"
 POOL_IN_FLIGHT = "ray_tandem_router_pool_in_flight_requests"
+#: The label of the router's and the gateway's series that names the model (the served model name).
+MODEL_LABEL = "model"
+
+
+def _model_of(pool: Pool) -> str | None:
+    """The model label value to select, or None (single-model form: the series unlabelled)."""
+    return None if pool.model.slug is None else pool.model.name
 
 
 class SignalSource(Protocol):
-    async def read(self, role: Role) -> PoolSignals:
-        """The current signals of the pool ``role``; fields it cannot read stay ``None``."""
+    async def read(self, pool: Pool, pool_name: str) -> PoolSignals:
+        """The current signals of ``pool`` (its Deployment is ``pool_name``); fields it cannot read stay ``None``."""
         ...
 
 
@@ -63,13 +78,18 @@ class QueryScope:
     namespace: str
     deployment_name: str
 
-    def queries(self, role: Role) -> dict[str, str]:
+    def queries(self, role: Role, *, model: str | None = None, pool_name: str | None = None) -> dict[str, str]:
+        """PromQL per signal of one pool: ``pool_name`` (default ``<deployment>-<role>``) selects the
+        workers' pods, ``model`` (None: no selection) the router's and the gateway's series."""
         ns = f'namespace="{self.namespace}"'
-        pods = f'pod=~"{self.deployment_name}-{role}-.*"'
+        if model is not None:
+            ns += f',{MODEL_LABEL}="{model}"'  # MODEL_NAME allows no quote or backslash
+        pods = f'pod=~"{pool_name or f"{self.deployment_name}-{role}"}-.*"'
         waiting = f'{QUEUED_REQUESTS}{{{ns},waiting_for="{role}"}}'
         # Every router replica sees the whole pool's budget (its own and the others' reservations): the
         # average over replicas; each counts only the requests it placed itself: the sum.
         in_flight = f'sum({POOL_IN_FLIGHT}{{{ns},role="{role}"}})'
+        pod_ns = f'namespace="{self.namespace}"'
         if role == "prefill":
             return {
                 "queue_depth": f"sum({waiting})",
@@ -87,8 +107,8 @@ class QueryScope:
         return {
             "budget_usage": f'avg({POOL_BUDGET_USED}{{{ns},role="decode"}})',
             "in_flight": in_flight,
-            "kv_usage": f"avg(vllm:kv_cache_usage_perc{{{ns},{pods}}})",
-            "waiting": f"sum({waiting}) + (sum(vllm:num_requests_waiting{{{ns},{pods}}}) or vector(0))",
+            "kv_usage": f"avg(vllm:kv_cache_usage_perc{{{pod_ns},{pods}}})",
+            "waiting": f"sum({waiting}) + (sum(vllm:num_requests_waiting{{{pod_ns},{pods}}}) or vector(0))",
             "itl_p90_s": (
                 "histogram_quantile(0.9, sum by (le) "
                 f"(rate(tandem_gateway_inter_token_latency_seconds_bucket{{{ns}}}[1m])))"
@@ -132,17 +152,21 @@ class PrometheusSource:
             logger.warning("prometheus query failed (%s): %s", type(exc).__name__, promql)
             return None
 
-    async def read(self, role: Role) -> PoolSignals:
-        values = {name: await self._query(q) for name, q in self._scope.queries(role).items()}
+    async def read(self, pool: Pool, pool_name: str) -> PoolSignals:
+        queries = self._scope.queries(pool.role, model=_model_of(pool), pool_name=pool_name)
+        values = {name: await self._query(q) for name, q in queries.items()}
         return PoolSignals(**values)
 
 
-def parse_router_metrics(text: str, role: Role) -> PoolSignals:
-    """``role``'s signals from the router's Prometheus text (Ray's export; summed over replicas)."""
+def parse_router_metrics(text: str, role: Role, model: str | None = None) -> PoolSignals:
+    """``role``'s signals from the router's Prometheus text (Ray's export; summed over replicas); with
+    ``model``, only the samples labelled with that model."""
     totals: dict[str, float] = {}
     budget_used: list[float] = []  # one per router replica: averaged, as the PromQL does
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if model is not None and sample.labels.get(MODEL_LABEL) != model:
+                continue
             name = sample.name
             if name in (QUEUED_REQUESTS, QUEUED_UNCACHED_TOKENS):
                 name = f"{name}/{sample.labels.get('waiting_for', '')}"
@@ -177,7 +201,7 @@ class RouterSource:
         self._url = url
         self._session = session
 
-    async def read(self, role: Role) -> PoolSignals:
+    async def read(self, pool: Pool, pool_name: str) -> PoolSignals:
         if not self._url:
             return PoolSignals()
         try:
@@ -185,7 +209,7 @@ class RouterSource:
                 if resp.status != 200:
                     logger.warning("router metrics answered %s", resp.status)
                     return PoolSignals()
-                return parse_router_metrics(await resp.text(), role)
+                return parse_router_metrics(await resp.text(), pool.role, _model_of(pool))
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             logger.warning("router metrics unreadable (%s) at %s", type(exc).__name__, self._url)
             return PoolSignals()

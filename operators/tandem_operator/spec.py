@@ -5,16 +5,37 @@
 (:mod:`tandem_operator.resources`, :mod:`tandem_operator.autoscale`) takes the
 parsed :class:`TandemSpec`. The API server validates the CRD's OpenAPI schema
 (``charts/tandem/crds/``) first; this module adds the rules a schema cannot
-say (min ≤ replicas ≤ max, a model source) and turns any failure into one
-:class:`SpecError` whose message goes into the ``SpecValid`` status condition.
+say (min ≤ replicas ≤ max, a model source, unique model names, adapters of
+served models) and turns any failure into one :class:`SpecError` whose message
+goes into the ``SpecValid`` status condition.
+
+Two forms describe the models:
+
+* the **single-model form** (``spec.model`` + ``spec.pools``), the original
+  one: its pools keep their names (``<name>-prefill``, ``<name>-decode``) and
+  their objects exactly as before, so a release upgraded in place rolls no pod;
+* the **models form** (``spec.models``: a list, each with its own source,
+  pools and LoRA settings): each model's pools are named
+  ``<name>-<model slug>-<role>`` (:func:`model_slug`: DNS-safe, length-capped,
+  with a hash when the served name had to be changed) and carry the
+  ``tandem.dev/model`` label.
+
+Both are read through :meth:`TandemSpec.served_models` / :meth:`TandemSpec.pools_of`;
+nothing downstream looks at the form. Moving a resource from the first form to
+the second renames its pools (new Deployments, the old ones deleted): a rollout.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
+
+from tandem.common.adapters import ADAPTER_NAME
 
 GROUP = "tandem.dev"
 VERSION = "v1alpha1"
@@ -23,6 +44,15 @@ KIND = "TandemDeployment"
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+#: What a served model's name may be (clients send it as ``model``; it becomes a label value's source
+#: and a Prometheus matcher): no spaces, quotes, control characters or template tokens.
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./:-]{0,127}$")
+#: Longest model slug: leaves room for the resource name and the role in a 63-character pool name.
+MAX_SLUG_LEN = 30
+#: Longest object name the pools get (a Service name is a DNS-1035 label).
+MAX_POOL_NAME_LEN = 63
+_DNS_SAFE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 
 
 class SpecError(ValueError):
@@ -55,19 +85,36 @@ class InitContainerSource(_Model):
     command: list[str] = Field(min_length=1)
 
 
-class ModelSpec(_Model):
-    served_model_name: str = Field(min_length=1)
+class LoraSpec(_Model):
+    """LoRA adapters on the model's workers (the worker settings ``max_adapters``, ``max_adapter_rank``)."""
+
+    #: Adapters one worker's engine holds at once (vLLM's ``max_loras``); 0 = LoRA off.
+    max_adapters: int = Field(default=0, ge=0, le=256)
+    #: Largest adapter rank the engine accepts (vLLM's ``max_lora_rank``: one of its ranks).
+    max_adapter_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+
+
+class ModelSource(_Model):
+    """Where a model's weights come from, and its engine-wide settings."""
+
     #: Folder of the model inside the pod (under the ``/models`` mount).
     path: str = Field(default="/models/model", pattern=r"^/models(/.*)?$")
     max_model_len: int = Field(default=2048, ge=16)
     pvc: PvcSource | None = None
     init_container: InitContainerSource | None = None
+    lora: LoraSpec | None = None
 
     @model_validator(mode="after")
-    def _one_source(self) -> ModelSpec:
+    def _one_source(self) -> ModelSource:
         if (self.pvc is None) == (self.init_container is None):
             raise ValueError("model needs exactly one source: pvc or initContainer")
         return self
+
+
+class ModelSpec(ModelSource):
+    """The single-model form's ``spec.model``."""
+
+    served_model_name: str = Field(min_length=1)
 
 
 class RedisRef(_Model):
@@ -167,6 +214,25 @@ class Pools(_Model):
         return self.prefill if role == "prefill" else self.decode
 
 
+class ModelEntry(ModelSource):
+    """One model of the models form (``spec.models[]``), with its own pools."""
+
+    #: The served model name (what clients send as ``model``).
+    name: str = Field(pattern=MODEL_NAME.pattern)
+    prefill: PoolSpec = PoolSpec()
+    decode: PoolSpec = PoolSpec()
+
+
+class AdapterSpec(_Model):
+    """A LoRA adapter the operator keeps in the adapter catalog (``spec.adapters[]``)."""
+
+    name: str = Field(pattern=ADAPTER_NAME.pattern)
+    #: The served model it adapts (a ``spec.models[].name``, or the single model's servedModelName).
+    base_model: str = Field(min_length=1)
+    #: The adapter's folder, as every worker of the base model sees it (absolute, no control characters).
+    path: str = Field(pattern=r"^/[^\x00-\x1f\x7f]*$", max_length=4096)
+
+
 class SloSpec(_Model):
     ttft_p90_seconds: float = Field(default=2.0, gt=0)
     itl_p90_seconds: float = Field(default=0.1, gt=0)
@@ -214,11 +280,73 @@ class ImagePullSecret(_Model):
     name: str = Field(min_length=1)
 
 
+def model_slug(name: str) -> str:
+    """``name`` as a DNS label for object names and label values: the name itself when it already is one
+    (and short enough), else lowercased, other characters as ``-``, cut, and a hash of the name appended
+    (so two names never share a slug by being cleaned alike)."""
+    if len(name) <= MAX_SLUG_LEN and _DNS_SAFE.match(name):
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    cleaned = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", name.lower())).strip("-")
+    cleaned = cleaned[: MAX_SLUG_LEN - len(digest) - 1].rstrip("-")
+    return f"{cleaned}-{digest}" if cleaned else digest
+
+
+def _capped(name: str) -> str:
+    """``name`` within :data:`MAX_POOL_NAME_LEN` (cut, with a hash of the whole so cuts stay apart)."""
+    if len(name) <= MAX_POOL_NAME_LEN:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[: MAX_POOL_NAME_LEN - len(digest) - 1].rstrip('-')}-{digest}"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model as the rest of the operator sees it, whichever form described it."""
+
+    name: str
+    source: ModelSource
+    pools: Pools
+    #: DNS-safe name part of its pools; None for the single-model form (pools named as they always were).
+    slug: str | None
+
+    @property
+    def max_adapters(self) -> int:
+        return 0 if self.source.lora is None else self.source.lora.max_adapters
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool (a model's prefill or decode workers): one Deployment and one Service."""
+
+    model: ServedModel
+    role: Role
+
+    @property
+    def key(self) -> str:
+        """Its key in ``status.pools`` and the autoscaler's state: the role (single-model form) or
+        ``<slug>-<role>``."""
+        return self.role if self.model.slug is None else f"{self.model.slug}-{self.role}"
+
+    @property
+    def spec(self) -> PoolSpec:
+        return self.model.pools.get(self.role)
+
+    def name(self, deployment_name: str) -> str:
+        """The Deployment's and the Service's name."""
+        return _capped(f"{deployment_name}-{self.key}")
+
+
 class TandemSpec(_Model):
-    model: ModelSpec
+    #: The single-model form (with ``pools``); exactly one of ``model`` and ``models``.
+    model: ModelSpec | None = None
     image: ImageSpec
     redis: RedisRef
     pools: Pools = Pools()
+    #: The models form: several models, each with its own pools.
+    models: list[ModelEntry] = Field(default_factory=list, max_length=32)
+    #: LoRA adapters the operator keeps in the adapter catalog.
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=1024)
     slo: SloSpec = SloSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     service_account_name: str = ""
@@ -228,6 +356,43 @@ class TandemSpec(_Model):
     pod_labels: dict[str, str] = Field(default_factory=dict)
     #: Mutual TLS for the pools' gRPC; None: plaintext, fenced by NetworkPolicies.
     tls: TLSRef | None = None
+
+    @model_validator(mode="after")
+    def _models_and_adapters(self) -> TandemSpec:
+        if (self.model is None) == (not self.models):
+            raise ValueError("give exactly one of model (one model, with pools) or models (a list)")
+        if self.models and "pools" in self.model_fields_set:
+            raise ValueError("pools belong to each entry of models (models[].prefill, models[].decode)")
+        names = [m.name for m in self.served_models()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate model names: {sorted({n for n in names if names.count(n) > 1})}")
+        slugs = [m.slug for m in self.served_models()]
+        if len(set(slugs)) != len(slugs):
+            raise ValueError("two model names make the same pool name; rename one")
+        by_name = {m.name: m for m in self.served_models()}
+        adapter_names = [a.name for a in self.adapters]
+        if len(set(adapter_names)) != len(adapter_names):
+            dup = sorted({n for n in adapter_names if adapter_names.count(n) > 1})
+            raise ValueError(f"duplicate adapter names: {dup}")
+        for adapter in self.adapters:
+            if adapter.name in by_name:
+                raise ValueError(f"adapter {adapter.name!r} has a served model's name")
+            base = by_name.get(adapter.base_model)
+            if base is None:
+                raise ValueError(f"adapter {adapter.name!r}: baseModel {adapter.base_model!r} is not a served model")
+            if base.max_adapters == 0:
+                raise ValueError(f"adapter {adapter.name!r}: model {base.name!r} has LoRA off (lora.maxAdapters 0)")
+        return self
+
+    def served_models(self) -> list[ServedModel]:
+        if self.model is not None:
+            return [ServedModel(self.model.served_model_name, self.model, self.pools, None)]
+        return [ServedModel(m.name, m, Pools(prefill=m.prefill, decode=m.decode), model_slug(m.name))
+                for m in self.models]
+
+    def pools_of(self) -> list[Pool]:
+        """Every pool: each model's prefill, then its decode."""
+        return [Pool(model, role) for model in self.served_models() for role in ROLES]
 
 
 def parse_spec(raw: dict[str, Any] | Any) -> TandemSpec:

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 from tandem_operator.resources import HEALTH_PORT, build_pool_deployment
-from tandem_operator.spec import SpecError, TandemSpec, parse_spec
+from tandem_operator.spec import Pool, SpecError, TandemSpec, parse_spec
 
 from tests.chart.crd_schema import crd_version_schema, validate_custom_resource
 
@@ -34,18 +34,18 @@ def _model_fields(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def _schema_fields(node: dict[str, Any]) -> dict[str, Any]:
-    return {k: (_schema_fields(v) if "properties" in v else None) for k, v in node.get("properties", {}).items()}
+    def sub(v: dict[str, Any]) -> Any:
+        v = v.get("items", v) if v.get("type") == "array" else v  # a list of objects: its items' fields
+        return _schema_fields(v) if "properties" in v else None
+
+    return {k: sub(v) for k, v in node.get("properties", {}).items()}
 
 
 def test_crd_and_model_have_the_same_fields() -> None:
     crd = _schema_fields(crd_version_schema()["properties"]["spec"])
     model = _model_fields(TandemSpec)
-    # Tolerations and image pull secrets are lists of objects in the CRD and lists of models in the spec.
-    for tree in (crd, model):
-        for role in ("prefill", "decode"):
-            tree["pools"][role]["tolerations"] = None
-        tree["imagePullSecrets"] = None
     assert crd == model
+    assert crd["models"]["prefill"] == crd["pools"]["prefill"] and crd["models"]["lora"] == crd["model"]["lora"]
 
 
 def test_valid_spec_passes_both() -> None:
@@ -53,7 +53,8 @@ def test_valid_spec_passes_both() -> None:
                               "metadata": {"name": "x"}, "spec": VALID})
     spec = parse_spec(VALID)
     assert spec.pools.decode.num_gpus == 1
-    dep = build_pool_deployment(name="x", namespace="ns", uid="u", cr_labels={}, spec=spec, role="decode", replicas=2)
+    dep = build_pool_deployment(name="x", namespace="ns", uid="u", cr_labels={}, spec=spec, pool=spec.pools_of()[1],
+                                replicas=2)
     env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["TANDEM_WORKER_ROLE"] == "decode" and env["TANDEM_WORKER_X"] == "1"
     assert env["TANDEM_WORKER_REDIS__URL"] == "redis://r:6379/0"
@@ -63,7 +64,8 @@ def test_valid_spec_passes_both() -> None:
 def test_worker_probes_ask_the_plaintext_health_service(tls: bool) -> None:
     """gRPC health probes (the engine's state, not an open port) on the worker's plaintext health port."""
     spec = parse_spec({**VALID, "tls": {"secretName": "internal-tls"}} if tls else VALID)
-    dep = build_pool_deployment(name="x", namespace="ns", uid="u", cr_labels={}, spec=spec, role="decode", replicas=2)
+    dep = build_pool_deployment(name="x", namespace="ns", uid="u", cr_labels={}, spec=spec, pool=spec.pools_of()[1],
+                                replicas=2)
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -90,7 +92,8 @@ def test_worker_probes_ask_the_plaintext_health_service(tls: bool) -> None:
 def test_each_pool_mounts_its_own_roles_secret() -> None:
     spec = parse_spec({**VALID, "tls": {"prefillSecretName": "p-tls", "decodeSecretName": "d-tls"}})
     for role, secret in (("prefill", "p-tls"), ("decode", "d-tls")):
-        dep = build_pool_deployment(name="x", namespace="ns", uid="u", cr_labels={}, spec=spec, role=role, replicas=1)
+        dep = build_pool_deployment(name="x", namespace="ns", uid="u", cr_labels={}, spec=spec,
+                                    pool=Pool(spec.served_models()[0], role), replicas=1)
         (volume,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "internal-tls"]
         assert volume["secret"]["secretName"] == secret
     with pytest.raises(SpecError, match="both prefillSecretName and decodeSecretName"):
