@@ -20,6 +20,7 @@ VALUES_MATRIX: list[str | None] = [
     None,
     "examples/values-cpu-demo.yaml",
     "examples/values-gpu.yaml",
+    "examples/values-gpu-two-models.yaml",
     "ci/values-everything.yaml",
     "ci/values-external-redis-initcontainer.yaml",
 ]

@@ -307,10 +307,10 @@ def test_network_policies_isolate_the_workers() -> None:
     health_port = {p["name"]: p["containerPort"] for p in worker_container["ports"]}["health"]
     opened = {q["port"] for r in workers["ingress"] for q in r["ports"]}
     assert not opened & {"health", health_port}
-    # Redis: only Tandem components.
+    # Redis: only Tandem components (the operator: the adapter catalog).
     redis_from = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
                   for p in _peers(policies[f"{FULL}-redis"]["ingress"][0])]
-    assert sorted(redis_from) == ["gateway", "router", "worker"]
+    assert sorted(redis_from) == ["gateway", "operator", "router", "worker"]
 
 
 def test_pod_disruption_budgets_select_the_pools() -> None:
