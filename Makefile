@@ -55,7 +55,7 @@ empty :=
 space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS) $(TOOL_DIRS))
 
-.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv bench-local-prefill bench-migration bench-trim
+.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv bench-local-prefill bench-migration bench-trim bench-adapters
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -160,6 +160,9 @@ bench-migration: setup redis  ## streams whose decode worker is SIGKILLed mid-an
 
 bench-trim: setup  ## context trimming: one rendering prices every turn vs bisection, side by side
 	$(PY) benchmarks/context_trimming.py
+
+bench-adapters: setup redis  ## adapter-aware placement, SIMULATED workers, Zipf adapters: loads/min/worker, TTFT p99 vs one adapter
+	$(PY) benchmarks/bench_adapters.py $(BENCH_ADAPTERS_ARGS)
 
 clean:  ## remove generated stubs, stamps, caches and build outputs (keeps .venv and the model cache)
 	rm -rf $(STAMP_DIR) reports build dist .pytest_cache .mypy_cache .ruff_cache

@@ -68,3 +68,37 @@ def test_bench_router_tls_runs_and_ends_with_its_line() -> None:
         rf" \| schedule_p99_ms plain={number} tls={number} \| concurrent_calls_per_s plain=[0-9]+ tls=[0-9]+",
         last,
     ), last
+
+
+def test_bench_adapters_runs_and_ends_with_its_line() -> None:
+    """Adapter-aware placement on SIMULATED workers (real Redis, the real router replica), its three
+    runs in their smallest form: a few workers, a few seconds each."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/bench_adapters.py",
+            "--workers",
+            "3",
+            "--adapters",
+            "6",
+            "--rate",
+            "4",
+            "--warmup-s",
+            "1",
+            "--duration-s",
+            "3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "SIMULATED" in done.stdout
+    last = done.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(
+        r"bench-adapters: loads_per_min_per_worker=(\S+) ttft_p99_ratio_vs_one_adapter=(\S+) hit_rate=(\S+)", last
+    )
+    assert match is not None, last
+    loads, ratio, hit_rate = (float(v) for v in match.groups())
+    assert loads >= 0 and ratio > 0 and 0 <= hit_rate <= 1
