@@ -1,7 +1,10 @@
-"""What a tenant is allowed: quotas, models, priority and its trusted prompt.
+"""What a tenant is allowed: quotas, models and adapters, priority and its trusted prompt.
 
 Plain pydantic models, stored as JSON in Redis by :mod:`.store`, read by the
-route handlers, the quota and the prompt assembly. No logic beyond defaults.
+route handlers, the quota and the prompt assembly. The one rule here is
+:func:`allowed` (with :func:`may_know_missing`): which base models and LoRA
+adapters a tenant may call, used where the gateway resolves a request's
+``model`` and by ``/v1/models``.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ import re
 import secrets
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tandem.common.adapters import ADAPTER_NAME
 
 #: The router's admission classes, highest first (sent as ``tandem-priority`` gRPC metadata).
 PriorityClass = Literal["interactive", "standard", "batch"]
@@ -31,8 +36,11 @@ class TenantPolicy(BaseModel):
     max_concurrent_streams: int | None = Field(None, ge=1)
     #: Prompt plus completion tokens per request (capped by the model's own context).
     max_context_tokens: int | None = Field(None, ge=2)
-    #: Models this tenant may call; empty: every served model.
+    #: Base models this tenant may call; empty: every served model.
     allowed_models: list[str] = Field(default_factory=list)
+    #: LoRA adapters this tenant may call, by the name requests use; empty: every adapter (of a base
+    #: model it may call: see :func:`allowed`).
+    allowed_adapters: list[str] = Field(default_factory=list)
     priority_class: PriorityClass = "standard"
     #: Inserted by the server as the first system block of every chat request.
     system_prompt: str = ""
@@ -47,6 +55,14 @@ class TenantPolicy(BaseModel):
     #: ``storage_quota_exceeded`` (tandem.gateway.storage_quota). Unset: the gateway's
     #: ``tenancy.default_max_stored_bytes_per_tenant``, never unlimited; 0: nothing stored (no conversations).
     max_stored_bytes: int | None = Field(None, ge=0)
+
+    @field_validator("allowed_adapters")
+    @classmethod
+    def _adapter_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not ADAPTER_NAME.match(name):
+                raise ValueError(f"allowed adapter {name!r}: not an adapter name (1-128 of A-Z a-z 0-9 _ . : -)")
+        return names
 
 
 class Tenant(TenantPolicy):
@@ -78,7 +94,32 @@ class Tenant(TenantPolicy):
         return self.allow_raw_prompts or not self.has_prompt_policy
 
     def may_use(self, model: str) -> bool:
+        """Whether the tenant may call the base model ``model`` (:func:`allowed` for adapters too)."""
         return not self.allowed_models or model in self.allowed_models
+
+
+def allowed(tenant: TenantPolicy, model_id: str, base_model: str) -> bool:
+    """Whether ``tenant`` may call ``model_id``, a request's ``model`` as resolved: ``base_model`` is the
+    base model that runs it (``model_id`` itself for a base model, the adapter's base model for a LoRA
+    adapter). A base model: on ``allowed_models``, or that list empty. An adapter: on
+    ``allowed_adapters`` (or that list empty) **and** its base model allowed too, for an adapter runs
+    the base model's weights: a tenant kept off a base model is kept off it through adapters as well.
+    """
+    base_allowed = not tenant.allowed_models or base_model in tenant.allowed_models
+    if model_id == base_model:
+        return base_allowed
+    return base_allowed and (not tenant.allowed_adapters or model_id in tenant.allowed_adapters)
+
+
+def may_know_missing(tenant: TenantPolicy, model_id: str) -> bool:
+    """Whether a ``model`` that names nothing (no served model, no loaded adapter) answers ``tenant``
+    404 ``model_not_found`` (True) or 403 ``model_not_allowed`` (False), the answer it gets for an
+    adapter that exists and is not its own. False exactly when the tenant has an adapter allow-list that
+    does not name ``model_id`` (nor does its model allow-list): otherwise 404 against 403 would tell it
+    which adapter names other tenants have loaded. A tenant without an adapter list may use, and list,
+    every adapter, so a missing name tells it nothing new.
+    """
+    return not tenant.allowed_adapters or model_id in tenant.allowed_adapters or model_id in tenant.allowed_models
 
 
 class ApiKeyRecord(BaseModel):
