@@ -68,6 +68,16 @@ FORBIDDEN = [
     ("gateway", ["FLUSHALL"], "drop every key"),
     ("admin", ["GET", "other-stack:gw:key:x"], "read another prefix"),
     ("gateway", ["EVAL", "return 1", "0"], "run an unregistered script by EVAL"),
+    # the adapter catalog: written by the admin, the gateway's admin API and the operator, through
+    # AdapterCatalog's commands only; the operator may touch nothing else
+    ("worker", ["HSET", "{p}:adapters", "evil", "{}"], "load an adapter"),
+    ("router", ["HGETALL", "{p}:adapters"], "read the adapter catalog"),
+    ("gateway", ["DEL", "{p}:adapters"], "drop the adapter catalog"),
+    ("gateway", ["SET", "{p}:adapters:version", "0"], "rewind the adapter versions"),
+    ("admin", ["DEL", "{p}:adapters"], "drop the adapter catalog"),
+    ("operator", ["GET", "{p}:gw:key:" + "ab" * 32], "read API keys"),
+    ("operator", ["SET", "{p}:worker:fake", "{}"], "register a worker"),
+    ("operator", ["DEL", "{p}:adapters"], "drop the adapter catalog"),
 ]
 
 
@@ -211,18 +221,57 @@ async def test_only_the_admin_salts_a_tenant_written_before_salts(users: AclUser
         await admin.aclose()
 
 
+async def test_the_admin_cli_and_the_operator_manage_adapters_under_their_own_users(users: AclUsers) -> None:
+    from tandem.common.adapters import AdapterCatalog
+    from tandem.gateway.admin import build_parser, run
+    from tandem.gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(
+        redis={"url": users.url("admin")},
+        tenancy={"key_prefix": users.key_prefix},
+        registry={"key_prefix": users.key_prefix},
+    )
+
+    async def admin(*argv: str) -> list[dict[str, object]]:
+        args: argparse.Namespace = build_parser().parse_args(list(argv))
+        return await run(args, settings)
+
+    [loaded] = await admin("adapter", "load", "acme-lora", "/adapters/acme")
+    assert loaded["engine_name"] == f"acme-lora@{loaded['version']}"
+    assert [a["name"] for a in await admin("adapter", "list")] == ["acme-lora"]
+    operator = AdapterCatalog.connect(users.url("operator"), key_prefix=users.key_prefix)
+    gateway = AdapterCatalog.connect(users.url("gateway"), key_prefix=users.key_prefix)
+    worker = AdapterCatalog.connect(users.url("worker"), key_prefix=users.key_prefix)
+    try:
+        await operator.put("ops-lora", base_model="m", path="/adapters/ops", now_unix_s=0.0)
+        assert set(await operator.entries()) == {"acme-lora", "ops-lora"}
+        await gateway.put("api-lora", base_model="m", path="/adapters/api", now_unix_s=0.0)  # the admin API
+        assert set(await worker.entries()) == {"acme-lora", "ops-lora", "api-lora"}
+        assert await gateway.remove("api-lora") and await operator.remove("ops-lora")
+    finally:
+        for catalog in (operator, gateway, worker):
+            await catalog.aclose()
+    await admin("adapter", "unload", "acme-lora")
+    assert await admin("adapter", "list") == []
+    conn = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        assert await acl_denials(conn, users.key_prefix) == []
+    finally:
+        await conn.aclose()
+
+
 # -- the rules themselves ------------------------------------------------------------------------
 
 
 def test_user_names_carry_the_prefix_and_prefixes_that_would_widen_a_pattern_are_refused() -> None:
     assert redis_acl.username("gateway", "tandem") == "tandem-gateway"
     names = [redis_acl.username(c, "t") for c in redis_acl.COMPONENTS]
-    assert names == ["t-gateway", "t-router", "t-worker", "t-admin"]
+    assert names == ["t-gateway", "t-router", "t-worker", "t-admin", "t-operator"]
     for bad in ("", "tan*", "a b", "x~y", "p:q", "a" * 65):
         with pytest.raises(ValueError):
             redis_acl.rules("gateway", bad)
     with pytest.raises(ValueError):
-        redis_acl.username("operator", "tandem")
+        redis_acl.username("playground", "tandem")
 
 
 def test_rules_name_commands_one_by_one_never_a_category_or_every_key() -> None:

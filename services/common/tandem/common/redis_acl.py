@@ -17,17 +17,26 @@ user       may
 =========  =====================================================================
 gateway    read API keys and tenants; read worker registrations; read and write
            quotas, usage, conversations and the tenants' storage accounts
-           (``<prefix>:gw:{quota,usage,conv,stored}:*``)
+           (``<prefix>:gw:{quota,usage,conv,stored}:*``); read and write the
+           adapter catalog (``<prefix>:adapters``, ``<prefix>:adapters:version``:
+           requests resolve adapters through it, the admin API loads them)
 router     read worker registrations; its ledger (``<prefix>:router:*``) and its
            pub/sub channel
 worker     write worker registrations (it registers itself), read them; read
            the adapter catalog (``<prefix>:adapters``, HGETALL only)
-admin      tenants, keys, quotas, usage, conversations (``<prefix>:gw:*``): the
-           ``tandem-admin`` CLI, the only writer of keys and tenants
+admin      tenants, keys, quotas, usage, conversations (``<prefix>:gw:*``) and
+           the adapter catalog: the ``tandem-admin`` CLI, the only writer of keys
+           and tenants
+operator   the adapter catalog only (``<prefix>:adapters``,
+           ``<prefix>:adapters:version``): it reconciles a TandemDeployment's
+           adapters into it (HGETALL, HSET, HDEL, INCRBY)
 =========  =====================================================================
 
 Nobody but the router publishes on the ledger channel; nobody but the admin
-writes a key or a tenant; nobody but a worker writes a registration. Readers of
+writes a key or a tenant; nobody but a worker writes a registration. Adapters
+are written by the admin (CLI), the gateway (admin API) and the operator; a
+compromised one of them can point an adapter at other files, which workers load
+only if they are a LoRA adapter of their model. Readers of
 the registry may ZREM its index (``<prefix>:workers``): they prune the ids whose
 record expired (:meth:`tandem.common.registry.WorkerRegistry.list_raw_records`);
 at worst a compromised reader hides a live worker until its next heartbeat.
@@ -53,8 +62,9 @@ GATEWAY = "gateway"
 ROUTER = "router"
 WORKER = "worker"
 ADMIN = "admin"
+OPERATOR = "operator"
 #: Every component with a Redis user, in the order of the docs' table.
-COMPONENTS = (GATEWAY, ROUTER, WORKER, ADMIN)
+COMPONENTS = (GATEWAY, ROUTER, WORKER, ADMIN, OPERATOR)
 
 #: What a key prefix may hold: it goes into glob patterns and user names unquoted.
 _PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -75,6 +85,20 @@ def _registry_read_keys(p: str) -> tuple[str, ...]:
     # Read-only root rights on the records, the index and the removals counter; ZREM on the index
     # alone, in a selector.
     return (f"%R~{p}:worker:*", f"%R~{p}:workers", f"%R~{p}:workers:removed", f"(~{p}:workers +zrem)")
+
+
+#: The adapter catalog (tandem.common.adapters.AdapterCatalog: entries, put, remove): its hash and its
+#: version counter.
+_CATALOG_COMMANDS = ("+hgetall", "+hset", "+hdel", "+incrby")  # redis-py sends INCR as INCRBY
+
+
+def _catalog_keys(p: str) -> tuple[str, ...]:
+    return (f"~{p}:adapters", f"~{p}:adapters:version")
+
+
+def _catalog_selector(p: str) -> str:
+    """The catalog's commands on the catalog's keys alone, for a user with other keys and commands."""
+    return f"({' '.join((*_catalog_keys(p), *_CATALOG_COMMANDS))})"
 
 
 def _gateway(p: str) -> tuple[str, ...]:
@@ -98,7 +122,8 @@ def _gateway(p: str) -> tuple[str, ...]:
         f"~{p}:gw:conv:*",
         f"~{p}:gw:stored:*",
     )
-    return (*commands, *keys, *_registry_read_keys(p))
+    # The adapter catalog: resolving requests' models, and the admin API's adapter endpoints.
+    return (*commands, *keys, *_registry_read_keys(p), _catalog_selector(p))
 
 
 def _router(p: str) -> tuple[str, ...]:
@@ -135,10 +160,16 @@ def _admin(p: str) -> tuple[str, ...]:
         "+zcard", "+zrem", "+zrangebyscore",
         "+watch", "+unwatch", "+multi", "+exec", "+discard",
     )  # fmt: skip
-    return (*commands, f"~{p}:gw:*")
+    # tandem-admin adapter load / list / unload.
+    return (*commands, f"~{p}:gw:*", _catalog_selector(p))
 
 
-_RULES = {GATEWAY: _gateway, ROUTER: _router, WORKER: _worker, ADMIN: _admin}
+def _operator(p: str) -> tuple[str, ...]:
+    # tandem_operator.adapters: AdapterCatalog.entries / put / remove, nothing else.
+    return (*_CONNECTION, *_CATALOG_COMMANDS, *_catalog_keys(p))
+
+
+_RULES = {GATEWAY: _gateway, ROUTER: _router, WORKER: _worker, ADMIN: _admin, OPERATOR: _operator}
 
 
 def check_prefix(key_prefix: str) -> str:

@@ -11,6 +11,13 @@ A new key is printed once and never stored; output is JSON, one object per line.
     tandem-admin tenant update acme --max-stored-bytes 8388608   # its storage quota
     tandem-admin tenant show acme       # with "storage": {"stored_bytes", "max_stored_bytes", …}
     tandem-admin usage acme
+
+And loads, lists and unloads LoRA adapters (:mod:`tandem.gateway.adapter_admin`; the catalog sits
+under ``TANDEM_GATEWAY_REGISTRY__KEY_PREFIX``, beside the worker registry):
+
+    tandem-admin adapter load acme-support /models/adapters/acme-support [--base-model M]
+    tandem-admin adapter list
+    tandem-admin adapter unload acme-support
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ from typing import Any
 
 from redis.exceptions import NoPermissionError
 
-from tandem.common.errors import BackendUnavailableError
+from tandem.common.adapters import AdapterCatalog
+from tandem.common.errors import BackendUnavailableError, InvalidRequestError
+from tandem.gateway.adapter_admin import AdapterAdmin, entry_view
 from tandem.gateway.conversations import ConversationStore
 from tandem.gateway.redis_client import connect
 from tandem.gateway.settings import GatewaySettings
@@ -122,11 +131,26 @@ def build_parser() -> argparse.ArgumentParser:
     usage = sub.add_parser("usage", help="usage per tenant and model")
     usage.add_argument("tenant_id", nargs="?", help="one tenant (default: all)")
     usage.add_argument("--day", default=None, help="one UTC day, YYYY-MM-DD")
+
+    adapter = sub.add_parser("adapter", help="LoRA adapters").add_subparsers(dest="action", required=True)
+    load = adapter.add_parser("load", help="load (or reload, as a new version) an adapter")
+    load.add_argument("name", help="the adapter's name: what requests put in `model`")
+    load.add_argument("path", help="its folder (absolute), readable by every worker of its base model")
+    load.add_argument("--base-model", default=None, help="the served model it adapts (default: the first)")
+    adapter.add_parser("list", help="loaded adapters")
+    unload = adapter.add_parser("unload", help="unload an adapter (running requests finish with it)")
+    unload.add_argument("name")
     return parser
 
 
 async def run(args: argparse.Namespace, settings: GatewaySettings) -> list[dict[str, Any]]:
     client = connect(settings.redis.connection_url(), timeout_s=max(2.0, settings.tenancy.redis_timeout_s))
+    if args.command == "adapter":
+        try:
+            catalog = AdapterCatalog(client, key_prefix=settings.registry.key_prefix)
+            return await _adapter_command(args, AdapterAdmin(catalog, (settings.served_model_name,)))
+        finally:
+            await client.aclose()
     tenancy = settings.tenancy
     store = TenantStore(client, key_prefix=tenancy.key_prefix)
     storage = _Storage(
@@ -160,6 +184,17 @@ class _Storage:
             "max_stored_bytes": self.quota.limit_bytes(tenant),
             "num_conversations": num_conversations,
         }
+
+
+async def _adapter_command(args: argparse.Namespace, admin: AdapterAdmin) -> list[dict[str, Any]]:
+    if args.action == "load":
+        return [entry_view(await admin.load(args.name, args.path, args.base_model))]
+    if args.action == "list":
+        return [entry_view(e) for e in await admin.list()]
+    if args.action == "unload":
+        await admin.unload(args.name)
+        return [{"unloaded": args.name}]
+    raise AssertionError(f"unhandled adapter command {args.action}")
 
 
 async def _dispatch(
@@ -207,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for item in asyncio.run(run(args, settings)):
             print(json.dumps(item, ensure_ascii=False))
-    except (TenantError, ValueError) as exc:
+    except (TenantError, ValueError, InvalidRequestError) as exc:
         print(f"tandem-admin: {exc}", file=sys.stderr)
         return 2
     except BackendUnavailableError as exc:
