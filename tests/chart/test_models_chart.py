@@ -87,3 +87,30 @@ def test_values_schema_refuses_hostile_models_and_adapters(bad: str) -> None:
     proc = run_helm("template", RELEASE, str(CHART), *values_args(TWO_MODELS, (bad,)), check=False)
     assert proc.returncode != 0
     assert "schema" in proc.stderr.lower() or "values don't meet" in proc.stderr.lower(), proc.stderr
+
+
+#: Model names whose slugs the chart's template must make exactly as the operator does.
+TRICKY_NAMES = ["smol", "Llama-3.1-8B-Instruct", "Qwen/Qwen2.5-14B-Instruct", "a" * 31, "x.y", "9b",
+                "org/-weird--name-", "A" * 128]
+
+
+@pytest.mark.parametrize("values", [TWO_MODELS, "tricky"])
+def test_each_pool_has_its_own_disruption_budget_selecting_exactly_its_pods(values: str) -> None:
+    extra: tuple[str, ...] = ()
+    if values == "tricky":
+        extra = tuple(f"tandemDeployment.models[{i}].name={name},tandemDeployment.models[{i}].pvc.claimName=m"
+                      for i, name in enumerate(TRICKY_NAMES))
+        values = None  # type: ignore[assignment]
+    docs = render(values, extra)
+    td = _td(values, extra)
+    owner = Owner(name=td["metadata"]["name"], namespace="tandem", uid="uid-1", labels=td["metadata"]["labels"],
+                  generation=1)
+    spec = parse_spec(td["spec"])
+    pools = [o for o in desired_objects(owner, spec, {}) if o["kind"] == "Deployment"]
+    budgets = [d for d in find(docs, "PodDisruptionBudget") if not d["metadata"]["name"].endswith("-gateway")]
+    assert len(budgets) == len(pools) == 2 * len(spec.served_models())
+    for pdb in budgets:
+        selector = pdb["spec"]["selector"]["matchLabels"]
+        selected = [p["metadata"]["name"] for p in pools
+                    if selector.items() <= p["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(selected) == 1, (pdb["metadata"]["name"], selected)
