@@ -8,7 +8,8 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY requirements/constraints.txt requirements/constraints.txt
 COPY operators operators
-# tandem-common: the adapter catalog the operator writes (tandem.common.adapters); its stubs are in the tree.
+# tandem-common: the adapter catalog the operator writes (tandem.common.adapters, .errors, .redis_retry:
+# none of them imports the generated tandem.v1 stubs, so no protoc step here).
 COPY services/common services/common
 RUN python -m venv /opt/venv && /opt/venv/bin/pip install -c requirements/constraints.txt ./services/common ./operators
 

@@ -23,7 +23,8 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def operator_rules(p: str) -> list[str]:
-    """What the operator's code sends (AdapterCatalog.entries / put / remove; redis-py sends INCR as INCRBY) and nothing else."""
+    """What the operator's code sends (AdapterCatalog.entries / put / remove; redis-py sends INCR as INCRBY) and
+    nothing else."""
     return ["+ping", "+select", "+hgetall", "+hset", "+hdel", "+incrby", f"~{p}:adapters", f"~{p}:adapters:version"]
 
 

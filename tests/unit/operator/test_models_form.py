@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -191,3 +193,13 @@ def test_an_upgraded_operator_builds_the_single_model_forms_objects_unchanged() 
     owner = Owner(name="chat", namespace="ns", uid="u", labels={"app.kubernetes.io/instance": "rel"}, generation=1)
     for spec, objects in zip(golden["specs"], golden["objects"], strict=True):
         assert desired_objects(owner, parse_spec(spec), {"prefill": None, "decode": 3}) == objects
+
+
+def test_the_operator_imports_no_generated_stub_or_service() -> None:
+    """docker/operator.Dockerfile installs tandem-common without generating the tandem.v1 stubs, and no
+    service package: the operator must import neither."""
+    code = ("import sys, tandem_operator.handlers; "
+            "print(sorted(m for m in sys.modules if m.startswith(('tandem.v1', 'tandem.gateway', 'tandem.router', "
+            "'tandem.worker', 'torch', 'vllm', 'ray', 'grpc'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout
