@@ -9,6 +9,8 @@ A new key is printed once and never stored; output is JSON, one object per line.
     tandem-admin key create acme --label ci
     tandem-admin key revoke <key id>
     tandem-admin tenant update acme --max-stored-bytes 8388608   # its storage quota
+    tandem-admin tenant update acme --allowed-model M --allowed-adapter acme-support   # 403 for the rest
+    tandem-admin tenant update acme --all-models --all-adapters  # the allow-lists cleared: everything
     tandem-admin tenant show acme       # with "storage": {"stored_bytes", "max_stored_bytes", …}
     tandem-admin usage acme
 
@@ -61,7 +63,15 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
         action="append",
         dest="allowed_models",
         default=None,
-        help="a model this tenant may use (repeat; none: all models)",
+        help="a base model this tenant may use (repeat; none: all models)",
+    )
+    parser.add_argument(
+        "--allowed-adapter",
+        action="append",
+        dest="allowed_adapters",
+        default=None,
+        help="a LoRA adapter this tenant may use, by the name requests use (repeat; none: every adapter of "
+        "a model it may use; an adapter also needs its base model allowed)",
     )
     parser.add_argument(
         "--allow-client-system-prompt",
@@ -95,8 +105,23 @@ def _help(name: str) -> str:
 
 
 def _policy_changes(args: argparse.Namespace) -> dict[str, Any]:
-    names = [*_POLICY_FLAGS, "allowed_models", "allow_client_system_prompt", "allow_raw_prompts", "max_stored_bytes"]
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    names = [
+        *_POLICY_FLAGS,
+        "allowed_models",
+        "allowed_adapters",
+        "allow_client_system_prompt",
+        "allow_raw_prompts",
+        "max_stored_bytes",
+    ]
+    changes = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    for clear_flag, name in (("all_models", "allowed_models"), ("all_adapters", "allowed_adapters")):
+        if getattr(args, clear_flag, False):
+            if name in changes:
+                raise ValueError(
+                    f"--{clear_flag.replace('_', '-')} clears the list that --{name[:-1].replace('_', '-')} sets"
+                )
+            changes[name] = []
+    return changes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     update.add_argument("--name", default=None)
     update.add_argument("--disabled", action=argparse.BooleanOptionalAction, default=None)
     _add_policy_flags(update)
+    update.add_argument("--all-models", action="store_true", help="clear the model allow-list: every model")
+    update.add_argument("--all-adapters", action="store_true", help="clear the adapter allow-list: every adapter")
     tenant.add_parser("list", help="list tenants")
     show = tenant.add_parser("show", help="one tenant, its keys and its stored bytes")
     show.add_argument("tenant_id")

@@ -4,7 +4,10 @@ Called once per finished request (also aborted ones, with the tokens that were
 actually generated) by the generation response's completion hook, and by the
 ``/v1/usage`` handlers and the admin CLI to read. Layout: hash
 ``<prefix>:gw:usage:<tenant>`` with fields ``<model>|<counter>`` (all time) and
-``<prefix>:gw:usage:<tenant>:<YYYY-MM-DD>`` (UTC day, kept 400 days). The keys of the store
+``<prefix>:gw:usage:<tenant>:<YYYY-MM-DD>`` (UTC day, kept 400 days). ``<model>`` is the request's
+``model`` as the client named it: a base model, or a LoRA adapter's name, which also gets the field
+``<adapter>|base_model`` (its base model's name, written with every record, so a reader can add an
+adapter's usage to its base model's: ``by_base_model`` in :meth:`UsageStore.tenant_usage`). The keys of the store
 itself start with ``_`` (``_tenants``, ``_recorded:<request id>``), which no tenant id can: a
 tenant named ``tenants`` once shared the set's key and broke every usage write.
 
@@ -44,6 +47,7 @@ _RECORDED_MARKER_TTL_S = 3600
 @dataclass(frozen=True)
 class UsageRecord:
     tenant_id: str
+    #: As the client named it: a base model, or a LoRA adapter.
     model: str
     num_prompt_tokens: int
     num_completion_tokens: int
@@ -54,6 +58,13 @@ class UsageRecord:
     #: The tenant record's salt when the request was admitted ("": no check, e.g. auth disabled): a
     #: record whose tenant was deleted (or deleted and created again) meanwhile is not added to it.
     tenant_salt: str = ""
+    #: The base model that ran ``model`` when it is a LoRA adapter; "" (or ``model`` itself) for a base model.
+    base_model: str = ""
+
+    @property
+    def adapter_base_model(self) -> str:
+        """The base model to note beside ``model`` ("" when ``model`` is itself a base model)."""
+        return self.base_model if self.base_model and self.base_model != self.model else ""
 
 
 @dataclass(frozen=True)
@@ -68,10 +79,10 @@ class Orphan:
 #: adds nothing. KEYS: all-time hash, day hash, tenants set, marker ('' for none), open record, the open
 #: records' set of its replica (both '' for none). ARGV: model, day TTL, marker TTL, tenant id, request
 #: id, the tenant's salt, the tenant's record ('' for no check; an ARGV because the gateway's Redis user
-#: may only read it, and a script's KEYS need write rights: tandem.common.redis_acl), then counter name /
-#: value pairs. A tenant deleted (or deleted and created again) since the request was admitted gets
-#: nothing: its cached key may serve for ``auth.cache_s`` after the deletion, and must not bring its
-#: usage back.
+#: may only read it, and a script's KEYS need write rights: tandem.common.redis_acl), an adapter's base
+#: model ('' for a base model), then counter name / value pairs. A tenant deleted (or deleted and
+#: created again) since the request was admitted gets nothing: its cached key may serve for
+#: ``auth.cache_s`` after the deletion, and must not bring its usage back.
 _RECORD_ONCE = (
     """
 if KEYS[5] ~= '' then
@@ -83,10 +94,14 @@ end
     + """if KEYS[4] ~= '' and redis.call('SET', KEYS[4], '1', 'NX', 'EX', ARGV[3]) == false then
   return 0
 end
-for i = 8, #ARGV, 2 do
+for i = 9, #ARGV, 2 do
   local field = ARGV[1] .. '|' .. ARGV[i]
   redis.call('HINCRBY', KEYS[1], field, ARGV[i + 1])
   redis.call('HINCRBY', KEYS[2], field, ARGV[i + 1])
+end
+if ARGV[8] ~= '' then
+  redis.call('HSET', KEYS[1], ARGV[1] .. '|base_model', ARGV[8])
+  redis.call('HSET', KEYS[2], ARGV[1] .. '|base_model', ARGV[8])
 end
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[4])
@@ -174,6 +189,7 @@ class UsageStore:
             "cached": record.num_cached_tokens,
             "completion": record.num_completion_tokens,
             "salt": record.tenant_salt,
+            "base_model": record.adapter_base_model,
         }
         args: list[str | int] = [record.request_id, self.replica_id, OPEN_RECORD_TTL_S]
         for name, value in fields.items():
@@ -253,6 +269,7 @@ class UsageStore:
                     aborted=True,
                     request_id=request_id,
                     tenant_salt=str(fields.get("salt", "")),
+                    base_model=str(fields.get("base_model", "")),
                 )
                 await self._write(record, replica_id=replica)
                 logger.warning(
@@ -314,6 +331,7 @@ class UsageStore:
             record.request_id,
             record.tenant_salt,
             tenant_record_key(self._key_prefix, record.tenant_id) if record.tenant_salt else "",
+            record.adapter_base_model,
         ]
         for name, value in values.items():
             if value:
@@ -322,21 +340,39 @@ class UsageStore:
             await self._record_once(keys=keys, args=args)
 
     async def tenant_usage(self, tenant_id: str, *, day: str | None = None) -> dict[str, Any]:
-        """``{"tenant": id, "period": "all"|day, "data": [{"model", counters…}], "total": {counters…}}``."""
+        """``{"tenant": id, "period": "all"|day, "data": [{"model", "base_model", counters…}],
+        "by_base_model": [{"model", counters…}], "total": {counters…}}``.
+
+        ``data``: one row per ``model`` the client named (a base model, or a LoRA adapter, whose
+        ``base_model`` is the model that ran it; a base model's is itself). ``by_base_model``: the same
+        counters added up per base model, adapters included. Each counter of ``total`` is the sum of
+        ``data``'s, and of ``by_base_model``'s."""
         key = f"{self._p}:{tenant_id}" + (f":{day}" if day else "")
         with redis_errors("usage read"):
             raw = await self._redis.hgetall(key)
         per_model: dict[str, dict[str, int]] = {}
+        base_of: dict[str, str] = {}
         for field, value in raw.items():
             model, _, counter = str(field).rpartition("|")
             if counter in COUNTERS:
                 per_model.setdefault(model, dict.fromkeys(COUNTERS, 0))[counter] = int(value)
+            elif counter == "base_model":
+                base_of[model] = str(value)
+        per_base: dict[str, dict[str, int]] = {}
+        for model, counts in per_model.items():
+            base_counts = per_base.setdefault(base_of.get(model, model), dict.fromkeys(COUNTERS, 0))
+            for name in COUNTERS:
+                base_counts[name] += counts[name]
         total = {name: sum(m[name] for m in per_model.values()) for name in COUNTERS}
         return {
             "object": "usage",
             "tenant": tenant_id,
             "period": day or "all",
-            "data": [{"model": model, **counts} for model, counts in sorted(per_model.items())],
+            "data": [
+                {"model": model, "base_model": base_of.get(model, model), **counts}
+                for model, counts in sorted(per_model.items())
+            ],
+            "by_base_model": [{"model": model, **counts} for model, counts in sorted(per_base.items())],
             "total": total,
         }
 
