@@ -13,6 +13,7 @@ import pytest
 
 from tandem.common.errors import NoCapacityError
 from tandem.common.registry import WorkerRecord
+from tandem.common.router_client import RouterClient
 from tandem.router.adapter_slots import AdapterOverlay, record_columns
 from tandem.router.budget import BudgetConfig, BudgetView
 from tandem.router.deployment import schedule_request_from_proto
@@ -27,6 +28,7 @@ from tandem.router.scheduler import Scheduler
 from tandem.v1 import router_pb2
 from tests.kit import router as kit
 from tests.kit.clock import FakeClock
+from tests.kit.router import FakeRouterServicer, serving_router
 
 ADAPTER = "support-bot@3"
 
@@ -215,3 +217,45 @@ def test_the_adapter_travels_from_the_wire_and_through_a_hand_off() -> None:
     remote = RemoteWaiter(request(0).request_id, "t", 0, 0.0, "other", waiting)
     decoded = _decode_pending(remote)
     assert decoded is not None and decoded.request.adapter == ADAPTER
+
+
+@pytest.mark.asyncio
+async def test_the_client_sends_the_adapter_and_gets_the_no_adapter_worker_error_back() -> None:
+    """RouterClient → the wire → the deployment's decoding, and the router's refusal back through the
+    status and trailers the deployment sets (the gateway maps NoCapacityError to a 503 in the OpenAI shape)."""
+    workers = [lora_worker("p0", "prefill", max_adapters=0), lora_worker("d0", "decode", max_adapters=0)]
+    with pytest.raises(NoCapacityError) as caught:
+        await kit.make_scheduler(workers).schedule(request(0))
+    servicer = FakeRouterServicer(errors_by_model={"lora-off": caught.value})
+    async with serving_router(servicer) as address, RouterClient(address, timeout_s=2) as client:
+        await client.schedule("req-1", "m", num_prompt_tokens=5, adapter=ADAPTER)
+        with pytest.raises(NoCapacityError, match="no decode worker with LoRA adapters available"):
+            await client.schedule("req-2", "lora-off", num_prompt_tokens=5, adapter=ADAPTER)
+        await client.schedule("req-3", "m", num_prompt_tokens=5)
+    sent, _, base = servicer.scheduled
+    assert schedule_request_from_proto(sent).adapter == ADAPTER
+    assert schedule_request_from_proto(base).adapter == ""
+
+
+def test_a_heartbeat_that_moves_the_adapter_moves_the_placements() -> None:
+    """The fleet table takes newer records in place (same workers, new loads and adapters): the
+    holders of each adapter follow them."""
+    before = [
+        lora_worker("p0", "prefill", (ADAPTER,)),
+        lora_worker("p1", "prefill", ("x@1", "y@1")),
+        lora_worker("d0", "decode", (ADAPTER,)),
+        lora_worker("d1", "decode", ("x@1", "y@1")),
+    ]
+    clock = FakeClock()
+    scheduler = kit.make_scheduler(before, clock=clock)
+    first = scheduler.place_now(request(0), before)
+    assert first.prefill is not None and (first.prefill.worker_id, first.decode.worker_id) == ("p0", "d0")
+    clock.advance(6.0)  # past the overlay: the records alone
+    after = [
+        replace(before[0], adapters=("x@1", "y@1")),
+        replace(before[1], adapters=("y@1", ADAPTER)),
+        replace(before[2], adapters=("x@1", "y@1")),
+        replace(before[3], adapters=(ADAPTER, "y@1")),
+    ]
+    second = scheduler.place_now(request(1), after)
+    assert second.prefill is not None and (second.prefill.worker_id, second.decode.worker_id) == ("p1", "d1")

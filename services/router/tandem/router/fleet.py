@@ -32,6 +32,7 @@ from tandem.common.block_hash import HASH_ALGO_SHA256
 from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
 from tandem.router import budget as formulas
 from tandem.router import kernels
+from tandem.router.adapter_slots import PoolAdapters
 from tandem.router.budget import BudgetConfig
 from tandem.router.kernels import BUDGETS, WORKER_NUMBERS, Records
 from tandem.router.pool import F64, PoolArrays, worker_key
@@ -97,6 +98,8 @@ class _Pool:
     worker_keys: npt.NDArray[np.uint64]
     #: Per hashing configuration, the positions of the workers that hash that way.
     positions_by_config: dict[HashConfig, npt.NDArray[np.intp]]
+    #: Adapter slots and the adapters loaded, from the records.
+    adapters: PoolAdapters
 
     @classmethod
     def build(cls, role: str, workers: list[WorkerRecord], config: BudgetConfig) -> _Pool:
@@ -119,6 +122,7 @@ class _Pool:
             num_reported_requests=column(w.load.num_running_requests + w.load.num_waiting_requests for w in workers),
             worker_keys=np.fromiter((worker_key(w.worker_id) for w in workers), dtype=np.uint64, count=n),
             positions_by_config=_positions_by_config(workers),
+            adapters=PoolAdapters.build(workers),
         )
 
 
@@ -244,6 +248,7 @@ class FleetTable:
         for position in positions:
             new = workers[position]
             pool, i = self._where[new.worker_id]
+            pool.adapters.update(i, pool.workers[i], new)
             pool.workers[i] = new
             columns = pool.columns
             columns["capacity_tokens"][i] = formulas.capacity_tokens(new, self.config)
@@ -319,6 +324,7 @@ class FleetTable:
             self._cached(pool, cached),
             pool.worker_keys,
             pool.positions,
+            pool.adapters,
         )
 
     @staticmethod

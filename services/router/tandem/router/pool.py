@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tandem.common.registry import ROLE_DECODE, WorkerRecord
-from tandem.router.adapter_slots import AdapterColumns, AdapterOverlay, record_columns
+from tandem.router.adapter_slots import AdapterColumns, AdapterOverlay, PoolAdapters, record_columns
 from tandem.router.budget import BudgetView
 from tandem.router.kernels import Records
 
@@ -73,6 +73,8 @@ class PoolArrays:
     #: This replica's recent adapter placements (:mod:`tandem.router.adapter_slots`), set by the placer;
     #: None: the workers' records alone.
     overlay: AdapterOverlay | None = None
+    #: What the records say of adapters, kept by the fleet table (None: read from the records).
+    adapters: PoolAdapters | None = None
     _adapter_columns: dict[str, AdapterColumns] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -85,9 +87,9 @@ class PoolArrays:
         if columns is None:
             overlay = self.overlay
             if overlay is None:
-                columns = record_columns(self.workers, adapter)
+                columns = record_columns(self.workers, adapter, self.adapters)
             else:
-                columns = overlay.columns(self.workers, adapter)
+                columns = overlay.columns(self.workers, adapter, self.positions or None, self.adapters)
             self._adapter_columns[adapter] = columns
         return columns
 
@@ -114,6 +116,7 @@ class PoolArrays:
         cached_tokens: F64,
         worker_keys: U64,
         positions: Mapping[str, int],
+        adapters: PoolAdapters | None = None,
     ) -> PoolArrays:
         """A pool with budgets, from :func:`tandem.router.kernels.budget_state`'s output (its columns
         are views of the records)."""
@@ -131,6 +134,7 @@ class PoolArrays:
             cached_tokens=cached_tokens,
             worker_keys=worker_keys,
             positions=positions,
+            adapters=adapters,
         )
 
     @classmethod
