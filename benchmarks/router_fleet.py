@@ -15,15 +15,17 @@ the router's, never model speed.
     and one of its documents (32 + 96 blocks, cached on 1-3 workers), then 4 new blocks.
     Reported: schedule latency p50/p99 from each request's arrival (waiting behind event
     ingestion, releases and the other schedules included), the decision's own CPU time, and the
-    index's bytes per (worker, block) entry. By default a driver coroutine in the replica's loop
-    hands each request over when its sleep ends and latency counts from there; the loop's timers
-    wake on the millisecond (epoll's timeout is rounded up), so it hands over each millisecond's
-    arrivals together and they queue behind each other (14 % of them within 0.1 ms of the one
-    before on a quiet host, against 2.5 % for Poisson arrivals at 250/s): a pessimistic p99.
-    ``--arrivals thread`` hands them over from a thread at their own times, as Ray's threads hand
-    a Serve replica its requests, and counts from the arrival time, the driver's own lateness
-    included: no bursts (2.6 %), but on a shared host the thread's wake-ups (p99 3-4 ms) dominate
-    its p99. Both log the share of bursts.
+    index's bytes per (worker, block) entry. How requests arrive (``--arrivals``): by default a
+    driver process (benchmarks/fleet_arrivals.py, on the fleet's core) sends each one over a Unix
+    datagram socket at its own arrival time, as a client's request reaches a replica over the network;
+    the loop wakes at once, and latency counts from the arrival time, the driver's lateness included
+    (p50 0.03 ms, p99 0.2 ms on a loaded host). ``--arrivals loop`` (the driver before 2026-12-06, whose
+    figures the history in services/router/README.md holds) is a coroutine in the replica's loop whose
+    sleeps wake on the millisecond (epoll's timeout is rounded up): it hands over each millisecond's
+    arrivals together and they queue behind each other (14 % of them within 0.1 ms of the one before,
+    against 2.5 % for Poisson arrivals at 250/s), a pessimistic p99. ``--arrivals thread`` hands them
+    over from a thread of the replica's process, which must take the GIL from the loop to do it (p99
+    3-4 ms late on a shared host). All three log the share of bursts.
 
 (2) **One view across active replicas.** A smaller SIMULATED fleet (``--replica-workers``, 128)
     and four router replicas in this process, each with its own subscriber, index, registry view
@@ -62,15 +64,20 @@ import asyncio
 import contextlib
 import ctypes
 import gc
+import json
 import math
 import os
 import random
+import socket
+import struct
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis.asyncio as aioredis
 
@@ -485,7 +492,12 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
 
         t0 = time.perf_counter()
         cpu0_s = time.thread_time()
-        if args.arrivals == "thread":
+        lead_s = 0.0  # before the first arrival
+        if args.arrivals == "socket":
+            cpus = sorted(pinned - {min(pinned)}) if pinned else None
+            lead_s = 0.5  # the driver process starts meanwhile
+            lateness_s.extend(await drive_by_socket(t0 + lead_s, offsets_s, cpus, hand_over))
+        elif args.arrivals == "thread":
             done: asyncio.Future[None] = loop.create_future()
             driver = threading.Thread(target=drive, args=(t0 + 0.01, done), name="fleet-arrivals", daemon=True)
             driver.start()
@@ -506,13 +518,13 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks)
-        elapsed_s = time.perf_counter() - t0 - args.warmup_s
+        elapsed_s = time.perf_counter() - t0 - lead_s - args.warmup_s
         loop_cpu_s = time.thread_time() - cpu0_s
         gc_pauses.stop()
         log(f"garbage collections in the open loop: {gc_pauses.summary()}")
         if lateness_s:
             log(
-                f"the arrival thread handed requests over after their arrival time by p50="
+                f"the arrival {args.arrivals} handed requests over after their arrival time by p50="
                 f"{pct(lateness_s, 0.5) * 1e3:.3f} ms p99={pct(lateness_s, 0.99) * 1e3:.3f} ms (counted in the latency)"
             )
         gaps_s = [b - a for a, b in zip(sorted(arrivals), sorted(arrivals)[1:], strict=False)]
@@ -573,6 +585,56 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             for tid in os.listdir("/proc/self/task"):  # the main thread and the benchmark's own
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(int(tid), pinned)
+
+
+async def drive_by_socket(
+    t0_s: float, offsets_s: Sequence[float], cpus: Sequence[int] | None, hand_over: Callable[[int, float], None]
+) -> list[float]:
+    """``--arrivals socket``: request ``i`` reaches this loop over a Unix datagram socket from the
+    driver process (benchmarks/fleet_arrivals.py) at ``t0_s + offsets_s[i]`` and is handed over with
+    that arrival time; returns how late the driver sent each one (counted in the latency)."""
+    loop = asyncio.get_running_loop()
+    receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.setblocking(False)
+    done: asyncio.Future[None] = loop.create_future()
+    num_left = len(offsets_s)
+
+    def readable() -> None:
+        nonlocal num_left
+        while True:
+            try:
+                data = receiver.recv(4)
+            except BlockingIOError:
+                break
+            index = struct.unpack("<I", data)[0]
+            hand_over(index, t0_s + offsets_s[index])
+            num_left -= 1
+        if num_left == 0 and not done.done():
+            done.set_result(None)
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as spec:
+        json.dump({"t0_s": t0_s, "offsets_s": list(offsets_s), "cpus": list(cpus or ())}, spec)
+    driver = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).resolve().parent / "fleet_arrivals.py"),
+        spec.name,
+        str(sender.fileno()),
+        pass_fds=(sender.fileno(),),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    sender.close()
+    loop.add_reader(receiver.fileno(), readable)
+    try:
+        await asyncio.wait_for(done, timeout=offsets_s[-1] + 60.0)
+        out, _ = await driver.communicate()
+    finally:
+        loop.remove_reader(receiver.fileno())
+        receiver.close()
+        os.unlink(spec.name)
+        if driver.returncode is None:
+            driver.kill()
+    lateness: list[float] = json.loads(out)["lateness_s"]
+    return lateness
 
 
 def pin_router_apart(fleet_pid: int) -> set[int] | None:
@@ -767,12 +829,14 @@ async def replay(
             for name in live:
                 by_worker = replicas[name].scheduler.index.entries_by_worker()
                 views.append({w: {int(h) for h in hashes} for w, hashes in by_worker.items()})
+
             def differ(a: dict[str, set[int]], b: dict[str, set[int]]) -> int:
                 return sum(len(a.get(w, set()) ^ b.get(w, set())) for w in a.keys() | b.keys())
+
             result.divergence = max(differ(v, truth) for v in views) / max(1, num_truth)
-            result.divergence_between = max(
-                differ(a, b) for i, a in enumerate(views) for b in views[i + 1:]
-            ) / max(1, num_truth)
+            result.divergence_between = max(differ(a, b) for i, a in enumerate(views) for b in views[i + 1 :]) / max(
+                1, num_truth
+            )
             drops = [replicas[n].subscriber.stats for n in live]
             log(f"  {label}: subscribers {drops}")
         lags = [x for name in live for x in replicas[name].ledger.lag_s]
@@ -780,13 +844,20 @@ async def replay(
             f"  {label}: {result.num_placed} placements compared, agreement {result.agreement:.4f} "
             f"({result.num_prefill_differs} on prefill, {result.num_decode_differs} on decode; "
             f"{result.num_failed} failed"
-            + (f"; after the kill {result.num_agreed_after_kill / max(1, result.num_placed_after_kill):.4f}"
-               if result.num_placed_after_kill else "")
+            + (
+                f"; after the kill {result.num_agreed_after_kill / max(1, result.num_placed_after_kill):.4f}"
+                if result.num_placed_after_kill
+                else ""
+            )
             + f"); hit rate {result.hit_rate:.4f}; replica schedule p99 "
             f"{pct(result.replica_latency_s, 0.99) * 1e3:.3f} ms"
             + f"; ledger lag p50 {pct(lags, 0.5) * 1e3:.2f} ms p99 {pct(lags, 0.99) * 1e3:.2f} ms"
-            + (f"; index divergence vs the workers {result.divergence:.5f}, between replicas "
-               f"{result.divergence_between:.5f}" if drop_fraction else "")
+            + (
+                f"; index divergence vs the workers {result.divergence:.5f}, between replicas "
+                f"{result.divergence_between:.5f}"
+                if drop_fraction
+                else ""
+            )
         )
         return result
     finally:
@@ -841,13 +912,19 @@ async def fair_run(args: argparse.Namespace, loads: Sequence[TenantLoad], second
     key_prefix = f"tandem-bench-fair-{uuid.uuid4().hex[:8]}"
     configs = [
         SimulatedWorkerConfig(
-            worker_id=f"simulated-prefill-{i}", role="prefill", num_kv_blocks=100_000, latency=FAIR_LATENCY,
+            worker_id=f"simulated-prefill-{i}",
+            role="prefill",
+            num_kv_blocks=100_000,
+            latency=FAIR_LATENCY,
             serve_grpc=False,
         )
         for i in range(args.fair_workers)
     ] + [
         SimulatedWorkerConfig(
-            worker_id=f"simulated-decode-{i}", role="decode", num_kv_blocks=1_000_000, latency=FAIR_LATENCY,
+            worker_id=f"simulated-decode-{i}",
+            role="decode",
+            num_kv_blocks=1_000_000,
+            latency=FAIR_LATENCY,
             serve_grpc=False,
         )
         for i in range(4)
@@ -889,7 +966,10 @@ async def fair_run(args: argparse.Namespace, loads: Sequence[TenantLoad], second
             try:
                 placement = await replica.scheduler.schedule(
                     ScheduleRequest(
-                        request_id=request_id, model="simulated-model", num_prompt_tokens=len(prompt), max_tokens=1,
+                        request_id=request_id,
+                        model="simulated-model",
+                        num_prompt_tokens=len(prompt),
+                        max_tokens=1,
                         tenant=load.tenant,
                     )
                 )
@@ -897,8 +977,10 @@ async def fair_run(args: argparse.Namespace, loads: Sequence[TenantLoad], second
                 if started - t0 > warmup_s:
                     result.refused[load.tenant] = result.refused.get(load.tenant, 0) + 1
                     if os.environ.get("YIELD_DEBUG") and load.tenant == "victim":
-                        log(f"    refused {request_id} on {owner_of(request_id, names)} after "
-                            f"{time.perf_counter() - started:.3f} s: {exc}")
+                        log(
+                            f"    refused {request_id} on {owner_of(request_id, names)} after "
+                            f"{time.perf_counter() - started:.3f} s: {exc}"
+                        )
                 return
             assert placement.prefill is not None
             counted = started - t0 > warmup_s
@@ -936,8 +1018,10 @@ async def fair_run(args: argparse.Namespace, loads: Sequence[TenantLoad], second
         await asyncio.gather(*(tenant(load) for load in loads))
         _, stuck = await asyncio.wait(tasks, timeout=args.fair_queue_timeout_s + 30) if tasks else (None, set())
         if stuck:
-            log(f"  {label}: {len(stuck)} requests did not finish: " + "; ".join(
-                str(t.get_stack(limit=3)) for t in list(stuck)[:3]))
+            log(
+                f"  {label}: {len(stuck)} requests did not finish: "
+                + "; ".join(str(t.get_stack(limit=3)) for t in list(stuck)[:3])
+            )
         for load in loads:
             ttft = result.ttft_s.get(load.tenant, [])
             log(
@@ -1002,10 +1086,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument(
         "--arrivals",
-        choices=("thread", "loop"),
-        default="loop",
-        help="speed phase: requests reach the loop from a driver coroutine whose sleeps wake on the millisecond "
-        "(default), or from a thread at their own times, counted from then (see the module docstring)",
+        choices=("socket", "thread", "loop"),
+        default="socket",
+        help="speed phase: requests reach the replica's loop over a socket from a driver process at their own "
+        "times (default), from a thread of this process, or from a coroutine in the loop whose sleeps wake on "
+        "the millisecond (see the module docstring)",
     )
     parser.add_argument("--replica-workers", type=int, default=128)
     parser.add_argument("--replica-entries", type=int, default=500_000)
