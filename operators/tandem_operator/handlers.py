@@ -11,7 +11,9 @@ through :class:`.kube.KubeClient` and writes the answer into ``status``.
   ``SpecValid``, ``Reconciled``, ``Ready`` (and ``AdaptersReconciled`` when the
   resource has adapters). A malformed resource (also: duplicate model names, an
   adapter of an unknown model, a hostile name) gets ``SpecValid=False`` with
-  the reason and is left alone until it changes (no retry loop, no crash).
+  the reason and is left alone until it changes (no retry loop, no crash); so
+  does one whose pool names are taken by Deployments it does not own
+  (``Reconciled=False``, ``NameConflict``: nothing of the other is touched).
 * timer → every ``STATUS_REFRESH_S`` the pools' ready counts and the ``Ready``
   condition are refreshed in ``status`` (``kubectl get tandemdeployment`` shows
   what is ready now, not what was at the last change); every
@@ -47,8 +49,10 @@ from tandem_operator.autoscale import Recommendation, decide
 from tandem_operator.kube import KubeClient, KubeError
 from tandem_operator.reconcile import (
     Owner,
+    conflict_status,
     decision_status,
     desired_objects,
+    foreign_pools,
     invalid_status,
     observed_pools,
     owned_names,
@@ -138,6 +142,14 @@ async def _delete_stale_pools(kube: KubeClient, owner: Owner, td: TandemSpec, lo
                 logger.info("deleted %s %s/%s: its model is no longer in the spec", kind, owner.namespace, stale)
 
 
+def _owned(dep: dict[str, Any] | None, uid: str) -> dict[str, Any] | None:
+    """``dep`` when this resource owns it, else None (a pool name taken by something else is not ours)."""
+    if dep is None:
+        return None
+    refs = dep.get("metadata", {}).get("ownerReferences") or []
+    return dep if any(ref.get("uid") == uid for ref in refs) else None
+
+
 def _managed_adapters(status: Any) -> list[str]:
     managed = (status.get("adapters") or {}).get("managed") or []
     return [str(n) for n in managed if isinstance(n, str)]
@@ -197,9 +209,15 @@ async def reconcile_handler(
         return  # permanent until the resource changes: no retry, no crash loop
     kube: KubeClient = memo.kube
     try:
+        existing = await _deployments(kube, namespace, name, td)
+        taken = foreign_pools(owner, existing)
+        if taken:
+            logger.error("not reconciling %s/%s: pool names taken: %s", namespace, name, taken)
+            patch.status.update(conflict_status(owner, taken, conditions, _now()))
+            return  # like an invalid spec: until the resource changes
         current = {
             key: None if dep is None else int((dep.get("spec") or {}).get("replicas", 0))
-            for key, dep in (await _deployments(kube, namespace, name, td)).items()
+            for key, dep in existing.items()
         }
         for obj in desired_objects(owner, td, current):
             await kube.apply(obj)
@@ -221,7 +239,7 @@ def _source(td: TandemSpec, namespace: str, name: str, http: aiohttp.ClientSessi
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=_TICK_S, idle=0)
 async def autoscale_handler(
-    *, name: str, namespace: str | None, meta: Any, spec: Any, status: Any, patch: kopf.Patch, memo: Any,
+    *, name: str, namespace: str | None, uid: str, meta: Any, spec: Any, status: Any, patch: kopf.Patch, memo: Any,
     logger: _Logger, **_: Any,
 ) -> None:
     assert namespace is not None
@@ -229,12 +247,16 @@ async def autoscale_handler(
         td = parse_spec(spec)
     except SpecError:
         return  # the reconcile handler reports it
+    reconciled: dict[str, Any] = next((c for c in status.get("conditions", []) if c.get("type") == "Reconciled"), {})
+    if reconciled.get("reason") == "NameConflict":
+        return  # the pools of that name are not this resource's: neither report nor scale them
     key = (namespace, name)
     now_s = time.monotonic()
     if now_s - memo.last_status_s.get(key, -1e9) >= STATUS_REFRESH_S:
         memo.last_status_s[key] = now_s
-        await _refresh_status(memo.kube, namespace, name, td, meta, status, patch)
-    if now_s - memo.last_adapter_sync_s.get(key, -1e9) >= ADAPTER_RESYNC_S:
+        await _refresh_status(memo.kube, namespace, name, uid, td, meta, status, patch)
+    # The first sync is the reconcile handler's (the timer's view of the conditions may predate it).
+    if reconciled.get("status") == "True" and now_s - memo.last_adapter_sync_s.get(key, -1e9) >= ADAPTER_RESYNC_S:
         memo.last_adapter_sync_s[key] = now_s
         await _sync_adapters(td, status, patch, memo, int(meta.get("generation") or 0), logger)
     if td.autoscaling.external or not td.autoscaling.enabled:
@@ -251,9 +273,9 @@ async def autoscale_handler(
         for pool in td.pools_of():
             role = pool.role
             dep_name = pool.name(name)
-            dep = await kube.get("apps/v1", "Deployment", namespace, dep_name)
+            dep = _owned(await kube.get("apps/v1", "Deployment", namespace, dep_name), uid)
             if dep is None:
-                continue  # not reconciled yet
+                continue  # not reconciled yet, or the name is taken by something else
             current = int((dep.get("spec") or {}).get("replicas", 0))
             ready = int((dep.get("status") or {}).get("readyReplicas", 0) or 0)
             signals = await source.read(pool, dep_name)
@@ -293,11 +315,12 @@ async def autoscale_handler(
 
 
 async def _refresh_status(
-    kube: KubeClient, namespace: str, name: str, td: TandemSpec, meta: Any, status: Any, patch: kopf.Patch
+    kube: KubeClient, namespace: str, name: str, uid: str, td: TandemSpec, meta: Any, status: Any,
+    patch: kopf.Patch,
 ) -> None:
     """Write status.pools and the Ready condition when what is ready has changed."""
     try:
-        deployments = await _deployments(kube, namespace, name, td)
+        deployments = {k: _owned(d, uid) for k, d in (await _deployments(kube, namespace, name, td)).items()}
     except KubeError:
         return  # the next tick tries again; the autoscaler below reports API trouble
     if any(dep is None for dep in deployments.values()):

@@ -77,6 +77,31 @@ def stale_names(owner_name: str, owned: list[dict[str, Any]], pools: list[Pool])
     return sorted(n for n in names if n and n not in wanted)
 
 
+def foreign_pools(owner: Owner, deployments: Mapping[str, dict[str, Any] | None]) -> list[str]:
+    """Names of pool Deployments that exist but are not this resource's (another TandemDeployment's pool
+    of the same name, e.g. ``chat`` with model ``smol`` and ``chat-smol``'s single-model pool, or an
+    object made by hand). The operator applies nothing over them."""
+    return sorted(
+        str(dep["metadata"].get("name"))
+        for dep in deployments.values()
+        if dep is not None
+        and not any(ref.get("uid") == owner.uid for ref in dep.get("metadata", {}).get("ownerReferences") or [])
+    )
+
+
+def conflict_status(owner: Owner, names: list[str], conditions: list[dict[str, Any]], now: str) -> dict[str, Any]:
+    """Status for a resource whose pool names are taken by objects it does not own."""
+    message = (f"Deployments {', '.join(names)} exist and belong to something else: rename this resource "
+               "or a model, or delete them; then change this resource to reconcile it again")
+    conditions = set_condition(conditions, type_="SpecValid", status=True, reason="Valid", message="",
+                               now=now, generation=owner.generation)
+    conditions = set_condition(conditions, type_="Reconciled", status=False, reason="NameConflict", message=message,
+                               now=now, generation=owner.generation)
+    conditions = set_condition(conditions, type_="Ready", status=False, reason="NameConflict", message=message,
+                               now=now, generation=owner.generation)
+    return {"observedGeneration": owner.generation, "conditions": conditions}
+
+
 def observed_pool(deployment: dict[str, Any] | None) -> dict[str, Any]:
     if deployment is None:
         return {"replicas": 0, "readyReplicas": 0, "desiredReplicas": 0}

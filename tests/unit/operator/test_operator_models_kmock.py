@@ -76,9 +76,9 @@ def _condition(kmock: Any, type_: str) -> dict[str, Any]:
 
 
 async def _update_spec(kmock: Any, spec: dict[str, Any]) -> None:
-    obj = kmock.objects[(TD, NS, NAME)]
-    generation = int(obj["metadata"].get("generation", 1)) + 1
-    obj.patch({"metadata": {"generation": generation}, "spec": spec})
+    """A PATCH through the API (a watch event, as kubectl's), with the generation kmock does not bump."""
+    generation = int(kmock.objects[(TD, NS, NAME)]["metadata"].get("generation", 1)) + 1
+    await kmock.patch(f"{TD_PATH}/{NAME}", json={"metadata": {"generation": generation}, "spec": spec})
 
 
 async def test_two_models_and_their_adapters(cluster: Any, catalog: tuple[AdapterCatalog, str]) -> None:  # noqa: F811
@@ -223,3 +223,32 @@ async def test_each_models_pools_scale_on_their_own_models_load(
         assert decisions["smol-prefill"]["desiredReplicas"] == 3, decisions
     controller.cancel()
     assert runner.exception is None, runner.output[-3000:]
+
+
+async def test_pool_names_taken_by_another_resource_are_left_alone(
+    cluster: Any, catalog: tuple[AdapterCatalog, str]  # noqa: F811
+) -> None:
+    """``chat-smol``'s single-model pool and ``chat``'s model ``smol`` would share ``chat-smol-prefill``:
+    the second resource takes nothing over and says why."""
+    _, prefix = catalog
+    theirs = {"apiVersion": "apps/v1", "kind": "Deployment",
+              "metadata": {"name": "multi-smol-prefill", "namespace": NS,
+                           "ownerReferences": [{"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemDeployment",
+                                                "name": "multi-smol", "uid": "uid-other", "controller": True}]},
+              "spec": {"replicas": 5, "selector": {"matchLabels": {"x": "y"}},
+                       "template": {"metadata": {"labels": {"x": "y"}}, "spec": {"containers": []}}}}
+    await cluster.post(f"/apis/apps/v1/namespaces/{NS}/deployments", json=theirs)
+    body = td_body(prefix)
+    body["spec"]["autoscaling"] = {"intervalSeconds": 0.5}
+    with _runner() as runner:
+        await asyncio.sleep(1.0)
+        await cluster.post(TD_PATH, json=body)
+        reconciled = await _until(lambda: _condition(cluster, "Reconciled"), "Reconciled")
+        assert reconciled["status"] == "False" and reconciled["reason"] == "NameConflict", reconciled
+        assert "multi-smol-prefill" in reconciled["message"]
+        await asyncio.sleep(1.5)  # timer ticks: nothing scaled, nothing reported from the other's pool
+        dep = _obj(cluster, DEPLOYMENTS, "multi-smol-prefill")
+        assert dep["spec"]["replicas"] == 5 and dep["metadata"]["ownerReferences"][0]["uid"] == "uid-other"
+        assert _obj(cluster, DEPLOYMENTS, "multi-smol-decode") is None
+        assert _condition(cluster, "Ready").get("reason") == "NameConflict", _status(cluster)
+    assert runner.exception is None
