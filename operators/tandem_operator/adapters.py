@@ -1,7 +1,7 @@
 """``spec.adapters`` of a TandemDeployment, kept in the adapter catalog (``<keyPrefix>:adapters``).
 
 :mod:`tandem_operator.handlers` calls :func:`sync_adapters` on every reconcile and, every
-``ADAPTER_RESYNC_S``, from its timer. It writes through
+``TANDEM_OPERATOR_ADAPTER_RESYNC_S`` (30 s), from its timer. It writes through
 :class:`tandem.common.adapters.AdapterCatalog` exactly as ``python -m tandem.gateway.admin adapter
 load|unload`` does:
 
@@ -28,9 +28,6 @@ from dataclasses import dataclass, field
 
 from tandem.common.adapters import AdapterCatalog, AdapterEntry
 from tandem_operator.spec import AdapterSpec
-
-#: How often the timer re-syncs a resource's adapters (undoing an admin's unload of a managed one).
-ADAPTER_RESYNC_S = 30.0
 
 
 @dataclass(frozen=True)

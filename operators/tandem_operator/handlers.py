@@ -17,7 +17,7 @@ through :class:`.kube.KubeClient` and writes the answer into ``status``.
 * timer → every ``STATUS_REFRESH_S`` the pools' ready counts and the ``Ready``
   condition are refreshed in ``status`` (``kubectl get tandemdeployment`` shows
   what is ready now, not what was at the last change); every
-  ``ADAPTER_RESYNC_S`` the adapters are synced again (Redis back after an
+  ``adapter_resync_s`` (settings) the adapters are synced again (Redis back after an
   outage, an admin's unload of a managed adapter undone); every
   ``autoscaling.intervalSeconds`` each pool's signals (its model's) are read and the decision
   applied to its Deployment's replicas; every decision is logged as one JSON
@@ -44,7 +44,7 @@ import kopf
 from tandem.common import redis_retry
 from tandem.common.adapters import AdapterCatalog
 from tandem.common.errors import BackendUnavailableError
-from tandem_operator.adapters import ADAPTER_RESYNC_S, remove_managed, sync_adapters
+from tandem_operator.adapters import remove_managed, sync_adapters
 from tandem_operator.autoscale import Recommendation, decide
 from tandem_operator.kube import KubeClient, KubeError
 from tandem_operator.reconcile import (
@@ -256,7 +256,8 @@ async def autoscale_handler(
         memo.last_status_s[key] = now_s
         await _refresh_status(memo.kube, namespace, name, uid, td, meta, status, patch)
     # The first sync is the reconcile handler's (the timer's view of the conditions may predate it).
-    if reconciled.get("status") == "True" and now_s - memo.last_adapter_sync_s.get(key, -1e9) >= ADAPTER_RESYNC_S:
+    resync_s = memo.settings.adapter_resync_s
+    if reconciled.get("status") == "True" and now_s - memo.last_adapter_sync_s.get(key, -1e9) >= resync_s:
         memo.last_adapter_sync_s[key] = now_s
         await _sync_adapters(td, status, patch, memo, int(meta.get("generation") or 0), logger)
     if td.autoscaling.external or not td.autoscaling.enabled:

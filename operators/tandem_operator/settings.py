@@ -19,6 +19,9 @@ class OperatorSettings(BaseSettings):
     #: Redis of the adapter catalog (``spec.adapters``); each resource's ``redis.keyPrefix`` picks its
     #: catalog there. "" = adapters are not reconciled (the resource says so in AdaptersReconciled).
     redis_url: str = ""
+    #: How often the timer syncs a resource's adapters again (Redis back after an outage, an admin's
+    #: unload of a managed adapter undone).
+    adapter_resync_s: float = Field(default=30.0, gt=0)
     #: Seconds kopf waits before retrying a reconcile that hit an API error.
     retry_delay_s: float = Field(default=10.0, gt=0)
     kubernetes_service_host: str = Field(

@@ -252,3 +252,37 @@ async def test_pool_names_taken_by_another_resource_are_left_alone(
         assert _obj(cluster, DEPLOYMENTS, "multi-smol-decode") is None
         assert _condition(cluster, "Ready").get("reason") == "NameConflict", _status(cluster)
     assert runner.exception is None
+
+
+async def test_an_adapter_unloaded_by_hand_comes_back_and_a_dead_redis_is_a_condition(
+    cluster: Any, catalog: tuple[AdapterCatalog, str], monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    store, prefix = catalog
+    monkeypatch.setenv("TANDEM_OPERATOR_ADAPTER_RESYNC_S", "0.5")
+    with _runner() as runner:
+        await asyncio.sleep(1.0)
+        await cluster.post(TD_PATH, json=td_body(prefix))
+        await _until(lambda: _condition(cluster, "AdaptersReconciled").get("status") == "True", "AdaptersReconciled")
+        before = (await store.entries())["tandem-test-a"].version
+        # An admin unloads a managed adapter: the next resync loads it again, under a new version.
+        assert await store.remove("tandem-test-a")
+        await _until(lambda: _status(cluster)["adapters"]["versions"].get("tandem-test-a", 0) > before,
+                     "tandem-test-a back in the catalog")
+        assert (await store.entries())["tandem-test-a"].version > before
+    assert runner.exception is None, runner.output[-3000:]
+
+
+async def test_without_redis_the_pools_still_come_and_the_adapters_say_why(
+    cluster: Any, catalog: tuple[AdapterCatalog, str], monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    _, prefix = catalog
+    monkeypatch.setenv("TANDEM_OPERATOR_REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens there
+    with _runner() as runner:
+        await asyncio.sleep(1.0)
+        await cluster.post(TD_PATH, json=td_body(prefix))
+        await _until(lambda: _obj(cluster, DEPLOYMENTS, "multi-smol-decode"), "the pools, Redis or not")
+        condition = await _until(lambda: _condition(cluster, "AdaptersReconciled"), "AdaptersReconciled")
+        assert condition["status"] == "False" and condition["reason"] == "CatalogUnavailable", condition
+        assert "adapter catalog unreachable" in condition["message"]
+        assert _condition(cluster, "Reconciled")["status"] == "True"
+    assert runner.exception is None, runner.output[-3000:]
