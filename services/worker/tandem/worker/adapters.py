@@ -46,6 +46,9 @@ Failure of the peers:
   adapter ends up loaded and idle (the next request uses it, or it is evicted), and the aborted
   request's claim on the slot is dropped. Every claim is released in a ``finally``: no slot leaks,
   and no engine call is made from it (retired adapters are removed by a task of their own).
+* A decode refused for its adapter (any refusal above, or a KV handle of another adapter) never
+  reaches the engine: it holds no KV here, and the prefill worker's hold on the prompt's blocks is
+  freed by the gateway's Abort of the failed request, else by its lease.
 """
 
 from __future__ import annotations
