@@ -19,6 +19,7 @@ from tandem.common.tls import TLSSettings
 from tandem.v1 import common_pb2, worker_pb2
 from tandem.worker.adapters import AdapterResidency
 from tandem.worker.kv_connector.params import HANDLE, KVHandleParams
+from tandem.worker.metrics import KVCollector
 from tandem.worker.registration import _current, build_record
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
@@ -186,3 +187,21 @@ async def test_the_registry_record_carries_max_adapters_and_the_loaded_ones() ->
     current = await _current(record, service)
     assert current.adapters == (OTHER.engine_name, ADAPTER.engine_name)  # least recently used first
     assert type(current).from_json(current.to_json()).adapters == current.adapters
+
+
+async def test_the_adapter_slots_are_in_the_workers_metrics() -> None:
+    engine = ScriptedEngine(outputs=decode_outputs())
+    service = await _service("decode", engine, max_adapters=2)
+    [c async for c in service.Decode(_decode_request(ADAPTER.engine_name, ADAPTER.engine_name), Context())]  # type: ignore[arg-type]
+    samples = {
+        (sample.name, sample.labels.get("role")): sample.value
+        for family in KVCollector(service).collect()
+        for sample in family.samples
+    }
+    assert samples[("tandem_worker_adapter_loads_total", "decode")] == 1
+    assert samples[("tandem_worker_adapter_evictions_total", "decode")] == 0
+    assert samples[("tandem_worker_adapter_load_failures_total", "decode")] == 0
+    assert samples[("tandem_worker_adapters_loaded", "decode")] == 1
+    assert samples[("tandem_worker_adapter_slots", "decode")] == 2
+    off = await _service("decode", ScriptedEngine(), max_adapters=0)
+    assert not [f for f in KVCollector(off).collect() if f.name.startswith("tandem_worker_adapter")]

@@ -162,9 +162,10 @@ class AdapterResidency:
         self._tasks: set[asyncio.Task[None]] = set()
         #: Catalog entries found unusable and logged.
         self._warned: set[tuple[str, AdapterEntry]] = set()
-        #: Loads so far, for metrics and the tests.
+        #: Loads, evictions (of an idle adapter for another's load) and failed loads so far (tandem.worker.metrics).
         self.num_loads = 0
         self.num_evictions = 0
+        self.num_load_failures = 0
 
     # -- what the registry record shows ---------------------------------------------------------
 
@@ -323,6 +324,7 @@ class AdapterResidency:
             message = f"adapter {entry.name!r} failed to load on this worker"
             logger.error("%s: %s: %s", message, type(exc).__name__, exc, extra={"adapter": entry.engine_name})
             self._failed[entry.engine_name] = (self._clock() + self._failure_memory_s, message)
+            self.num_load_failures += 1
             del self._loading[entry.engine_name]
             load.future.set_exception(AdapterRefused(grpc.StatusCode.FAILED_PRECONDITION, message))
             self._notify()

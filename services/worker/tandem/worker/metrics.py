@@ -3,7 +3,10 @@ by AsyncLLM in this process) plus ``tandem_kv_*`` counters of the engine's KV
 server, as the worker service last read them (through the engine: by GetLoad,
 and by the registry heartbeat at most every 30 s), and on a decode worker the
 service's own ``tandem_decode_continuations_total{mode}`` and the prefetches'
-``tandem_kv_prefetches_total{outcome}`` and ``tandem_kv_staged_bytes``. Started by ``__main__``.
+``tandem_kv_prefetches_total{outcome}`` and ``tandem_kv_staged_bytes``; with LoRA on, the adapter
+slots' ``tandem_worker_adapter_{loads,evictions,load_failures}_total`` and
+``tandem_worker_adapters_loaded`` / ``tandem_worker_adapter_slots`` (tandem.worker.adapters). Started by
+``__main__``.
 
 Always in Prometheus's text format: asked for OpenMetrics (as Prometheus
 asks first), prometheus_client escapes the colons of ``vllm:*`` names to
@@ -54,6 +57,7 @@ class KVCollector(Collector):
         g = GaugeMetricFamily("tandem_kv_held_blocks", "KV blocks held for decode engines", labels=labels)
         g.add_metric([role], float(s.num_held_blocks))
         yield g
+        yield from _adapter_metrics(self._service)
         if role == "decode":
             c = CounterMetricFamily(
                 "tandem_decode_continuations",
@@ -77,6 +81,33 @@ class KVCollector(Collector):
             g = GaugeMetricFamily("tandem_kv_staged_bytes", "Bytes of prefetched KV waiting for their decode")
             g.add_metric([], float(s.staged_bytes))
             yield g
+
+
+def _adapter_metrics(service: WorkerService) -> Iterator[Metric]:
+    """The adapter slots' counters (nothing with LoRA off)."""
+    adapters = service.adapters
+    if adapters is None:
+        return
+    role = service.role
+    for name, doc, value in (
+        ("tandem_worker_adapter_loads", "LoRA adapters loaded into the engine", adapters.num_loads),
+        (
+            "tandem_worker_adapter_evictions",
+            "Idle LoRA adapters removed from the engine to load another",
+            adapters.num_evictions,
+        ),
+        ("tandem_worker_adapter_load_failures", "LoRA adapter loads that failed", adapters.num_load_failures),
+    ):
+        c = CounterMetricFamily(name, doc, labels=["role"])
+        c.add_metric([role], float(value))
+        yield c
+    for name, doc, value in (
+        ("tandem_worker_adapters_loaded", "LoRA adapters in the engine now", len(adapters.loaded())),
+        ("tandem_worker_adapter_slots", "LoRA adapters the engine holds at once (max_loras)", adapters.max_adapters),
+    ):
+        g = GaugeMetricFamily(name, doc, labels=["role"])
+        g.add_metric([role], float(value))
+        yield g
 
 
 def metrics_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
