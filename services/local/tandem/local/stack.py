@@ -160,6 +160,11 @@ class StackConfig:
     max_model_len: int = 4096
     kv_cache_bytes: int = 1 << 30
     kv_lease_s: float = 60.0
+    #: LoRA adapters each worker's engine holds at once (TANDEM_WORKER_ADAPTERS__MAX_ADAPTERS, vLLM's
+    #: max_loras); 0: LoRA off on every worker, as the workers' default (requests naming an adapter are refused).
+    max_adapters: int = 0
+    #: The highest LoRA rank an adapter may have (TANDEM_WORKER_ADAPTERS__MAX_ADAPTER_RANK); used with LoRA on.
+    max_adapter_rank: int = 16
     log_dir: Path = Path(".run/logs")
     #: Give each engine its own core when there are at least two.
     pin_engine_cores: bool = True
@@ -327,6 +332,9 @@ class LocalStack:
                 "TANDEM_WORKER_REGISTRY__KEY_PREFIX": c.key_prefix,
             }
         )
+        if c.max_adapters:
+            env["TANDEM_WORKER_ADAPTERS__MAX_ADAPTERS"] = str(c.max_adapters)
+            env["TANDEM_WORKER_ADAPTERS__MAX_ADAPTER_RANK"] = str(c.max_adapter_rank)
         env.update(self._redis_env("TANDEM_WORKER_", "worker"))
         num_cpus = os.cpu_count() or 1
         if c.pin_engine_cores and num_cpus >= 2:
