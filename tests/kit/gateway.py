@@ -198,6 +198,7 @@ class FakeRouter:
         priority: str = "",
         prefill_done_on_worker_id: str = "",
         local_prefill_only: bool = False,
+        adapter: str = "",
     ) -> router_pb2.Placement:
         self.calls.append(("schedule", request_id))
         self.schedule_calls.append(
@@ -212,6 +213,7 @@ class FakeRouter:
                 "priority": priority,
                 "prefill_done_on_worker_id": prefill_done_on_worker_id,
                 "local_prefill_only": local_prefill_only,
+                "adapter": adapter,
             }
         )
         if self.schedule_delay_s:

@@ -118,9 +118,11 @@ class CountingHasher(PromptHasher):
         super().__init__(_StaticRegistry([record]))
         self.num_hashed = 0
 
-    async def hashes(self, model: str, prompt_token_ids: Any, cache_salt: str) -> list[router_pb2.PromptBlockHashes]:
+    async def hashes(
+        self, model: str, prompt_token_ids: Any, cache_salt: str, *, adapter: str = "", adapter_path: str = ""
+    ) -> list[router_pb2.PromptBlockHashes]:
         self.num_hashed += 1
-        return await super().hashes(model, prompt_token_ids, cache_salt)
+        return await super().hashes(model, prompt_token_ids, cache_salt, adapter=adapter, adapter_path=adapter_path)
 
 
 class _StaticRegistry:
@@ -132,6 +134,7 @@ class _StaticRegistry:
 
 
 def gateway_settings(**overrides: Any) -> GatewaySettings:
+    prefix = f"tandem-unit-{uuid.uuid4().hex[:8]}"
     values: dict[str, Any] = {
         "served_model_name": MODEL,
         "max_model_len": 64,
@@ -146,7 +149,9 @@ def gateway_settings(**overrides: Any) -> GatewaySettings:
         "router_unavailable_wait_s": 0.0,
         # These tests are about the request path; tenancy has its own tests (test_tenancy.py and others).
         "auth": {"mode": "disabled"},
-        "tenancy": {"key_prefix": f"tandem-unit-{uuid.uuid4().hex[:8]}"},
+        "tenancy": {"key_prefix": prefix},
+        # The adapter catalog sits under the registry's prefix: a test's adapters are its own.
+        "registry": {"key_prefix": prefix},
     }
     values.update(overrides)
     return GatewaySettings(**values)
@@ -258,12 +263,18 @@ async def edge(
     base = {
         "auth": {"mode": "api_key", "cache_s": 0, "admin_key": admin_key},
         "tenancy": {"key_prefix": prefix},
+        "registry": {"key_prefix": prefix},
         "stream": {"heartbeat_interval_s": 0.3},
     }
     settings = gateway_settings(**_merge(base, edge_overrides))
     metrics = GatewayMetrics()
     app = build_app(
-        settings, router=fake_router, tokenizer=prompt_tokenizer, readiness=FakeReadiness(), metrics=metrics
+        settings,
+        router=fake_router,
+        tokenizer=prompt_tokenizer,
+        readiness=FakeReadiness(),
+        metrics=metrics,
+        prompt_hasher=CountingHasher(),
     )
     redis_client = connect(settings.redis.url, timeout_s=2.0)
     transport = httpx.ASGITransport(app=app)

@@ -64,6 +64,7 @@ async def test_the_gateway_serves_bills_and_remembers_under_its_own_redis_user(
                 redis={"url": users.url("gateway")},
                 auth={"mode": "api_key", "cache_s": 0, "admin_key": admin_key},
                 tenancy={"key_prefix": prefix, "usage_sweep_interval_s": 0.2},
+                registry={"key_prefix": prefix},
             )
             app = build_app(
                 settings,
@@ -91,6 +92,20 @@ async def test_the_gateway_serves_bills_and_remembers_under_its_own_redis_user(
                     assert usage.status_code == 200, usage.text
                     every = await client.get("/v1/admin/usage", headers={"Authorization": f"Bearer {admin_key}"})
                     assert every.status_code == 200, every.text
+                    # LoRA adapters: the admin API loads one, a request resolves it, the admin API unloads it
+                    admin_auth = {"Authorization": f"Bearer {admin_key}"}
+                    adapter = {"name": "acme-lora", "path": "/adapters/acme"}
+                    loaded = await client.post("/v1/admin/adapters", json=adapter, headers=admin_auth)
+                    assert loaded.status_code == 200, loaded.text
+                    body = {"model": "acme-lora", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+                    response = await client.post("/v1/chat/completions", json=body, headers=auth)
+                    assert response.status_code == 200, response.text
+                    assert prefill.prefill_requests[-1].adapter == loaded.json()["engine_name"]
+                    models = await client.get("/v1/models", headers=auth)
+                    assert [m["id"] for m in models.json()["data"]] == [MODEL, "acme-lora"]
+                    unloaded = await client.delete("/v1/admin/adapters/acme-lora", headers=admin_auth)
+                    assert unloaded.status_code == 200, unloaded.text
+                    await app.state.services.orchestrator.drain()
 
             totals = usage.json()["total"]
             assert totals["requests"] == 3, totals  # two served here, the dead replica's orphan

@@ -326,6 +326,41 @@ def test_mismatched_layout_is_refused_and_reported_as_failed_load() -> None:
         decode.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("held", "pulled"), [("tandem-test-a@3", "tandem-test-b@4"), ("tandem-test-a@3", ""), ("", "tandem-test-a@3")]
+)
+def test_kv_computed_with_another_adapter_is_refused_and_reported_as_failed_load(held: str, pulled: str) -> None:
+    """The prefill engine's KV server knows which adapter computed a hold (from the engine's own request):
+    a pull for another adapter gets nothing, and the decode engine's load fails (its policy recomputes)."""
+    import dataclasses
+
+    prefill, _ = make_side(free_port())
+    decode, _ = make_side(free_port(), fill=0.0)
+    try:
+        handle = make_handle((1,), num_tokens=3, kv_address=prefill.server.address)
+        (engine_id, spec), *_ = holds_of(handle).items()
+        prefill.begin_step(GrpcKVMetadata(holds={engine_id: dataclasses.replace(spec, adapter=held)}))
+        pulling = dataclasses.replace(handle, adapter=pulled)
+        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec(DECODE_ENGINE_ID, pulling, (1,), (4,), 3, 0)]))
+        wait_until(lambda: DECODE_ENGINE_ID in decode.puller._ended)
+        assert decode.take_failed_block_ids() == {4}
+        decode.get_transfer_results(set())
+        record = decode.take_load_records()[DECODE_ENGINE_ID]
+        assert record.failed and "adapter" in record.error
+        assert prefill.stats().bytes_sent_total == 0
+        # The failed load released the hold (nothing leaks); prefilled again, the same adapter's pull gets it.
+        wait_until(lambda: prefill.stats().num_held_requests == 0)
+        prefill.begin_step(GrpcKVMetadata(holds={"prefill-req-2": dataclasses.replace(spec, adapter=held)}))
+        matching = dataclasses.replace(handle, adapter=held)
+        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec("decode-req-2", matching, (1,), (5,), 3, 0)]))
+        wait_until(lambda: "decode-req-2" in decode.puller._ended)
+        assert decode.take_failed_block_ids() == set()
+        assert prefill.stats().bytes_sent_total > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_layout_check_names_every_difference() -> None:
     a = KVLayout("m", "float32", 128, 30, (3, 128, 128))
     b = KVLayout("m", "bfloat16", 16, 30, (3, 16, 128))

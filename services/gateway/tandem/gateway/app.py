@@ -23,7 +23,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from tandem.common.adapters import AdapterCatalog
 from tandem.gateway import playground
+from tandem.gateway.adapter_admin import AdapterAdmin
+from tandem.gateway.adapters import ModelResolver
 from tandem.gateway.api import openapi, routes
 from tandem.gateway.api.errors import ApiError, internal_error
 from tandem.gateway.api.generation import StreamLimits
@@ -123,6 +126,9 @@ def build_app(
         kv_prefetch=settings.kv_prefetch,
         max_migrations=settings.max_migrations_per_request,
     )
+    # The adapter catalog lives beside the worker registry (its readers are the workers of each model).
+    catalog = AdapterCatalog(client, key_prefix=settings.registry.key_prefix)
+    served_models = (settings.served_model_name,)
     services = GatewayServices(
         limits=ModelLimits(
             served_model_name=settings.served_model_name,
@@ -157,6 +163,8 @@ def build_app(
             max_buffered_bytes=settings.stream.max_buffered_bytes,
             slow_reader_timeout_s=settings.stream.slow_reader_timeout_s,
         ),
+        models=ModelResolver(served_models, catalog, cache_s=settings.adapter_catalog_cache_s),
+        adapter_admin=AdapterAdmin(catalog, served_models),
         admin_key=settings.auth.admin_key.get_secret_value() if settings.auth.admin_key is not None else None,
         usage_progress_interval_s=tenancy.usage_progress_interval_s,
         usage_max_unsaved_tokens=tenancy.usage_max_unsaved_tokens,
@@ -182,6 +190,9 @@ def build_app(
             Route("/v1/models/{model:path}", routes.get_model, methods=["GET"]),
             Route("/v1/usage", routes.usage, methods=["GET"]),
             Route("/v1/admin/usage", routes.admin_usage, methods=["GET"]),
+            Route("/v1/admin/adapters", routes.admin_list_adapters, methods=["GET"]),
+            Route("/v1/admin/adapters", routes.admin_load_adapter, methods=["POST"]),
+            Route("/v1/admin/adapters/{name:path}", routes.admin_unload_adapter, methods=["DELETE"]),
             Route("/healthz", routes.healthz, methods=["GET"]),
             Route("/readyz", routes.readyz, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),

@@ -6,9 +6,10 @@
     └── StorageQuotaExceededError  what the request would store is over the tenant's storage quota (413)
     RetryableError
     ├── RateLimitedError        quota or concurrency cap reached (429, Retry-After, x-ratelimit-*)
-    └── ShuttingDownError       this replica is draining (503)
+    ├── ShuttingDownError       this replica is draining (503)
+    └── AdapterUnavailableError a worker could not apply the request's LoRA adapter now (503, Retry-After)
 
-Raised by the tenancy, quota, storage quota and drain modules; mapped to HTTP by
+Raised by the tenancy, quota, storage quota and drain modules and the worker error mapping; mapped to HTTP by
 :func:`tandem.gateway.api.errors.api_error_from`.
 """
 
@@ -49,3 +50,9 @@ class RateLimitedError(RetryableError):
 
 class ShuttingDownError(RetryableError):
     pass
+
+
+class AdapterUnavailableError(RetryableError):
+    """A worker refused the request's LoRA adapter for a reason a later try may not meet: LoRA off on the
+    worker placed, the adapter's files failed to load there, or a reload raced the placement. The
+    detail (worker address, gRPC details) is for the log only."""

@@ -28,6 +28,11 @@ class GenerationJob:
     cache_salt: str = ""
     #: The tenant's priority class for the router's admission queue ("": the router's default).
     priority: str = ""
+    #: The LoRA adapter to apply, by engine name (``NAME@VERSION``, tandem.common.adapters; "" for the base
+    #: model ``model``): sent in every Schedule, Prefill and Decode of this request, retries included.
+    adapter: str = ""
+    #: The adapter's files as its engines load them: part of the prompt's block hashes, as in vLLM's.
+    adapter_path: str = ""
     #: Marks scheduled / prefill_done and collects the workers' timings (mutable, owned by this request).
     clock: StageClock = field(default_factory=StageClock)
     #: What reads and releases the prompt's KV on the prefill worker, sent only to it and to the decode

@@ -28,6 +28,10 @@ each placement again when a worker died) and the workers through
    generation did not complete (error, timeout, client gone), so that held KV
    blocks are freed at once rather than when their lease runs out.
 
+A request with a LoRA adapter carries its engine name (``job.adapter``) in every Schedule, Prefill
+and Decode above, retries, replacements and migrations included: all of them are built from the job.
+A worker's refusal of the adapter is mapped by :func:`~tandem.gateway.workers.map_worker_error`.
+
 Events are yielded as small frozen dataclasses; the HTTP layer turns them into
 SSE chunks or one JSON body.
 """
@@ -60,10 +64,10 @@ class _Truncated(Exception):
     """A decode stream that ended without a finish reason and without an error."""
 
 
-def _decode_failure(exc: grpc.aio.AioRpcError | _Truncated, address: str) -> TandemError:
+def _decode_failure(exc: grpc.aio.AioRpcError | _Truncated, address: str, adapter: str) -> TandemError:
     if isinstance(exc, _Truncated):
         return WorkerUnavailableError(str(exc))
-    return map_worker_error(exc, role="decode", address=address)
+    return map_worker_error(exc, role="decode", address=address, adapter=adapter)
 
 
 @dataclass
@@ -207,7 +211,9 @@ class Orchestrator:
                         raise _Truncated(f"decode worker {progress.placement.decode.address}: stream ended early")
                 except (grpc.aio.AioRpcError, _Truncated) as exc:
                     if isinstance(exc, grpc.aio.AioRpcError) and exc.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise map_worker_error(exc, role="decode", address=progress.placement.decode.address) from exc
+                        raise map_worker_error(
+                            exc, role="decode", address=progress.placement.decode.address, adapter=job.adapter
+                        ) from exc
                     if num_chunks == 0 and resume is None and not progress.dead_worker_ids:
                         # The decode worker was gone before it sent anything (it died between requests and
                         # its registration has not expired yet): the prefill worker still holds the KV under
@@ -218,7 +224,7 @@ class Orchestrator:
                         finish_reason = "length"  # it died after the last token, before saying it was the last
                         break
                     if num_migrations >= self._max_migrations:
-                        raise _decode_failure(exc, progress.placement.decode.address) from exc
+                        raise _decode_failure(exc, progress.placement.decode.address, job.adapter) from exc
                     num_migrations += 1
                     job.clock.worker["num_migrations"] = num_migrations
                     job.clock.worker["num_resumed_tokens"] = len(sent.token_ids)
@@ -256,6 +262,7 @@ class Orchestrator:
                 sampling=job.sampling.to_proto(job.max_tokens),
                 cache_salt=job.cache_salt,
                 keep_kv=job.max_tokens > 1,
+                adapter=job.adapter,
             )
             if request.keep_kv:
                 request.kv_capability = job.kv_capability
@@ -277,7 +284,9 @@ class Orchestrator:
                     await self._placer.end_reservation(job.request_id)
                     excluded.append(placement.prefill.worker_id)
                     continue
-                raise map_worker_error(exc, role="prefill", address=placement.prefill.address) from exc
+                raise map_worker_error(
+                    exc, role="prefill", address=placement.prefill.address, adapter=job.adapter
+                ) from exc
             job.clock.mark("prefill_done")
             job.clock.worker["prefill_engine_s"] = response.engine_seconds
             job.clock.worker["num_cached_tokens"] = response.num_cached_tokens
@@ -326,6 +335,7 @@ class Orchestrator:
             prompt_token_ids=job.prompt_token_ids,
             sampling=job.sampling.to_proto(job.max_tokens),
             cache_salt=job.cache_salt,
+            adapter=job.adapter,
         )
         if prefill is None:
             request.local_prefill = True

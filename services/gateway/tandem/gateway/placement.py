@@ -89,7 +89,13 @@ class Placer:
         Schedule (see :meth:`replace_decode_worker`)."""
         if progress.prompt_block_hashes is None:
             progress.prompt_block_hashes = (
-                await self._prompt_hasher.hashes(job.model, job.prompt_token_ids, job.cache_salt)
+                await self._prompt_hasher.hashes(
+                    job.model,
+                    job.prompt_token_ids,
+                    job.cache_salt,
+                    adapter=job.adapter,
+                    adapter_path=job.adapter_path,
+                )
                 if self._prompt_hasher is not None
                 else []
             )
@@ -134,6 +140,7 @@ class Placer:
                 priority=job.priority,
                 prefill_done_on_worker_id=prefill_done_on_worker_id,
                 local_prefill_only=local_prefill_only,
+                adapter=job.adapter,
             )
         )
         try:

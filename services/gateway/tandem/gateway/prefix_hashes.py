@@ -8,7 +8,9 @@ prompt goes no further than it must (the gateway → router hop is mutual TLS to
 the router's front, but behind it Ray Serve's proxy and replicas would see every
 tenant's prompt in the clear, and the hop is plaintext where internal TLS is
 turned off). Hashes of salted requests are keyed by the tenant's random cache salt,
-which does not travel either. The hashing (vLLM's, :mod:`tandem.common.block_hash`)
+which does not travel either. A LoRA adapter's request is hashed with the adapter's engine name
+and path as vLLM hashes it, so its hashes meet only blocks computed with the same load of the
+same adapter. The hashing (vLLM's, :mod:`tandem.common.block_hash`)
 also moves off the router, which is one process per replica, onto the gateways.
 """
 
@@ -69,18 +71,31 @@ class PromptHasher:
             return self._configs.get(model, [])
 
     async def hashes(
-        self, model: str, prompt_token_ids: Sequence[int], cache_salt: str
+        self,
+        model: str,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str,
+        *,
+        adapter: str = "",
+        adapter_path: str = "",
     ) -> list[router_pb2.PromptBlockHashes]:
-        """The prompt's block hashes for every configuration the model's engines use."""
+        """The prompt's block hashes for every configuration the model's engines use; ``adapter`` (an
+        engine name) and ``adapter_path``: the LoRA adapter the request runs with ("": the base model)."""
         configs = await self._configs_for(model)
         if not configs:
             return []
+        args = (configs, prompt_token_ids, cache_salt, adapter, adapter_path)
         if len(prompt_token_ids) > INLINE_MAX_TOKENS:
-            return await asyncio.to_thread(self._compute, configs, prompt_token_ids, cache_salt)
-        return self._compute(configs, prompt_token_ids, cache_salt)
+            return await asyncio.to_thread(self._compute, *args)
+        return self._compute(*args)
 
     def _compute(
-        self, configs: list[tuple[int, str]], prompt_token_ids: Sequence[int], cache_salt: str
+        self,
+        configs: list[tuple[int, str]],
+        prompt_token_ids: Sequence[int],
+        cache_salt: str,
+        adapter: str,
+        adapter_path: str,
     ) -> list[router_pb2.PromptBlockHashes]:
         out = []
         for block_size, seed in configs:
@@ -91,7 +106,9 @@ class PromptHasher:
                 router_pb2.PromptBlockHashes(
                     block_size_tokens=block_size,
                     hash_seed=seed,
-                    hashes=hasher.block_hashes(prompt_token_ids, cache_salt=cache_salt),
+                    hashes=hasher.block_hashes(
+                        prompt_token_ids, cache_salt=cache_salt, lora_name=adapter, lora_path=adapter_path
+                    ),
                 )
             )
         return out

@@ -31,7 +31,8 @@ class Router(Protocol):
     releasing first: a second Schedule of one request id replaces its earlier reservation in the
     router (the old pair's budget released, decode budget alone reserved, in one step).
     ``local_prefill_only`` (a local prefill's replacement) asks for a decode worker that prefills the
-    prompt itself, with no prefill worker's budget booked.
+    prompt itself, with no prefill worker's budget booked. ``adapter``: the request's LoRA adapter by
+    engine name (``NAME@VERSION``), "" for the base model; every Schedule of a request carries it.
     """
 
     async def schedule(
@@ -47,6 +48,7 @@ class Router(Protocol):
         priority: int | str,
         prefill_done_on_worker_id: str = "",
         local_prefill_only: bool = False,
+        adapter: str = "",
     ) -> router_pb2.Placement: ...
 
     async def release(self, request_id: str) -> object: ...

@@ -118,6 +118,10 @@ class GatewaySettings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535)
     #: Model name clients pass in ``model`` and see in ``/v1/models``.
     served_model_name: str = "SmolLM2-135M-Instruct"
+    #: A request naming a LoRA adapter (its ``model``) is resolved through the adapter catalog in Redis as
+    #: read at most this long ago (tandem.gateway.adapters): an adapter unloaded with ``tandem-admin adapter
+    #: unload`` gets 404 on every gateway within this long (0: read the catalog on every such request).
+    adapter_catalog_cache_s: float = Field(1.0, ge=0)
     #: Hugging Face model folder; only its tokenizer and chat template are loaded.
     model_dir: Path = Field(default_factory=_default_model_dir)
     #: Prompt plus generated tokens may not exceed this.

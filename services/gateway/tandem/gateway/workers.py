@@ -16,6 +16,7 @@ import asyncio
 
 import grpc
 
+from tandem.common.adapters import split_engine_name
 from tandem.common.errors import (
     InvalidRequestError,
     KVLayoutMismatchError,
@@ -25,6 +26,7 @@ from tandem.common.errors import (
     WorkerUnavailableError,
 )
 from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, CredentialFiles, TLSSettings, aio_channel
+from tandem.gateway.errors import AdapterUnavailableError
 from tandem.v1 import worker_pb2_grpc
 
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -78,12 +80,26 @@ class WorkerChannels:
             task.cancel()
 
 
-def map_worker_error(exc: grpc.aio.AioRpcError, *, role: str, address: str) -> TandemError:
+def map_worker_error(exc: grpc.aio.AioRpcError, *, role: str, address: str, adapter: str = "") -> TandemError:
     """A worker's gRPC status as a Tandem error (retryable or permanent). The message names the worker
     and its gRPC status, for the log; the client is told a fixed text (``api_error_from``), except for
-    INVALID_ARGUMENT, whose details the worker writes for the client (what was out of bounds)."""
+    INVALID_ARGUMENT, whose details the worker writes for the client (what was out of bounds).
+
+    A request with a LoRA ``adapter`` (its engine name): NOT_FOUND is the worker's "no such adapter
+    (unloaded, or superseded by a reload) in the catalog": 404 ``model_not_found`` naming the adapter as
+    the client did; FAILED_PRECONDITION (LoRA off there, its files failed to load, another model's
+    adapter) is an :class:`AdapterUnavailableError`, 503 with Retry-After; RESOURCE_EXHAUSTED (every
+    adapter slot busy) is no capacity, 503 with Retry-After, as for any request."""
     code = exc.code()
     where = f"{role} worker {address}: {code.name}: {exc.details()}"
+    if adapter and code == grpc.StatusCode.NOT_FOUND:
+        try:
+            name = split_engine_name(adapter)[0]
+        except ValueError:
+            name = adapter
+        return InvalidRequestError(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    if adapter and code == grpc.StatusCode.FAILED_PRECONDITION:
+        return AdapterUnavailableError(where)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return NoCapacityError(where)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED):

@@ -24,6 +24,7 @@ from tandem.common.errors import (
     WorkerUnavailableError,
 )
 from tandem.gateway.errors import (
+    AdapterUnavailableError,
     AuthenticationError,
     PermissionDeniedError,
     RateLimitedError,
@@ -42,6 +43,7 @@ PUBLIC_MESSAGES = {
     "worker_unavailable": "The model's workers are unavailable; retry after the Retry-After delay.",
     "unavailable": "The service is unavailable; retry after the Retry-After delay.",
     "upstream_error": "The model server failed to complete the request.",
+    "adapter_unavailable": "The model's adapter cannot be applied now; retry after the Retry-After delay.",
 }
 
 
@@ -97,6 +99,8 @@ def api_error_from(exc: TandemError, *, request_id: str = "") -> ApiError:
         )
     if isinstance(exc, ModelNotFoundError) or (isinstance(exc, InvalidRequestError) and exc.code == "model_not_found"):
         return ApiError(404, str(exc), param=exc.param or "model", code=exc.code or "model_not_found")
+    if isinstance(exc, InvalidRequestError) and exc.code == "adapter_not_found":  # the admin API's unload
+        return ApiError(404, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, RequestTooLargeError):
         return ApiError(413, str(exc), code=exc.code or "request_too_large")
     if isinstance(exc, InvalidRequestError):
@@ -106,6 +110,7 @@ def api_error_from(exc: TandemError, *, request_id: str = "") -> ApiError:
             NoCapacityError: "no_capacity",
             BackendUnavailableError: "backend_unavailable",
             WorkerUnavailableError: "worker_unavailable",
+            AdapterUnavailableError: "adapter_unavailable",
         }.get(type(exc), "unavailable")
         retry_after = str(max(1, math.ceil(exc.retry_after_s)))
         _log_detail(exc, code, request_id)

@@ -6,7 +6,8 @@ Called by the generation handler of :mod:`tandem.gateway.api.routes` for both
 endpoints; calls, in order: the drain check, authentication, the key's count
 of refused requests (:mod:`tandem.gateway.tenancy.rejections`: what this
 function refuses counts against the key), the body reader and validation
-(:mod:`validation`), the model and tenant checks, then the
+(:mod:`validation`), the model and tenant checks (:func:`resolve_model`: a served model, or a
+LoRA adapter through the catalog's cache, :mod:`tandem.gateway.adapters`), then the
 prompt: for chat, the conversation's history and :func:`assemble_chat`
 (tenant system prompt, trimming to the context), then the tenant's storage
 quota for what the conversation would hold; for completions, the
@@ -23,6 +24,7 @@ from starlette.requests import Request
 
 from tandem.common.errors import InvalidRequestError, PermanentError
 from tandem.common.ids import new_request_id
+from tandem.gateway.adapters import ModelResolver, ResolvedModel
 from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError
 from tandem.gateway.api.services import GatewayServices, ModelLimits
 from tandem.gateway.api.validation import ChatCompletionRequest, CompletionRequest, check_content_type, parse_body
@@ -32,7 +34,7 @@ from tandem.gateway.errors import PermissionDeniedError, ShuttingDownError
 from tandem.gateway.prompt import text_prompt_ids
 from tandem.gateway.sampling import SamplingParams
 from tandem.gateway.tenancy.auth import Principal
-from tandem.gateway.tenancy.models import Tenant
+from tandem.gateway.tenancy.models import Tenant, allowed, may_know_missing
 from tandem.gateway.timings import StageClock
 
 Endpoint = Literal["chat", "completions"]
@@ -63,6 +65,8 @@ class PreparedRequest:
     max_tokens: int
     sampling: SamplingParams
     clock: StageClock
+    #: What ``body.model`` names: the base model that runs it, and the LoRA adapter if it is one.
+    model: ResolvedModel
     conversation: Conversation | None = None
     num_dropped_messages: int = 0
 
@@ -97,7 +101,7 @@ async def _prepare(
     body: ChatCompletionRequest | CompletionRequest = (
         parse_body(raw, ChatCompletionRequest) if endpoint == "chat" else parse_body(raw, CompletionRequest)
     )
-    check_model(body.model, limits, tenant)
+    model = await resolve_model(body.model, services.models, tenant)
     if endpoint == "completions" and not tenant.may_send_raw_prompts():
         raise PermissionDeniedError(
             "This API key's tenant has a prompt policy (a system prompt, or no client system messages) that "
@@ -179,6 +183,7 @@ async def _prepare(
         max_tokens=max_tokens,
         sampling=body.sampling_params(),
         clock=clock,
+        model=model,
         conversation=conversation,
         num_dropped_messages=num_dropped,
     )
@@ -250,13 +255,26 @@ async def _read_body(request: Request, max_body_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def check_model(model: str, limits: ModelLimits, tenant: Tenant | None = None) -> None:
-    if model != limits.served_model_name:
+async def resolve_model(model: str, models: ModelResolver, tenant: Tenant | None = None) -> ResolvedModel:
+    """What ``model`` names (a served model or a loaded LoRA adapter); 404 ``model_not_found`` for
+    anything else, 403 ``model_not_allowed`` for one the tenant may not use, and for a name that names
+    nothing when a 404 would tell the tenant which adapter names others have (tenancy.models)."""
+    not_allowed = PermissionDeniedError(
+        f"This API key may not use the model `{model}`.", code="model_not_allowed", param="model"
+    )
+    resolved = await models.resolve(model)
+    if resolved is None:
+        if tenant is not None and not may_know_missing(tenant, model):
+            raise not_allowed
         raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model", code="model_not_found")
-    if tenant is not None and not tenant.may_use(model):
-        raise PermissionDeniedError(
-            f"This API key may not use the model `{model}`.", code="model_not_allowed", param="model"
-        )
+    if tenant is not None and not may_use(tenant, resolved):
+        raise not_allowed
+    return resolved
+
+
+def may_use(tenant: Tenant, model: ResolvedModel) -> bool:
+    """Whether the tenant's allow-lists admit this model or adapter (tenancy.models.allowed)."""
+    return allowed(tenant, model.requested, model.base_model)
 
 
 def _context_tokens(limits: ModelLimits, tenant: Tenant) -> int:

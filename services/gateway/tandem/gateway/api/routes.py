@@ -1,4 +1,4 @@
-"""HTTP route handlers: OpenAI endpoints, usage, model list, health, readiness, metrics.
+"""HTTP route handlers: OpenAI endpoints, usage, model list, admin, health, readiness, metrics.
 
 Called by Starlette (routes are assembled in :mod:`tandem.gateway.app`). Both
 generation endpoints run one pipeline: :func:`~tandem.gateway.api.prepare.prepare`
@@ -22,6 +22,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, TandemError
+from tandem.gateway.adapters import ResolvedModel
+from tandem.gateway.api import admin_adapters
 from tandem.gateway.api.complete import CompleteResponse
 from tandem.gateway.api.errors import api_error_from
 from tandem.gateway.api.generation import (
@@ -31,7 +33,7 @@ from tandem.gateway.api.generation import (
     RequestTiming,
     ResponseOptions,
 )
-from tandem.gateway.api.prepare import Endpoint, PreparedRequest, check_model, prepare
+from tandem.gateway.api.prepare import Endpoint, PreparedRequest, may_use, prepare, resolve_model
 from tandem.gateway.api.services import GatewayServices
 from tandem.gateway.api.streaming import StreamedResponse
 from tandem.gateway.errors import (
@@ -217,7 +219,9 @@ def _generation_response(
     body = prepared.body
     job = GenerationJob(
         request_id=prepared.request_id,
-        model=services.limits.served_model_name,
+        model=prepared.model.base_model,
+        adapter=prepared.model.adapter,
+        adapter_path=prepared.model.adapter_path,
         prompt_token_ids=prepared.prompt_token_ids,
         max_tokens=prepared.max_tokens,
         sampling=prepared.sampling,
@@ -242,6 +246,7 @@ def _generation_response(
             "key_id": prepared.principal.key_id,
             "num_prompt_tokens": len(prepared.prompt_token_ids),
             "max_tokens": prepared.max_tokens,
+            "adapter": prepared.model.adapter,
         },
     )
     conversation = prepared.conversation
@@ -296,30 +301,41 @@ def _day_param(request: Request) -> str | None:
 
 usage = _openai_errors("/v1/usage", _usage)
 admin_usage = _openai_errors("/v1/admin/usage", _admin_usage)
+admin_list_adapters = _openai_errors("/v1/admin/adapters", admin_adapters.list_adapters)
+admin_load_adapter = _openai_errors("/v1/admin/adapters", admin_adapters.load_adapter)
+admin_unload_adapter = _openai_errors("/v1/admin/adapters/{name}", admin_adapters.unload_adapter)
 
 
-def _model_card(services: GatewayServices) -> dict[str, object]:
+def _model_card(services: GatewayServices, model: ResolvedModel) -> dict[str, object]:
+    """vLLM's model card (``show_available_models``): an adapter's has ``parent``, its base model. vLLM
+    puts a model's path in ``root``; Tandem puts the model's name there, for the paths are the
+    deployment's own business."""
     return {
-        "id": services.limits.served_model_name,
+        "id": model.requested,
         "object": "model",
         "created": services.started_unix_s,
         "owned_by": "tandem",
+        "root": model.requested,
+        "parent": model.base_model if model.adapter else None,
         "max_model_len": services.limits.max_model_len,
     }
 
 
 async def _list_models(request: Request) -> Response:
+    """The served models and the loaded adapters that the caller's tenant may use."""
     services = _services(request)
     principal = await services.authenticator.authenticate(request.headers.get("authorization"))
-    cards = [_model_card(services)] if principal.tenant.may_use(services.limits.served_model_name) else []
+    models = [ResolvedModel(m, m) for m in services.models.served_models]
+    models += [ResolvedModel.of_entry(e) for _, e in sorted((await services.models.adapters()).items())]
+    cards = [_model_card(services, m) for m in models if may_use(principal.tenant, m)]
     return JSONResponse({"object": "list", "data": cards})
 
 
 async def _get_model(request: Request) -> Response:
     services = _services(request)
     principal = await services.authenticator.authenticate(request.headers.get("authorization"))
-    check_model(request.path_params["model"], services.limits, principal.tenant)
-    return JSONResponse(_model_card(services))
+    model = await resolve_model(request.path_params["model"], services.models, principal.tenant)
+    return JSONResponse(_model_card(services, model))
 
 
 list_models = _openai_errors("/v1/models", _list_models)

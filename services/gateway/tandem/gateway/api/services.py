@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.gateway.adapter_admin import AdapterAdmin
+from tandem.gateway.adapters import ModelResolver
 from tandem.gateway.api.generation import StreamLimits
 from tandem.gateway.conversations import ConversationStore
 from tandem.gateway.drain import Drain
@@ -49,6 +51,10 @@ class GatewayServices:
     storage_quota: StorageQuota
     drain: Drain
     stream_limits: StreamLimits
+    #: What a request's ``model`` names: a served model or a LoRA adapter (the catalog, cached).
+    models: ModelResolver
+    #: Loads and unloads adapters (the admin API).
+    adapter_admin: AdapterAdmin
     admin_key: str | None = None
     #: How often a request's open usage record is written as its answer streams, and how far it may lag
     #: the tokens sent before the stream waits for it (tandem.gateway.usage_progress).

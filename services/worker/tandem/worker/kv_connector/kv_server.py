@@ -93,6 +93,8 @@ class Hold:
     #: What a caller must present to read or release it (tandem.common.kv_capability); "" for none: then
     #: no gRPC call may (only the engine's own abort frees it).
     capability: str = field(default="", repr=False)
+    #: The LoRA adapter the blocks were computed with (known once held; "" for the base model).
+    adapter: str = ""
 
     @property
     def announced(self) -> bool:
@@ -229,6 +231,7 @@ class KVServer:
                         None,
                     )
                     hold.capability = spec.capability
+                    hold.adapter = spec.adapter
                     if hold.release_on_announce:
                         self._remove(req_id)
                         self._done_sending.add(req_id)
@@ -240,6 +243,7 @@ class KVServer:
                             spec.lease_expires_unix_s,
                             request_id=spec.request_id,
                             capability=spec.capability,
+                            adapter=spec.adapter,
                         ),
                     )
             self._changed.notify_all()
@@ -466,6 +470,14 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 f"no KV held for {request.request_id} (released, expired or never prefilled)",
             )
         assert hold is not None
+        if hold.adapter != request.adapter:
+            # Computed with other weights (a handle that names the wrong adapter): the decode side
+            # applies its load-failure policy (recompute) rather than answer with neither adapter.
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the KV of {request.request_id} was computed with adapter {hold.adapter or '(base model)'!r}, "
+                f"not {request.adapter or '(base model)'!r}",
+            )
         wanted = list(request.block_ids)
         if not set(wanted) <= set(hold.block_ids):
             context.abort(

@@ -70,6 +70,8 @@ class HoldSpec:
     lease_expires_unix_s: float
     #: What a caller must present to read or release it (tandem.common.kv_capability).
     capability: str = field(default="", repr=False)
+    #: The LoRA adapter the prefill engine computed the blocks with (its engine name; "" for the base model).
+    adapter: str = ""
 
 
 @dataclass

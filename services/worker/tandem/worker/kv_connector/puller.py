@@ -477,6 +477,7 @@ class KVPuller:
                     expected_layout=self._layout.to_proto(),
                     max_chunk_bytes=chunk_bytes,
                     capability=spec.handle.capability,
+                    adapter=spec.handle.adapter,
                 ),
             )
             num_bytes = self._writer.write_chunks(spec.local_block_ids, chunk_bytes, stream)

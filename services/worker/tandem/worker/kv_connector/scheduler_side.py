@@ -150,7 +150,8 @@ class SchedulerSide:
             return False, None
         expiry = time.time() + self._lease_s
         ids = tuple(int(b) for b in block_ids)
-        self._pending.holds[request.request_id] = HoldSpec(kv_request_id, ids, expiry, capability)
+        adapter = request.lora_request.lora_name if request.lora_request is not None else ""
+        self._pending.holds[request.request_id] = HoldSpec(kv_request_id, ids, expiry, capability, adapter)
         handle = KVHandleParams(
             engine_id=self._engine_id,
             kv_address=self._kv_address,
@@ -158,7 +159,7 @@ class SchedulerSide:
             block_ids=ids,
             num_tokens=request.num_computed_tokens,
             lease_expires_unix_s=expiry,
-            adapter=request.lora_request.lora_name if request.lora_request is not None else "",
+            adapter=adapter,
         )
         return True, {HANDLE: handle.to_dict()}
 
