@@ -11,6 +11,7 @@ A new key is printed once and never stored; output is JSON, one object per line.
     tandem-admin tenant update acme --max-stored-bytes 8388608   # its storage quota
     tandem-admin tenant update acme --allowed-model M --allowed-adapter acme-support   # 403 for the rest
     tandem-admin tenant update acme --all-models --all-adapters  # the allow-lists cleared: everything
+    tandem-admin tenant update acme --model-quotas '{"acme-support": {"output_tokens_per_minute": 5000}}'
     tandem-admin tenant show acme       # with "storage": {"stored_bytes", "max_stored_bytes", …}
     tandem-admin usage acme
 
@@ -74,6 +75,14 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
         "a model it may use; an adapter also needs its base model allowed)",
     )
     parser.add_argument(
+        "--model-quotas",
+        dest="model_quotas",
+        type=_json_object,
+        default=None,
+        help='limits per model or adapter on top of the tenant\'s, as JSON: {"NAME": {"input_tokens_per_minute": N, '
+        '"output_tokens_per_minute": N, "max_concurrent_streams": N}, ...} (replaces the set; {}: none)',
+    )
+    parser.add_argument(
         "--allow-client-system-prompt",
         dest="allow_client_system_prompt",
         action=argparse.BooleanOptionalAction,
@@ -99,6 +108,13 @@ def _add_policy_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
+
+
 def _help(name: str) -> str:
     field = TenantPolicy.model_fields[name]
     return (field.description or name.replace("_", " ")) + " (default: unlimited/unset)"
@@ -109,6 +125,7 @@ def _policy_changes(args: argparse.Namespace) -> dict[str, Any]:
         *_POLICY_FLAGS,
         "allowed_models",
         "allowed_adapters",
+        "model_quotas",
         "allow_client_system_prompt",
         "allow_raw_prompts",
         "max_stored_bytes",

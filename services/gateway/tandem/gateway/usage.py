@@ -73,6 +73,8 @@ class Orphan:
 
     request_id: str
     tenant_id: str
+    #: As the client named it (its quota slot may be the model's too: tandem.gateway.quota).
+    model: str = ""
 
 
 #: Adds one request's counters to both hashes, once: a retry after a lost reply finds the marker and
@@ -255,7 +257,7 @@ class UsageStore:
                 with redis_errors("usage orphans"):
                     fields = await self._redis.hgetall(self._open_key(request_id))
                     if fields:
-                        orphans.append(Orphan(request_id, str(fields.get("tenant", ""))))
+                        orphans.append(Orphan(request_id, str(fields.get("tenant", "")), str(fields.get("model", ""))))
                     if not fields or not int(fields.get("completion", 0)):
                         # Settled meanwhile, or died before its first token: that costs nothing.
                         await self._close_open(request_id, replica)

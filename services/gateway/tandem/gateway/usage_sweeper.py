@@ -36,7 +36,7 @@ class UsageSweeper:
         liveness_s: float,
         sweep_interval_s: float,
         end_reservation: Callable[[str], Awaitable[object]] | None = None,
-        free_slot: Callable[[str, str], Awaitable[object]] | None = None,
+        free_slot: Callable[[str, str, str], Awaitable[object]] | None = None,
     ) -> None:
         if not store.replica_id:
             raise ValueError("the usage store needs this replica's id")
@@ -47,7 +47,8 @@ class UsageSweeper:
         #: Ends a dead replica's router reservation (idempotent), so that its budget is not held until
         #: the lease runs out.
         self._end_reservation = end_reservation
-        #: Frees a dead replica's request's concurrency slot of its tenant: ``(tenant_id, request_id)``.
+        #: Frees a dead replica's request's concurrency slot of its tenant (and of its model, if the tenant
+        #: limits that model): ``(tenant_id, request_id, model)``.
         self._free_slot = free_slot
         self._task: asyncio.Task[None] | None = None
         # A stop signal rather than only cancellation: redis-py may absorb a CancelledError that
@@ -77,7 +78,7 @@ class UsageSweeper:
     async def _free(self, orphan: Orphan) -> None:
         if self._free_slot is not None and orphan.tenant_id:
             try:
-                await self._free_slot(orphan.tenant_id, orphan.request_id)
+                await self._free_slot(orphan.tenant_id, orphan.request_id, orphan.model)
             except Exception as exc:  # its lease frees it anyway
                 logger.warning("quota slot of a dead replica's request not freed: %s", exc)
         if self._end_reservation is not None:

@@ -119,7 +119,7 @@ async def _prepare(
             param="messages" if endpoint == "chat" else "prompt",
             code="request_too_large",
         )
-    await services.quota.precheck(tenant.id, tenant, min_input_tokens)
+    await services.quota.precheck(tenant.id, tenant, min_input_tokens, model=body.model)
     context_tokens = _context_tokens(limits, tenant)
     conversation = None
     num_dropped = 0

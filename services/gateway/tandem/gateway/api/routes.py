@@ -113,12 +113,17 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
         prepared = await prepare(request, services, endpoint)
         tenant = prepared.tenant
         admission = await services.quota.admit(
-            tenant.id, tenant, prepared.request_id, len(prepared.prompt_token_ids), prepared.max_tokens
+            tenant.id,
+            tenant,
+            prepared.request_id,
+            len(prepared.prompt_token_ids),
+            prepared.max_tokens,
+            model=prepared.body.model,
         )
         # Usage lands only on the tenant record it was admitted under (not on one deleted, or deleted and
         # created again, meanwhile); anonymous requests (auth disabled) have no record to check.
         tenant_salt = tenant.cache_salt if prepared.principal.key_id else ""
-        opened = await _open_usage(services, admission, prepared.body.model, tenant_salt)
+        opened = await _open_usage(services, admission, prepared.body.model, prepared.model.base_model, tenant_salt)
         prepared.clock.mark("admitted")
         if prepared.num_dropped_messages:
             logger.info(
@@ -136,7 +141,7 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
 
         async def on_finish(outcome: Outcome) -> None:
             progress.close()
-            await _settle(services, admission, prepared.body.model, outcome, tenant_salt)
+            await _settle(services, admission, prepared.body.model, prepared.model.base_model, outcome, tenant_salt)
             conversation = prepared.conversation
             if conversation is not None and outcome.finished is not None:
                 answer = {"role": "assistant", "content": outcome.text}
@@ -159,13 +164,17 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
     return _openai_errors(path, handle)
 
 
-async def _open_usage(services: GatewayServices, admission: Admission, model: str, tenant_salt: str) -> bool:
+async def _open_usage(
+    services: GatewayServices, admission: Admission, model: str, base_model: str, tenant_salt: str
+) -> bool:
     """Open the request's usage record, so that it is billed even if this gateway dies before it ends.
     A Redis that cannot take it (down, full, read-only) turns the request away with 503 before any
-    token, and the admission is given back; True when the record is open."""
+    token, and the admission is given back; True when the record is open. ``model`` is the client's
+    name (a base model or an adapter), ``base_model`` the base model that runs it."""
     record = UsageRecord(
         tenant_id=admission.tenant_id,
         model=model,
+        base_model=base_model,
         num_prompt_tokens=admission.num_input_tokens,
         num_completion_tokens=0,
         num_cached_tokens=0,
@@ -181,7 +190,7 @@ async def _open_usage(services: GatewayServices, admission: Admission, model: st
 
 
 async def _settle(
-    services: GatewayServices, admission: Admission, model: str, outcome: Outcome, tenant_salt: str
+    services: GatewayServices, admission: Admission, model: str, base_model: str, outcome: Outcome, tenant_salt: str
 ) -> None:
     """Reconcile the quota with what was generated and record usage — also for aborted requests. A
     request that failed before its first token (no capacity, a queue timeout, a worker error) costs
@@ -196,6 +205,7 @@ async def _settle(
         UsageRecord(
             tenant_id=admission.tenant_id,
             model=model,
+            base_model=base_model,
             num_prompt_tokens=admission.num_input_tokens,
             num_completion_tokens=outcome.num_completion_tokens,
             num_cached_tokens=cached,

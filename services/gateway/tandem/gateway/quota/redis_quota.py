@@ -17,10 +17,19 @@ Redis keys (prefix ``<prefix>:gw:quota:<tenant>:``): ``in`` and ``out`` buckets
 scripts idempotent: the Redis client sends a command again when its connection
 broke (:mod:`tandem.common.redis_retry`), and a retried admission is charged once
 and a retried settlement refunds once.
+
+Per model and adapter: a tenant's ``model_quotas`` give a model (as requests name it: a base model
+or a LoRA adapter) limits of its own, kept in the same four keys under
+``<prefix>:gw:quota:<tenant>:model:<sha256 of the name, 16 hex>:`` and charged by the same scripts
+after the tenant's own; a request refused there gets the tenant's charge back at once (both or
+neither stay charged). The model's keys are the tenant's, deleted with it. A dead replica's model
+slots are freed by :meth:`RedisQuota.free_slot` too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import math
 from importlib import resources
@@ -76,6 +85,11 @@ def _limit(value: int | None) -> int:
     return _UNLIMITED if value is None else value
 
 
+def model_scope(tenant_id: str, model: str) -> str:
+    """The quota keys' middle part for ``model``'s limits of ``tenant_id`` (tenant ids hold no ``:``)."""
+    return f"{tenant_id}:model:{hashlib.sha256(model.encode()).hexdigest()[:16]}"
+
+
 class RedisQuota:
     def __init__(self, client: aioredis.Redis, *, key_prefix: str, lease_s: float, fail_open: bool = False) -> None:
         self._redis = client
@@ -101,7 +115,15 @@ class RedisQuota:
             and policy.max_concurrent_streams is None
         )
 
-    async def precheck(self, tenant_id: str, policy: TenantPolicy, min_input_tokens: int) -> None:
+    async def precheck(self, tenant_id: str, policy: TenantPolicy, min_input_tokens: int, *, model: str = "") -> None:
+        await self._precheck_one(tenant_id, policy, min_input_tokens)
+        model_policy = policy.model_policy(model)
+        if model_policy is not None:
+            await self._precheck_one(model_scope(tenant_id, model), model_policy, min_input_tokens, model=model)
+
+    async def _precheck_one(
+        self, tenant_id: str, policy: TenantPolicy, min_input_tokens: int, *, model: str = ""
+    ) -> None:
         if self.unlimited(policy):
             return
         in_key, out_key, streams_key = self._keys(tenant_id)
@@ -120,10 +142,41 @@ class RedisQuota:
             return
         input_left, output_left, streams_in_use = map(int, reply[3:])
         headers = ratelimit_headers(policy, input_left, output_left, streams_in_use)
-        raise _rate_limited(str(reply[1]), int(reply[2]) / 1000, policy, min_input_tokens, 1, headers)
+        raise _rate_limited(str(reply[1]), int(reply[2]) / 1000, policy, min_input_tokens, 1, headers, model=model)
 
     async def admit(
-        self, tenant_id: str, policy: TenantPolicy, request_id: str, num_input_tokens: int, num_output_tokens: int
+        self,
+        tenant_id: str,
+        policy: TenantPolicy,
+        request_id: str,
+        num_input_tokens: int,
+        num_output_tokens: int,
+        *,
+        model: str = "",
+    ) -> Admission:
+        admission = await self._admit_one(tenant_id, policy, request_id, num_input_tokens, num_output_tokens)
+        model_policy = policy.model_policy(model)
+        if model_policy is None:
+            return admission
+        scope = model_scope(tenant_id, model)
+        try:
+            part = await self._admit_one(
+                scope, model_policy, request_id, num_input_tokens, num_output_tokens, model=model
+            )
+        except BaseException:
+            await self.settle(admission, 0, served=False)  # refused on the model's limits: nothing stays charged
+            raise
+        return dataclasses.replace(admission, model_part=part)
+
+    async def _admit_one(
+        self,
+        tenant_id: str,
+        policy: TenantPolicy,
+        request_id: str,
+        num_input_tokens: int,
+        num_output_tokens: int,
+        *,
+        model: str = "",
     ) -> Admission:
         admission = Admission(tenant_id, request_id, num_input_tokens, num_output_tokens, policy)
         if self.unlimited(policy):
@@ -162,9 +215,14 @@ class RedisQuota:
                 policy,
                 headers=headers,
             )
-        raise _rate_limited(reason, wait_ms / 1000, policy, num_input_tokens, num_output_tokens, headers)
+        raise _rate_limited(reason, wait_ms / 1000, policy, num_input_tokens, num_output_tokens, headers, model=model)
 
     async def settle(self, admission: Admission, num_output_tokens: int, *, served: bool = True) -> None:
+        await self._settle_one(admission, num_output_tokens, served=served)
+        if admission.model_part is not None:
+            await self._settle_one(admission.model_part, num_output_tokens, served=served)
+
+    async def _settle_one(self, admission: Admission, num_output_tokens: int, *, served: bool) -> None:
         if not admission.charged:
             return
         refund = max(0, admission.num_reserved_output_tokens - num_output_tokens)
@@ -186,16 +244,36 @@ class RedisQuota:
             # The slot's lease expires by itself; the unrefunded tokens refill within a minute.
             logger.warning("quota settle failed: %s", exc, extra={"request_id": admission.request_id})
 
-    async def free_slot(self, tenant_id: str, request_id: str) -> None:
-        _, _, streams_key = self._keys(tenant_id)
+    async def free_slot(self, tenant_id: str, request_id: str, model: str = "") -> None:
+        # With ``model``, its slot too: the tenant may have limited it (an absent key is no harm).
+        scopes = [tenant_id, model_scope(tenant_id, model)] if model else [tenant_id]
         with redis_errors("quota free slot"):
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.zrem(streams_key, request_id)
-                pipe.delete(self._marker(tenant_id, request_id))  # a late settle refunds nothing
+                for scope in scopes:
+                    pipe.zrem(self._keys(scope)[2], request_id)
+                    pipe.delete(self._marker(scope, request_id))  # a late settle refunds nothing
                 await pipe.execute()
 
 
 def _rate_limited(
+    reason: str,
+    wait_s: float,
+    policy: TenantPolicy,
+    num_input_tokens: int,
+    num_output_tokens: int,
+    headers: dict[str, str],
+    *,
+    model: str = "",
+) -> RateLimitedError:
+    """The 429 of a refusal on the tenant's limits, or (``model``) on that model's own."""
+    error = _rate_limited_error(reason, wait_s, policy, num_input_tokens, num_output_tokens, headers)
+    if not model:
+        return error
+    message = f"For the model `{model}`: {error.args[0] if error.args else error}"
+    return RateLimitedError(message, kind=error.kind, retry_after_s=error.retry_after_s, headers=error.headers)
+
+
+def _rate_limited_error(
     reason: str,
     wait_s: float,
     policy: TenantPolicy,

@@ -23,6 +23,16 @@ TENANT_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 ANONYMOUS_TENANT_ID = "anonymous"
 
 
+class ModelQuota(BaseModel):
+    """One tenant's limits on one model or adapter, on top of its own (``None``: the tenant's alone)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_tokens_per_minute: int | None = Field(None, ge=1)
+    output_tokens_per_minute: int | None = Field(None, ge=1)
+    max_concurrent_streams: int | None = Field(None, ge=1)
+
+
 class TenantPolicy(BaseModel):
     """Limits and prompt rules of one tenant. ``None`` means unlimited."""
 
@@ -41,6 +51,9 @@ class TenantPolicy(BaseModel):
     #: LoRA adapters this tenant may call, by the name requests use; empty: every adapter (of a base
     #: model it may call: see :func:`allowed`).
     allowed_adapters: list[str] = Field(default_factory=list)
+    #: Limits per model or adapter (by the name requests use), each its own buckets and stream slots
+    #: beside the tenant's: a request is admitted when both have room (tandem.gateway.quota.redis_quota).
+    model_quotas: dict[str, ModelQuota] = Field(default_factory=dict)
     priority_class: PriorityClass = "standard"
     #: Inserted by the server as the first system block of every chat request.
     system_prompt: str = ""
@@ -55,6 +68,11 @@ class TenantPolicy(BaseModel):
     #: ``storage_quota_exceeded`` (tandem.gateway.storage_quota). Unset: the gateway's
     #: ``tenancy.default_max_stored_bytes_per_tenant``, never unlimited; 0: nothing stored (no conversations).
     max_stored_bytes: int | None = Field(None, ge=0)
+
+    def model_policy(self, model: str) -> TenantPolicy | None:
+        """The limits of ``model`` (as the request names it) as a policy of their own; None without any."""
+        quota = self.model_quotas.get(model) if model else None
+        return None if quota is None else TenantPolicy(**quota.model_dump())
 
     @field_validator("allowed_adapters")
     @classmethod
