@@ -9,7 +9,8 @@ catalog in real Redis, Prefill → Decode over real gRPC with the KV pulled betw
 * The same prompt under two adapters shares no cached block (the prefill's num_cached_tokens is 0
   for the second); the same adapter's second turn finds >= 90 % of the first turn's blocks.
 * A decode whose KV handle names another adapter is refused (FAILED_PRECONDITION); the handle's
-  adapter is the one the prefill engine ran with.
+  adapter is the one the prefill engine ran with, and a handle forged to claim the request's adapter
+  gets no KV from the prefill engine's KV server (the decode computes the prompt itself).
 * An adapter whose files do not load is refused with a clear error and the engine serves on; a
   reloaded adapter's old engine name is refused (NOT_FOUND); both workers' registry records show
   what they loaded.
@@ -195,8 +196,10 @@ class Answer:
     handle_adapter: str
 
 
-async def _p_to_d(w: Workers, prompt: list[int], adapter: str, *, request_id: str = "") -> Answer:
-    request_id = request_id or uuid.uuid4().hex
+async def _p_to_d(w: Workers, prompt: list[int], adapter: str, *, forge_handle_from: str | None = None) -> Answer:
+    """Prefill on the prefill worker, then decode on the decode worker from its KV handle. With
+    ``forge_handle_from``: the prefill runs with that adapter and its handle is rewritten to claim ``adapter``."""
+    request_id = uuid.uuid4().hex
     capability = kv_capability.mint()
     sampling = common_pb2.SamplingOptions(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     pre = await w.prefill.Prefill(
@@ -206,10 +209,12 @@ async def _p_to_d(w: Workers, prompt: list[int], adapter: str, *, request_id: st
             sampling=sampling,
             keep_kv=True,
             kv_capability=capability,
-            adapter=adapter,
+            adapter=adapter if forge_handle_from is None else forge_handle_from,
         )
     )
     assert pre.HasField("kv_handle"), pre
+    if forge_handle_from is not None:
+        pre.kv_handle.adapter = adapter
     tokens, text, loaded = [pre.first_token_id], pre.first_text, 0
     async for chunk in w.decode.Decode(
         worker_pb2.DecodeRequest(
@@ -322,6 +327,15 @@ async def test_adapters_through_prefill_and_decode(workers: Workers, worker_proc
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "adapter" in (refused.value.details() or "")
     assert (await w.prefill.Abort(worker_pb2.AbortRequest(request_id=request_id))).found  # the hold is freed
+
+    # A handle that lies about its adapter passes the decode worker's check, but the prefill engine's KV
+    # server knows what computed the blocks: it refuses the pull, and the decode engine computes the prompt
+    # itself (load_failure_policy recompute) with the request's adapter; no KV is loaded. (The first token
+    # is the prefill's, under a: a lying handle's caller gets what it asked for there.)
+    # (A prompt no engine has cached under b, so the decode has blocks to pull.)
+    fresh = _prompt([], USER_TEXT * 9 + "Quelle est la meilleure ville? 🏙️")
+    forged = await _p_to_d(w, fresh, b.engine_name, forge_handle_from=a.engine_name)
+    assert forged.num_kv_tokens_loaded == 0 and len(forged.token_ids) == MAX_TOKENS, forged
 
     # Files that do not load: a clear refusal, nothing marked loaded, and the engine serves on.
     broken_dir = tmp_path / "broken"
