@@ -196,3 +196,28 @@ def test_a_pull_timeout_at_or_past_the_lease_is_refused() -> None:
     with pytest.raises(pydantic.ValidationError, match="pull_timeout_s"):
         KVSettings(lease_s=10, pull_timeout_s=10)
     assert KVSettings(lease_s=20, pull_timeout_s=8).pull_timeout_s == 8
+
+
+def test_lora_is_off_by_default_and_on_with_as_many_adapters_in_a_batch_as_in_memory() -> None:
+    """vLLM holds exactly the adapters tandem.worker.adapters loaded: max_cpu_loras = max_loras."""
+    off = engine_args_kwargs(WorkerSettings(role="decode"), engine_id="d-1")
+    assert not {"enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank"} & set(off)
+    on = engine_args_kwargs(
+        WorkerSettings(role="decode", adapters={"max_adapters": 3, "max_adapter_rank": 32}), engine_id="d-1"
+    )
+    assert (on["enable_lora"], on["max_loras"], on["max_cpu_loras"], on["max_lora_rank"]) == (True, 3, 3, 32)
+
+
+@pytest.mark.parametrize("rank", [0, 12, 1024])
+def test_a_lora_rank_vllm_cannot_start_with_is_refused(rank: int) -> None:
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError, match="max_adapter_rank"):
+        WorkerSettings(adapters={"max_adapters": 1, "max_adapter_rank": rank})
+
+
+def test_the_adapter_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_WORKER_ADAPTERS__MAX_ADAPTERS", "2")
+    monkeypatch.setenv("TANDEM_WORKER_ADAPTERS__MAX_ADAPTER_RANK", "8")
+    adapters = WorkerSettings().adapters
+    assert (adapters.max_adapters, adapters.max_adapter_rank) == (2, 8)

@@ -49,6 +49,10 @@ Failure of the peers:
 * A decode refused for its adapter (any refusal above, or a KV handle of another adapter) never
   reaches the engine: it holds no KV here, and the prefill worker's hold on the prompt's blocks is
   freed by the gateway's Abort of the failed request, else by its lease.
+* KV pulled for a decode is checked twice against its adapter: the handle's (the decode worker
+  service, like the layout) and the hold's on the prefill engine's KV server, which knows what its
+  engine computed (a mismatch fails the load; the decode computes the prompt itself). KV prefetched
+  while the prefill runs (PrefetchKV) is not: PrefetchKVRequest names no adapter.
 """
 
 from __future__ import annotations
