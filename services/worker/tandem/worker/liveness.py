@@ -72,7 +72,7 @@ class EngineWatch:
         self._probe_done_s = -float("inf")
 
     def check(self) -> str:
-        """"" while the engine is alive, else ``engine_dead`` or ``engine_stuck``; starts a probe when
+        """Empty while the engine is alive, else ``engine_dead`` or ``engine_stuck``; starts a probe when
         one is due."""
         if self._engine.is_dead():
             return "engine_dead"
