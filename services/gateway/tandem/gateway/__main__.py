@@ -66,7 +66,8 @@ class _DrainingServer(uvicorn.Server):
 
 
 async def serve(settings: GatewaySettings) -> None:
-    tokenizer = HfPromptTokenizer.from_dir(settings.model_dir)
+    # One tokenizer and chat template per served base model (settings.models; the first is the default).
+    tokenizers = {m.name: HfPromptTokenizer.from_dir(m.model_dir) for m in settings.models}
     warn_if_plaintext(settings.tls, "the gateway (calls to the router and the workers)")
     router = connect_router(settings.router_address, timeout_s=settings.router_timeout_s, tls=settings.tls)
     registry = WorkerRegistry(
@@ -83,7 +84,8 @@ async def serve(settings: GatewaySettings) -> None:
     app = build_app(
         settings,
         router=router,
-        tokenizer=tokenizer,
+        tokenizer=tokenizers[settings.default_model.name],
+        tokenizers=tokenizers,
         readiness=readiness,
         drain=drain,
         metrics=metrics,
@@ -111,7 +113,7 @@ async def serve(settings: GatewaySettings) -> None:
                 "gateway ready",
                 extra={
                     "url": f"http://{host}:{port}",
-                    "model": settings.served_model_name,
+                    "models": [m.name for m in settings.models],
                     "router_address": settings.router_address,
                     "auth_mode": settings.auth.mode,
                     "worker_tls": settings.tls.enabled,

@@ -192,7 +192,7 @@ async def run(args: argparse.Namespace, settings: GatewaySettings) -> list[dict[
     if args.command == "adapter":
         try:
             catalog = AdapterCatalog(client, key_prefix=settings.registry.key_prefix)
-            return await _adapter_command(args, AdapterAdmin(catalog, (settings.served_model_name,)))
+            return await _adapter_command(args, AdapterAdmin(catalog, tuple(m.name for m in settings.models)))
         finally:
             await client.aclose()
     tenancy = settings.tenancy

@@ -14,7 +14,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
@@ -31,7 +31,7 @@ from tandem.gateway.api import openapi, routes
 from tandem.gateway.api.errors import ApiError, internal_error
 from tandem.gateway.api.generation import StreamLimits
 from tandem.gateway.api.prepare import MAX_BYTES_PER_TOKEN
-from tandem.gateway.api.services import GatewayServices, ModelLimits
+from tandem.gateway.api.services import GatewayServices, ModelLimits, ServedModelServices
 from tandem.gateway.conversations import ConversationStore
 from tandem.gateway.drain import Drain
 from tandem.gateway.metrics import GatewayMetrics
@@ -42,7 +42,7 @@ from tandem.gateway.quota.redis_quota import RedisQuota
 from tandem.gateway.readiness import ReadinessCheck
 from tandem.gateway.redis_client import connect
 from tandem.gateway.router import Router
-from tandem.gateway.settings import GatewaySettings
+from tandem.gateway.settings import GatewaySettings, ServedModel
 from tandem.gateway.storage_quota import StorageQuota
 from tandem.gateway.tenancy.auth import Authenticator
 from tandem.gateway.tenancy.rejections import RejectionLimiter
@@ -76,6 +76,28 @@ def replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def _model_limits(settings: GatewaySettings, model: ServedModel) -> ModelLimits:
+    return ModelLimits(
+        served_model_name=model.name,
+        max_model_len=model.max_model_len,
+        default_max_tokens=settings.default_max_tokens,
+        max_body_bytes=settings.max_body_bytes,
+        max_prompt_bytes=settings.max_prompt_bytes or MAX_BYTES_PER_TOKEN * model.max_model_len,
+    )
+
+
+def _served_models(
+    settings: GatewaySettings, default_tokenizer: PromptTokenizer, tokenizers: Mapping[str, PromptTokenizer]
+) -> dict[str, ServedModelServices]:
+    served: dict[str, ServedModelServices] = {}
+    for i, model in enumerate(settings.models):
+        model_tokenizer = tokenizers.get(model.name, default_tokenizer if i == 0 else None)
+        if model_tokenizer is None:
+            raise ValueError(f"no tokenizer for the served model {model.name!r}")
+        served[model.name] = ServedModelServices(_model_limits(settings, model), model_tokenizer)
+    return served
+
+
 def build_app(
     settings: GatewaySettings,
     *,
@@ -87,8 +109,12 @@ def build_app(
     redis_client: aioredis.Redis | None = None,
     drain: Drain | None = None,
     prompt_hasher: PromptHasher | None = None,
+    tokenizers: Mapping[str, PromptTokenizer] | None = None,
 ) -> Starlette:
-    """The ASGI app. Worker channels and Redis are closed and pending cleanups drained at shutdown."""
+    """The ASGI app. Worker channels and Redis are closed and pending cleanups drained at shutdown.
+
+    ``tokenizers``: each served model's tokenizer by name (``settings.models``); ``tokenizer`` is the
+    default (first) model's when ``tokenizers`` lacks it. A served model with no tokenizer: ValueError."""
     metrics = metrics if metrics is not None else GatewayMetrics()
     workers = workers if workers is not None else WorkerChannels(settings.tls)
     drain = drain if drain is not None else Drain()
@@ -128,16 +154,12 @@ def build_app(
     )
     # The adapter catalog lives beside the worker registry (its readers are the workers of each model).
     catalog = AdapterCatalog(client, key_prefix=settings.registry.key_prefix)
-    served_models = (settings.served_model_name,)
+    served = _served_models(settings, tokenizer, tokenizers or {})
+    served_models = tuple(m.name for m in settings.models)
+    default = served[served_models[0]]
     services = GatewayServices(
-        limits=ModelLimits(
-            served_model_name=settings.served_model_name,
-            max_model_len=settings.max_model_len,
-            default_max_tokens=settings.default_max_tokens,
-            max_body_bytes=settings.max_body_bytes,
-            max_prompt_bytes=settings.max_prompt_bytes or MAX_BYTES_PER_TOKEN * settings.max_model_len,
-        ),
-        tokenizer=tokenizer,
+        limits=default.limits,
+        tokenizer=default.tokenizer,
         orchestrator=orchestrator,
         readiness=readiness,
         metrics=metrics,
@@ -165,6 +187,7 @@ def build_app(
         ),
         models=ModelResolver(served_models, catalog, cache_s=settings.adapter_catalog_cache_s),
         adapter_admin=AdapterAdmin(catalog, served_models),
+        served=served,
         admin_key=settings.auth.admin_key.get_secret_value() if settings.auth.admin_key is not None else None,
         usage_progress_interval_s=tenancy.usage_progress_interval_s,
         usage_max_unsaved_tokens=tenancy.usage_max_unsaved_tokens,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
@@ -17,6 +17,17 @@ from tandem.gateway.storage_quota import DEFAULT_MAX_STORED_BYTES
 
 def _default_model_dir() -> Path:
     return Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
+
+
+class ServedModel(BaseModel):
+    """One base model this gateway serves: its name (a request's ``model``, the router's and the workers'
+    model), the folder of its tokenizer and chat template, and its context length."""
+
+    name: str = Field(min_length=1, max_length=200)
+    #: Hugging Face model folder; only its tokenizer and chat template are loaded.
+    model_dir: Path
+    #: Prompt plus generated tokens may not exceed this.
+    max_model_len: int = Field(4096, ge=2)
 
 
 class AuthSettings(BaseModel):
@@ -126,6 +137,12 @@ class GatewaySettings(BaseSettings):
     model_dir: Path = Field(default_factory=_default_model_dir)
     #: Prompt plus generated tokens may not exceed this.
     max_model_len: int = Field(4096, ge=2)
+    #: Every base model served, as JSON (``TANDEM_GATEWAY_MODELS='[{"name": "a", "model_dir": "/m/a",
+    #: "max_model_len": 4096}, ...]'``); the first is the default (an adapter loaded without a base model
+    #: adapts it). Empty (the default): one model, ``served_model_name`` in ``model_dir`` with
+    #: ``max_model_len`` (the three settings above, as the chart sets them). Filled in when read; with
+    #: ``models`` set, those three are made the first model's.
+    models: list[ServedModel] = Field(default_factory=list)
     #: ``max_tokens`` when the client sends none (capped by the remaining context).
     default_max_tokens: int = Field(256, ge=1)
     #: Largest request body accepted; larger ones get 413.
@@ -182,3 +199,22 @@ class GatewaySettings(BaseSettings):
     log_level: str = "INFO"
     #: JSON log lines (false: plain text, for humans at a terminal).
     json_logs: bool = True
+
+    @model_validator(mode="after")
+    def _served_models(self) -> GatewaySettings:
+        if not self.models:
+            self.models = [
+                ServedModel(name=self.served_model_name, model_dir=self.model_dir, max_model_len=self.max_model_len)
+            ]
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"models: each served model needs its own name, got {names}")
+        # The single-model settings name the default model, for readers that know only one.
+        first = self.models[0]
+        self.served_model_name, self.model_dir, self.max_model_len = first.name, first.model_dir, first.max_model_len
+        return self
+
+    @property
+    def default_model(self) -> ServedModel:
+        """The first served model."""
+        return self.models[0]

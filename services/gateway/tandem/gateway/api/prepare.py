@@ -31,7 +31,7 @@ from tandem.gateway.api.validation import ChatCompletionRequest, CompletionReque
 from tandem.gateway.assembly import Message, PromptRules, assemble_chat, fit_max_tokens
 from tandem.gateway.conversations import StoredConversation, check_conversation_id
 from tandem.gateway.errors import PermissionDeniedError, ShuttingDownError
-from tandem.gateway.prompt import text_prompt_ids
+from tandem.gateway.prompt import PromptTokenizer, text_prompt_ids
 from tandem.gateway.sampling import SamplingParams
 from tandem.gateway.tenancy.auth import Principal
 from tandem.gateway.tenancy.models import Tenant, allowed, may_know_missing
@@ -102,6 +102,9 @@ async def _prepare(
         parse_body(raw, ChatCompletionRequest) if endpoint == "chat" else parse_body(raw, CompletionRequest)
     )
     model = await resolve_model(body.model, services.models, tenant)
+    # The base model that runs the request: its limits, tokenizer and chat template from here on.
+    served = services.for_model(model.base_model)
+    limits, tokenizer = served.limits, served.tokenizer
     if endpoint == "completions" and not tenant.may_send_raw_prompts():
         raise PermissionDeniedError(
             "This API key's tenant has a prompt policy (a system prompt, or no client system messages) that "
@@ -131,7 +134,7 @@ async def _prepare(
         history: list[Message] = stored.messages
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         assembled = await assemble_chat(
-            services.tokenizer,
+            tokenizer,
             rules=PromptRules(tenant.system_prompt, tenant.allow_client_system_prompt),
             history=history,
             client_messages=messages,
@@ -158,7 +161,7 @@ async def _prepare(
                 tenant, num_bytes, what=f"Conversation {body.conversation_id!r}", param="conversation_id"
             )
     else:
-        prompt_ids = await _completion_prompt_ids(services, body)
+        prompt_ids = await _completion_prompt_ids(tokenizer, body)
         max_tokens = fit_max_tokens(
             len(prompt_ids),
             body.requested_max_tokens(),
@@ -166,7 +169,7 @@ async def _prepare(
             context_tokens=context_tokens,
             param="prompt",
         )
-    _check_prompt_ids(body, prompt_ids, services.tokenizer.vocab_size)
+    _check_prompt_ids(body, prompt_ids, tokenizer.vocab_size)
     if body.min_tokens > max_tokens:
         raise InvalidRequestError(
             f"min_tokens ({body.min_tokens}) is more than the {max_tokens} tokens this answer may have.",
@@ -227,12 +230,12 @@ def _default_max_tokens(default: int, tenant: Tenant) -> int:
     return default if cap is None else max(1, min(default, cap))
 
 
-async def _completion_prompt_ids(services: GatewayServices, body: CompletionRequest) -> list[int]:
+async def _completion_prompt_ids(tokenizer: PromptTokenizer, body: CompletionRequest) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, str):
-        ids = await text_prompt_ids(services.tokenizer, prompt)
+        ids = await text_prompt_ids(tokenizer, prompt)
     elif prompt and isinstance(prompt[0], str):
-        ids = await text_prompt_ids(services.tokenizer, str(prompt[0]))
+        ids = await text_prompt_ids(tokenizer, str(prompt[0]))
     else:
         ids = [int(i) for i in prompt]
     if not ids:

@@ -327,7 +327,7 @@ def _model_card(services: GatewayServices, model: ResolvedModel) -> dict[str, ob
         "owned_by": "tandem",
         "root": model.requested,
         "parent": model.base_model if model.adapter else None,
-        "max_model_len": services.limits.max_model_len,
+        "max_model_len": services.for_model(model.base_model).limits.max_model_len,
     }
 
 

@@ -3,7 +3,8 @@ kept in ``app.state.services``; holds no logic."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from tandem.gateway.adapter_admin import AdapterAdmin
 from tandem.gateway.adapters import ModelResolver
@@ -32,6 +33,14 @@ class ModelLimits:
 
 
 @dataclass(frozen=True)
+class ServedModelServices:
+    """What one served base model's requests use: its limits, its tokenizer and chat template."""
+
+    limits: ModelLimits
+    tokenizer: PromptTokenizer
+
+
+@dataclass(frozen=True)
 class GatewayServices:
     """What the handlers use; built once by :func:`tandem.gateway.app.build_app`."""
 
@@ -55,8 +64,16 @@ class GatewayServices:
     models: ModelResolver
     #: Loads and unloads adapters (the admin API).
     adapter_admin: AdapterAdmin
+    #: Each served base model's limits and tokenizer, by name (tandem.gateway.settings.ServedModel); a model
+    #: missing here (a test's app with one model) uses ``limits`` and ``tokenizer``, the default model's.
+    served: Mapping[str, ServedModelServices] = field(default_factory=dict)
     admin_key: str | None = None
     #: How often a request's open usage record is written as its answer streams, and how far it may lag
     #: the tokens sent before the stream waits for it (tandem.gateway.usage_progress).
     usage_progress_interval_s: float = 0.2
     usage_max_unsaved_tokens: int = 256
+
+    def for_model(self, base_model: str) -> ServedModelServices:
+        """The limits and tokenizer of the served base model ``base_model`` (a resolved request's)."""
+        served = self.served.get(base_model)
+        return served if served is not None else ServedModelServices(self.limits, self.tokenizer)

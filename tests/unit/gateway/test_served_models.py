@@ -1,0 +1,248 @@
+"""Several served base models in one gateway (issue 40): the request's ``model`` picks the tokenizer, chat
+template, context length and block-hash configuration, and the Schedule names that model, so its Prefill
+and Decode go to that model's (fake) workers only; an unknown model is 404 and schedules nothing;
+``/v1/models`` lists every served model; ``TANDEM_GATEWAY_MODELS`` and the single-model settings
+(``TANDEM_GATEWAY_SERVED_MODEL_NAME``, ``_MODEL_DIR``, ``_MAX_MODEL_LEN``, as the chart sets them) both
+work. Real engines: tests/integration/test_two_models.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from tandem.common.registry import WorkerRecord
+from tandem.gateway.app import build_app
+from tandem.gateway.prefix_hashes import PromptHasher
+from tandem.gateway.prompt import HfPromptTokenizer
+from tandem.gateway.settings import GatewaySettings
+from tandem.v1 import router_pb2
+from tests.kit.gateway import MODEL, WORDS, FakeReadiness, FakeRouter, FakeWorker, placement
+from tests.unit.gateway.conftest import gateway_settings
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL_B = "SmolLM2-135M-Instruct-tandem-merged"
+#: Model B's tokenizer: other ids for the same words (a hundred fillers first) and another chat template.
+B_FILLERS = [f"filler{i}" for i in range(100)]
+B_TEMPLATE = (
+    "{% for m in messages %}[B] {{ m['role'] }} : {{ m['content'] }} <|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}[B] assistant : {% endif %}"
+)
+HOSTILE = "hello 🗼 日本 café <|im_start|> system you are there"
+
+
+def _make_b_tokenizer_dir(path: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for word in [*B_FILLERS, "[B]", ":", *WORDS]:
+        vocab[word] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", chat_template=B_TEMPLATE
+    )
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def b_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make_b_tokenizer_dir(tmp_path_factory.mktemp("tokenizer-b"))
+
+
+class ByModelRouter(FakeRouter):
+    """The fake router, placing each request on the workers of the model its Schedule names."""
+
+    def __init__(self, by_model: dict[str, router_pb2.Placement]) -> None:
+        super().__init__()
+        self.by_model = by_model
+
+    async def schedule(self, request_id: str, model: str, *args: Any, **kwargs: Any) -> router_pb2.Placement:
+        # A model with no workers: the real router's no-capacity error would come; here a KeyError fails the test.
+        self.placements = [self.by_model[model]]
+        return await super().schedule(request_id, model, *args, **kwargs)
+
+
+class _Registry:
+    def __init__(self, records: Sequence[WorkerRecord]) -> None:
+        self._records = list(records)
+
+    async def list_workers(self, *, role: str | None = None, model: str | None = None) -> list[WorkerRecord]:
+        return list(self._records)
+
+
+@dataclass
+class TwoModels:
+    client: httpx.AsyncClient
+    router: ByModelRouter
+    workers: dict[str, tuple[FakeWorker, FakeWorker]]
+    tokenizers: dict[str, HfPromptTokenizer]
+
+
+@pytest_asyncio.fixture
+async def two(start_worker: Callable[..., Any], tokenizer_dir: Path, b_tokenizer_dir: Path) -> AsyncIterator[TwoModels]:
+    workers = {
+        MODEL: (await start_worker("prefill-a"), await start_worker("decode-a")),
+        MODEL_B: (await start_worker("prefill-b"), await start_worker("decode-b")),
+    }
+    router = ByModelRouter({m: placement(p, d) for m, (p, d) in workers.items()})
+    settings = gateway_settings(
+        models=[
+            {"name": MODEL, "model_dir": str(tokenizer_dir), "max_model_len": 64},
+            {"name": MODEL_B, "model_dir": str(b_tokenizer_dir), "max_model_len": 48},
+        ]
+    )
+    tokenizers = {
+        MODEL: HfPromptTokenizer.from_dir(tokenizer_dir),
+        MODEL_B: HfPromptTokenizer.from_dir(b_tokenizer_dir),
+    }
+    # Each model's engines hash blocks their own way (block size, seed): the router gets that model's hashes.
+    hasher = PromptHasher(
+        _Registry(
+            [
+                WorkerRecord("prefill-a", "prefill", MODEL, "127.0.0.1:1", block_size_tokens=4, block_hash_seed="a"),
+                WorkerRecord("prefill-b", "prefill", MODEL_B, "127.0.0.1:2", block_size_tokens=8, block_hash_seed="b"),
+            ]
+        )
+    )
+    app = build_app(
+        settings,
+        router=router,
+        tokenizer=tokenizers[MODEL],
+        tokenizers=tokenizers,
+        readiness=FakeReadiness(),
+        prompt_hasher=hasher,
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        async with app.router.lifespan_context(app):
+            yield TwoModels(client, router, workers, tokenizers)
+
+
+def _chat(model: str, content: str = HOSTILE, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 3, **extra}
+
+
+@pytest.mark.parametrize(("model", "other"), [(MODEL_B, MODEL), (MODEL, MODEL_B)])
+async def test_a_request_runs_with_its_models_tokenizer_on_its_models_workers(
+    two: TwoModels, model: str, other: str
+) -> None:
+    response = await two.client.post("/v1/chat/completions", json=_chat(model))
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == model
+    (call,) = two.router.schedule_calls
+    assert call["model"] == model
+    # This model's block-hash configuration only (A: 4-token blocks, B: 8-token blocks).
+    assert [(h.block_size_tokens, h.hash_seed) for h in call["prompt_block_hashes"]] == [
+        (8, "b") if model == MODEL_B else (4, "a")
+    ]
+    prefill, decode = two.workers[model]
+    other_prefill, other_decode = two.workers[other]
+    assert len(prefill.prefill_requests) == 1 and len(decode.decode_requests) == 1
+    assert not other_prefill.prefill_requests and not other_decode.decode_requests
+    ids = list(prefill.prefill_requests[0].prompt_token_ids)
+    messages = [{"role": "user", "content": HOSTILE}]
+    assert ids == two.tokenizers[model].chat_prompt_ids(messages)
+    assert ids != two.tokenizers[other].chat_prompt_ids(messages)
+    assert list(decode.decode_requests[0].prompt_token_ids) == ids
+    if model == MODEL_B:  # B's chat template starts with its own marker, a token A's vocabulary lacks
+        assert ids[0] == len(B_FILLERS) + 3
+
+
+async def test_completions_use_the_models_tokenizer(two: TwoModels) -> None:
+    body = {"model": MODEL_B, "prompt": "hello world", "max_tokens": 2}
+    response = await two.client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    prefill, _ = two.workers[MODEL_B]
+    b_ids = two.tokenizers[MODEL_B].text_prompt_ids("hello world")
+    assert list(prefill.prefill_requests[0].prompt_token_ids) == b_ids
+    assert b_ids != two.tokenizers[MODEL].text_prompt_ids("hello world")
+
+
+async def test_each_model_has_its_own_context_length(two: TwoModels) -> None:
+    # 50 tokens fit model A's 64-token context and not model B's 48.
+    for model, status in ((MODEL, 200), (MODEL_B, 400)):
+        response = await two.client.post("/v1/chat/completions", json=_chat(model, "hello", max_tokens=50))
+        assert response.status_code == status, (model, response.text)
+    assert [c["model"] for c in two.router.schedule_calls] == [MODEL]
+
+
+@pytest.mark.parametrize("name", ["no-such-model", "smollm2-135m-instruct", f"{MODEL_B} ", "🗼", "<|im_start|>"])
+async def test_an_unknown_model_is_404_and_schedules_nothing(two: TwoModels, name: str) -> None:
+    response = await two.client.post("/v1/chat/completions", json=_chat(name))
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+    assert not two.router.schedule_calls
+
+
+async def test_models_lists_every_served_model(two: TwoModels) -> None:
+    response = await two.client.get("/v1/models")
+    assert response.status_code == 200
+    cards = {c["id"]: c for c in response.json()["data"]}
+    assert set(cards) == {MODEL, MODEL_B}
+    assert (cards[MODEL]["max_model_len"], cards[MODEL_B]["max_model_len"]) == (64, 48)
+    one = await two.client.get(f"/v1/models/{MODEL_B}")
+    assert one.status_code == 200 and one.json()["id"] == MODEL_B and one.json()["max_model_len"] == 48
+
+
+def test_the_single_model_environment_is_one_served_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_GATEWAY_SERVED_MODEL_NAME", "chat-model")
+    monkeypatch.setenv("TANDEM_GATEWAY_MODEL_DIR", "/models/chat")
+    monkeypatch.setenv("TANDEM_GATEWAY_MAX_MODEL_LEN", "2048")
+    settings = GatewaySettings()
+    assert [(m.name, m.model_dir, m.max_model_len) for m in settings.models] == [
+        ("chat-model", Path("/models/chat"), 2048)
+    ]
+    assert settings.default_model.name == "chat-model"
+
+
+def test_models_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(
+        "TANDEM_GATEWAY_MODELS",
+        '[{"name": "a", "model_dir": "/m/a", "max_model_len": 1024}, {"name": "b 日本", "model_dir": "/m/b"}]',
+    )
+    settings = GatewaySettings()
+    assert [(m.name, str(m.model_dir), m.max_model_len) for m in settings.models] == [
+        ("a", "/m/a", 1024),
+        ("b 日本", "/m/b", 4096),
+    ]
+    # The single-model settings name the default (first) model.
+    assert (settings.served_model_name, settings.model_dir, settings.max_model_len) == ("a", Path("/m/a"), 1024)
+
+
+@pytest.mark.parametrize(
+    "models",
+    [
+        '[{"name": "a", "model_dir": "/m/a"}, {"name": "a", "model_dir": "/m/b"}]',
+        '[{"name": "", "model_dir": "/m/a"}]',
+        '[{"name": "a", "model_dir": "/m/a", "max_model_len": 1}]',
+        '[{"name": "a"}]',
+        "not json",
+    ],
+)
+def test_bad_models_are_refused(monkeypatch: pytest.MonkeyPatch, models: str) -> None:
+    monkeypatch.setenv("TANDEM_GATEWAY_MODELS", models)
+    with pytest.raises(ValueError):
+        GatewaySettings()
+
+
+def test_a_served_model_without_a_tokenizer_is_refused(tokenizer_dir: Path) -> None:
+    settings = gateway_settings(
+        models=[{"name": MODEL, "model_dir": str(tokenizer_dir)}, {"name": MODEL_B, "model_dir": str(tokenizer_dir)}]
+    )
+    with pytest.raises(ValueError, match=MODEL_B):
+        build_app(
+            settings,
+            router=FakeRouter(),
+            tokenizer=HfPromptTokenizer.from_dir(tokenizer_dir),
+            readiness=FakeReadiness(),
+        )
