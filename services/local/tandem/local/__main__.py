@@ -12,7 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from tandem.local.stack import LocalStack, StackConfig, StackError, WorkerPorts
+from tandem.local.stack import (
+    ExtraModel,
+    LocalStack,
+    StackConfig,
+    StackError,
+    WorkerPorts,
+    default_second_model_dir,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,6 +36,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="number of prefill workers (default 1)")
     parser.add_argument("--decode-workers", type=_at_least_one, default=1, metavar="N",
                         help="number of decode workers (default 1)")
+    parser.add_argument("--second-model", action="store_true",
+                        help="also serve the second base model `make model` prepares "
+                             "(SmolLM2-135M-Instruct-tandem-merged) on a prefill and a decode worker of its own "
+                             "(`make run RUN_ARGS=--second-model`; two more engines, ~6.6 GB)")
+    parser.add_argument("--extra-model", action="append", default=[], type=Path, metavar="DIR",
+                        help="also serve the Hugging Face model in DIR (named after the folder) on a prefill and "
+                             "a decode worker of its own; repeatable")
     parser.add_argument("--gateway-port", type=int, default=8080, metavar="PORT",
                         help="the gateway's HTTP port (default 8080)")
     parser.add_argument("--no-supervise", action="store_true",
@@ -66,6 +80,8 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
     if model_dir:
         config.model_dir = Path(model_dir).expanduser()
         config.served_model_name = os.environ.get("TANDEM_SERVED_MODEL_NAME", config.model_dir.name)
+    extra_dirs = [*([default_second_model_dir()] if args.second_model else []), *args.extra_model]
+    config.extra_models = [ExtraModel.free(d.expanduser()) for d in extra_dirs]
     return config
 
 
@@ -97,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         if stack.api_key:
             print(f"[tandem] API key of tenant {config.dev_tenant_id} (new at every start): {stack.api_key}")
             print(f"[tandem] admin key (GET {url}/v1/admin/usage): {stack.admin_key}")
+        if config.extra_models:
+            others = ", ".join(m.name for m in config.extra_models)
+            print(f'[tandem] also serving {others}: name it in "model" (GET {url}/v1/models lists them)')
         print("[tandem] try:\n")
         print(f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n")
         print("[tandem] Ctrl-C stops everything.", flush=True)

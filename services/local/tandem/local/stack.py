@@ -1,7 +1,9 @@
 """Starts and stops the local stack: Redis (unless one answers already), the
 Ray Serve router, one prefill (or ``num_prefill_workers``) and one decode
 (or ``num_decode_workers``) worker, and the gateway, each a child process with
-its own log file. Readiness is probed the way a client
+its own log file. ``extra_models`` adds a pool per further base model (its own
+prefill and decode worker, ``prefill-m1``/``decode-m1``, ...), served by the
+same router and gateway (``TANDEM_GATEWAY_MODELS``). Readiness is probed the way a client
 would see it (Health RPC, a router Release call, the gateway's /readyz).
 
 Internal gRPC runs over mutual TLS unless the config says otherwise: before
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import secrets
@@ -95,6 +98,26 @@ class WorkerPorts:
         return cls(free_port(), free_port(), free_port(), free_port(), free_port())
 
 
+@dataclass(frozen=True)
+class ExtraModel:
+    """A further base model of the stack: its served name, its folder, and its own prefill and decode worker."""
+
+    name: str
+    model_dir: Path
+    prefill: WorkerPorts
+    decode: WorkerPorts
+
+    @classmethod
+    def free(cls, model_dir: Path, name: str = "") -> ExtraModel:
+        """The model in ``model_dir`` (named after the folder unless ``name``) on free ports."""
+        return cls(name or model_dir.name, model_dir, WorkerPorts.free(), WorkerPorts.free())
+
+
+def default_second_model_dir() -> Path:
+    """The second base model ``make model`` prepares (SmolLM2-135M-Instruct with a LoRA adapter merged in)."""
+    return Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct-tandem-merged"
+
+
 @dataclass
 class StackConfig:
     """Ports and places of one local stack."""
@@ -125,6 +148,10 @@ class StackConfig:
     extra_prefill_workers: list[WorkerPorts] = field(default_factory=list)
     #: Decode workers beyond the first (named decode-1, decode-2, ...).
     extra_decode_workers: list[WorkerPorts] = field(default_factory=list)
+    #: Base models beyond ``served_model_name``, each with one prefill and one decode worker of its own (named
+    #: prefill-m1 and decode-m1 for the first, ...), the same ``max_model_len`` and engine settings; the
+    #: gateway serves them all (the first, ``served_model_name``, is its default).
+    extra_models: list[ExtraModel] = field(default_factory=list)
     #: Start the router and the gateway too (benchmarks that drive the workers directly say no).
     start_router: bool = True
     start_gateway: bool = True
@@ -235,7 +262,22 @@ class StackConfig:
         )
         for i, ports in enumerate(self.extra_decode_workers, start=1):
             workers[f"decode-{i}"] = ports
+        for i, model in enumerate(self.extra_models, start=1):
+            workers[f"prefill-m{i}"] = model.prefill
+            workers[f"decode-m{i}"] = model.decode
         return workers
+
+    def worker_model(self, name: str) -> tuple[str, Path]:
+        """The served name and folder of the model the worker ``name`` runs."""
+        prefix, _, index = name.rpartition("-m")
+        if prefix in ("prefill", "decode") and index.isdigit() and 1 <= int(index) <= len(self.extra_models):
+            model = self.extra_models[int(index) - 1]
+            return model.name, model.model_dir
+        return self.served_model_name, self.model_dir
+
+    def served_models(self) -> list[tuple[str, Path]]:
+        """Every base model of the stack (name, folder), the default first."""
+        return [(self.served_model_name, self.model_dir), *((m.name, m.model_dir) for m in self.extra_models)]
 
     @property
     def gateway_url(self) -> str:
@@ -312,6 +354,7 @@ class LocalStack:
         role = "decode" if name.startswith("decode") else "prefill"
         ports = c.worker_ports()[name]
         port, kv_port, metrics_port = ports.port, ports.kv_port, ports.metrics_port
+        model_name, model_dir = c.worker_model(name)
         env = self._base_env()
         env.update(
             {
@@ -324,8 +367,8 @@ class LocalStack:
                 "TANDEM_WORKER_KV__LEASE_S": str(c.kv_lease_s),
                 "TANDEM_WORKER_KV_EVENTS__PORT": str(ports.kv_events_port),
                 "TANDEM_WORKER_KV_EVENTS__REPLAY_PORT": str(ports.kv_events_replay_port),
-                "TANDEM_WORKER_ENGINE__MODEL_DIR": str(c.model_dir),
-                "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME": c.served_model_name,
+                "TANDEM_WORKER_ENGINE__MODEL_DIR": str(model_dir),
+                "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME": model_name,
                 "TANDEM_WORKER_ENGINE__MAX_MODEL_LEN": str(c.max_model_len),
                 "TANDEM_WORKER_ENGINE__KV_CACHE_BYTES": str(c.kv_cache_bytes),
                 "TANDEM_WORKER_REDIS__URL": c.redis_url,
@@ -340,13 +383,15 @@ class LocalStack:
         if c.pin_engine_cores and num_cpus >= 2:
             # Prefill workers one core each, round the cores; the first decode on the last core
             # (with two cores and two prefill workers it shares core 1 with prefill-1), further
-            # decode workers round the cores from the other end.
+            # decode workers round the cores from the other end (two models on two cores: prefill 0,
+            # decode 1, prefill-m1 1, decode-m1 0).
             names = list(c.worker_ports())
             if role == "decode":
                 decode_names = [n for n in names if n.startswith("decode")]
                 core = num_cpus - 1 - decode_names.index(name) % num_cpus
             else:
-                core = names.index(name) % num_cpus
+                prefill_names = [n for n in names if not n.startswith("decode")]
+                core = prefill_names.index(name) % num_cpus
             env["TANDEM_WORKER_ENGINE__CPU_THREADS_BIND"] = str(core)
         env.update(self._tls_env("TANDEM_WORKER_TLS__", role))
         return env
@@ -406,6 +451,9 @@ class LocalStack:
                 "TANDEM_GATEWAY_AUTH__ADMIN_KEY": self.admin_key,
             }
         )
+        if c.extra_models:
+            models = [{"name": n, "model_dir": str(d), "max_model_len": c.max_model_len} for n, d in c.served_models()]
+            env["TANDEM_GATEWAY_MODELS"] = json.dumps(models)
         env.update(self._redis_env("TANDEM_GATEWAY_", "gateway"))
         env.update(self._tls_env("TANDEM_GATEWAY_TLS__", "gateway"))
         return env
@@ -495,8 +543,9 @@ class LocalStack:
 
     def start(self, *, timeout_s: float = 600.0) -> None:
         c = self.config
-        if not (c.model_dir / "config.json").exists():
-            raise StackError(f"model folder {c.model_dir} is missing; run `make model`")
+        for _, model_dir in c.served_models():
+            if not (model_dir / "config.json").exists():
+                raise StackError(f"model folder {model_dir} is missing; run `make model`")
         if c.internal_tls:
             ensure_pki(c.pki_dir)
             self._progress(f"internal gRPC over mutual TLS, one certificate per role ({c.pki_dir})")
