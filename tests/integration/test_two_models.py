@@ -100,6 +100,9 @@ def two_model_stack(
         extra_models=[ExtraModel.free(second_model_path(), SECOND_MODEL_NAME)],
         # Every chat here goes through the handoff (prefill -> decode, KV pulled), as in test_text_fidelity.
         min_uncached_tokens_to_disaggregate=16,
+        # 256 MiB of KV per engine (these prompts need a few blocks) rather than 1 GiB: this module's four
+        # engines may run beside the session's stack (two more) on a 24 GiB CI host.
+        kv_cache_bytes=256 << 20,
     )
     stack = LocalStack(config, progress=lambda msg: print(f"[stack] {msg}", flush=True))
     try:
