@@ -444,3 +444,25 @@ def test_only_the_kuberay_operators_namespace_reaches_the_ray_dashboard() -> Non
     for peer in peers:
         assert peer["namespaceSelector"]["matchLabels"], peer  # never {} (every namespace)
         assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
+
+
+def test_the_gateway_serves_every_model_of_the_models_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The models form's gateway tokenizes every model: the two-model example's gateway env, read by the
+    gateway's own settings, lists both models with their folders and context lengths."""
+    from tandem.gateway.settings import GatewaySettings
+
+    example = "examples/values-gpu-two-models.yaml"
+    wanted = yaml.safe_load((CHART / example).read_text())["tandemDeployment"]["models"]
+    container = one(render(example), "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]["containers"][0]
+    for item in container["env"]:
+        if "value" in item:
+            monkeypatch.setenv(item["name"], item["value"])
+    settings = GatewaySettings()
+    assert [(m.name, str(m.model_dir), m.max_model_len) for m in settings.models] == [
+        (m["name"], m["path"], m["maxModelLen"]) for m in wanted
+    ]
+    assert settings.served_model_name == wanted[0]["name"]
+    # The single-model form sets no list: the gateway serves `model` alone, as before.
+    single = one(render(None), "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert "TANDEM_GATEWAY_MODELS" not in {e["name"] for e in single["env"]}
+

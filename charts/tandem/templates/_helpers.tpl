@@ -120,6 +120,16 @@ user {{ $p }}-operator on #{{ sha256sum (index .passwords "operator") }} resetch
 {{- end }}
 {{- end -}}
 
+{{/* The gateway's served models (TANDEM_GATEWAY_MODELS, tandem.gateway.settings.ServedModel) in the
+models form: each model's name, folder and context length. */}}
+{{- define "tandem.gatewayModels" -}}
+{{- $out := list -}}
+{{- range .Values.tandemDeployment.models -}}
+{{- $out = append $out (dict "name" .name "model_dir" .path "max_model_len" (.maxModelLen | default $.Values.model.maxModelLen | int)) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
 {{- define "tandem.checks" -}}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.externalUrl) (not .Values.redis.existingSecret) -}}
 {{- fail "redis: set redis.enabled, redis.externalUrl or redis.existingSecret" -}}
