@@ -465,4 +465,3 @@ def test_the_gateway_serves_every_model_of_the_models_form(monkeypatch: pytest.M
     # The single-model form sets no list: the gateway serves `model` alone, as before.
     single = one(render(None), "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]["containers"][0]
     assert "TANDEM_GATEWAY_MODELS" not in {e["name"] for e in single["env"]}
-
