@@ -11,8 +11,9 @@ from typing import Any
 
 import grpc
 
+from tandem.common import kv_capability
 from tandem.common.adapters import AdapterEntry
-from tandem.v1 import kv_transfer_pb2
+from tandem.v1 import common_pb2, kv_transfer_pb2, worker_pb2
 from tandem.worker.engine_api import EngineLoad
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.validation import ModelLimits
@@ -38,6 +39,38 @@ class Output:
 
 def layout() -> KVLayout:
     return KVLayout(model="m", dtype="float32", block_size_tokens=4, num_layers=2, block_shape=(2, 4, 1, 8))
+
+
+#: The prompt's capability, as the gateway mints it (tandem.common.kv_capability).
+CAPABILITY = kv_capability.mint()
+
+
+def handle(num_tokens: int = 4, **fields: Any) -> common_pb2.KVHandle:
+    """A prefill worker's KV handle of :func:`layout`; ``fields`` override any of it."""
+    values: dict[str, Any] = {
+        "engine_id": "prefill-0",
+        "kv_address": "127.0.0.1:1",
+        "block_ids": [0, 1],
+        "num_tokens": num_tokens,
+        "layout": layout().to_proto(),
+        **fields,
+    }
+    return common_pb2.KVHandle(**values)
+
+
+def decode_request(**fields: Any) -> worker_pb2.DecodeRequest:
+    """A Decode after a prefill (:func:`handle`, :data:`CAPABILITY`); ``fields`` override any of it."""
+    values: dict[str, Any] = {
+        "request_id": "r1",
+        "prompt_token_ids": [1, 2, 3, 4, 5],
+        "first_token_id": FIRST_TOKEN,
+        "first_text": FIRST_TEXT,
+        "sampling": common_pb2.SamplingOptions(max_tokens=3, temperature=0.0),
+        "kv_handle": handle(),
+        "kv_capability": CAPABILITY,
+        **fields,
+    }
+    return worker_pb2.DecodeRequest(**values)
 
 
 def decode_outputs(

@@ -13,7 +13,6 @@ from typing import Any
 import grpc
 import pytest
 
-from tandem.common import kv_capability
 from tandem.common.adapters import AdapterEntry
 from tandem.common.tls import TLSSettings
 from tandem.v1 import common_pb2, worker_pb2
@@ -24,7 +23,7 @@ from tandem.worker.registration import _current, build_record
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
 from tests.unit.worker.fake_engine import (
-    FIRST_TEXT,
+    CAPABILITY,
     FIRST_TOKEN,
     Completion,
     Context,
@@ -32,13 +31,13 @@ from tests.unit.worker.fake_engine import (
     Refused,
     ScriptedEngine,
     decode_outputs,
-    layout,
+    decode_request,
+    handle,
 )
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 MODEL = "SmolLM2-135M-Instruct"
-CAPABILITY = kv_capability.mint()
 ADAPTER = AdapterEntry("tandem-test-a", MODEL, "/adapters/a", 3)
 OTHER = AdapterEntry("tandem-test-b", MODEL, "/adapters/b", 4)
 
@@ -77,23 +76,7 @@ def _prefill_request(adapter: str) -> worker_pb2.PrefillRequest:
 
 
 def _decode_request(adapter: str, handle_adapter: str) -> worker_pb2.DecodeRequest:
-    return worker_pb2.DecodeRequest(
-        request_id="r1",
-        prompt_token_ids=[1, 2, 3, 4, 5],
-        first_token_id=FIRST_TOKEN,
-        first_text=FIRST_TEXT,
-        sampling=common_pb2.SamplingOptions(max_tokens=3, temperature=0.0),
-        kv_handle=common_pb2.KVHandle(
-            engine_id="prefill-0",
-            kv_address="127.0.0.1:1",
-            block_ids=[0, 1],
-            num_tokens=4,
-            layout=layout().to_proto(),
-            adapter=handle_adapter,
-        ),
-        kv_capability=CAPABILITY,
-        adapter=adapter,
-    )
+    return decode_request(adapter=adapter, kv_handle=handle(adapter=handle_adapter))
 
 
 async def test_prefill_runs_with_the_adapter_and_its_handle_names_it() -> None:

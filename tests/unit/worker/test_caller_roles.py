@@ -25,8 +25,7 @@ from tandem.worker.__main__ import build_server
 from tandem.worker.kv_connector.params import KV_LOAD, LoadRecord
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
-from tests.unit.worker.fake_engine import ScriptedEngine, decode_outputs
-from tests.unit.worker.test_roles import _decode_request, _handle
+from tests.unit.worker.fake_engine import ScriptedEngine, decode_outputs, decode_request, handle
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -61,7 +60,7 @@ async def decode_worker(pki: dict[str, TLSSettings]) -> AsyncIterator[Served]:
 async def _decode(address: str, tls: TLSSettings) -> list[worker_pb2.DecodeChunk]:
     async with aio_channel(address, tls) as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
-        return [c async for c in stub.Decode(_decode_request(kv_handle=_handle(num_tokens=5)), timeout=10)]
+        return [c async for c in stub.Decode(decode_request(kv_handle=handle(num_tokens=5)), timeout=10)]
 
 
 async def test_the_gateways_certificate_gets_a_decode_through(

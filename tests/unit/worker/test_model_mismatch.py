@@ -13,19 +13,17 @@ import dataclasses
 import grpc
 import pytest
 
-from tandem.common import kv_capability
 from tandem.common.tls import TLSSettings
-from tandem.v1 import common_pb2, worker_pb2
+from tandem.v1 import worker_pb2
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
-from tests.unit.worker.fake_engine import FIRST_TEXT, FIRST_TOKEN, Context, Refused, ScriptedEngine, layout
+from tests.unit.worker.fake_engine import Context, Refused, ScriptedEngine, decode_request, handle, layout
 
 pytestmark = pytest.mark.timeout(60)
 
 MODEL_X = "SmolLM2-135M-Instruct"
 MODEL_Y = "SmolLM2-135M-Instruct-tandem-merged"
-CAPABILITY = kv_capability.mint()
 
 
 @dataclasses.dataclass
@@ -51,20 +49,9 @@ async def _decode_service(engine: ModelEngine) -> WorkerService:
 
 
 def _decode_request(handle_model: str) -> worker_pb2.DecodeRequest:
-    return worker_pb2.DecodeRequest(
-        request_id="r1",
-        prompt_token_ids=[1, 2, 3, 4, 5],
-        first_token_id=FIRST_TOKEN,
-        first_text=FIRST_TEXT,
-        sampling=common_pb2.SamplingOptions(max_tokens=3, temperature=0.0),
-        kv_handle=common_pb2.KVHandle(
-            engine_id="prefill-y",
-            kv_address="127.0.0.1:1",
-            block_ids=[0, 1],
-            num_tokens=4,
-            layout=dataclasses.replace(layout(), model=handle_model).to_proto(),
-        ),
-        kv_capability=CAPABILITY,
+    """A Decode whose handle comes from model ``handle_model``'s prefill worker."""
+    return decode_request(
+        kv_handle=handle(engine_id="prefill-y", layout=dataclasses.replace(layout(), model=handle_model).to_proto())
     )
 
 

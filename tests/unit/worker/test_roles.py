@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 import pytest
 
-from tandem.common import kv_capability
 from tandem.common.tls import TLSSettings
 from tandem.v1 import common_pb2, worker_pb2
 from tandem.worker.carried_penalties import CARRIED_TOKEN_IDS
@@ -21,7 +20,7 @@ from tandem.worker.kv_connector.params import HANDLE, KV_LOAD, KVHandleParams, L
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
 from tests.unit.worker.fake_engine import (
-    FIRST_TEXT,
+    CAPABILITY,
     FIRST_TOKEN,
     Completion,
     Context,
@@ -29,6 +28,8 @@ from tests.unit.worker.fake_engine import (
     Refused,
     ScriptedEngine,
     decode_outputs,
+    decode_request,
+    handle,
     layout,
 )
 
@@ -42,34 +43,6 @@ async def _service(role: str, engine: ScriptedEngine) -> WorkerService:
     return service
 
 
-#: The prompt's capability, as the gateway mints it (tandem.common.kv_capability).
-CAPABILITY = kv_capability.mint()
-
-
-def _handle(num_tokens: int = 4) -> common_pb2.KVHandle:
-    return common_pb2.KVHandle(
-        engine_id="prefill-0",
-        kv_address="127.0.0.1:1",
-        block_ids=[0, 1],
-        num_tokens=num_tokens,
-        layout=layout().to_proto(),
-    )
-
-
-def _decode_request(**fields: Any) -> worker_pb2.DecodeRequest:
-    values: dict[str, Any] = {
-        "request_id": "r1",
-        "prompt_token_ids": [1, 2, 3, 4, 5],
-        "first_token_id": FIRST_TOKEN,
-        "first_text": FIRST_TEXT,
-        "sampling": common_pb2.SamplingOptions(max_tokens=3, temperature=0.0),
-        "kv_handle": _handle(),
-        "kv_capability": CAPABILITY,
-        **fields,
-    }
-    return worker_pb2.DecodeRequest(**values)
-
-
 async def _decode(service: WorkerService, request: worker_pb2.DecodeRequest) -> list[worker_pb2.DecodeChunk]:
     return [chunk async for chunk in service.Decode(request, Context())]  # type: ignore[arg-type]
 
@@ -80,7 +53,7 @@ async def test_decode_reports_the_load_the_engine_did_with_the_finished_request(
     record = LoadRecord(num_kv_tokens_loaded=5, num_blocks_loaded=2, num_bytes=5_898_240, seconds=0.25)
     engine = ScriptedEngine(outputs=decode_outputs({KV_LOAD: record.to_dict()}, num_cached_tokens=5))
     service = await _service("decode", engine)
-    chunks = await _decode(service, _decode_request(kv_handle=_handle(num_tokens=5)))
+    chunks = await _decode(service, decode_request(kv_handle=handle(num_tokens=5)))
     assert "".join(c.text for c in chunks) == " there!"
     stats = chunks[-1].stats
     assert chunks[-1].finish_reason == "stop"
@@ -105,7 +78,7 @@ async def test_a_decode_with_a_stop_string_replays_the_first_token() -> None:
     engine = ScriptedEngine(outputs=outputs)
     service = await _service("decode", engine)
     sampling = common_pb2.SamplingOptions(max_tokens=3, temperature=0.0, stop=["\n\n"])
-    chunks = await _decode(service, _decode_request(sampling=sampling))
+    chunks = await _decode(service, decode_request(sampling=sampling))
     assert "".join(c.text for c in chunks) == " there!"  # the replayed first token is not streamed again
     stats = chunks[-1].stats
     assert stats.num_kv_tokens_loaded == 4 and stats.num_computed_prompt_tokens == 1  # the last position
@@ -119,26 +92,26 @@ async def test_a_decode_with_a_stop_string_replays_the_first_token() -> None:
 async def test_a_failed_load_counts_as_computed_and_still_reports_its_time() -> None:
     record = LoadRecord(num_kv_tokens_loaded=4, num_blocks_loaded=1, num_bytes=0, seconds=8.0, failed=True)
     engine = ScriptedEngine(outputs=decode_outputs({KV_LOAD: record.to_dict()}, num_cached_tokens=0))
-    stats = (await _decode(await _service("decode", engine), _decode_request()))[-1].stats
+    stats = (await _decode(await _service("decode", engine), decode_request()))[-1].stats
     assert stats.num_kv_tokens_loaded == 0 and stats.num_computed_prompt_tokens == 5
     assert stats.kv_transfer_seconds == pytest.approx(8.0)
 
 
 async def test_a_decode_whose_prompt_was_all_cached_here_reports_no_load() -> None:
     engine = ScriptedEngine(outputs=decode_outputs(None, num_cached_tokens=4))
-    stats = (await _decode(await _service("decode", engine), _decode_request()))[-1].stats
+    stats = (await _decode(await _service("decode", engine), decode_request()))[-1].stats
     assert stats.num_kv_tokens_loaded == 0 and stats.num_decode_cached_tokens == 4
     assert stats.kv_transfer_bytes == 0
 
 
 async def test_a_handle_of_another_layout_is_refused_before_the_engine_sees_it() -> None:
     engine = ScriptedEngine()
-    handle = _handle()
-    handle.layout.num_layers = 3
+    kv_handle = handle()
+    kv_handle.layout.num_layers = 3
     context = Context()
     service = await _service("decode", engine)
     with pytest.raises(Refused):
-        async for _ in service.Decode(_decode_request(kv_handle=handle), context):  # type: ignore[arg-type]
+        async for _ in service.Decode(decode_request(kv_handle=kv_handle), context):  # type: ignore[arg-type]
             pass
     assert context.code == grpc.StatusCode.FAILED_PRECONDITION and "num_layers" in context.details
     assert engine.params == []
@@ -175,7 +148,7 @@ async def test_prefill_hands_out_the_held_blocks_with_this_engines_layout(text: 
     assert engine.params[0].max_tokens == 1
 
 
-async def test_a_prefill_that_stops_on_its_first_token_finishes_without_a_handle() -> None:
+async def test_a_prefill_that_stops_on_its_first_token_finishes_without_ahandle() -> None:
     engine = ScriptedEngine(outputs=[Output([Completion([2], "", finish_reason="stop")], finished=True)])
     service = await _service("prefill", engine)
     request = worker_pb2.PrefillRequest(
@@ -248,13 +221,13 @@ async def test_a_decode_worker_dials_only_registered_prefill_workers() -> None:
     assert (await service.PrefetchKV(listed, Context())).accepted  # type: ignore[arg-type]
     assert engine.prefetched == [("d3", "10.0.0.5:50061", 300, 0)] and engine.capabilities == [CAPABILITY]
 
-    handle = _handle(num_tokens=5)
-    handle.kv_address = "169.254.169.254:80"
-    await _decode(service, _decode_request(kv_handle=handle))
+    kv_handle = handle(num_tokens=5)
+    kv_handle.kv_address = "169.254.169.254:80"
+    await _decode(service, decode_request(kv_handle=kv_handle))
     assert "kv_transfer_params" not in (engine.params[-1].extra_args or {})
-    await _decode(service, _decode_request(kv_handle=_handle(num_tokens=5)))  # 127.0.0.1:1: not listed either
-    handle.kv_address = "10.0.0.5:50061"
-    await _decode(service, _decode_request(kv_handle=handle))
+    await _decode(service, decode_request(kv_handle=handle(num_tokens=5)))  # 127.0.0.1:1: not listed either
+    kv_handle.kv_address = "10.0.0.5:50061"
+    await _decode(service, decode_request(kv_handle=kv_handle))
     pulled = engine.params[-1].extra_args["kv_transfer_params"][HANDLE]
     assert pulled["kv_address"] == "10.0.0.5:50061" and pulled["capability"] == CAPABILITY
 
@@ -283,7 +256,7 @@ async def test_a_worker_not_started_refuses_with_unavailable() -> None:
     service = WorkerService(settings, ScriptedEngine(), worker_id="decode-0")
     context = Context()
     with pytest.raises(Refused):
-        await _decode(service, _decode_request())
+        await _decode(service, decode_request())
     health = await service.Health(worker_pb2.HealthRequest(), context)  # type: ignore[arg-type]
     assert not health.ready
 
@@ -311,9 +284,9 @@ async def test_metrics_count_decodes_by_how_they_continued() -> None:
 
     engine = ScriptedEngine()
     service = await _service("decode", engine)
-    await _decode(service, _decode_request())
+    await _decode(service, decode_request())
     engine.outputs = decode_outputs(with_first_token=True)
-    await _decode(service, _decode_request(sampling=common_pb2.SamplingOptions(max_tokens=3, seed=1, temperature=1.0)))
+    await _decode(service, decode_request(sampling=common_pb2.SamplingOptions(max_tokens=3, seed=1, temperature=1.0)))
     (family,) = [m for m in KVCollector(service).collect() if m.name == "tandem_decode_continuations"]
     by_mode = {s.labels["mode"]: s.value for s in family.samples if s.name.endswith("_total")}
     assert by_mode == {"appended": 1.0, "replayed": 1.0, "local": 0.0, "resumed": 0.0}
@@ -335,7 +308,7 @@ async def test_an_engine_that_dies_mid_stream_is_unavailable_and_names_nothing_i
     context = Context()
     chunks = []
     with pytest.raises(Refused):
-        async for chunk in service.Decode(_decode_request(), context):  # type: ignore[arg-type]
+        async for chunk in service.Decode(decode_request(), context):  # type: ignore[arg-type]
             chunks.append(chunk)
     assert [c.text for c in chunks] == [" there"]
     assert context.code == grpc.StatusCode.UNAVAILABLE
@@ -368,7 +341,7 @@ async def test_once_the_engine_died_every_call_is_unavailable_and_health_says_no
 
 
 async def _decode_collect(service: WorkerService, context: Context) -> list[worker_pb2.DecodeChunk]:
-    return [c async for c in service.Decode(_decode_request(), context)]  # type: ignore[arg-type]
+    return [c async for c in service.Decode(decode_request(), context)]  # type: ignore[arg-type]
 
 
 async def test_a_first_token_beyond_the_vocabulary_never_reaches_the_engine() -> None:
@@ -376,7 +349,7 @@ async def test_a_first_token_beyond_the_vocabulary_never_reaches_the_engine() ->
     service = await _service("decode", engine)
     context = Context()
     with pytest.raises(Refused):
-        await _decode_collect_request(service, _decode_request(first_token_id=4_000_000_000), context)
+        await _decode_collect_request(service, decode_request(first_token_id=4_000_000_000), context)
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "first_token_id" in context.details
     assert engine.params == []
 
