@@ -37,13 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import redis
 
 from tandem.common.registry import WorkerRegistry
-from tandem.local.plain_vllm import PlainVLLMError, stop_plain_vllm
+from tandem.local.plain_vllm import start_plain_vllm, stop_plain_vllm
 from tandem.local.stack import LocalStack, StackConfig, default_model_dir, free_port
 from tests.kit.adapters import ADAPTER_RANK, BASE_MODEL_NAME, adapter_path
 
@@ -196,29 +195,7 @@ def hostile_prompt_ids() -> list[int]:
 def start_plain_lora_server(port: int, log: Path) -> subprocess.Popen[bytes]:
     """vLLM's own OpenAI server, as tandem.local.plain_vllm starts it (the workers' engine settings),
     with LoRA on and the three test adapters as static modules."""
-    cores = os.cpu_count() or 1
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(cores - 1), "PYTHONUNBUFFERED": "1"}
-    modules = [f"{name}={adapter_path(name)}" for name in (A, B, C)]
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(default_model_dir()),
-        "--served-model-name",
-        BASE_MODEL_NAME,
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--enforce-eager",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "4096",
-        "--kv-cache-memory-bytes",
-        str(1 << 30),
-        "--enable-prefix-caching",
+    lora_args = [
         "--enable-lora",
         "--max-loras",
         "2",
@@ -227,22 +204,17 @@ def start_plain_lora_server(port: int, log: Path) -> subprocess.Popen[bytes]:
         "--max-lora-rank",
         str(max(16, ADAPTER_RANK)),
         "--lora-modules",
-        *modules,
+        *(f"{name}={adapter_path(name)}" for name in (A, B, C)),
     ]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(args, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise PlainVLLMError(f"plain vLLM exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_plain_vllm(proc)
-    raise PlainVLLMError(f"plain vLLM did not become healthy; see {log}")
+    proc, _ = start_plain_vllm(
+        default_model_dir(),
+        BASE_MODEL_NAME,
+        port,
+        log,
+        cpu_threads_bind=str((os.cpu_count() or 1) - 1),
+        extra_args=lora_args,
+    )
+    return proc
 
 
 #: The reference cases: (model, case) -> the plain server's answer.

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -32,8 +33,10 @@ def start_plain_vllm(
     cpu_threads_bind: str = "0",
     max_model_len: int = 4096,
     timeout_s: float = 600.0,
+    extra_args: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[bytes], float]:
-    """Start the server and wait for ``/health``; returns the process and its start-up time in seconds."""
+    """Start the server and wait for ``/health``; returns the process and its start-up time in seconds.
+    ``extra_args``: more of the server's flags (e.g. ``--enable-lora`` and its modules)."""
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind, "PYTHONUNBUFFERED": "1"}
     args = [
         sys.executable,
@@ -55,6 +58,7 @@ def start_plain_vllm(
         "--kv-cache-memory-bytes",
         str(1 << 30),
         "--enable-prefix-caching",
+        *extra_args,
     ]
     started = time.monotonic()
     log.parent.mkdir(parents=True, exist_ok=True)
