@@ -22,7 +22,7 @@ class QueueMetrics(NullRouterMetrics):
     def set_queue_depth(self, priority: str, depth: int) -> None:
         self.depths.append((priority, depth))
 
-    def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
+    def observe_queue_wait(self, duration_s: float, *, outcome: str, model: str) -> None:
         self.waits.append(outcome)
 
 
@@ -152,10 +152,10 @@ class PoolMetrics(QueueMetrics):
         self.tokens: dict[tuple[str, str], int] = {}
         self.queued: dict[str, tuple[int, int]] = {}
 
-    def set_tokens_in_flight(self, worker_id: str, role: str, num_tokens: int) -> None:
+    def set_tokens_in_flight(self, worker_id: str, role: str, model: str, num_tokens: int) -> None:
         self.tokens[(worker_id, role)] = num_tokens
 
-    def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
+    def set_queued(self, waiting_for: str, model: str, num_requests: int, num_uncached_tokens: int) -> None:
         self.queued[waiting_for] = (num_requests, num_uncached_tokens)
 
 

@@ -28,7 +28,7 @@ class PlacementCounts(NullRouterMetrics):
         self.local = 0
         self.disaggregated = 0
 
-    def count_placement(self, *, local_prefill: bool) -> None:
+    def count_placement(self, *, local_prefill: bool, model: str) -> None:
         if local_prefill:
             self.local += 1
         else:

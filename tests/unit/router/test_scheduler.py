@@ -21,11 +21,11 @@ class RecordingMetrics(NullRouterMetrics):
         self.outcomes: list[str] = []
         self.in_flight: dict[str, int] = {}
 
-    def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
+    def observe_schedule(self, duration_s: float, *, outcome: str, model: str) -> None:
         assert duration_s >= 0
         self.outcomes.append(outcome)
 
-    def set_in_flight(self, worker_id: str, num_requests: int) -> None:
+    def set_in_flight(self, worker_id: str, model: str, num_requests: int) -> None:
         self.in_flight[worker_id] = num_requests
 
 
@@ -168,8 +168,16 @@ async def test_tick_publishes_each_pools_budget_in_use_and_requests_in_flight() 
     ]
     h = Harness(pool)
     published: dict[str, tuple[float, int]] = {}
-    h.metrics.set_pool = lambda role, used, n: published.__setitem__(role, (used, n))  # type: ignore[method-assign]
-    h.scheduler.tick()  # no request yet; and the registry not read: an empty pool reads zeros
+
+    def set_pool(role: str, model: str, used: float, n: int) -> None:
+        assert model == "m"
+        published[role] = (used, n)
+
+    h.metrics.set_pool = set_pool  # type: ignore[method-assign]
+    h.scheduler.tick()  # the registry not read yet: no model known, no pool to publish
+    assert published == {}
+    await h.scheduler.refresh_workers()
+    h.scheduler.tick()  # no request yet: an empty pool reads zeros
     assert published == {"prefill": (0.0, 0), "decode": (0.0, 0)}
     await h.schedule("r1", num_prompt_tokens=100, max_tokens=44)  # 144 tokens on one decode worker of 1,152
     h.scheduler.tick()

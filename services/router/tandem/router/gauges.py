@@ -1,15 +1,22 @@
-"""The router's per-worker and per-pool gauges.
+"""The router's per-worker and per-pool gauges, per model.
 
 :class:`tandem.router.placement.Placer` calls :meth:`Gauges.publish` for each reservation it makes,
 :class:`tandem.router.scheduler.Scheduler` for each one that ends, and
 :meth:`tandem.router.scheduler.Scheduler.tick` calls :meth:`Gauges.refresh` every few seconds: Ray
 forgets a gauge that is not set for a couple of export intervals, and the autoscaler must see a
 quiet pool's zeros, not "no data". Writes to :class:`tandem.router.metrics.RouterMetrics` only.
+
+Every series is tagged with its model (a worker's, or a waiting request's): the operator's
+per-model pools select them by it, and its single-model form sums or averages them unselected (one
+model: the same figures as before the tag). A model whose last worker left (and whose queue is
+empty) gets its pool and queue gauges set to zero once and then no more: a stale non-zero load of a
+pool that no longer exists would keep voting for replicas, and a zero re-published forever would
+keep voting it down; once Ray drops the unset series the operator reads "no data" and holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
 from tandem.router.budget import BudgetConfig, BudgetView
@@ -17,9 +24,13 @@ from tandem.router.ledger import Ledger
 from tandem.router.metrics import RouterMetrics
 from tandem.router.reservations import Reservation, ReservationTable
 
+#: Per model, per role: (requests, prompt tokens no worker holds) waiting for that role's budget.
+Queued = Mapping[str, Mapping[str, tuple[int, int]]]
+ROLES = (ROLE_PREFILL, ROLE_DECODE)
+
 
 class Gauges:
-    """Owns which workers' gauges are set and every placed worker's role."""
+    """Owns which workers' and models' gauges are set, and every placed worker's role and model."""
 
     def __init__(
         self, metrics: RouterMetrics, reservations: ReservationTable, budget: BudgetConfig, ledger: Ledger | None
@@ -28,12 +39,15 @@ class Gauges:
         self._reservations = reservations
         self._budget = budget
         self._ledger = ledger
-        # Workers whose gauges are non-zero, so refresh() can set them again, and every placed worker's role.
+        # Workers whose gauges are non-zero, so refresh() can set them again, and every placed worker's
+        # (role, model).
         self._published_worker_ids: set[str] = set()
-        self._worker_roles: dict[str, str] = {}
+        self._worker_labels: dict[str, tuple[str, str]] = {}
+        # Models whose pool and queue gauges the last refresh() set: one that leaves gets its zeros once.
+        self._published_models: set[str] = set()
 
     def note_role(self, worker: WorkerRecord) -> None:
-        self._worker_roles[worker.worker_id] = worker.role
+        self._worker_labels[worker.worker_id] = (worker.role, worker.model)
 
     def publish(self, reservation: Reservation | None) -> None:
         """Set the gauges of ``reservation``'s workers (after it was made or ended)."""
@@ -41,43 +55,54 @@ class Gauges:
             for worker_id in set(reservation.worker_ids):
                 self._set(worker_id)
 
-    def refresh(self, workers: Sequence[WorkerRecord], queued: dict[str, tuple[int, int]]) -> None:
-        """Set every known worker's gauges (zeros included), the queue's per role and the pools'."""
+    def refresh(self, workers: Sequence[WorkerRecord], queued: Queued) -> None:
+        """Set every known worker's gauges (zeros included), and per model the queue's per role and
+        the pools'; a model gone since the last refresh reads zero once."""
         for worker in workers:
-            self._worker_roles.setdefault(worker.worker_id, worker.role)
+            self._worker_labels.setdefault(worker.worker_id, (worker.role, worker.model))
             self._published_worker_ids.add(worker.worker_id)
         for worker_id in list(self._published_worker_ids):
             self._set(worker_id)
         live = {w.worker_id for w in workers} | self._published_worker_ids
-        for worker_id in [w for w in self._worker_roles if w not in live]:
-            del self._worker_roles[worker_id]  # a worker gone for good (a pod replaced has a new id)
-        for role, (num_requests, num_tokens) in queued.items():
-            self._metrics.set_queued(role, num_requests, num_tokens)
-        for role, (used_fraction, num_in_flight) in self.pools(workers).items():
-            self._metrics.set_pool(role, used_fraction, num_in_flight)
+        for worker_id in [w for w in self._worker_labels if w not in live]:
+            del self._worker_labels[worker_id]  # a worker gone for good (a pod replaced has a new id)
+        pools = self.pools(workers)
+        models = {model for model, _ in pools} | {model for model, by_role in queued.items() if any(by_role.values())}
+        for model in sorted(models | self._published_models):
+            by_role = queued.get(model, {})
+            for role in ROLES:
+                num_requests, num_tokens = by_role.get(role, (0, 0))
+                self._metrics.set_queued(role, model, num_requests, num_tokens)
+                used_fraction, num_in_flight = pools.get((model, role), (0.0, 0))
+                self._metrics.set_pool(role, model, used_fraction, num_in_flight)
+        self._published_models = models
 
-    def pools(self, workers: Sequence[WorkerRecord]) -> dict[str, tuple[float, int]]:
-        """Per role, the average budget fraction in use over its registered workers (every replica's
-        reservations, as :meth:`BudgetView.fits` counts them) and the requests this replica placed on it."""
+    def pools(self, workers: Sequence[WorkerRecord]) -> dict[tuple[str, str], tuple[float, int]]:
+        """Per (model, role) of the registered workers, the average budget fraction in use over them
+        (every replica's reservations, as :meth:`BudgetView.fits` counts them) and the requests this
+        replica placed on them. A model with workers of one role only reads zeros for the other."""
         view = BudgetView(self._reservations, self._budget, self._ledger)
-        pools: dict[str, tuple[float, int]] = {}
-        for role in (ROLE_PREFILL, ROLE_DECODE):
-            members = [w for w in workers if w.role == role]
-            fractions = [view.load_fraction(w) for w in members if view.capacity_tokens(w) > 0]
-            pools[role] = (
+        members: dict[tuple[str, str], list[WorkerRecord]] = {}
+        for model in {w.model for w in workers}:
+            for role in ROLES:
+                members[(model, role)] = []
+        for worker in workers:
+            if worker.role in ROLES:
+                members[(worker.model, worker.role)].append(worker)
+        pools: dict[tuple[str, str], tuple[float, int]] = {}
+        for key, pool in members.items():
+            fractions = [view.load_fraction(w) for w in pool if view.capacity_tokens(w) > 0]
+            pools[key] = (
                 sum(fractions) / len(fractions) if fractions else 0.0,
-                sum(self._reservations.num_in_flight(w.worker_id) for w in members),
+                sum(self._reservations.num_in_flight(w.worker_id) for w in pool),
             )
         return pools
 
     def _set(self, worker_id: str) -> None:
         num_in_flight = self._reservations.num_in_flight(worker_id)
-        self._metrics.set_in_flight(worker_id, num_in_flight)
-        self._metrics.set_tokens_in_flight(
-            worker_id,
-            self._worker_roles.get(worker_id, ROLE_PREFILL),
-            self._reservations.num_tokens_in_flight(worker_id),
-        )
+        role, model = self._worker_labels.get(worker_id, (ROLE_PREFILL, ""))
+        self._metrics.set_in_flight(worker_id, model, num_in_flight)
+        self._metrics.set_tokens_in_flight(worker_id, role, model, self._reservations.num_tokens_in_flight(worker_id))
         if num_in_flight:
             self._published_worker_ids.add(worker_id)
         else:

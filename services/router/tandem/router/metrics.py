@@ -4,6 +4,13 @@
 the Serve deployment passes :class:`RayRouterMetrics` (Ray's metrics API,
 exported by Ray's Prometheus endpoint with deployment/replica tags), unit
 tests pass :class:`NullRouterMetrics` or a recorder.
+
+Per model: the series the operator's per-model autoscaling reads (the pools' budget and requests in
+flight, the queue by the pool it waits for, the tokens in flight per worker) carry a ``model`` tag,
+the served model name of the pool or the request (never an adapter, a tenant or a request: models are
+few, and the label's values stay as few). So do the placements, the queue waits and the Schedule
+latencies, whose outcomes (``no_capacity``) an operator wants per model; a Schedule for a model no
+live worker serves is tagged ``model=""``, so what a caller names cannot add label values.
 """
 
 from __future__ import annotations
@@ -20,15 +27,16 @@ PATH_LOCAL_PREFILL = "local_prefill"
 
 
 class RouterMetrics(Protocol):
-    def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
-        """One Schedule took ``duration_s`` (queue wait included); outcome is ``ok`` or an error code."""
+    def observe_schedule(self, duration_s: float, *, outcome: str, model: str) -> None:
+        """One Schedule for ``model`` ("" when no live worker serves it) took ``duration_s`` (queue
+        wait included); outcome is ``ok`` or an error code."""
         ...
 
-    def set_in_flight(self, worker_id: str, num_requests: int) -> None:
-        """This replica now has ``num_requests`` reserved on ``worker_id``."""
+    def set_in_flight(self, worker_id: str, model: str, num_requests: int) -> None:
+        """This replica now has ``num_requests`` reserved on ``worker_id`` (a worker of ``model``)."""
         ...
 
-    def set_tokens_in_flight(self, worker_id: str, role: str, num_tokens: int) -> None:
+    def set_tokens_in_flight(self, worker_id: str, role: str, model: str, num_tokens: int) -> None:
         """Budget tokens this replica holds on ``worker_id``: uncached prompt tokens on a prefill
         worker, prompt plus max_tokens on a decode worker (two gauges: neither pool's load counts
         as the other's)."""
@@ -38,22 +46,22 @@ class RouterMetrics(Protocol):
         """Requests of ``priority`` waiting for budget in this replica."""
         ...
 
-    def set_pool(self, role: str, budget_used_fraction: float, num_in_flight: int) -> None:
-        """The pool ``role`` as this replica sees it: the average over its workers of the budget in use
+    def set_pool(self, role: str, model: str, budget_used_fraction: float, num_in_flight: int) -> None:
+        """The pool ``role`` of ``model`` as this replica sees it: the average over its workers of the budget in use
         (every replica's reservations, as the admission check counts them; 0..1), and the requests
         this replica has placed on it."""
         ...
 
-    def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
-        """Requests waiting in this replica's queue for ``waiting_for``'s budget (prefill or decode),
-        and their prompt tokens no worker holds."""
+    def set_queued(self, waiting_for: str, model: str, num_requests: int, num_uncached_tokens: int) -> None:
+        """Requests for ``model`` waiting in this replica's queue for ``waiting_for``'s budget (prefill
+        or decode), and their prompt tokens no worker holds."""
         ...
 
-    def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
-        """A request left the admission queue: ``admitted``, ``timeout`` or ``error``."""
+    def observe_queue_wait(self, duration_s: float, *, outcome: str, model: str) -> None:
+        """A request for ``model`` left the admission queue: ``admitted``, ``timeout`` or ``error``."""
         ...
 
-    def count_placement(self, *, local_prefill: bool) -> None:
+    def count_placement(self, *, local_prefill: bool, model: str) -> None:
         """A request was placed: on a decode worker alone (``local_prefill``) or on a (prefill, decode) pair."""
         ...
 
@@ -69,28 +77,28 @@ class RouterMetrics(Protocol):
 
 
 class NullRouterMetrics:
-    def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
+    def observe_schedule(self, duration_s: float, *, outcome: str, model: str) -> None:
         pass
 
-    def set_in_flight(self, worker_id: str, num_requests: int) -> None:
+    def set_in_flight(self, worker_id: str, model: str, num_requests: int) -> None:
         pass
 
-    def set_tokens_in_flight(self, worker_id: str, role: str, num_tokens: int) -> None:
+    def set_tokens_in_flight(self, worker_id: str, role: str, model: str, num_tokens: int) -> None:
         pass
 
     def set_queue_depth(self, priority: str, depth: int) -> None:
         pass
 
-    def set_pool(self, role: str, budget_used_fraction: float, num_in_flight: int) -> None:
+    def set_pool(self, role: str, model: str, budget_used_fraction: float, num_in_flight: int) -> None:
         pass
 
-    def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
+    def set_queued(self, waiting_for: str, model: str, num_requests: int, num_uncached_tokens: int) -> None:
         pass
 
-    def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
+    def observe_queue_wait(self, duration_s: float, *, outcome: str, model: str) -> None:
         pass
 
-    def count_placement(self, *, local_prefill: bool) -> None:
+    def count_placement(self, *, local_prefill: bool, model: str) -> None:
         pass
 
     def count_handoff(self, outcome: str) -> None:
@@ -110,25 +118,25 @@ class RayRouterMetrics:
             "tandem_router_schedule_seconds",
             description="Time to answer one Schedule inside the router replica, queue wait included.",
             boundaries=SCHEDULE_SECONDS_BOUNDARIES,
-            tag_keys=("outcome",),
+            tag_keys=("outcome", "model"),
         )
         self._in_flight = serve_metrics.Gauge(
             "tandem_router_in_flight_requests",
             description="Requests this router replica has reserved on a worker and not yet released.",
-            tag_keys=("worker_id",),
+            tag_keys=("worker_id", "model"),
         )
         self._tokens_in_flight = {
             "prefill": serve_metrics.Gauge(
                 "tandem_router_prefill_tokens_in_flight",
                 description="Uncached prompt tokens this replica has placed on each prefill worker and not "
                 "yet released (the prefill pool's backlog).",
-                tag_keys=("worker_id",),
+                tag_keys=("worker_id", "model"),
             ),
             "decode": serve_metrics.Gauge(
                 "tandem_router_decode_tokens_in_flight",
                 description="Prompt plus max_tokens this replica has placed on each decode worker and not yet "
                 "released (KV the decode pool must hold).",
-                tag_keys=("worker_id",),
+                tag_keys=("worker_id", "model"),
             ),
         }
         self._queue_depth = serve_metrics.Gauge(
@@ -140,36 +148,36 @@ class RayRouterMetrics:
             "tandem_router_pool_budget_used_fraction",
             description="Average over the pool's workers of the token budget in use (0..1), all router "
             "replicas' reservations counted, as the admission check counts them.",
-            tag_keys=("role",),
+            tag_keys=("role", "model"),
         )
         self._pool_in_flight = serve_metrics.Gauge(
             "tandem_router_pool_in_flight_requests",
             description="Requests this router replica has placed on the pool's workers and not yet released.",
-            tag_keys=("role",),
+            tag_keys=("role", "model"),
         )
         self._queued_requests = serve_metrics.Gauge(
             "tandem_router_queued_requests",
             description="Requests waiting in this replica's admission queue, by the pool whose budget they "
             "wait for (prefill or decode).",
-            tag_keys=("waiting_for",),
+            tag_keys=("waiting_for", "model"),
         )
         self._queued_tokens = serve_metrics.Gauge(
             "tandem_router_queued_uncached_tokens",
             description="Prompt tokens no worker holds, of the requests waiting in this replica's admission "
             "queue, by the pool whose budget they wait for.",
-            tag_keys=("waiting_for",),
+            tag_keys=("waiting_for", "model"),
         )
         self._queue_wait = serve_metrics.Histogram(
             "tandem_router_queue_wait_seconds",
             description="Time requests spent in the admission queue.",
             boundaries=QUEUE_WAIT_SECONDS_BOUNDARIES,
-            tag_keys=("outcome",),
+            tag_keys=("outcome", "model"),
         )
         self._placements = serve_metrics.Counter(
             "tandem_router_placements",  # exported as ray_tandem_router_placements_total
             description="Requests placed, by path: disaggregated (a prefill worker, then a decode worker) or "
             "local_prefill (the decode worker alone, when little of the prompt is uncached there).",
-            tag_keys=("path",),
+            tag_keys=("path", "model"),
         )
         self._handoffs = serve_metrics.Counter(
             "tandem_router_handoffs",  # exported as ray_tandem_router_handoffs_total
@@ -184,31 +192,34 @@ class RayRouterMetrics:
             tag_keys=("reason",),
         )
 
-    def observe_schedule(self, duration_s: float, *, outcome: str) -> None:
-        self._schedule_seconds.observe(duration_s, tags={"outcome": outcome})
+    def observe_schedule(self, duration_s: float, *, outcome: str, model: str) -> None:
+        self._schedule_seconds.observe(duration_s, tags={"outcome": outcome, "model": model})
 
-    def set_in_flight(self, worker_id: str, num_requests: int) -> None:
-        self._in_flight.set(num_requests, tags={"worker_id": worker_id})
+    def set_in_flight(self, worker_id: str, model: str, num_requests: int) -> None:
+        self._in_flight.set(num_requests, tags={"worker_id": worker_id, "model": model})
 
-    def set_tokens_in_flight(self, worker_id: str, role: str, num_tokens: int) -> None:
-        self._tokens_in_flight[role].set(num_tokens, tags={"worker_id": worker_id})
+    def set_tokens_in_flight(self, worker_id: str, role: str, model: str, num_tokens: int) -> None:
+        self._tokens_in_flight[role].set(num_tokens, tags={"worker_id": worker_id, "model": model})
 
     def set_queue_depth(self, priority: str, depth: int) -> None:
         self._queue_depth.set(depth, tags={"priority": priority})
 
-    def set_pool(self, role: str, budget_used_fraction: float, num_in_flight: int) -> None:
-        self._pool_budget_used.set(budget_used_fraction, tags={"role": role})
-        self._pool_in_flight.set(num_in_flight, tags={"role": role})
+    def set_pool(self, role: str, model: str, budget_used_fraction: float, num_in_flight: int) -> None:
+        tags = {"role": role, "model": model}
+        self._pool_budget_used.set(budget_used_fraction, tags=tags)
+        self._pool_in_flight.set(num_in_flight, tags=tags)
 
-    def set_queued(self, waiting_for: str, num_requests: int, num_uncached_tokens: int) -> None:
-        self._queued_requests.set(num_requests, tags={"waiting_for": waiting_for})
-        self._queued_tokens.set(num_uncached_tokens, tags={"waiting_for": waiting_for})
+    def set_queued(self, waiting_for: str, model: str, num_requests: int, num_uncached_tokens: int) -> None:
+        tags = {"waiting_for": waiting_for, "model": model}
+        self._queued_requests.set(num_requests, tags=tags)
+        self._queued_tokens.set(num_uncached_tokens, tags=tags)
 
-    def observe_queue_wait(self, duration_s: float, *, outcome: str) -> None:
-        self._queue_wait.observe(duration_s, tags={"outcome": outcome})
+    def observe_queue_wait(self, duration_s: float, *, outcome: str, model: str) -> None:
+        self._queue_wait.observe(duration_s, tags={"outcome": outcome, "model": model})
 
-    def count_placement(self, *, local_prefill: bool) -> None:
-        self._placements.inc(tags={"path": PATH_LOCAL_PREFILL if local_prefill else PATH_DISAGGREGATED})
+    def count_placement(self, *, local_prefill: bool, model: str) -> None:
+        path = PATH_LOCAL_PREFILL if local_prefill else PATH_DISAGGREGATED
+        self._placements.inc(tags={"path": path, "model": model})
 
     def count_handoff(self, outcome: str) -> None:
         self._handoffs.inc(tags={"outcome": outcome})

@@ -211,7 +211,7 @@ class Placer:
         if self._ledger is not None:
             self._ledger.reserved(reservation, choice.num_uncached_tokens)
         self._gauges.publish(reservation)
-        self._metrics.count_placement(local_prefill=choice.local)
+        self._metrics.count_placement(local_prefill=choice.local, model=request.model)
         return self.decision(choice)
 
     def decision(self, choice: Choice) -> PlacementDecision:

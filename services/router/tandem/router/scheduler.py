@@ -36,7 +36,7 @@ import time
 from collections.abc import Sequence
 
 from tandem.common.errors import InvalidRequestError, NoCapacityError, TandemError
-from tandem.common.registry import WorkerRecord
+from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
 from tandem.router.budget import BudgetConfig
 from tandem.router.fair_share import TenantShares
 from tandem.router.gauges import Gauges
@@ -156,7 +156,10 @@ class Scheduler:
             outcome = getattr(exc, "code", None) or type(exc).__name__
             raise
         finally:
-            self._metrics.observe_schedule(time.perf_counter() - started_s, outcome=outcome)
+            # The model as a label only when a live worker serves it: a caller's name adds no label value.
+            fleet = self.intake.fleet
+            model = request.model if fleet is not None and fleet.serves(request.model) else ""
+            self._metrics.observe_schedule(time.perf_counter() - started_s, outcome=outcome, model=model)
 
     async def _schedule(self, request: ScheduleRequest) -> PlacementDecision:
         _check(request)
@@ -275,13 +278,19 @@ class Scheduler:
             self._metrics.set_queue_depth(priority, queue.depth(priority))
         self._gauges.refresh(self.intake.last_workers or (), self._room.queued())
 
-    def pools(self) -> dict[str, tuple[float, int]]:
-        """Per role, the average budget fraction in use and the requests this replica placed there."""
+    def pools(self) -> dict[tuple[str, str], tuple[float, int]]:
+        """Per (model, role), the average budget fraction in use and the requests this replica placed there."""
         return self._gauges.pools(self.intake.last_workers or ())
 
-    def queued(self) -> dict[str, tuple[int, int]]:
-        """Per role, (requests, prompt tokens no worker holds) waiting for that role's budget."""
-        return self._room.queued()
+    def queued(self, model: str | None = None) -> dict[str, tuple[int, int]]:
+        """Per role, (requests, prompt tokens no worker holds) waiting for that role's budget: of
+        ``model``'s requests, or of all (None)."""
+        totals = {ROLE_PREFILL: (0, 0), ROLE_DECODE: (0, 0)}
+        for name, by_role in self._room.queued().items():
+            if model is None or name == model:
+                for role, (n, tokens) in by_role.items():
+                    totals[role] = (totals[role][0] + n, totals[role][1] + tokens)
+        return totals
 
 
 def _check(request: ScheduleRequest) -> None:

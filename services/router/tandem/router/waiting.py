@@ -159,7 +159,7 @@ class WaitingRoom:
             if not waiter.future.done():
                 waiter.future.cancel()
             self._metrics.set_queue_depth(waiter.priority, self.queue.depth(waiter.priority))
-            self._metrics.observe_queue_wait(time.monotonic() - started_s, outcome=outcome)
+            self._metrics.observe_queue_wait(time.monotonic() - started_s, outcome=outcome, model=request.model)
 
     def _ensure_poller(self) -> None:
         """One task re-tries the queue every ``poll_interval_s`` while it holds anyone (budget also
@@ -241,17 +241,21 @@ class WaitingRoom:
             self.dequeue(waiter)
             waiter.future.set_result(self._placer.commit(choice))
 
-    def queued(self) -> dict[str, tuple[int, int]]:
-        """Per role, (requests, prompt tokens no worker holds) waiting for that role's budget. A
-        request not tried yet waits behind the head, for what the head lacks; a request that both
-        pools lack budget for counts in both."""
-        queued = {ROLE_PREFILL: [0, 0], ROLE_DECODE: [0, 0]}
+    def queued(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """Per model of the waiting requests, per role: (requests, prompt tokens no worker holds)
+        waiting for that role's budget. A request not tried yet waits behind the head, for what the
+        head lacks; a request that both pools lack budget for counts in both. Only models some worker
+        served when the request came in wait (an unknown model is refused before the queue)."""
+        queued: dict[str, dict[str, list[int]]] = {}
         for waiter in self.queue.waiters():
             pending = waiter.item
+            by_role = queued.setdefault(pending.request.model, {ROLE_PREFILL: [0, 0], ROLE_DECODE: [0, 0]})
             for role in pending.waiting_for or self.blocked_on:
-                counts = queued[role]
+                counts = by_role[role]
                 counts[0] += 1
                 counts[1] += (
                     pending.num_uncached_tokens if pending.num_uncached_tokens >= 0 else pending.request.num_tokens
                 )
-        return {role: (n, tokens) for role, (n, tokens) in queued.items()}
+        return {
+            model: {role: (n, tokens) for role, (n, tokens) in by_role.items()} for model, by_role in queued.items()
+        }
