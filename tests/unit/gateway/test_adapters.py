@@ -1,8 +1,8 @@
 """LoRA adapters through the gateway (issue 40): the admin API and CLI load, list and unload them in the
 real catalog (Redis); a request naming one carries its engine name (``NAME@VERSION``) to Schedule,
-Prefill and Decode (fake router and workers, tests/kit/gateway.py) with block hashes that include it; a
-reload changes the engine name; an unload is a 404 within the catalog cache's second while a stream in
-flight finishes; hostile names are refused at load (400) and unknown at request (404); the workers'
+Prefill, PrefetchKV and Decode (fake router and workers, tests/kit/gateway.py) with block hashes that
+include it; a reload changes the engine name; an unload is a 404 within the catalog cache's second while
+a stream in flight finishes; hostile names are refused at load (400) and unknown at request (404); the workers'
 refusals of an adapter become OpenAI errors; /v1/models lists adapters in vLLM's shape, per tenant."""
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ async def test_the_engine_name_reaches_schedule_prefill_and_decode_with_the_adap
         prefill = edge.prefill.prefill_requests[-1]
         assert prefill.adapter == engine
         assert edge.decode.decode_requests[-1].adapter == engine
+        # The decode worker's prefetch streams the prompt's KV for the same adapter (tandem.worker.decode).
+        prefetch = edge.decode.prefetch_requests[-1]
+        assert (prefetch.request_id, prefetch.adapter) == (prefill.request_id, engine)
         # The router's hashes are the adapter's (vLLM's ("lora", name, path) keys), not the base model's.
         [hashes] = schedule["prompt_block_hashes"]
         hasher = BlockHasher(hashes.block_size_tokens, hashes.hash_seed)
@@ -92,6 +95,7 @@ async def test_the_engine_name_reaches_schedule_prefill_and_decode_with_the_adap
     assert base.status_code == 200
     assert edge.router.schedule_calls[-1]["adapter"] == ""
     assert edge.prefill.prefill_requests[-1].adapter == edge.decode.decode_requests[-1].adapter == ""
+    assert edge.decode.prefetch_requests[-1].adapter == ""
 
 
 async def test_a_local_prefill_and_a_migrated_stream_carry_the_adapter(edge: Any, start_worker: Any) -> None:

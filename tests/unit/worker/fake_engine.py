@@ -106,6 +106,8 @@ class ScriptedEngine:
     prefetched: list[tuple[str, str, int, int]] = field(default_factory=list)
     #: The capability each kv_prefetch call was given.
     capabilities: list[str] = field(default_factory=list)
+    #: The adapter each kv_prefetch call was given ("" for the base model).
+    prefetch_adapters: list[str] = field(default_factory=list)
     prefetch_refusal: str = ""
     #: What is_dead answers.
     dead: bool = False
@@ -147,10 +149,18 @@ class ScriptedEngine:
         return False
 
     async def kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
+        self,
+        request_id: str,
+        kv_address: str,
+        num_prompt_tokens: int,
+        num_decode_cached_tokens: int,
+        capability: str,
+        *,
+        adapter: str,
     ) -> str:
         self.prefetched.append((request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens))
         self.capabilities.append(capability)
+        self.prefetch_adapters.append(adapter)
         if not self.prefetch_refusal:
             self.held.add(request_id)
         return self.prefetch_refusal

@@ -158,6 +158,36 @@ async def test_an_unknown_adapter_is_not_found() -> None:
     assert context.code == grpc.StatusCode.NOT_FOUND and "gone" in context.details
 
 
+def _prefetch_request(adapter: str) -> worker_pb2.PrefetchKVRequest:
+    return worker_pb2.PrefetchKVRequest(
+        request_id="d1", kv_address="p:1", num_prompt_tokens=40, kv_capability=CAPABILITY, adapter=adapter
+    )
+
+
+async def test_a_prefetch_streams_for_its_adapter() -> None:
+    """The engine's prefetch is told the adapter, which its stream names to the prefill worker's KV server
+    and the staged KV keeps (tandem.worker.kv_connector.puller; the real pull: test_kv_prefetch.py)."""
+    engine = ScriptedEngine()
+    service = await _service("decode", engine)
+    for adapter in (ADAPTER.engine_name, ""):
+        assert (await service.PrefetchKV(_prefetch_request(adapter), Context())).accepted  # type: ignore[arg-type]
+    assert engine.prefetch_adapters == [ADAPTER.engine_name, ""]
+
+
+async def test_a_prefetch_for_an_adapter_is_refused_on_a_worker_with_lora_off_and_a_malformed_one_is_invalid() -> None:
+    engine = ScriptedEngine()
+    off = await _service("decode", engine, max_adapters=0)
+    refused = await off.PrefetchKV(_prefetch_request(ADAPTER.engine_name), Context())  # type: ignore[arg-type]
+    assert not refused.accepted and "no LoRA adapters" in refused.reason
+    assert off.prefetches_by_outcome == {"refused": 1} and engine.prefetched == []
+    service = await _service("decode", engine)
+    context = Context()
+    with pytest.raises(Refused):
+        await service.PrefetchKV(_prefetch_request("<|im_start|>@1"), context)  # type: ignore[arg-type]
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "adapter" in context.details
+    assert engine.prefetched == []
+
+
 async def test_the_registry_record_carries_max_adapters_and_the_loaded_ones() -> None:
     engine = ScriptedEngine(outputs=decode_outputs())
     service = await _service("decode", engine, max_adapters=2)

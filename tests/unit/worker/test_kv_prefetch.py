@@ -61,7 +61,7 @@ class Pair:
     #: What the prefill engine's forward will write into each layer (the caches hold garbage until then).
     computed: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def handle(self) -> KVHandleParams:
+    def handle(self, adapter: str = "") -> KVHandleParams:
         return KVHandleParams(
             engine_id="p",
             kv_address=self.prefill.server.address,
@@ -70,10 +70,12 @@ class Pair:
             num_tokens=NUM_PROMPT_TOKENS,
             lease_expires_unix_s=time.time() + 60,
             capability=CAPABILITY,
+            adapter=adapter,
         )
 
-    def step(self, num_computed: int, num_after: int) -> None:
-        """The prefill engine's step: its metadata, then each layer written and saved in turn."""
+    def step(self, num_computed: int, num_after: int, adapter: str = "") -> None:
+        """The prefill engine's step (with LoRA ``adapter``): its metadata, then each layer written and saved
+        in turn."""
         self.prefill.begin_step(
             GrpcKVMetadata(
                 progress=[
@@ -85,6 +87,7 @@ class Pair:
                         num_computed,
                         num_after,
                         CAPABILITY,
+                        adapter,
                     )
                 ]
             )
@@ -93,18 +96,18 @@ class Pair:
             self.p_caches[name].copy_(self.computed[name])
             self.prefill.layer_saved(name)
 
-    def announce(self) -> None:
+    def announce(self, adapter: str = "") -> None:
         """The prefill request finished: the scheduler announces its hold."""
-        hold = HoldSpec(REQUEST, PREFILL_BLOCKS, time.time() + 60, CAPABILITY)
+        hold = HoldSpec(REQUEST, PREFILL_BLOCKS, time.time() + 60, CAPABILITY, adapter)
         self.prefill.begin_step(GrpcKVMetadata(holds={PREFILL_ENGINE_ID: hold}))
 
-    def load(self, local: tuple[int, ...], first_block_index: int) -> None:
-        self.start_load(local, first_block_index)
+    def load(self, local: tuple[int, ...], first_block_index: int, adapter: str = "") -> None:
+        self.start_load(local, first_block_index, adapter)
         wait_until(lambda: DECODE_ENGINE_ID in self.decode.puller._ended, timeout_s=10)
 
-    def start_load(self, local: tuple[int, ...], first_block_index: int) -> None:
+    def start_load(self, local: tuple[int, ...], first_block_index: int, adapter: str = "") -> None:
         remote = PREFILL_BLOCKS[first_block_index : first_block_index + len(local)]
-        spec = LoadSpec(DECODE_ENGINE_ID, self.handle(), remote, local, NUM_PROMPT_TOKENS, first_block_index)
+        spec = LoadSpec(DECODE_ENGINE_ID, self.handle(adapter), remote, local, NUM_PROMPT_TOKENS, first_block_index)
         self.decode.begin_step(GrpcKVMetadata(loads=[spec]))
 
     def assert_landed(self, local: tuple[int, ...], first_block_index: int) -> None:
@@ -584,3 +587,101 @@ def test_staged_kv_is_used_only_for_the_prompt_the_handle_names(forged: str) -> 
         pair.assert_landed(local, first_block_index=0)
     finally:
         pair.close()
+
+
+# -- LoRA adapters (issue 40): a prefetch is of one adapter's KV ---------------------
+
+ADAPTER_A = "tandem-test-a@3"
+ADAPTER_B = "tandem-test-b@4"
+
+
+def test_a_prefetch_for_the_prompts_adapter_is_streamed_and_used() -> None:
+    pair = _pair()
+    try:
+        address = pair.prefill.server.address
+        assert pair.decode.prefetch(REQUEST, address, NUM_PROMPT_TOKENS, 0, CAPABILITY, adapter=ADAPTER_A) == ""
+        prefetch = pair.decode.puller._prefetches[REQUEST]
+        pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS, adapter=ADAPTER_A)
+        wait_until(prefetch.done.is_set, timeout_s=10)
+        assert prefetch.error == ""
+        pair.announce(adapter=ADAPTER_A)
+        local = (0, 1, 2, 3, 5)
+        pair.load(local, first_block_index=0, adapter=ADAPTER_A)
+        pair.decode.get_transfer_results(set())
+        record = pair.decode.take_load_records()[DECODE_ENGINE_ID]
+        assert record.prefetched and not record.failed, record
+        pair.assert_landed(local, first_block_index=0)
+        stats = pair.decode.stats()
+        assert (stats.prefetches_used_total, stats.prefetches_wasted_total) == (1, 0)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("prefetched_for", ["", ADAPTER_B], ids=["base", "other-adapter"])
+def test_the_kv_server_refuses_to_stream_another_adapters_prompt_as_it_refuses_a_pull(prefetched_for: str) -> None:
+    """The prompt is prefilled with adapter A; a PrefetchKV naming the base model or adapter B streams
+    nothing (FAILED_PRECONDITION while the prompt is still being prefilled, the pull's answer), and the
+    Decode for A pulls A's KV as without a prefetch."""
+    pair = _pair()
+    try:
+        address = pair.prefill.server.address
+        assert pair.decode.prefetch(REQUEST, address, NUM_PROMPT_TOKENS, 0, CAPABILITY, adapter=prefetched_for) == ""
+        prefetch = pair.decode.puller._prefetches[REQUEST]
+        pair.step(num_computed=0, num_after=12, adapter=ADAPTER_A)  # still prefilling: no hold yet
+        wait_until(prefetch.done.is_set, timeout_s=10)
+        assert "computed with adapter 'tandem-test-a@3'" in prefetch.error, prefetch.error
+        assert pair.decode.stats().staged_bytes == 0 and pair.prefill.stats().bytes_sent_total == 0
+        pair.step(num_computed=12, num_after=NUM_PROMPT_TOKENS, adapter=ADAPTER_A)
+        pair.announce(adapter=ADAPTER_A)
+        local = (0, 1, 2, 3, 5)
+        pair.load(local, first_block_index=0, adapter=ADAPTER_A)
+        pair.decode.get_transfer_results(set())
+        record = pair.decode.take_load_records()[DECODE_ENGINE_ID]
+        assert not record.prefetched and not record.failed, record
+        pair.assert_landed(local, first_block_index=0)
+        assert pair.decode.stats().prefetches_wasted_total == 1
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("decoded_with", ["", ADAPTER_B], ids=["base", "other-adapter"])
+def test_kv_staged_for_one_adapter_is_never_used_by_a_decode_of_another(decoded_with: str) -> None:
+    """A's KV, streamed and staged for A, and a load whose handle names the base model or B: the staging is
+    not copied (a wasted prefetch, its bytes freed); the load pulls instead, which the KV server refuses
+    for the same reason, so the load fails (the decode recomputes the prompt) rather than serve A's KV."""
+    pair = _pair()
+    try:
+        address = pair.prefill.server.address
+        assert pair.decode.prefetch(REQUEST, address, NUM_PROMPT_TOKENS, 0, CAPABILITY, adapter=ADAPTER_A) == ""
+        prefetch = pair.decode.puller._prefetches[REQUEST]
+        pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS, adapter=ADAPTER_A)
+        wait_until(prefetch.done.is_set, timeout_s=10)
+        assert prefetch.error == "" and pair.decode.stats().staged_bytes > 0
+        pair.announce(adapter=ADAPTER_A)
+        before = {name: cache.clone() for name, cache in pair.d_caches.items()}
+        pair.load((0, 1, 2, 3, 5), first_block_index=0, adapter=decoded_with)
+        pair.decode.get_transfer_results(set())
+        record = pair.decode.take_load_records()[DECODE_ENGINE_ID]
+        assert not record.prefetched and record.failed and "adapter" in record.error, record
+        assert all(_same_bytes(pair.d_caches[name], before[name]) for name in before)  # nothing of A's landed
+        stats = pair.decode.stats()
+        assert (stats.prefetches_used_total, stats.prefetches_wasted_total, stats.staged_bytes) == (0, 1, 0)
+    finally:
+        pair.close()
+
+
+def test_the_scheduler_side_tells_the_kv_server_the_adapter_of_a_prompt_it_prefills() -> None:
+    """The adapter comes from the engine's own request (its LoRARequest), from the first step on: the KV
+    server knows it before the hold is announced, which is when a prefetch streams."""
+    from vllm.lora.request import LoRARequest
+
+    side = SchedulerSide(engine_id="p", kv_address="x:1", block_size_tokens=BLOCK, lease_s=60)
+    req = _prefill_request("r-abcdefgh", 8)
+    req.lora_request = LoRARequest(ADAPTER_A, 3, "/adapters/a")
+    side.update_state_after_alloc(req, FakeBlocks(([FakeBlock(1), FakeBlock(2)],)), 0)  # type: ignore[arg-type]
+    step = SchedulerOutput(
+        scheduled_new_reqs=[NewReq("r-abcdefgh", ([1, 2],), 0)], num_scheduled_tokens={"r-abcdefgh": 8}
+    )
+    assert side.build_connector_meta(step).progress == [  # type: ignore[arg-type]
+        PrefillProgress("r-abcdefgh", "r", 8, (1, 2), 0, 8, CAPABILITY, ADAPTER_A)
+    ]

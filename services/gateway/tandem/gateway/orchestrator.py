@@ -28,8 +28,9 @@ each placement again when a worker died) and the workers through
    generation did not complete (error, timeout, client gone), so that held KV
    blocks are freed at once rather than when their lease runs out.
 
-A request with a LoRA adapter carries its engine name (``job.adapter``) in every Schedule, Prefill
-and Decode above, retries, replacements and migrations included: all of them are built from the job.
+A request with a LoRA adapter carries its engine name (``job.adapter``) in every Schedule, Prefill,
+PrefetchKV and Decode above, retries, replacements and migrations included: all of them are built from
+the job.
 A worker's refusal of the adapter is mapped by :func:`~tandem.gateway.workers.map_worker_error`.
 
 Events are yielded as small frozen dataclasses; the HTTP layer turns them into
@@ -305,6 +306,7 @@ class Orchestrator:
             num_prompt_tokens=len(job.prompt_token_ids),
             num_decode_cached_tokens=placement.num_decode_cached_tokens,
             kv_capability=job.kv_capability,
+            adapter=job.adapter,
         )
         self.run_in_background(self._prefetch(placement.decode.address, request))
 

@@ -52,7 +52,9 @@ Failure of the peers:
 * KV pulled for a decode is checked twice against its adapter: the handle's (the decode worker
   service, like the layout) and the hold's on the prefill engine's KV server, which knows what its
   engine computed (a mismatch fails the load; the decode computes the prompt itself). KV prefetched
-  while the prefill runs (PrefetchKV) is not: PrefetchKVRequest names no adapter.
+  while the prefill runs (PrefetchKV) the same way: the PrefetchKV names its adapter, the KV server
+  refuses to stream a prompt its engine computes with another, and a load whose handle names another
+  adapter than its prefetch pulls instead of using what was staged (tandem.worker.kv_connector.puller).
 """
 
 from __future__ import annotations

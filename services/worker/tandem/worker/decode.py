@@ -41,20 +41,26 @@ class DecodeRole(Role):
         return self.peers is None or await self.peers.allows(kv_address)
 
     async def prefetch(self, request: worker_pb2.PrefetchKVRequest, context: Ctx) -> worker_pb2.PrefetchKVResponse:
-        """Start streaming a running prefill's KV into staging (see the puller), under the request's id; the
-        Decode of the same request id loads from there. A refusal is an answer, not an error: the Decode
-        pulls as usual."""
+        """Start streaming a running prefill's KV into staging (see the puller), under the request's id and
+        for its adapter (the prefill worker's KV server refuses a prompt computed with another; a Decode of
+        another adapter does not use what was staged); the Decode of the same request id loads from there.
+        A refusal is an answer, not an error: the Decode pulls as usual."""
+        reason = ""
         if not await self._dials(request.kv_address):
+            reason = "kv_address is not a registered prefill worker of this model"
+        elif request.adapter and self._adapters is None:
+            # Its Decode will be refused here (LoRA off): staging its KV would only waste memory.
+            reason = "this worker serves no LoRA adapters"
+        if reason:
             self._counters.prefetches_by_outcome["refused"] += 1
-            return worker_pb2.PrefetchKVResponse(
-                accepted=False, reason="kv_address is not a registered prefill worker of this model"
-            )
+            return worker_pb2.PrefetchKVResponse(accepted=False, reason=reason)
         reason = await self._engine.kv_prefetch(
             request.request_id,
             request.kv_address,
             request.num_prompt_tokens,
             request.num_decode_cached_tokens,
             request.kv_capability,
+            adapter=request.adapter,
         )
         self._counters.prefetches_by_outcome["started" if not reason else "refused"] += 1
         return worker_pb2.PrefetchKVResponse(accepted=not reason, reason=reason)

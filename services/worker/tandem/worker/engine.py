@@ -219,11 +219,18 @@ class VLLMEngine:
         return any(await self.llm.collective_rpc("tandem_kv_abort", args=(request_id,)))
 
     async def kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
+        self,
+        request_id: str,
+        kv_address: str,
+        num_prompt_tokens: int,
+        num_decode_cached_tokens: int,
+        capability: str,
+        *,
+        adapter: str,
     ) -> str:
         reasons = await self.llm.collective_rpc(
             "tandem_kv_prefetch",
-            args=(request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability),
+            args=(request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability, adapter),
         )
         refused = next((str(r) for r in reasons if r), "")
         if refused and any(not r for r in reasons):

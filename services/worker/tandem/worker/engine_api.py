@@ -60,10 +60,17 @@ class WorkerEngine(Protocol):
         ...
 
     async def kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
+        self,
+        request_id: str,
+        kv_address: str,
+        num_prompt_tokens: int,
+        num_decode_cached_tokens: int,
+        capability: str,
+        *,
+        adapter: str,
     ) -> str:
-        """Start prefetching a running prefill's KV (read with ``capability``) on every rank; "" if started,
-        else why not."""
+        """Start prefetching a running prefill's KV (read with ``capability``, computed with ``adapter``: ""
+        for the base model) on every rank; "" if started, else why not."""
         ...
 
     async def kv_stats(self) -> kv_transfer_pb2.KVStats:

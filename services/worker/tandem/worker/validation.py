@@ -223,7 +223,7 @@ def check_prefetch(request: worker_pb2.PrefetchKVRequest, limits: ModelLimits) -
         return f"num_prompt_tokens must be in [1, {limits.max_model_len - 1}]"
     if request.num_decode_cached_tokens > request.num_prompt_tokens:
         return "num_decode_cached_tokens must be at most num_prompt_tokens"
-    return _check_capability(request.kv_capability)
+    return _check_capability(request.kv_capability) or _check_adapter(request.adapter)
 
 
 def _check_capability(capability: str) -> str:

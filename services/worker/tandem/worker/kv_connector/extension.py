@@ -41,10 +41,22 @@ class KVWorkerExtension:
         return bool(_side().abort(request_id))
 
     def tandem_kv_prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
+        self,
+        request_id: str,
+        kv_address: str,
+        num_prompt_tokens: int,
+        num_decode_cached_tokens: int,
+        capability: str,
+        adapter: str,
     ) -> str:
-        """Start prefetching ``request_id``'s prompt KV (decode side); "" if started, else why not."""
-        return str(_side().prefetch(request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability))
+        """Start prefetching ``request_id``'s prompt KV, computed with ``adapter`` (decode side); "" if started,
+        else why not."""
+        side = _side()
+        return str(
+            side.prefetch(
+                request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability, adapter=adapter
+            )
+        )
 
     def tandem_kv_stats(self) -> bytes:
         return bytes(_side().stats().SerializeToString())

@@ -93,7 +93,7 @@ class Hold:
     #: What a caller must present to read or release it (tandem.common.kv_capability); "" for none: then
     #: no gRPC call may (only the engine's own abort frees it).
     capability: str = field(default="", repr=False)
-    #: The LoRA adapter the blocks were computed with (known once held; "" for the base model).
+    #: The LoRA adapter the blocks are computed with (while prefilling and once held; "" for the base model).
     adapter: str = ""
 
     @property
@@ -272,6 +272,7 @@ class KVServer:
                         ready_tokens=[update.num_computed_tokens] * num_layers,
                         ready_events=[None] * num_layers,
                         capability=update.capability,
+                        adapter=update.adapter,
                     )
                     self._add(update.engine_request_id, hold)
                 elif hold.announced:
@@ -470,14 +471,9 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 f"no KV held for {request.request_id} (released, expired or never prefilled)",
             )
         assert hold is not None
-        if hold.adapter != request.adapter:
-            # Computed with other weights (a handle that names the wrong adapter): the decode side
-            # applies its load-failure policy (recompute) rather than answer with neither adapter.
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the KV of {request.request_id} was computed with adapter {hold.adapter or '(base model)'!r}, "
-                f"not {request.adapter or '(base model)'!r}",
-            )
+        # Computed with other weights (a handle that names the wrong adapter): the decode side applies its
+        # load-failure policy (recompute) rather than answer with neither adapter.
+        self._check_adapter(hold, request.request_id, request.adapter, context)
         wanted = list(request.block_ids)
         if not set(wanted) <= set(hold.block_ids):
             context.abort(
@@ -504,6 +500,9 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         self._abort_gone(hold, request.request_id, context)
         if not kv_capability.matches(hold.capability, request.capability):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no prompt {request.request_id} is being prefilled or held")
+        # The same check as a pull's: a prefetch for another adapter stages nothing (its decode pulls, and
+        # that pull is refused too).
+        self._check_adapter(hold, request.request_id, request.adapter, context)
         if hold.num_prompt_tokens and hold.num_prompt_tokens != request.num_prompt_tokens:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -536,6 +535,16 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             total += sum(p.num_blocks for p in pieces) * reader.block_bytes
             yield data
         kv.count_sent(total, num_blocks, streamed=True)
+
+    @staticmethod
+    def _check_adapter(hold: Hold, request_id: str, adapter: str, context: grpc.ServicerContext) -> None:
+        """FAILED_PRECONDITION unless ``hold``'s KV is (being) computed with ``adapter``."""
+        if hold.adapter != adapter:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the KV of {request_id} was computed with adapter {hold.adapter or '(base model)'!r}, "
+                f"not {adapter or '(base model)'!r}",
+            )
 
     @staticmethod
     def _abort_gone(hold: Hold, request_id: str, context: grpc.ServicerContext) -> None:

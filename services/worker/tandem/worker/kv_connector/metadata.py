@@ -57,6 +57,9 @@ class PrefillProgress:
     num_computed_after_step: int
     #: What a caller must present to read it (tandem.common.kv_capability).
     capability: str = field(default="", repr=False)
+    #: The LoRA adapter the engine computes it with (its engine name; "" for the base model): a stream for
+    #: another adapter is refused while it is prefilled, as a pull is once it is held.
+    adapter: str = ""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,13 @@ staging is bounded (``prefetch_max_bytes``) and freed when the load has copied
 it, when the request is aborted here, or ``prefetch_keep_s`` after it was
 started.
 
+A prefetch names the LoRA adapter its decode will run with (``PrefetchKV``'s
+``adapter``), and streams with it: the prefill engine's KV server refuses a
+prompt it computes with another adapter, as it refuses such a pull. A load
+whose handle names another adapter than its prefetch does not use what was
+staged (counted wasted) and pulls, so staged KV of adapter A never serves a
+decode of adapter B or of the base model.
+
 The prefetch and the load name the prompt's KV by the same id, the gateway's
 request id: ``PrefetchKV`` carries it, and the load's handle carries it from
 the ``Decode`` (:mod:`params`). vLLM's id of the decode request
@@ -110,6 +117,9 @@ class _Prefetch:
 
     #: The capability it streamed with: a load uses the staged blocks only if its handle has the same.
     capability: str = field(default="", repr=False)
+    #: The LoRA adapter it streamed for ("" for the base model): a load uses the staged blocks only if its
+    #: handle names the same.
+    adapter: str = ""
 
     def covers(self, first_block_index: int, num_blocks: int) -> bool:
         return (
@@ -270,12 +280,19 @@ class KVPuller:
     # -- prefetches (the worker service through the engine; prefetch threads) ------
 
     def prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
+        self,
+        request_id: str,
+        kv_address: str,
+        num_prompt_tokens: int,
+        num_decode_cached_tokens: int,
+        capability: str,
+        *,
+        adapter: str = "",
     ) -> str:
-        """Start streaming ``request_id``'s prompt KV from the prefill engine at ``kv_address`` (with the
-        prompt's ``capability``) into staging, skipping the whole blocks of ``num_decode_cached_tokens``
-        (the prefix hit the router expects of this engine). Returns "" when started, else why not (the
-        decode then pulls as usual)."""
+        """Start streaming ``request_id``'s prompt KV, computed with ``adapter`` ("" for the base model), from
+        the prefill engine at ``kv_address`` (with the prompt's ``capability``) into staging, skipping the
+        whole blocks of ``num_decode_cached_tokens`` (the prefix hit the router expects of this engine).
+        Returns "" when started, else why not (the decode then pulls as usual)."""
         layout = self._layout
         if layout is None:
             return "the KV caches are not registered yet"
@@ -315,6 +332,7 @@ class KVPuller:
             num_staged_bytes=num_staged_bytes,
             expires_s=time.monotonic() + self._prefetch_keep_s,
             capability=capability,
+            adapter=adapter,
         )
         with self._lock:
             self._prefetches[request_id] = prefetch
@@ -336,6 +354,7 @@ class KVPuller:
                     max_chunk_bytes=self._max_chunk_bytes,
                     num_prompt_tokens=prefetch.num_prompt_tokens,
                     capability=prefetch.capability,
+                    adapter=prefetch.adapter,
                 ),
             )
             prefetch.call = call
@@ -421,6 +440,13 @@ class KVPuller:
                 # Staged from another engine, request or capability than the handle names: not this
                 # prompt's KV (a PrefetchKV forged by another caller, or a stale one).
                 usable, why = False, "the prefetch is not of the prompt the handle names"
+            elif prefetch.adapter != spec.handle.adapter:
+                # Staged for another adapter's decode (or the base model's): other weights' KV.
+                usable = False
+                why = (
+                    f"prefetched for adapter {prefetch.adapter or '(base model)'!r}, the load runs with "
+                    f"{spec.handle.adapter or '(base model)'!r}"
+                )
             elif prefetch.num_prompt_tokens != spec.handle.num_tokens:
                 usable = False
                 why = f"prefetched {prefetch.num_prompt_tokens} tokens, the handle has {spec.handle.num_tokens}"

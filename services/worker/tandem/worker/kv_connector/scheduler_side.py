@@ -60,6 +60,8 @@ class SchedulerSide:
         self._request_ids: dict[str, str] = {}
         #: Prefill requests a decode engine will pull: vLLM's request id → the capability that reads their KV.
         self._capabilities: dict[str, str] = {}
+        #: Prefill requests a decode engine will pull: vLLM's request id → the adapter they run with.
+        self._adapters: dict[str, str] = {}
 
     # -- decode side -------------------------------------------------------------
 
@@ -80,6 +82,7 @@ class SchedulerSide:
             self._streamed[request.request_id] = (request.num_prompt_tokens, [])
             self._request_ids[request.request_id] = _kv_request_id(request, params)
             self._capabilities[request.request_id] = str(params.get(CAPABILITY, ""))
+            self._adapters[request.request_id] = _adapter(request)
             return
         if not params or not params.get(DO_REMOTE_PREFILL):
             return
@@ -137,6 +140,7 @@ class SchedulerSide:
         streamed = self._streamed.pop(request.request_id, None) is not None
         kv_request_id = self._request_ids.pop(request.request_id, "") or _kv_request_id(request, params)
         capability = self._capabilities.pop(request.request_id, "") or str(params.get(CAPABILITY, ""))
+        self._adapters.pop(request.request_id, None)
         if not params.get(DO_REMOTE_DECODE):
             # A decode request: its load's figures leave with it (a load still in flight reports to no one).
             self._loading.discard(request.request_id)
@@ -150,7 +154,7 @@ class SchedulerSide:
             return False, None
         expiry = time.time() + self._lease_s
         ids = tuple(int(b) for b in block_ids)
-        adapter = request.lora_request.lora_name if request.lora_request is not None else ""
+        adapter = _adapter(request)
         self._pending.holds[request.request_id] = HoldSpec(kv_request_id, ids, expiry, capability, adapter)
         handle = KVHandleParams(
             engine_id=self._engine_id,
@@ -222,8 +226,14 @@ class SchedulerSide:
                 num_computed_tokens=num_computed,
                 num_computed_after_step=min(num_prompt, num_computed + num_scheduled),
                 capability=self._capabilities.get(req_id, ""),
+                adapter=self._adapters.get(req_id, ""),
             )
         )
+
+
+def _adapter(request: Request) -> str:
+    """The LoRA adapter ``request`` runs with, by its engine name (vLLM's ``lora_name``); "" for the base model."""
+    return request.lora_request.lora_name if request.lora_request is not None else ""
 
 
 def _kv_request_id(request: Request, params: dict[str, Any]) -> str:

@@ -164,10 +164,20 @@ class WorkerSide:
         return self.puller.abort(request_id) or released
 
     def prefetch(
-        self, request_id: str, kv_address: str, num_prompt_tokens: int, num_decode_cached_tokens: int, capability: str
+        self,
+        request_id: str,
+        kv_address: str,
+        num_prompt_tokens: int,
+        num_decode_cached_tokens: int,
+        capability: str,
+        *,
+        adapter: str = "",
     ) -> str:
-        """Start streaming a running prefill's KV into staging; "" if started, else why not."""
-        return self.puller.prefetch(request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability)
+        """Start streaming a running prefill's KV (computed with ``adapter``) into staging; "" if started, else
+        why not."""
+        return self.puller.prefetch(
+            request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability, adapter=adapter
+        )
 
     def load(self, spec: LoadSpec) -> LoadRecord:
         """Pull one request's blocks now, on the calling thread (benchmarks)."""
