@@ -14,7 +14,7 @@ import statistics
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 import pytest
@@ -231,55 +231,111 @@ async def test_startup_and_schedule_latency(router: RouterProcess, client: Route
     assert p50_ms < 100, f"Schedule p50 {p50_ms:.1f} ms"
 
 
-async def test_metrics_reach_rays_prometheus_endpoint(
-    router: RouterProcess, client: RouterClient, workers: FakeWorkers
-) -> None:
-    model = model_of(workers)
-    placement = await client.schedule("req-metrics", model, num_prompt_tokens=300, max_tokens=20)
-    short = await client.schedule("req-metrics-short", model, num_prompt_tokens=12, max_tokens=8)
-    await client.release(short.request_id)
-    # Ray exports every ~10 s and prefixes custom metrics with "ray_".
-    deadline_s = time.monotonic() + 45
+async def _scrape_until(router: RouterProcess, done: Callable[[str], bool], timeout_s: float = 45) -> str:
+    """Ray's export (every ~10 s; custom metrics prefixed with "ray_") once ``done`` holds, or the last one."""
+    deadline_s = time.monotonic() + timeout_s
     text = ""
     async with httpx.AsyncClient() as http:
         while time.monotonic() < deadline_s:
             text = (await http.get(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=5)).text
-            if (
+            if done(text):
+                break
+            await asyncio.sleep(1)
+    return text
+
+
+def _model_values(text: str, name: str, model: str) -> list[float]:
+    return [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(f"{name}{{") and f'model="{model}"' in line
+    ]
+
+
+async def test_metrics_reach_rays_prometheus_endpoint(
+    router: RouterProcess, client: RouterClient, workers: FakeWorkers
+) -> None:
+    """Two models' workers in one router: the real export, read by the operator's parser per model,
+    gives each model's pools its own load and none of the other's; a model whose workers left reads
+    no stale load."""
+    model = model_of(workers)
+    other_model = f"{model[:50]}-other"
+    others = FakeWorkers(router.key_prefix, pool(other_model, num_prefill=1, num_decode=1))
+    await others.start()
+    closed = False
+    try:
+        placement = await client.schedule("req-metrics", model, num_prompt_tokens=300, max_tokens=20)
+        short = await client.schedule("req-metrics-short", model, num_prompt_tokens=12, max_tokens=8)
+        await client.release(short.request_id)
+        other = await client.schedule("req-metrics-other", other_model, num_prompt_tokens=500, max_tokens=20)
+        other_short = await client.schedule("req-metrics-other-short", other_model, num_prompt_tokens=12)
+        text = await _scrape_until(
+            router,
+            lambda text: (
                 f'worker_id="{placement.decode.worker_id}"' in text
                 and "tandem_router_schedule_seconds" in text
                 and "tandem_router_queued_requests" in text
-                and "ray_tandem_router_pool_in_flight_requests{" in text
-                and parse_router_metrics(text, "decode").in_flight == 1
-            ):
-                break
-            await asyncio.sleep(1)
-    await client.release("req-metrics")
-    assert "ray_tandem_router_schedule_seconds_count" in text
-    paths = {
-        path: line
-        for line in text.splitlines()
-        if line.startswith("ray_tandem_router_placements_total{")
-        for path in ("disaggregated", "local_prefill")
-        if f'path="{path}"' in line
-    }
-    assert set(paths) == {"disaggregated", "local_prefill"}, paths
-    gauge = [
-        line
-        for line in text.splitlines()
-        if line.startswith("ray_tandem_router_in_flight_requests{")
-        and f'worker_id="{placement.decode.worker_id}"' in line
-    ]
-    assert gauge and gauge[0].endswith(" 1.0"), gauge
+                and parse_router_metrics(text, "decode", model).in_flight == 1
+                and parse_router_metrics(text, "decode", other_model).in_flight == 2
+            ),
+        )
+        await client.release("req-metrics")
+        assert "ray_tandem_router_schedule_seconds_count" in text
+        paths = {
+            path: line
+            for line in text.splitlines()
+            if line.startswith("ray_tandem_router_placements_total{") and f'model="{model}"' in line
+            for path in ("disaggregated", "local_prefill")
+            if f'path="{path}"' in line
+        }
+        assert set(paths) == {"disaggregated", "local_prefill"}, paths
+        gauge = [
+            line
+            for line in text.splitlines()
+            if line.startswith("ray_tandem_router_in_flight_requests{")
+            and f'worker_id="{placement.decode.worker_id}"' in line
+        ]
+        assert gauge and f'model="{model}"' in gauge[0] and gauge[0].endswith(" 1.0"), gauge
 
-    # The operator's parser reads the real export: each pool's own quantities, nothing of the other's.
-    prefill = parse_router_metrics(text, "prefill")
-    assert prefill.uncached_tokens == 300 and prefill.queue_depth == 0, prefill
-    decode = parse_router_metrics(text, "decode")
-    assert decode.waiting == 0 and decode.uncached_tokens is None, decode
-    # One request placed on each pool; the prefill budget in use is its 300 uncached tokens (these
-    # registry records carry no KV size, so decode's budget is unbounded and reads 0).
-    assert prefill.in_flight == 1 and decode.in_flight == 1, (prefill, decode)
-    assert decode.budget_usage == 0.0, decode
+        # The operator's parser reads the real export: each model's pools their own quantities, nothing
+        # of the other model's, nothing of the other pool's.
+        prefill = parse_router_metrics(text, "prefill", model)
+        assert prefill.uncached_tokens == 300 and prefill.queue_depth == 0, prefill
+        decode = parse_router_metrics(text, "decode", model)
+        assert decode.waiting == 0 and decode.uncached_tokens is None, decode
+        # One request placed on each pool; the prefill budget in use is its 300 uncached tokens (these
+        # registry records carry no KV size, so decode's budget is unbounded and reads 0).
+        assert prefill.in_flight == 1 and decode.in_flight == 1, (prefill, decode)
+        assert decode.budget_usage == 0.0, decode
+        other_prefill = parse_router_metrics(text, "prefill", other_model)
+        other_decode = parse_router_metrics(text, "decode", other_model)
+        assert other_prefill.uncached_tokens == 500 and other_prefill.in_flight == 1, other_prefill
+        assert other_decode.in_flight == 2, other_decode  # the short one went to decode alone
+        # The single-model form (no selection) counts both: every model's load is the one pool's.
+        everything = parse_router_metrics(text, "prefill")
+        assert everything.uncached_tokens is not None and everything.uncached_tokens >= 800, everything
+
+        # The other model's workers go away with a request still placed on them: once the registry
+        # forgets them, its pools read zero (or nothing), never the load they had.
+        await others.close()
+        closed = True
+        await client.release(other.request_id)
+        await client.release(other_short.request_id)
+        pool_series = (
+            "ray_tandem_router_pool_in_flight_requests",
+            "ray_tandem_router_pool_budget_used_fraction",
+            "ray_tandem_router_queued_requests",
+        )
+        text = await _scrape_until(
+            router,
+            lambda text: not any(v for name in pool_series for v in _model_values(text, name, other_model)),
+        )
+        stale = {name: _model_values(text, name, other_model) for name in pool_series}
+        assert not any(v for values in stale.values() for v in values), stale
+        assert parse_router_metrics(text, "prefill", other_model).uncached_tokens in (None, 0.0)
+    finally:
+        if not closed:
+            await others.close()
 
 
 async def test_the_replicas_ledger_publishes_on_serves_event_loop(router: RouterProcess) -> None:
