@@ -157,6 +157,7 @@ def build_app(
     served = _served_models(settings, tokenizer, tokenizers or {})
     served_models = tuple(m.name for m in settings.models)
     default = served[served_models[0]]
+    metrics.serve_models(served_models)
     services = GatewayServices(
         limits=default.limits,
         tokenizer=default.tokenizer,

@@ -2,9 +2,18 @@
 ``/metrics`` by :mod:`tandem.gateway.app`). Recorded by the route handlers
 (latencies as the client sees them: measured when bytes are handed to the
 server) and by the orchestrator (per-stage timings). Labels never carry
-request content, tenants' keys or ids."""
+request content, tenants' keys or ids.
+
+The latencies the operator's per-model autoscaling reads (TTFT, inter-token
+latency; the end-to-end latency beside them) carry a ``model`` label: the base
+model the request ran on (an adapter's requests count as their base model's),
+one of the served models :meth:`GatewayMetrics.serve_models` names (the app sets
+them); any other name is recorded as ``model=""``, so no request can add a label
+value."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -69,22 +78,27 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        #: The values the ``model`` label may take (:meth:`serve_models`).
+        self._models: frozenset[str] = frozenset()
         self.time_to_first_token_s = Histogram(
             "tandem_gateway_time_to_first_token_seconds",
-            "Request received to first generated text handed to the client.",
+            "Request received to first generated text handed to the client, by base model.",
+            ["model"],
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
         self.inter_token_latency_s = Histogram(
             "tandem_gateway_inter_token_latency_seconds",
             "Time between consecutive generated tokens handed to the client (a chunk of k tokens "
-            "counts k observations of gap/k).",
+            "counts k observations of gap/k), by base model.",
+            ["model"],
             buckets=INTER_TOKEN_BUCKETS_S,
             registry=self.registry,
         )
         self.e2e_request_latency_s = Histogram(
             "tandem_gateway_e2e_request_latency_seconds",
-            "Request received to last byte of the response.",
+            "Request received to last byte of the response (successful requests), by base model.",
+            ["model"],
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
         )
@@ -161,13 +175,30 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+    def serve_models(self, names: Iterable[str]) -> None:
+        """The served (base) models' names: the only values of the ``model`` label."""
+        self._models = frozenset(names)
+
+    def model_label(self, model: str) -> str:
+        """``model`` when it is a served model, else ""."""
+        return model if model in self._models else ""
+
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.stage_s.labels(stage=stage).observe(seconds)
 
-    def observe_tokens(self, gap_s: float, num_tokens: int) -> None:
-        """``num_tokens`` arrived together ``gap_s`` after the previous ones."""
+    def observe_first_token(self, ttft_s: float, *, model: str) -> None:
+        """A request of the base model ``model`` handed its first text to the client ``ttft_s`` after it arrived."""
+        self.time_to_first_token_s.labels(model=self.model_label(model)).observe(ttft_s)
+
+    def observe_e2e(self, e2e_s: float, *, model: str) -> None:
+        """A successful request of ``model`` handed its last byte ``e2e_s`` after it arrived."""
+        self.e2e_request_latency_s.labels(model=self.model_label(model)).observe(e2e_s)
+
+    def observe_tokens(self, gap_s: float, num_tokens: int, *, model: str) -> None:
+        """``num_tokens`` of a request of ``model`` arrived together ``gap_s`` after the previous ones."""
         if num_tokens <= 0:
             return
         per_token_s = gap_s / num_tokens
+        histogram = self.inter_token_latency_s.labels(model=self.model_label(model))
         for _ in range(num_tokens):
-            self.inter_token_latency_s.observe(per_token_s)
+            histogram.observe(per_token_s)

@@ -225,7 +225,7 @@ class GenerationResponse(Response):
         self._metrics.requests_total.labels(endpoint=self._timing.endpoint, status=str(status)).inc()
         e2e_s = time.monotonic() - self._timing.received_s
         if status == 200:
-            self._metrics.e2e_request_latency_s.observe(e2e_s)
+            self._metrics.observe_e2e(e2e_s, model=self._job.model)
         stages = clock.stages_s()
         for stage, seconds in stages.items():
             self._metrics.observe_stage(stage, seconds)
@@ -287,7 +287,7 @@ class GenerationResponse(Response):
     def _observe_first_token(self, first: TextDelta) -> None:
         self._ttft_s = time.monotonic() - self._timing.received_s
         self._num_completion_tokens = 1
-        self._metrics.time_to_first_token_s.observe(self._ttft_s)
+        self._metrics.observe_first_token(self._ttft_s, model=self._job.model)
         self._logprobs.extend(first.logprobs)
         self._texts.append(first.text)
 

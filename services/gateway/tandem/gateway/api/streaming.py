@@ -178,7 +178,7 @@ class StreamedResponse(GenerationResponse):
                     if not event.text:
                         continue
                     now_s = time.monotonic()
-                    self._metrics.observe_tokens(now_s - last_token_s, num_unsent_tokens)
+                    self._metrics.observe_tokens(now_s - last_token_s, num_unsent_tokens, model=self._job.model)
                     self._metrics.generated_tokens_total.inc(num_unsent_tokens)
                     last_token_s, num_unsent_tokens = now_s, 0
                     await self._save_progress()
