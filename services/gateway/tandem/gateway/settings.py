@@ -42,8 +42,9 @@ class AuthSettings(BaseModel):
     #: How long a key → tenant lookup is reused in this process; a revoked key stops working after at most
     #: this long (0: ask Redis on every request).
     cache_s: float = Field(2.0, ge=0)
-    #: Requests of one key that the gateway may refuse (400, 403, 404, 413) in a minute; past it, the key's
-    #: requests get 429 before their body is read (0: no limit). See tandem.gateway.tenancy.rejections.
+    #: Requests of one key that the gateway may refuse for their own fault (400, 403, 413; not a 404 for a
+    #: model or adapter not loaded yet) in a minute; past it, the key's requests get 429 before their body is
+    #: read (0: no limit). See tandem.gateway.tenancy.rejections.
     max_rejected_requests_per_minute: int = Field(120, ge=0)
 
 

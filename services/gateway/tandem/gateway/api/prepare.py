@@ -5,7 +5,7 @@ is charged or any worker is asked.
 Called by the generation handler of :mod:`tandem.gateway.api.routes` for both
 endpoints; calls, in order: the drain check, authentication, the key's count
 of refused requests (:mod:`tandem.gateway.tenancy.rejections`: what this
-function refuses counts against the key), the body reader and validation
+function refuses for the request's own fault counts against the key), the body reader and validation
 (:mod:`validation`), the model and tenant checks (:func:`resolve_model`: a served model, or a
 LoRA adapter through the catalog's cache, :mod:`tandem.gateway.adapters`), then the
 prompt: for chat, the conversation's history and :func:`assemble_chat`
@@ -35,6 +35,7 @@ from tandem.gateway.prompt import PromptTokenizer, text_prompt_ids
 from tandem.gateway.sampling import SamplingParams
 from tandem.gateway.tenancy.auth import Principal
 from tandem.gateway.tenancy.models import Tenant, allowed, may_know_missing
+from tandem.gateway.tenancy.rejections import counts_against_key
 from tandem.gateway.timings import StageClock
 
 Endpoint = Literal["chat", "completions"]
@@ -82,12 +83,13 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
     principal = await services.authenticator.authenticate(request.headers.get("authorization"))
     clock.mark("authenticated")
     # A key that keeps sending what is refused is refused cheaply, before its body is read
-    # (tandem.gateway.tenancy.rejections); what is refused below counts against it.
+    # (tandem.gateway.tenancy.rejections); what is refused below for the request's own fault counts against it.
     services.rejections.check(principal)
     try:
         return await _prepare(request, services, endpoint, principal, clock)
-    except PermanentError:
-        await services.rejections.count(principal)
+    except PermanentError as exc:
+        if counts_against_key(exc):
+            await services.rejections.count(principal)
         raise
 
 

@@ -8,9 +8,18 @@ any quota. A few loops from one key kept a gateway core busy. Now a key that
 keeps sending what is refused is itself refused cheaply, by the gateway's
 first check after authentication.
 
-Counted: what the request preparation refuses after authentication (400, 403,
-404, 413: :func:`tandem.gateway.api.prepare.prepare`). Not counted: 401 (no
-key to count against), 429 and 503 (cheap, and not the client's mistake).
+Counted (:func:`counts_against_key`): what the request preparation refuses after
+authentication because the request itself is wrong, so that sending it again
+cannot help (:func:`tandem.gateway.api.prepare.prepare`): a malformed or
+out-of-bounds body (400), one too large (413, the body or its text; also the
+tenant's storage quota, refused after the prompt was assembled, the costliest
+refusal there is), a model or action the key's tenant may not use (403). Not
+counted, because they are not the client's mistake or may succeed as they are
+a moment later: 404 ``model_not_found`` (a client polling for an adapter that
+an operator is rolling out is doing the normal thing, and a 404 is refused
+before the prompt is rendered or tokenized, the costly part), 429 and 503
+(the quota, the concurrency cap, a draining replica, a backend down: retryable
+by definition), 401 (no key to count against).
 
 Shared by every gateway replica through Redis: one ``HINCRBY`` per refusal on
 ``<prefix>:gw:quota:<tenant>:rejected:<minute>`` (a field per key id; the hash
@@ -29,7 +38,7 @@ import time
 
 import redis.asyncio as aioredis
 
-from tandem.common.errors import BackendUnavailableError
+from tandem.common.errors import BackendUnavailableError, InvalidRequestError, PermanentError, TandemError
 from tandem.gateway.errors import RateLimitedError
 from tandem.gateway.redis_client import redis_errors
 from tandem.gateway.tenancy.auth import Principal
@@ -37,6 +46,15 @@ from tandem.gateway.tenancy.auth import Principal
 logger = logging.getLogger(__name__)
 
 _WINDOW_S = 60
+#: Refusals that are not the client's mistake: the model or adapter may exist a moment later.
+_NOT_COUNTED_CODES = frozenset({"model_not_found"})
+
+
+def counts_against_key(exc: TandemError) -> bool:
+    """Whether refusing a request with ``exc`` counts against its key (see the module's docstring)."""
+    if not isinstance(exc, PermanentError):
+        return False  # retryable: 429, 503
+    return not (isinstance(exc, InvalidRequestError) and exc.code in _NOT_COUNTED_CODES)
 
 
 class RejectionLimiter:
