@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+from tandem_operator.signals import QueryScope
 
 from tandem.common.registry import WorkerRecord
 from tandem.gateway.app import build_app
@@ -23,6 +25,7 @@ from tandem.gateway.prompt import HfPromptTokenizer
 from tandem.gateway.settings import GatewaySettings
 from tandem.v1 import router_pb2
 from tests.kit.gateway import MODEL, WORDS, FakeReadiness, FakeRouter, FakeWorker, placement
+from tests.kit.promql import check_promql, histogram_quantile, series_from_exposition
 from tests.unit.gateway.conftest import gateway_settings
 
 pytestmark = pytest.mark.timeout(60)
@@ -246,3 +249,53 @@ def test_a_served_model_without_a_tokenizer_is_refused(tokenizer_dir: Path) -> N
             tokenizer=HfPromptTokenizer.from_dir(tokenizer_dir),
             readiness=FakeReadiness(),
         )
+
+
+def _buckets(text: str, metric: str, model: str | None) -> dict[float, float]:
+    """Cumulative bucket counts of ``metric`` in the gateway's exposition, of one model (None: all)."""
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{metric}_bucket" and model in (None, sample.labels["model"]):
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+    return buckets
+
+
+async def test_latencies_are_per_base_model_and_the_operators_queries_read_them(two: TwoModels, tmp_path: Path) -> None:
+    """The real gateway's /metrics, two models served: TTFT and inter-token latency per base model,
+    a name that is not served adds no label value, and the operator's PromQL (QueryScope.queries,
+    evaluated by promtool over that text) gives each model's pool its own latency."""
+    two.workers[MODEL][1].decode_step_delay_s = 0.001
+    two.workers[MODEL_B][1].decode_step_delay_s = 0.06  # B's tokens come far apart: its ITL is its own
+    for model in (MODEL, MODEL, MODEL_B):
+        response = await two.client.post("/v1/chat/completions", json=_chat(model, "hello", stream=True))
+        assert response.status_code == 200, response.text
+    assert (await two.client.post("/v1/chat/completions", json=_chat("no-such-model", stream=True))).status_code == 404
+    text = (await two.client.get("/metrics")).text
+
+    counts = {
+        (sample.name, sample.labels["model"]): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.endswith("_count") and "model" in sample.labels
+    }
+    assert counts[("tandem_gateway_time_to_first_token_seconds_count", MODEL)] == 2
+    assert counts[("tandem_gateway_time_to_first_token_seconds_count", MODEL_B)] == 1
+    assert counts[("tandem_gateway_e2e_request_latency_seconds_count", MODEL_B)] == 1
+    assert {model for _, model in counts} == {MODEL, MODEL_B}  # the unknown name made no series
+
+    itl = "tandem_gateway_inter_token_latency_seconds"
+    ttft = "tandem_gateway_time_to_first_token_seconds"
+
+    def p90(metric: str, model: str | None) -> float:
+        return histogram_quantile(0.9, _buckets(text, metric, model))
+
+    assert p90(itl, MODEL_B) > 0.05 > p90(itl, MODEL), (p90(itl, MODEL), p90(itl, MODEL_B))
+    scope = QueryScope(namespace="ns", deployment_name="tandem")
+    expected: dict[str, float | None] = {}
+    for model in (MODEL, MODEL_B, None):  # None: the single-model form's query, every model's requests
+        expected[scope.queries("prefill", model=model)["ttft_p90_s"]] = p90(ttft, model)
+        expected[scope.queries("decode", model=model)["itl_p90_s"]] = p90(itl, model)
+    expected[scope.queries("decode", model="absent")["itl_p90_s"]] = None
+    check_promql(tmp_path, series_from_exposition(text, {"namespace": "ns"}), expected)
