@@ -15,17 +15,19 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
 import redis
-from tandem_operator.signals import parse_router_metrics
+from tandem_operator.signals import QueryScope, parse_router_metrics
 
 from tandem.common.errors import InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord, WorkerRegistry
 from tandem.common.router_client import RouterClient
 from tandem.router.settings import DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE
+from tests.kit.promql import check_promql, series_from_exposition
 from tests.kit.router import RouterProcess, router_process
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -253,7 +255,7 @@ def _model_values(text: str, name: str, model: str) -> list[float]:
 
 
 async def test_metrics_reach_rays_prometheus_endpoint(
-    router: RouterProcess, client: RouterClient, workers: FakeWorkers
+    router: RouterProcess, client: RouterClient, workers: FakeWorkers, tmp_path: Path
 ) -> None:
     """Two models' workers in one router: the real export, read by the operator's parser per model,
     gives each model's pools its own load and none of the other's; a model whose workers left reads
@@ -314,6 +316,23 @@ async def test_metrics_reach_rays_prometheus_endpoint(
         # The single-model form (no selection) counts both: every model's load is the one pool's.
         everything = parse_router_metrics(text, "prefill")
         assert everything.uncached_tokens is not None and everything.uncached_tokens >= 800, everything
+        # The operator's PromQL over the same export (promtool): each model's pool its own figures; the
+        # single-model form's unselected queries what the parser reads unselected.
+        scope = QueryScope(namespace="ns", deployment_name="tandem")
+        expected: dict[str, float | None] = {}
+        for name, num_tokens, num_on_decode in ((model, 300, 1), (other_model, 500, 2)):
+            prefill_queries = scope.queries("prefill", model=name)
+            decode_queries = scope.queries("decode", model=name)
+            expected[prefill_queries["uncached_tokens"]] = num_tokens
+            expected[prefill_queries["in_flight"]] = 1
+            expected[prefill_queries["queue_depth"]] = 0
+            expected[decode_queries["in_flight"]] = num_on_decode
+            expected[decode_queries["waiting"]] = 0
+            expected[decode_queries["budget_usage"]] = 0.0
+        expected[scope.queries("prefill")["uncached_tokens"]] = everything.uncached_tokens
+        expected[scope.queries("prefill")["in_flight"]] = everything.in_flight
+        expected[scope.queries("decode", model="absent")["in_flight"]] = None
+        check_promql(tmp_path, series_from_exposition(text, {"namespace": "ns"}), expected)
 
         # The other model's workers go away with a request still placed on them: once the registry
         # forgets them, its pools read zero (or nothing), never the load they had.
