@@ -8,6 +8,7 @@ engines of this module at a time. The router hands every request off (prefill â†
 * At temperature 0, each of two adapters' chat answers through Tandem equal the plain server's with the
   same adapter, streamed and not: text, finish reason, token counts, and every token with its
   log-probability; the base model's too; each adapter answers unlike the base model and unlike the other.
+  Each hands off with its KV prefetched for its adapter while the prefill runs, and the Decode uses it.
   The prompts carry emoji, CJK and accents, and the chat template's control tokens inside the user's text
   (Tandem keeps those as text, so that case's reference is the plain server given Tandem's prompt ids).
 * The same long prompt under two adapters shares no block (``cached_tokens`` 0 for the second adapter's
@@ -45,6 +46,7 @@ from tandem.common.registry import WorkerRegistry
 from tandem.local.plain_vllm import start_plain_vllm, stop_plain_vllm
 from tandem.local.stack import LocalStack, StackConfig, default_model_dir, free_port
 from tests.kit.adapters import ADAPTER_RANK, BASE_MODEL_NAME, adapter_path
+from tests.probes import kv_stats
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -341,16 +343,23 @@ def test_answers_equal_plain_vllm_with_the_same_adapter(
         want = reference[(model, case)]
         assert_same(ask(client, model, messages), want, what=f"{model} {case}")
         assert_same(ask_streamed(client, model, messages), want, what=f"{model} {case} streamed")
-    # Handed off: the decode engine loaded the prefill's KV.
+    # Handed off: the decode engine loaded the prefill's KV, from what it prefetched for this adapter while
+    # the prefill ran (PrefetchKV names the adapter; the prefill's KV server streams only KV its engine
+    # computes with it). A prompt the decode worker has not seen whole, so that it loads some of it.
+    before = kv_stats(lora_stack, "decode")
     raw = client.chat.completions.with_raw_response.create(
         model=model,
-        messages=chat_messages(NON_ASCII),
+        messages=chat_messages(f"{NON_ASCII} ({model})"),
         temperature=0,
         max_tokens=2,
         extra_headers={"X-Tandem-Timings": "1"},
     )
     worker = (raw.parse().model_extra or {})["tandem_timings"]["worker"]
     assert "local_prefill" not in worker and worker["num_kv_tokens_loaded"] > 0, worker
+    assert worker.get("kv_prefetched") == 1, worker
+    after = kv_stats(lora_stack, "decode")
+    assert after.prefetches_used_total == before.prefetches_used_total + 1
+    assert after.prefetches_wasted_total == before.prefetches_wasted_total
 
 
 def test_adapters_change_the_answers(reference: Reference) -> None:
