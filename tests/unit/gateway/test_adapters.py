@@ -96,6 +96,11 @@ async def test_the_engine_name_reaches_schedule_prefill_and_decode_with_the_adap
     assert edge.router.schedule_calls[-1]["adapter"] == ""
     assert edge.prefill.prefill_requests[-1].adapter == edge.decode.decode_requests[-1].adapter == ""
     assert edge.decode.prefetch_requests[-1].adapter == ""
+    # The latencies count the adapter's requests as their base model's: no label value per adapter.
+    sample = edge.metrics.registry.get_sample_value
+    assert sample("tandem_gateway_time_to_first_token_seconds_count", {"model": MODEL}) == 3
+    assert sample("tandem_gateway_time_to_first_token_seconds_count", {"model": "acme-support"}) is None
+    assert sample("tandem_gateway_time_to_first_token_seconds_count", {"model": engine}) is None
 
 
 async def test_a_local_prefill_and_a_migrated_stream_carry_the_adapter(edge: Any, start_worker: Any) -> None:
