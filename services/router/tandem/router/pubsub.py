@@ -43,7 +43,19 @@ whose per-command layers (a lock, a retry wrapper, and a task per write for the 
 (2026-12-06, the 2-core host shared with four other jobs, load average ~4; three runs): event-loop
 CPU per message published (with four received) 606, 637, 565 us against 698, 713, 652 us through
 ``Redis.publish``; to own subscriber p50 0.27, 0.27, 0.24 ms against 0.34, 0.32, 0.28 ms.
-Receiving stays on ``PubSub.get_message``.
+
+Receiving reads the subscription's connection itself, through redis-py's public
+``Connection.read_response(push_request=True)`` (a RESP3 pub/sub message is a push reply; what
+``PubSub.parse_response`` calls too), without ``PubSub.get_message``'s layers around it (a health
+check, the retry wrapper, a dict per message) and with a push handler of ours (redis-py's default
+formats every push reply into a debug log line). Measured side by side,
+``python benchmarks/ledger_pubsub.py --seconds 6 --repeats 3 --rate 250 --baseline-rev HEAD``
+(2026-12-06, the shared 2-core host, load average 3-6; two runs): event-loop CPU per message
+published (with ~4.6 received) 477 and 592 us against 529 and 698 us through ``get_message``; to
+own subscriber p50 unchanged (0.29, 0.35 ms against 0.28, 0.36 ms). In a microbenchmark (one
+message per wake, 2,000 a second) ``get_message`` took 52 us of CPU per message and this read 26-42
+us: most of what is left is the event loop's wake itself, which a client on ``asyncio.Protocol`` (the
+hand-written one, 6a98561) skipped by handing each message over from ``data_received``.
 
 Order is the writer's: one task sends the queue, in the order :meth:`Publisher.publish` was called,
 on one connection (the messages waiting when it wakes go as one pipeline), so a publisher's
@@ -72,7 +84,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
@@ -274,7 +286,8 @@ class Subscription:
     ) -> Subscription:
         """Subscribed once this returns (raises when Redis cannot be reached or refuses)."""
         client = _client(url, timeout_s)
-        pubsub = client.pubsub()
+        # (a handler of ours: redis-py's default formats every push reply into a debug log line)
+        pubsub = client.pubsub(push_handler_func=_as_received)
         try:
             await pubsub.subscribe(channel)
             deadline_s = time.monotonic() + timeout_s
@@ -291,14 +304,22 @@ class Subscription:
         return cls(client, pubsub, on_message)
 
     async def _read_forever(self) -> None:
+        """Read the subscription's connection itself: each message is a RESP3 push reply
+        ``[b"message", channel, payload]``, which redis-py's ``Connection.read_response`` returns with
+        ``push_request=True`` (what ``PubSub.parse_response`` passes it too), without the layers of
+        ``PubSub.get_message`` around it (a health check, the retry wrapper, a dict per message): see
+        the module docstring for the figures."""
         on_message = self._on_message
+        # (redis-py leaves the attribute unannotated: None until subscribed)
+        connection = cast("Connection | None", self._pubsub.connection)
+        assert connection is not None  # subscribed
         try:
             while not self._closed:
-                reply = await self._pubsub.get_message(timeout=None)
+                reply = await connection.read_response(timeout=math.inf, disconnect_on_error=False, push_request=True)
                 self.heard_s = time.monotonic()
-                if reply is not None and reply["type"] == "message":
+                if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
                     try:
-                        on_message(reply["data"])
+                        on_message(reply[2])
                     except Exception:  # a receiver's bug must not end the subscription
                         logger.exception("pub/sub message handler failed")
         except (RedisError, OSError) as exc:
@@ -318,6 +339,10 @@ class Subscription:
         with contextlib.suppress(RedisError, OSError):
             await self._pubsub.aclose()  # type: ignore[no-untyped-call]
             await self._client.aclose()
+
+
+async def _as_received(reply: Any) -> Any:
+    return reply
 
 
 async def subscribe_forever(
