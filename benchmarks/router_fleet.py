@@ -294,6 +294,45 @@ class LoopStalls:
         log(f"  all: {total_s * 1e3:.0f} ms, {off_s * 1e3:.0f} ms of it ({off_s / max(total_s, 1e-9):.0%}) off the CPU")
 
 
+class ThreadTimes:
+    """Per thread of this process, from Linux's scheduler statistics (``/proc/self/task/*/schedstat``):
+    the time it ran and the time it was ready to run but waited for a core (run delay), between
+    :meth:`start` and :meth:`stop`. Where the replica's wait goes when it is not its own work: a loop
+    thread that waits long for a core shares it with something (its own ZMQ I/O thread, another
+    process)."""
+
+    def __init__(self) -> None:
+        self._start: dict[str, tuple[str, int, int]] = {}
+        self._stop: dict[str, tuple[str, int, int]] = {}
+
+    @staticmethod
+    def _read() -> dict[str, tuple[str, int, int]]:
+        out: dict[str, tuple[str, int, int]] = {}
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError):
+                name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+                run_ns, delay_ns, _ = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()
+                out[tid] = (name, int(run_ns), int(delay_ns))
+        return out
+
+    def start(self) -> ThreadTimes:
+        self._start = self._read()
+        return self
+
+    def stop(self) -> None:
+        self._stop = self._read()
+
+    def summary(self, elapsed_s: float) -> str:
+        parts = []
+        for tid, (name, run_ns, delay_ns) in sorted(self._stop.items()):
+            _, run0_ns, delay0_ns = self._start.get(tid, (name, 0, 0))
+            ran_s, waited_s = (run_ns - run0_ns) / 1e9, (delay_ns - delay0_ns) / 1e9
+            if ran_s > 0.01 * elapsed_s or waited_s > 0.01 * elapsed_s:
+                main = " (the event loop)" if int(tid) == threading.get_native_id() else ""
+                parts.append(f"{name}{main} ran {ran_s / elapsed_s:.1%}, waited for a core {waited_s / elapsed_s:.1%}")
+        return "; ".join(parts) or "no thread ran or waited over 1 % of the time"
+
+
 class GcPauses:
     """The garbage collector's passes while started: count and seconds by generation."""
 
@@ -457,6 +496,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
         gc.freeze()
         stalls = LoopStalls().start() if os.environ.get("FLEET_STALLS") else None
         gc_pauses = GcPauses().start()
+        thread_times = ThreadTimes().start()
         lateness_s: list[float] = []  # the threaded driver's hand-over after each arrival time
 
         def hand_over(index: int, arrival_s: float) -> None:
@@ -520,6 +560,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
         await asyncio.gather(*tasks)
         elapsed_s = time.perf_counter() - t0 - lead_s - args.warmup_s
         loop_cpu_s = time.thread_time() - cpu0_s
+        thread_times.stop()
         gc_pauses.stop()
         log(f"garbage collections in the open loop: {gc_pauses.summary()}")
         if lateness_s:
@@ -536,6 +577,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             f"the event loop's thread was on the CPU {loop_cpu_s / (elapsed_s + args.warmup_s):.0%} of the open loop; "
             f"the decisions themselves {sum(cpu_times) / (elapsed_s + args.warmup_s):.0%}"
         )
+        log(f"this process's threads over the open loop: {thread_times.summary(elapsed_s + args.warmup_s)}")
         if stalls is not None:
             stalls.stop()
             stalls.report()
@@ -543,6 +585,8 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             import pstats
 
             profiler.disable()
+            if os.environ.get("FLEET_PROFILE_OUT"):
+                profiler.dump_stats(os.environ["FLEET_PROFILE_OUT"])
             stats = pstats.Stats(profiler)
             stats.sort_stats("tottime").print_stats(30)
             stats.sort_stats("cumulative").print_stats("router|policy|fleet|budget|kv_index|reservations|ledger", 40)
