@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -595,14 +596,20 @@ ADAPTER_A = "tandem-test-a@3"
 ADAPTER_B = "tandem-test-b@4"
 
 
+def _prefetched_whole(pair: Pair, adapter: str) -> Any:
+    """A prefetch for ``adapter`` of a prompt the prefill computes whole with ``adapter``, once it ended."""
+    address = pair.prefill.server.address
+    assert pair.decode.prefetch(REQUEST, address, NUM_PROMPT_TOKENS, 0, CAPABILITY, adapter=adapter) == ""
+    prefetch = pair.decode.puller._prefetches[REQUEST]
+    pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS, adapter=adapter)
+    wait_until(prefetch.done.is_set, timeout_s=10)
+    return prefetch
+
+
 def test_a_prefetch_for_the_prompts_adapter_is_streamed_and_used() -> None:
     pair = _pair()
     try:
-        address = pair.prefill.server.address
-        assert pair.decode.prefetch(REQUEST, address, NUM_PROMPT_TOKENS, 0, CAPABILITY, adapter=ADAPTER_A) == ""
-        prefetch = pair.decode.puller._prefetches[REQUEST]
-        pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS, adapter=ADAPTER_A)
-        wait_until(prefetch.done.is_set, timeout_s=10)
+        prefetch = _prefetched_whole(pair, ADAPTER_A)
         assert prefetch.error == ""
         pair.announce(adapter=ADAPTER_A)
         local = (0, 1, 2, 3, 5)
@@ -651,11 +658,7 @@ def test_kv_staged_for_one_adapter_is_never_used_by_a_decode_of_another(decoded_
     for the same reason, so the load fails (the decode recomputes the prompt) rather than serve A's KV."""
     pair = _pair()
     try:
-        address = pair.prefill.server.address
-        assert pair.decode.prefetch(REQUEST, address, NUM_PROMPT_TOKENS, 0, CAPABILITY, adapter=ADAPTER_A) == ""
-        prefetch = pair.decode.puller._prefetches[REQUEST]
-        pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS, adapter=ADAPTER_A)
-        wait_until(prefetch.done.is_set, timeout_s=10)
+        prefetch = _prefetched_whole(pair, ADAPTER_A)
         assert prefetch.error == "" and pair.decode.stats().staged_bytes > 0
         pair.announce(adapter=ADAPTER_A)
         before = {name: cache.clone() for name, cache in pair.d_caches.items()}
