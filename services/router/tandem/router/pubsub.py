@@ -64,7 +64,8 @@ receivers see a gap in the sender's sequence numbers and repair from its next sn
 (:mod:`tandem.router.ledger`). The writer does not wait for each reply: it sends, and reads the
 replies that have arrived meanwhile every ``_REPLY_CHECK_S`` (50 ms; a reply already in the
 connection's buffer is read without suspending), so a publish costs one wake of the writer instead
-of two (the write keeps its ``timeout_s``; the wait for the next check has one while replies are due). Profiled side by side on an exclusive core (the fleet benchmark's
+of two (the write keeps its ``timeout_s``; the wait for the next check has one while replies are
+due). Profiled side by side on an exclusive core (the fleet benchmark's
 speed phase, 15 s, ``FLEET_PROFILE=1``, 2026-12-07): the replica's event loop busy 9.74 s against
 10.45 s waiting for each reply (and 8.63 s with the hand-written client of ``587d182``);
 ``python benchmarks/ledger_pubsub.py --seconds 6 --repeats 3 --rate 250 --baseline-rev main``: 645
