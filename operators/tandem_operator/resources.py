@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem_operator.spec import GROUP, KIND, VERSION, Pool, Role, TandemSpec
+from tandem_operator.spec import GROUP, KIND, VERSION, Pool, PoolSpec, Role, TandemSpec
 
 WORKER_PORT = 50051
 KV_PORT = 50061
@@ -175,6 +175,34 @@ def _volumes(spec: TandemSpec, the_pool: Pool) -> tuple[list[dict[str, Any]], li
     return volumes, mounts
 
 
+def _rank_kv_ports(tensor_parallel_size: int) -> list[dict[str, Any]]:
+    """The KV-transfer ports of ranks 1.. (rank r's KV server listens on ``KV_PORT + r``; rank 0's is ``kv``)."""
+    return [
+        {"name": f"kv-{rank}", "containerPort": KV_PORT + rank, "protocol": "TCP"}
+        for rank in range(1, tensor_parallel_size)
+    ]
+
+
+def _schedule(
+    pod_spec: dict[str, Any], container: dict[str, Any], pool_spec: PoolSpec, selector: dict[str, str]
+) -> None:
+    """The pool's scheduling options, each only where set (a pool without them renders as it always did)."""
+    if pool_spec.affinity:
+        pod_spec["affinity"] = dict(pool_spec.affinity)
+    if pool_spec.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [
+            c if "labelSelector" in c else {**c, "labelSelector": {"matchLabels": dict(selector)}}
+            for c in pool_spec.topology_spread_constraints
+        ]
+    if pool_spec.priority_class_name:
+        pod_spec["priorityClassName"] = pool_spec.priority_class_name
+    if pool_spec.runtime_class_name:
+        pod_spec["runtimeClassName"] = pool_spec.runtime_class_name
+    if pool_spec.resource_claims:
+        pod_spec["resourceClaims"] = [c.model_dump(by_alias=True, exclude_none=True) for c in pool_spec.resource_claims]
+        container["resources"]["claims"] = [{"name": c.name} for c in pool_spec.resource_claims]
+
+
 def build_pool_deployment(
     *,
     name: str,
@@ -200,6 +228,7 @@ def build_pool_deployment(
             {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
             {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
+            *_rank_kv_ports(pool_spec.engine_args.tensor_parallel_size),
         ],
         # gRPC health checks (grpc.health.v1), not TCP. A worker whose engine died
         # keeps no port open for long (it exits with status 70), but a TCP check
@@ -242,6 +271,9 @@ def build_pool_deployment(
         pod_spec["nodeSelector"] = dict(pool_spec.node_selector)
     if pool_spec.tolerations:
         pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in pool_spec.tolerations]
+    _schedule(pod_spec, container, pool_spec, selector_labels(name, pool))
+    template_annotations = {**pool_spec.pod_annotations, "kubectl.kubernetes.io/default-container": "worker"}
+    rollout = pool_spec.rollout
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -254,13 +286,13 @@ def build_pool_deployment(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(name, pool)},
-            # Never two workers down at once because of a rollout; surge instead.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            # By default never a worker down because of a rollout; surge instead (spec's rollout).
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": rollout.max_unavailable, "maxSurge": rollout.max_surge},
+            },
             "template": {
-                "metadata": {
-                    "labels": labels,
-                    "annotations": {"kubectl.kubernetes.io/default-container": "worker"},
-                },
+                "metadata": {"labels": {**pool_spec.pod_labels, **labels}, "annotations": template_annotations},
                 "spec": pod_spec,
             },
         },

@@ -16,10 +16,12 @@ CRD_PATH = Path(__file__).resolve().parents[2] / "charts" / "tandem" / "crds" / 
 
 def _strict(node: Any) -> Any:
     if isinstance(node, dict):
+        preserves_unknown = node.get("x-kubernetes-preserve-unknown-fields") is True
         node = {k: _strict(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
         if node.get("exclusiveMinimum") is True:  # OpenAPI 3.0 boolean form → JSON Schema number form
             node["exclusiveMinimum"] = node.pop("minimum")
-        if "properties" in node and "additionalProperties" not in node:
+        # An object that preserves unknown fields keeps them (the API server prunes nothing there).
+        if "properties" in node and "additionalProperties" not in node and not preserves_unknown:
             node["additionalProperties"] = False  # strict field validation: unknown fields are errors
         return node
     if isinstance(node, list):

@@ -100,9 +100,21 @@ def _walk_values(node: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]
             # Free-form maps (resources, selectors, labels) are typed as maps, not key by key.
             if isinstance(value, dict) and key not in {"requests", "limits", "labels", "nodeSelector",
                                                        "monitoringNamespaceSelector", "kuberayNamespaceSelector",
-                                                       "kuberayPodSelector", "extraEnv", "annotations"}:
+                                                       "kuberayPodSelector", "extraEnv", "annotations",
+                                                       "affinity", "podAnnotations", "podLabels"}:
                 paths.extend(_walk_values(value, (*path, key)))
     return paths
+
+
+def _resolved(node: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with its ``$ref`` (to ``#/definitions/...``) and ``allOf`` parts merged in."""
+    if "$ref" in node:
+        name = node["$ref"].removeprefix("#/definitions/")
+        node = {**_resolved(schema["definitions"][name], schema), **{k: v for k, v in node.items() if k != "$ref"}}
+    for part in node.get("allOf", ()):
+        part = _resolved(part, schema)
+        node = {**part, **node, "properties": {**part.get("properties", {}), **node.get("properties", {})}}
+    return node
 
 
 def test_every_value_is_typed_in_the_schema() -> None:
@@ -111,8 +123,10 @@ def test_every_value_is_typed_in_the_schema() -> None:
     for path in _walk_values(values):
         node = schema
         for key in path:
+            node = _resolved(node, schema)
             assert key in node.get("properties", {}), f"values.{'.'.join(path)} is not in values.schema.json"
             node = node["properties"][key]
+        node = _resolved(node, schema)
         assert "type" in node or "const" in node or "enum" in node, f"values.{'.'.join(path)} has no type"
 
 

@@ -144,6 +144,33 @@ models form: each model's name, folder and context length. */}}
 {{- if or (gt (int $pool.minReplicas) (int $pool.replicas)) (gt (int $pool.replicas) (int $pool.maxReplicas)) -}}
 {{- fail (printf "tandemDeployment.pools.%s: need minReplicas <= replicas <= maxReplicas" $role) -}}
 {{- end -}}
+{{- if not $.Values.tandemDeployment.models -}}
+{{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.pools.%s" $role) "pool" $pool) -}}
+{{- end -}}
+{{- end -}}
+{{- range $i, $m := .Values.tandemDeployment.models -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.models[%d].%s" $i $role) "pool" (get $m $role | default dict)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A pool's GPUs against the accelerator and its tensor-parallel size, and its rollout bounds (the operator
+checks all but the accelerator too):
+(dict "ctx" $ "where" "tandemDeployment.pools.prefill" "pool" $pool). */}}
+{{- define "tandem.checkPool" -}}
+{{- $limits := (.pool.resources | default dict).limits | default dict -}}
+{{- $gpus := int (get $limits "nvidia.com/gpu" | default 0) -}}
+{{- $tp := int ((.pool.engineArgs | default dict).tensorParallelSize | default 1) -}}
+{{- if and (eq .ctx.Values.accelerator "gpu") (lt $gpus 1) -}}
+{{- fail (printf "%s: accelerator is gpu but resources.limits has no nvidia.com/gpu (the pods would run vLLM's CUDA image with no GPU)" .where) -}}
+{{- end -}}
+{{- if and (gt $gpus 0) (gt $tp $gpus) -}}
+{{- fail (printf "%s: engineArgs.tensorParallelSize %d > the %d GPU(s) in resources.limits (one rank per GPU)" .where $tp $gpus) -}}
+{{- end -}}
+{{- $rollout := .pool.rollout | default dict -}}
+{{- if and (hasKey $rollout "maxSurge") (hasKey $rollout "maxUnavailable") (eq (toString $rollout.maxSurge) "0" "0%") (eq (toString $rollout.maxUnavailable) "0" "0%") -}}
+{{- fail (printf "%s: rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (the rollout could never start)" .where) -}}
 {{- end -}}
 {{- end -}}
 
@@ -272,4 +299,25 @@ decimal: 2 -> "2.0", 0.1 -> "0.1"). An SLO of 2 written "2" matches no series.
 {{- define "tandem.promLe" -}}
 {{- $v := float64 . -}}
 {{- if eq $v (floor $v) -}}{{ printf "%.1f" $v }}{{- else -}}{{ $v }}{{- end -}}
+{{- end -}}
+
+{{/* The workers' KV-transfer port of rank 0 (tandem_operator.resources.KV_PORT; rank r listens on it + r). */}}
+{{- define "tandem.kvPort" -}}50061{{- end -}}
+
+{{/* The largest tensor-parallel size of any pool (the KV ports the workers open). */}}
+{{- define "tandem.maxTensorParallelSize" -}}
+{{- $max := 1 -}}
+{{- $pools := list -}}
+{{- if .Values.tandemDeployment.models -}}
+{{- range .Values.tandemDeployment.models -}}
+{{- $pools = append (append $pools (.prefill | default dict)) (.decode | default dict) -}}
+{{- end -}}
+{{- else -}}
+{{- $pools = list .Values.tandemDeployment.pools.prefill .Values.tandemDeployment.pools.decode -}}
+{{- end -}}
+{{- range $pools -}}
+{{- $tp := int ((.engineArgs | default dict).tensorParallelSize | default 1) -}}
+{{- if gt $tp $max }}{{ $max = $tp }}{{ end -}}
+{{- end -}}
+{{- $max -}}
 {{- end -}}
