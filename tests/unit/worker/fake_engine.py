@@ -16,6 +16,7 @@ from tandem.common.adapters import AdapterEntry
 from tandem.v1 import common_pb2, kv_transfer_pb2, worker_pb2
 from tandem.worker.engine_api import EngineLoad
 from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.kv_connector.params import PrefetchOrder
 from tandem.worker.validation import ModelLimits
 
 FIRST_TOKEN, FIRST_TEXT = 11, "Hi"
@@ -101,13 +102,8 @@ class ScriptedEngine:
     aborted: list[str] = field(default_factory=list)
     #: The request ids kv_abort was called with (a hold released or a prefetch dropped).
     kv_aborted: list[str] = field(default_factory=list)
-    #: kv_prefetch calls (request id, kv address, prompt tokens, the decode's expected prefix hit), and what it
-    #: answers.
-    prefetched: list[tuple[str, str, int, int]] = field(default_factory=list)
-    #: The capability each kv_prefetch call was given.
-    capabilities: list[str] = field(default_factory=list)
-    #: The adapter each kv_prefetch call was given ("" for the base model).
-    prefetch_adapters: list[str] = field(default_factory=list)
+    #: The order each kv_prefetch call was given, and what it answers.
+    prefetched: list[PrefetchOrder] = field(default_factory=list)
     prefetch_refusal: str = ""
     #: What is_dead answers.
     dead: bool = False
@@ -148,21 +144,10 @@ class ScriptedEngine:
             return True
         return False
 
-    async def kv_prefetch(
-        self,
-        request_id: str,
-        kv_address: str,
-        num_prompt_tokens: int,
-        num_decode_cached_tokens: int,
-        capability: str,
-        *,
-        adapter: str,
-    ) -> str:
-        self.prefetched.append((request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens))
-        self.capabilities.append(capability)
-        self.prefetch_adapters.append(adapter)
+    async def kv_prefetch(self, order: PrefetchOrder) -> str:
+        self.prefetched.append(order)
         if not self.prefetch_refusal:
-            self.held.add(request_id)
+            self.held.add(order.request_id)
         return self.prefetch_refusal
 
     def load(self) -> EngineLoad:

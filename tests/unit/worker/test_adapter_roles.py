@@ -171,7 +171,7 @@ async def test_a_prefetch_streams_for_its_adapter() -> None:
     service = await _service("decode", engine)
     for adapter in (ADAPTER.engine_name, ""):
         assert (await service.PrefetchKV(_prefetch_request(adapter), Context())).accepted  # type: ignore[arg-type]
-    assert engine.prefetch_adapters == [ADAPTER.engine_name, ""]
+    assert [order.adapter for order in engine.prefetched] == [ADAPTER.engine_name, ""]
 
 
 async def test_a_prefetch_for_an_adapter_is_refused_on_a_worker_with_lora_off_and_a_malformed_one_is_invalid() -> None:

@@ -17,7 +17,7 @@ import torch
 
 from tandem.common import kv_capability
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, HoldSpec, LoadSpec, PrefillProgress
-from tandem.worker.kv_connector.params import KVHandleParams, prefill_params
+from tandem.worker.kv_connector.params import KVHandleParams, PrefetchOrder, prefill_params
 from tandem.worker.kv_connector.scheduler_side import SchedulerSide
 from tandem.worker.kv_connector.worker_side import WorkerSide
 from tests.kit.net import free_port
@@ -71,6 +71,27 @@ class Pair:
             num_tokens=NUM_PROMPT_TOKENS,
             lease_expires_unix_s=time.time() + 60,
             capability=CAPABILITY,
+            adapter=adapter,
+        )
+
+    def order(
+        self,
+        num_decode_cached_tokens: int = 0,
+        *,
+        request_id: str = REQUEST,
+        kv_address: str = "",
+        num_prompt_tokens: int = NUM_PROMPT_TOKENS,
+        capability: str = CAPABILITY,
+        adapter: str = "",
+    ) -> PrefetchOrder:
+        """A PrefetchKV's order for this pair's prompt, from its prefill side's KV server unless ``kv_address``
+        names another."""
+        return PrefetchOrder(
+            request_id=request_id,
+            kv_address=kv_address or self.prefill.server.address,
+            num_prompt_tokens=num_prompt_tokens,
+            num_decode_cached_tokens=num_decode_cached_tokens,
+            capability=capability,
             adapter=adapter,
         )
 
@@ -146,7 +167,7 @@ def test_prefetched_blocks_are_byte_identical_and_none_is_read_before_its_layer_
     try:
         # The decode worker asks before the prefill engine has even scheduled the prompt; it expects
         # one block (4 tokens) in its own prefix cache, so prefetches blocks 1..4.
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 5, CAPABILITY) == ""
+        assert pair.decode.prefetch(pair.order(5)) == ""
         time.sleep(0.2)
         prefetch = pair.decode.puller._prefetches[REQUEST]
         assert (prefetch.first_block_index, prefetch.num_blocks) == (1, 4) and not prefetch.done.is_set()
@@ -177,7 +198,7 @@ def test_prefetched_blocks_are_byte_identical_and_none_is_read_before_its_layer_
 def test_a_stream_follows_a_chunked_prefill_step_by_step() -> None:
     pair = _pair()
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
+        assert pair.decode.prefetch(pair.order()) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         # First step: blocks 0..2 of every layer are computed, and reach staging while the prefill
         # goes on; blocks 3..4 are not there yet.
@@ -211,7 +232,7 @@ def test_a_load_that_comes_before_the_streams_tail_waits_for_it_and_says_how_lon
     the Decode's stats and the gateway's timings carry to ``make bench-kv``)."""
     pair = _pair()
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
+        assert pair.decode.prefetch(pair.order()) == ""
         pair.step(num_computed=0, num_after=12)
         local = (0, 1, 2, 3, 5)
         pair.start_load(local, first_block_index=0)
@@ -232,7 +253,7 @@ def test_a_load_that_comes_before_the_streams_tail_waits_for_it_and_says_how_lon
 def test_a_prefill_that_ends_without_a_hold_ends_the_stream_and_frees_the_staging() -> None:
     pair = _pair()
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
+        assert pair.decode.prefetch(pair.order()) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         pair.prefill.begin_step(
             GrpcKVMetadata(
@@ -256,7 +277,7 @@ def test_a_load_the_prefetch_does_not_cover_pulls_instead() -> None:
     came (evicted meanwhile): the prefetch lacks block 1, the load pulls, the staging is freed."""
     pair = _pair()
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 8, CAPABILITY) == ""
+        assert pair.decode.prefetch(pair.order(8)) == ""
         pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
         wait_until(pair.decode.puller._prefetches[REQUEST].done.is_set, timeout_s=10)
         pair.announce()
@@ -269,9 +290,7 @@ def test_a_load_the_prefetch_does_not_cover_pulls_instead() -> None:
         stats = pair.decode.stats()
         assert stats.prefetches_used_total == 0 and stats.prefetches_wasted_total == 1 and stats.staged_bytes == 0
         # A PrefetchKV that comes after its request's load is refused: nobody would use it.
-        assert "loaded already" in pair.decode.prefetch(
-            REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY
-        )
+        assert "loaded already" in pair.decode.prefetch(pair.order())
     finally:
         pair.close()
 
@@ -281,14 +300,14 @@ def test_staging_is_bounded_and_an_abort_frees_it() -> None:
     per_prompt = 5 * _block_bytes(shape, block_dim, torch.float32) * 3  # five blocks of three layers
     pair = _pair(prefetch_max_bytes=per_prompt)
     try:
-        address = pair.prefill.server.address
-        assert pair.decode.prefetch("a", address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
-        assert "staging is full" in pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0, CAPABILITY)
+        assert pair.decode.prefetch(pair.order(request_id="a")) == ""
+        assert "staging is full" in pair.decode.prefetch(pair.order(request_id="b"))
         assert pair.decode.stats().staged_bytes == per_prompt
         assert pair.decode.abort("a")  # the worker service's Abort
         assert pair.decode.stats().staged_bytes == 0 and not pair.decode.abort("a")
-        assert pair.decode.prefetch("b", address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
-        assert pair.decode.prefetch("c", address, 8, 8, CAPABILITY) == "nothing to prefetch"  # both blocks cached here
+        assert pair.decode.prefetch(pair.order(request_id="b")) == ""
+        both_cached_here = pair.order(8, request_id="c", num_prompt_tokens=8)
+        assert pair.decode.prefetch(both_cached_here) == "nothing to prefetch"
     finally:
         pair.close()
 
@@ -300,7 +319,7 @@ def test_a_prefetch_that_arrives_after_its_requests_abort_is_refused() -> None:
     pair = _pair()
     try:
         assert not pair.decode.abort("late")  # the Abort, with nothing here yet
-        refused = pair.decode.prefetch("late", pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY)
+        refused = pair.decode.prefetch(pair.order(request_id="late"))
         assert "aborted here" in refused
         assert pair.decode.stats().staged_bytes == 0
     finally:
@@ -312,7 +331,7 @@ def test_an_abort_ends_a_prefetch_stream_that_waits_for_the_prefill() -> None:
     streams); the abort cancels it from another thread, and the thread comes back at once."""
     pair = _pair()
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
+        assert pair.decode.prefetch(pair.order()) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         pair.step(num_computed=0, num_after=4)  # one block of the prompt computed: the stream waits for more
         wait_until(lambda: prefetch.call is not None, timeout_s=10)
@@ -331,7 +350,7 @@ def test_a_prefetch_nobody_uses_is_dropped_after_its_keep_time_even_on_an_idle_e
     pair = _pair()
     try:
         pair.decode.puller._prefetch_keep_s = 0.2
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
+        assert pair.decode.prefetch(pair.order()) == ""
         pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
         wait_until(pair.decode.puller._prefetches[REQUEST].done.is_set, timeout_s=10)
         assert pair.decode.stats().staged_bytes > 0
@@ -346,7 +365,7 @@ def test_a_prefetch_nobody_uses_is_dropped_after_its_keep_time_even_on_an_idle_e
 def test_prefetching_is_off_without_staging_memory() -> None:
     pair = _pair(prefetch_max_bytes=0)
     try:
-        assert "off" in pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY)
+        assert "off" in pair.decode.prefetch(pair.order())
     finally:
         pair.close()
 
@@ -467,7 +486,7 @@ def test_layers_saved_in_a_forward_are_streamable_when_vllm_runs_the_steps_hooks
     connector._scheduler, connector._worker = None, pair.prefill
     saved_before: list[int] = []
     try:
-        assert pair.decode.prefetch(REQUEST, pair.prefill.server.address, NUM_PROMPT_TOKENS, 0, CAPABILITY) == ""
+        assert pair.decode.prefetch(pair.order()) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         meta = GrpcKVMetadata(
             progress=[
@@ -494,6 +513,34 @@ def test_layers_saved_in_a_forward_are_streamable_when_vllm_runs_the_steps_hooks
         record = pair.decode.take_load_records()[DECODE_ENGINE_ID]
         assert not record.failed and record.prefetched, record.error
         pair.assert_landed(local, first_block_index=0)
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+        pair.close()
+
+
+def test_an_order_crosses_vllms_collective_rpc_as_a_dict_and_the_extension_starts_that_prefetch() -> None:
+    """``VLLMEngine.kv_prefetch`` sends its order through ``AsyncLLM.collective_rpc``, whose engine-core client
+    encodes the utility call with vLLM's msgpack encoder: a dataclass would arrive as a map too, so the
+    order travels as :meth:`PrefetchOrder.to_dict` and the extension rebuilds it. Here the call is encoded
+    and decoded as the engine core does, then given to the extension on this pair's decode side."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from tandem.worker.kv_connector.connector import GrpcKVConnector
+    from tandem.worker.kv_connector.extension import KVWorkerExtension
+
+    pair = _pair()
+    connector = GrpcKVConnector.__new__(GrpcKVConnector)  # the worker role over this pair's decode side
+    connector._scheduler, connector._worker = None, pair.decode
+    order = pair.order(5, request_id="chat-é请求🙂", adapter="tandem-test-a@3")
+    try:
+        kv_transfer_state._KV_CONNECTOR_AGENT = connector
+        call = (0, 7, "collective_rpc", ("tandem_kv_prefetch", None, (order.to_dict(),), None))
+        _, _, method, (rpc, _, args, _) = MsgpackDecoder().decode(MsgpackEncoder().encode(call))
+        assert (method, rpc) == ("collective_rpc", "tandem_kv_prefetch") and type(args[0]) is dict
+        assert KVWorkerExtension().tandem_kv_prefetch(*args) == ""
+        prefetch = pair.decode.puller._prefetches[order.request_id]
+        assert prefetch.order == order and (prefetch.first_block_index, prefetch.num_blocks) == (1, 4)
     finally:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
         pair.close()
@@ -577,7 +624,7 @@ def test_staged_kv_is_used_only_for_the_prompt_the_handle_names(forged: str) -> 
         if forged == "address":
             address = address.replace("127.0.0.1", "localhost")  # the same server, under another name
         capability = kv_capability.mint() if forged == "capability" else CAPABILITY
-        assert pair.decode.prefetch(REQUEST, address, NUM_PROMPT_TOKENS, 0, capability) == ""
+        assert pair.decode.prefetch(pair.order(kv_address=address, capability=capability)) == ""
         pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
         pair.announce()
         local = (11, 10, 0, 1, 2)
@@ -598,8 +645,7 @@ ADAPTER_B = "tandem-test-b@4"
 
 def _prefetched_whole(pair: Pair, adapter: str) -> Any:
     """A prefetch for ``adapter`` of a prompt the prefill computes whole with ``adapter``, once it ended."""
-    address = pair.prefill.server.address
-    assert pair.decode.prefetch(REQUEST, address, NUM_PROMPT_TOKENS, 0, CAPABILITY, adapter=adapter) == ""
+    assert pair.decode.prefetch(pair.order(adapter=adapter)) == ""
     prefetch = pair.decode.puller._prefetches[REQUEST]
     pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS, adapter=adapter)
     wait_until(prefetch.done.is_set, timeout_s=10)
@@ -631,8 +677,7 @@ def test_the_kv_server_refuses_to_stream_another_adapters_prompt_as_it_refuses_a
     Decode for A pulls A's KV as without a prefetch."""
     pair = _pair()
     try:
-        address = pair.prefill.server.address
-        assert pair.decode.prefetch(REQUEST, address, NUM_PROMPT_TOKENS, 0, CAPABILITY, adapter=prefetched_for) == ""
+        assert pair.decode.prefetch(pair.order(adapter=prefetched_for)) == ""
         prefetch = pair.decode.puller._prefetches[REQUEST]
         pair.step(num_computed=0, num_after=12, adapter=ADAPTER_A)  # still prefilling: no hold yet
         wait_until(prefetch.done.is_set, timeout_s=10)

@@ -16,7 +16,7 @@ from tandem.common.tls import TLSSettings
 from tandem.v1 import common_pb2, worker_pb2
 from tandem.worker.carried_penalties import CARRIED_TOKEN_IDS
 from tandem.worker.first_token import REPLAY_TOKEN_ID
-from tandem.worker.kv_connector.params import HANDLE, KV_LOAD, KVHandleParams, LoadRecord, prefill_params
+from tandem.worker.kv_connector.params import HANDLE, KV_LOAD, KVHandleParams, LoadRecord, PrefetchOrder, prefill_params
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
 from tests.unit.worker.fake_engine import (
@@ -188,7 +188,16 @@ async def test_a_prefetch_reaches_the_engine_and_a_refusal_is_an_answer() -> Non
     )
     response = await service.PrefetchKV(request, Context())  # type: ignore[arg-type]
     assert not response.accepted and response.reason == "staging is full"
-    assert engine.prefetched == [("d2", "p:1", 300, 128)]
+    assert engine.prefetched == [
+        PrefetchOrder(
+            request_id="d2",
+            kv_address="p:1",
+            num_prompt_tokens=300,
+            num_decode_cached_tokens=128,
+            capability=CAPABILITY,
+            adapter="",
+        )
+    ]
     assert service.prefetches_by_outcome == {"refused": 1}
 
 
@@ -219,7 +228,8 @@ async def test_a_decode_worker_dials_only_registered_prefill_workers() -> None:
         request_id="d3", kv_address="10.0.0.5:50061", num_prompt_tokens=300, kv_capability=CAPABILITY
     )
     assert (await service.PrefetchKV(listed, Context())).accepted  # type: ignore[arg-type]
-    assert engine.prefetched == [("d3", "10.0.0.5:50061", 300, 0)] and engine.capabilities == [CAPABILITY]
+    # The whole order's fields as the engine gets them: test_a_prefetch_reaches_the_engine_and_a_refusal_is_an_answer.
+    assert [(order.request_id, order.kv_address) for order in engine.prefetched] == [("d3", "10.0.0.5:50061")]
 
     kv_handle = handle(num_tokens=5)
     kv_handle.kv_address = "169.254.169.254:80"

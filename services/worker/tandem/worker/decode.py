@@ -26,7 +26,7 @@ from tandem.worker.continuation import (
 from tandem.worker.first_token import replay_args
 from tandem.worker.handling import Ctx, Role, engine_errors, engine_prompt, sampling_params
 from tandem.worker.kv_connector.layout import KVLayout
-from tandem.worker.kv_connector.params import KVHandleParams, decode_params, load_record_of
+from tandem.worker.kv_connector.params import KVHandleParams, PrefetchOrder, decode_params, load_record_of
 from tandem.worker.peers import PrefillPeers
 from tandem.worker.sampling import logprobs_messages, sampling_kwargs
 
@@ -54,14 +54,7 @@ class DecodeRole(Role):
         if reason:
             self._counters.prefetches_by_outcome["refused"] += 1
             return worker_pb2.PrefetchKVResponse(accepted=False, reason=reason)
-        reason = await self._engine.kv_prefetch(
-            request.request_id,
-            request.kv_address,
-            request.num_prompt_tokens,
-            request.num_decode_cached_tokens,
-            request.kv_capability,
-            adapter=request.adapter,
-        )
+        reason = await self._engine.kv_prefetch(PrefetchOrder.from_proto(request))
         self._counters.prefetches_by_outcome["started" if not reason else "refused"] += 1
         return worker_pb2.PrefetchKVResponse(accepted=not reason, reason=reason)
 

@@ -16,6 +16,7 @@ from tandem.worker.engine_api import EngineLoad
 from tandem.worker.kv_connector.cpus import parse_cpu_list
 from tandem.worker.kv_connector.extension import WORKER_EXTENSION
 from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.kv_connector.params import PrefetchOrder
 from tandem.worker.kv_events_relay import WILDCARD_HOSTS, KVEventEndpoints, KVEventRelay, plan_endpoints
 from tandem.worker.settings import WorkerSettings
 from tandem.worker.validation import ModelLimits
@@ -218,23 +219,11 @@ class VLLMEngine:
     async def kv_abort(self, request_id: str) -> bool:
         return any(await self.llm.collective_rpc("tandem_kv_abort", args=(request_id,)))
 
-    async def kv_prefetch(
-        self,
-        request_id: str,
-        kv_address: str,
-        num_prompt_tokens: int,
-        num_decode_cached_tokens: int,
-        capability: str,
-        *,
-        adapter: str,
-    ) -> str:
-        reasons = await self.llm.collective_rpc(
-            "tandem_kv_prefetch",
-            args=(request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability, adapter),
-        )
+    async def kv_prefetch(self, order: PrefetchOrder) -> str:
+        reasons = await self.llm.collective_rpc("tandem_kv_prefetch", args=(order.to_dict(),))
         refused = next((str(r) for r in reasons if r), "")
         if refused and any(not r for r in reasons):
-            await self.kv_abort(request_id)  # started on some ranks only: no use to anyone
+            await self.kv_abort(order.request_id)  # started on some ranks only: no use to anyone
         return refused
 
     async def kv_stats(self) -> kv_transfer_pb2.KVStats:

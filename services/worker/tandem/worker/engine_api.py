@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from tandem.common.adapters import AdapterEntry
 from tandem.v1 import kv_transfer_pb2
 from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.kv_connector.params import PrefetchOrder
 from tandem.worker.validation import ModelLimits
 
 
@@ -59,18 +60,9 @@ class WorkerEngine(Protocol):
         its prefetch's staging (decode); True if there was either."""
         ...
 
-    async def kv_prefetch(
-        self,
-        request_id: str,
-        kv_address: str,
-        num_prompt_tokens: int,
-        num_decode_cached_tokens: int,
-        capability: str,
-        *,
-        adapter: str,
-    ) -> str:
-        """Start prefetching a running prefill's KV (read with ``capability``, computed with ``adapter``: ""
-        for the base model) on every rank; "" if started, else why not."""
+    async def kv_prefetch(self, order: PrefetchOrder) -> str:
+        """Start prefetching a running prefill's KV as ``order`` says (read with its capability, computed with
+        its adapter) on every rank; "" if started, else why not."""
         ...
 
     async def kv_stats(self) -> kv_transfer_pb2.KVStats:

@@ -5,12 +5,14 @@ vLLM mixes :class:`KVWorkerExtension` into its model-runner worker
 every tensor-parallel rank, between engine steps, over the engine's own IPC.
 So the worker service needs no gRPC channel to its own KV server, and an
 abort reaches every rank's holds and prefetches, not rank 0's alone. Values are plain
-(msgpack-able): the layout as a dict, the counters as serialized
-``tandem.v1.KVStats``."""
+(msgpack-able): the layout and a prefetch's order as dicts, the counters as
+serialized ``tandem.v1.KVStats``."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from tandem.worker.kv_connector.params import PrefetchOrder
 
 #: For ``worker_extension_cls``.
 WORKER_EXTENSION = "tandem.worker.kv_connector.extension.KVWorkerExtension"
@@ -40,23 +42,10 @@ class KVWorkerExtension:
         False if there was neither."""
         return bool(_side().abort(request_id))
 
-    def tandem_kv_prefetch(
-        self,
-        request_id: str,
-        kv_address: str,
-        num_prompt_tokens: int,
-        num_decode_cached_tokens: int,
-        capability: str,
-        adapter: str,
-    ) -> str:
-        """Start prefetching ``request_id``'s prompt KV, computed with ``adapter`` (decode side); "" if started,
-        else why not."""
-        side = _side()
-        return str(
-            side.prefetch(
-                request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability, adapter=adapter
-            )
-        )
+    def tandem_kv_prefetch(self, order: dict[str, Any]) -> str:
+        """Start prefetching a prompt's KV as ``order`` (:meth:`PrefetchOrder.to_dict`) says (decode side); ""
+        if started, else why not."""
+        return str(_side().prefetch(PrefetchOrder.from_dict(order)))
 
     def tandem_kv_stats(self) -> bytes:
         return bytes(_side().stats().SerializeToString())

@@ -23,6 +23,12 @@ on a request already carries it (``Abort`` frees the hold or the staging by it),
 and it is unique per request (random, minted by the gateway; a prefill retried
 goes to another worker). A second id would only have to be mapped back to it.
 
+A prefetch is ordered by one :class:`PrefetchOrder`, read from ``PrefetchKV``
+(:meth:`PrefetchOrder.from_proto`, once the worker service has checked the
+request) and passed unchanged through the engine protocol, vLLM's
+``collective_rpc`` (as a dict: :meth:`PrefetchOrder.to_dict`), the engine's KV
+connector and its puller, which keeps it beside what it staged.
+
 On the way back, what a decode engine's load did (:class:`LoadRecord`) travels
 from its puller to its scheduler-side connector (vLLM's connector worker
 metadata) and out in the finished request's ``kv_transfer_params``
@@ -30,10 +36,10 @@ metadata) and out in the finished request's ``kv_transfer_params``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tandem.v1 import common_pb2
+from tandem.v1 import common_pb2, worker_pb2
 
 #: Set on a prefill request: keep its KV for a decode engine.
 DO_REMOTE_DECODE = "do_remote_decode"
@@ -121,6 +127,46 @@ class KVHandleParams:
             capability=capability,
             adapter=handle.adapter,
         )
+
+
+@dataclass(frozen=True)
+class PrefetchOrder:
+    """Stream a running prefill's prompt KV into this decode engine's staging (``PrefetchKV``, decode side;
+    tandem.worker.kv_connector.puller): the same six fields on every layer it crosses."""
+
+    #: The gateway's request id, which names the KV on the KV path (the load's handle carries it too).
+    request_id: str
+    #: The prefill engine's KV server.
+    kv_address: str
+    num_prompt_tokens: int
+    #: The decode worker's prefix hit the router expects: these tokens' whole blocks are not prefetched.
+    num_decode_cached_tokens: int
+    #: The prompt's capability (tandem.common.kv_capability), ``PrefetchKVRequest.kv_capability``.
+    capability: str = field(repr=False)
+    #: The LoRA adapter the decode will run with (its engine name; "" for the base model): the stream asks for
+    #: KV computed with it.
+    adapter: str
+
+    @classmethod
+    def from_proto(cls, request: worker_pb2.PrefetchKVRequest) -> PrefetchOrder:
+        """The order of a ``PrefetchKV`` (checked by the caller: tandem.worker.validation.check_prefetch)."""
+        return cls(
+            request_id=request.request_id,
+            kv_address=request.kv_address,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_decode_cached_tokens=request.num_decode_cached_tokens,
+            capability=request.kv_capability,
+            adapter=request.adapter,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """For ``collective_rpc``: vLLM's engine-core client encodes a utility call's arguments with msgpack
+        (msgspec), which turns a dataclass into a map, so the worker process gets a dict either way."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PrefetchOrder:
+        return cls(**data)
 
 
 def prefill_params(request_id: str, capability: str) -> dict[str, Any]:

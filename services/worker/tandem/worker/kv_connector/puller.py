@@ -57,7 +57,7 @@ from tandem.worker.kv_connector import wire
 from tandem.worker.kv_connector.cpus import move_this_thread
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, LoadSpec
-from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord
+from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord, PrefetchOrder
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +98,12 @@ class PullCounters:
 
 @dataclass
 class _Prefetch:
-    """One prompt's blocks [first_block_index, first_block_index + num_blocks), streamed into
-    ``staging`` (one tensor per layer, the cache's shape with ``num_blocks`` blocks)."""
+    """One prompt's blocks [first_block_index, first_block_index + num_blocks), streamed as ``order`` says
+    into ``staging`` (one tensor per layer, the cache's shape with ``num_blocks`` blocks). A load uses the
+    staged blocks only if its handle names the order's prompt: the same engine, request, capability, adapter
+    ("" for the base model) and number of tokens."""
 
-    request_id: str
-    kv_address: str
-    num_prompt_tokens: int
+    order: PrefetchOrder
     first_block_index: int
     num_blocks: int
     staging: list[torch.Tensor] | None
@@ -115,12 +115,6 @@ class _Prefetch:
     num_bytes: int = 0
     seconds: float = 0.0
 
-    #: The capability it streamed with: a load uses the staged blocks only if its handle has the same.
-    capability: str = field(default="", repr=False)
-    #: The LoRA adapter it streamed for ("" for the base model): a load uses the staged blocks only if its
-    #: handle names the same.
-    adapter: str = ""
-
     def covers(self, first_block_index: int, num_blocks: int) -> bool:
         return (
             self.first_block_index <= first_block_index
@@ -131,10 +125,11 @@ class _Prefetch:
 def _same_prompt(prefetch: _Prefetch, handle: KVHandleParams) -> bool:
     """Whether ``prefetch`` streamed the KV ``handle`` names: the same prefill engine, request and
     capability."""
+    order = prefetch.order
     return (
-        prefetch.kv_address == handle.kv_address
-        and prefetch.request_id == handle.request_id
-        and kv_capability.matches(prefetch.capability, handle.capability)
+        order.kv_address == handle.kv_address
+        and order.request_id == handle.request_id
+        and kv_capability.matches(order.capability, handle.capability)
     )
 
 
@@ -279,20 +274,12 @@ class KVPuller:
 
     # -- prefetches (the worker service through the engine; prefetch threads) ------
 
-    def prefetch(
-        self,
-        request_id: str,
-        kv_address: str,
-        num_prompt_tokens: int,
-        num_decode_cached_tokens: int,
-        capability: str,
-        *,
-        adapter: str = "",
-    ) -> str:
-        """Start streaming ``request_id``'s prompt KV, computed with ``adapter`` ("" for the base model), from
-        the prefill engine at ``kv_address`` (with the prompt's ``capability``) into staging, skipping the
-        whole blocks of ``num_decode_cached_tokens`` (the prefix hit the router expects of this engine).
+    def prefetch(self, order: PrefetchOrder) -> str:
+        """Start streaming ``order``'s prompt KV, computed with its adapter ("" for the base model), from the
+        prefill engine at its ``kv_address`` (with the prompt's capability) into staging, skipping the whole
+        blocks of its ``num_decode_cached_tokens`` (the prefix hit the router expects of this engine).
         Returns "" when started, else why not (the decode then pulls as usual)."""
+        request_id, num_prompt_tokens = order.request_id, order.num_prompt_tokens
         layout = self._layout
         if layout is None:
             return "the KV caches are not registered yet"
@@ -300,7 +287,7 @@ class KVPuller:
             return "prefetching is off (kv.prefetch_max_bytes is 0)"
         block_size = layout.block_size_tokens
         num_prompt_blocks = -(-num_prompt_tokens // block_size)
-        first = min(num_decode_cached_tokens, num_prompt_tokens) // block_size
+        first = min(order.num_decode_cached_tokens, num_prompt_tokens) // block_size
         num_blocks = num_prompt_blocks - first
         if num_blocks <= 0:
             return "nothing to prefetch"
@@ -323,16 +310,12 @@ class KVPuller:
         shape[self._block_dim] = num_blocks
         staging = [torch.empty(shape, dtype=cache.dtype, device=cache.device) for cache in self._caches]
         prefetch = _Prefetch(
-            request_id=request_id,
-            kv_address=kv_address,
-            num_prompt_tokens=num_prompt_tokens,
+            order=order,
             first_block_index=first,
             num_blocks=num_blocks,
             staging=staging,
             num_staged_bytes=num_staged_bytes,
             expires_s=time.monotonic() + self._prefetch_keep_s,
-            capability=capability,
-            adapter=adapter,
         )
         with self._lock:
             self._prefetches[request_id] = prefetch
@@ -341,20 +324,21 @@ class KVPuller:
 
     def _stream_into_staging(self, prefetch: _Prefetch) -> None:
         assert self._layout is not None
+        order = prefetch.order
         started = time.perf_counter()
         try:
             call = self._raw_stream(
-                prefetch.kv_address,
+                order.kv_address,
                 wire.STREAM_METHOD,
                 kv_transfer_pb2.StreamBlocksRequest(
-                    request_id=prefetch.request_id,
+                    request_id=order.request_id,
                     first_block_index=prefetch.first_block_index,
                     num_blocks=prefetch.num_blocks,
                     expected_layout=self._layout.to_proto(),
                     max_chunk_bytes=self._max_chunk_bytes,
-                    num_prompt_tokens=prefetch.num_prompt_tokens,
-                    capability=prefetch.capability,
-                    adapter=prefetch.adapter,
+                    num_prompt_tokens=order.num_prompt_tokens,
+                    capability=order.capability,
+                    adapter=order.adapter,
                 ),
             )
             prefetch.call = call
@@ -366,7 +350,7 @@ class KVPuller:
         except Exception as exc:
             message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             prefetch.error = str(message)[:500] or type(exc).__name__
-            logger.info("KV prefetch of %s from %s: %s", prefetch.request_id, prefetch.kv_address, prefetch.error)
+            logger.info("KV prefetch of %s from %s: %s", order.request_id, order.kv_address, prefetch.error)
             self._free_staging(prefetch)
         finally:
             prefetch.seconds = time.perf_counter() - started
@@ -440,16 +424,16 @@ class KVPuller:
                 # Staged from another engine, request or capability than the handle names: not this
                 # prompt's KV (a PrefetchKV forged by another caller, or a stale one).
                 usable, why = False, "the prefetch is not of the prompt the handle names"
-            elif prefetch.adapter != spec.handle.adapter:
+            elif prefetch.order.adapter != spec.handle.adapter:
                 # Staged for another adapter's decode (or the base model's): other weights' KV.
                 usable = False
                 why = (
-                    f"prefetched for adapter {prefetch.adapter or '(base model)'!r}, the load runs with "
+                    f"prefetched for adapter {prefetch.order.adapter or '(base model)'!r}, the load runs with "
                     f"{spec.handle.adapter or '(base model)'!r}"
                 )
-            elif prefetch.num_prompt_tokens != spec.handle.num_tokens:
+            elif prefetch.order.num_prompt_tokens != spec.handle.num_tokens:
                 usable = False
-                why = f"prefetched {prefetch.num_prompt_tokens} tokens, the handle has {spec.handle.num_tokens}"
+                why = f"prefetched {prefetch.order.num_prompt_tokens} tokens, the handle has {spec.handle.num_tokens}"
             elif not prefetch.covers(spec.first_block_index, len(spec.local_block_ids)):
                 usable, why = False, "the blocks to load were not prefetched (a prefix cache miss)"
         try:

@@ -26,7 +26,7 @@ from tandem.worker.kv_connector import heap
 from tandem.worker.kv_connector.kv_server import KVServer
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
-from tandem.worker.kv_connector.params import LoadRecord
+from tandem.worker.kv_connector.params import LoadRecord, PrefetchOrder
 from tandem.worker.kv_connector.puller import KVPuller
 
 logger = logging.getLogger(__name__)
@@ -163,21 +163,10 @@ class WorkerSide:
         released = self.server.release_hold(request_id)
         return self.puller.abort(request_id) or released
 
-    def prefetch(
-        self,
-        request_id: str,
-        kv_address: str,
-        num_prompt_tokens: int,
-        num_decode_cached_tokens: int,
-        capability: str,
-        *,
-        adapter: str = "",
-    ) -> str:
-        """Start streaming a running prefill's KV (computed with ``adapter``) into staging; "" if started, else
-        why not."""
-        return self.puller.prefetch(
-            request_id, kv_address, num_prompt_tokens, num_decode_cached_tokens, capability, adapter=adapter
-        )
+    def prefetch(self, order: PrefetchOrder) -> str:
+        """Start streaming a running prefill's KV into staging as ``order`` says; "" if started, else why
+        not."""
+        return self.puller.prefetch(order)
 
     def load(self, spec: LoadSpec) -> LoadRecord:
         """Pull one request's blocks now, on the calling thread (benchmarks)."""
