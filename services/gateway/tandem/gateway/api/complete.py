@@ -16,7 +16,6 @@ from tandem.common.errors import TandemError
 from tandem.gateway.api.errors import api_error_from, internal_error
 from tandem.gateway.api.generation import EventSource, GenerationResponse, raw_headers, send_body, send_error
 from tandem.gateway.job import Finished, TextDelta
-from tandem.gateway.sse import full_response
 
 logger = logging.getLogger(__name__)
 
@@ -33,19 +32,17 @@ class CompleteResponse(GenerationResponse):
                 elif isinstance(event, Finished):
                     self._finished = event
         except TandemError as exc:
-            return await send_error(send, api_error_from(exc, request_id=self._job.request_id))
+            return await send_error(send, api_error_from(exc, request_id=self._job.request_id), self._options.wire)
         except Exception:
             logger.exception("generation failed", extra={"request_id": self._job.request_id})
-            return await send_error(send, internal_error())
+            return await send_error(send, internal_error(), self._options.wire)
         finished = self._finished
         if finished is None:
-            return await send_error(send, internal_error())
+            return await send_error(send, internal_error(), self._options.wire)
         self._metrics.generated_tokens_total.inc(finished.usage.completion_tokens)
         self._job.clock.mark("first_byte")
         self._job.clock.mark("done")
-        payload = full_response(
-            self._meta, "".join(self._texts), finished.finish_reason, finished.usage, self._logprobs
-        )
+        payload = self._options.wire.full_response(self._meta, "".join(self._texts), finished, self._logprobs)
         payload.update(self._options.extra_fields)
         if self._options.timings:
             payload["tandem_timings"] = self._job.clock.breakdown()

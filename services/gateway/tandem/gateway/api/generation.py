@@ -37,6 +37,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from tandem.gateway.api.errors import ApiError
+from tandem.gateway.api.wire import OPENAI_WIRE, WireFormat
 from tandem.gateway.drain import Drain
 from tandem.gateway.errors import ShuttingDownError
 from tandem.gateway.job import Finished, GenerationEvent, GenerationJob, TextDelta
@@ -95,6 +96,8 @@ class ResponseOptions:
     #: Passes on the number of tokens about to be sent, for the open usage record (written off the token
     #: path: a gateway killed mid-answer leaves a record short by at most the writer's bound).
     on_progress: Callable[[int], Coroutine[Any, Any, None]] | None = None
+    #: The API dialect the answer and its errors are written in (tandem.gateway.api.wire).
+    wire: WireFormat = OPENAI_WIRE
 
 
 class ClientGoneError(Exception):
@@ -304,8 +307,9 @@ async def send_body(send: Send, body: bytes, *, more_body: bool = True) -> None:
         await send({"type": "http.response.body", "body": body, "more_body": more_body})
 
 
-async def send_error(send: Send, error: ApiError) -> int:
-    body = json.dumps(error.body()).encode()
+async def send_error(send: Send, error: ApiError, wire: WireFormat) -> int:
+    """An error before anything was sent: its status, headers and ``wire``'s body."""
+    body = json.dumps(wire.error_body(error)).encode()
     headers = {"Content-Type": "application/json", **error.headers}
     await send(
         {

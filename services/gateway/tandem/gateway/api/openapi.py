@@ -15,12 +15,14 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tandem.gateway.api.anthropic_messages import MessagesRequest
 from tandem.gateway.api.validation import ChatCompletionRequest, CompletionRequest
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
+_ANTHROPIC_ERROR = {"$ref": "#/components/schemas/AnthropicError"}
 
 
-def _responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[str, Any]:
+def _responses(*statuses: int, ok: dict[str, Any] | None = None, error: dict[str, Any] = _ERROR) -> dict[str, Any]:
     descriptions = {
         400: "Invalid request",
         401: "Missing, unknown or revoked API key",
@@ -34,7 +36,7 @@ def _responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[str, An
     for status in statuses:
         out[str(status)] = {
             "description": descriptions[status],
-            "content": {"application/json": {"schema": _ERROR}},
+            "content": {"application/json": {"schema": error}},
         }
     return out
 
@@ -42,7 +44,7 @@ def _responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[str, An
 @functools.cache
 def build_document() -> dict[str, Any]:
     _, top = models_json_schema(
-        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"), (MessagesRequest, "validation")],
         ref_template="#/components/schemas/{model}",
     )
     schemas: dict[str, Any] = dict(top.get("$defs", {}))
@@ -62,19 +64,24 @@ def build_document() -> dict[str, Any]:
         },
         "required": ["error"],
     }
-    generation = _responses(
-        400,
-        401,
-        403,
-        404,
-        413,
-        429,
-        503,
-        ok={
-            "description": "A completion, or an SSE stream when `stream` is true",
-            "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}},
+    schemas["AnthropicError"] = {
+        "type": "object",
+        "properties": {
+            "type": {"const": "error"},
+            "error": {
+                "type": "object",
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+                "required": ["type", "message"],
+            },
         },
-    )
+        "required": ["type", "error"],
+    }
+    generation_ok = {
+        "description": "A completion, or an SSE stream when `stream` is true",
+        "content": {"application/json": {"schema": {}}, "text/event-stream": {"schema": {"type": "string"}}},
+    }
+    generation = _responses(400, 401, 403, 404, 413, 429, 503, ok=generation_ok)
+    messages = _responses(400, 401, 403, 404, 413, 429, 503, ok=generation_ok, error=_ANTHROPIC_ERROR)
     timings_header = {
         "name": "X-Tandem-Timings",
         "in": "header",
@@ -83,16 +90,35 @@ def build_document() -> dict[str, Any]:
         "schema": {"type": "string", "enum": ["0", "1"]},
     }
 
-    def post(summary: str, model: str) -> dict[str, Any]:
+    anthropic_headers = [
+        {
+            "name": "x-api-key",
+            "in": "header",
+            "required": False,
+            "description": "The API key, as the anthropic SDK sends it (Authorization: Bearer works too).",
+            "schema": {"type": "string"},
+        },
+        {
+            "name": "anthropic-version",
+            "in": "header",
+            "required": False,
+            "description": "Optional; when sent, a date (YYYY-MM-DD) from 2023-06-01 on.",
+            "schema": {"type": "string"},
+        },
+    ]
+
+    def post(
+        summary: str, model: str, responses: dict[str, Any] = generation, headers: tuple[dict[str, Any], ...] = ()
+    ) -> dict[str, Any]:
         return {
             "post": {
                 "summary": summary,
-                "parameters": [timings_header],
+                "parameters": [timings_header, *headers],
                 "requestBody": {
                     "required": True,
                     "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}},
                 },
-                "responses": generation,
+                "responses": responses,
             }
         }
 
@@ -110,6 +136,12 @@ def build_document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": post("Chat completion (OpenAI-compatible)", "ChatCompletionRequest"),
             "/v1/completions": post("Text completion (OpenAI-compatible)", "CompletionRequest"),
+            "/v1/messages": post(
+                "Message (Anthropic Messages API; errors in Anthropic's shape)",
+                "MessagesRequest",
+                messages,
+                tuple(anthropic_headers),
+            ),
             "/v1/models": get("Models this key may use", 401, 503),
             "/v1/models/{model}": get(
                 "One model",

@@ -17,6 +17,7 @@ failure is a TandemError that the handler turns into an OpenAI error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,13 +34,25 @@ from tandem.gateway.conversations import StoredConversation, check_conversation_
 from tandem.gateway.errors import PermissionDeniedError, ShuttingDownError
 from tandem.gateway.prompt import PromptTokenizer, text_prompt_ids
 from tandem.gateway.sampling import SamplingParams
-from tandem.gateway.tenancy.auth import Principal
+from tandem.gateway.tenancy.auth import Principal, request_authorization
 from tandem.gateway.tenancy.models import Tenant, allowed, may_know_missing
 from tandem.gateway.tenancy.rejections import counts_against_key
 from tandem.gateway.timings import StageClock
 
 Endpoint = Literal["chat", "completions"]
-_ID_PREFIX = {"chat": "chatcmpl", "completions": "cmpl"}
+_ID_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-"}
+#: Turns another API's body (Anthropic Messages) into the chat request it means, with every check of
+#: validation.parse_body; raises InvalidRequestError.
+ChatBodyParser = Callable[[bytes], ChatCompletionRequest]
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """A chat API other than OpenAI's, translated into the same prepared chat request."""
+
+    parse: ChatBodyParser
+    #: Starts the request id (which is also the answer's id), e.g. ``msg_``.
+    request_id_prefix: str
 
 
 @dataclass(frozen=True)
@@ -76,17 +89,20 @@ class PreparedRequest:
         return self.principal.tenant
 
 
-async def prepare(request: Request, services: GatewayServices, endpoint: Endpoint) -> PreparedRequest:
+async def prepare(
+    request: Request, services: GatewayServices, endpoint: Endpoint, dialect: Dialect | None = None
+) -> PreparedRequest:
+    """``dialect``: the body is another API's chat request (only with ``endpoint`` "chat")."""
     clock = StageClock()
     if services.drain.draining:
         raise ShuttingDownError("This gateway replica is shutting down; retry.")
-    principal = await services.authenticator.authenticate(request.headers.get("authorization"))
+    principal = await services.authenticator.authenticate(request_authorization(request.headers))
     clock.mark("authenticated")
     # A key that keeps sending what is refused is refused cheaply, before its body is read
     # (tandem.gateway.tenancy.rejections); what is refused below for the request's own fault counts against it.
     services.rejections.check(principal)
     try:
-        return await _prepare(request, services, endpoint, principal, clock)
+        return await _prepare(request, services, endpoint, principal, clock, dialect)
     except PermanentError as exc:
         if counts_against_key(exc):
             await services.rejections.count(principal)
@@ -94,15 +110,22 @@ async def prepare(request: Request, services: GatewayServices, endpoint: Endpoin
 
 
 async def _prepare(
-    request: Request, services: GatewayServices, endpoint: Endpoint, principal: Principal, clock: StageClock
+    request: Request,
+    services: GatewayServices,
+    endpoint: Endpoint,
+    principal: Principal,
+    clock: StageClock,
+    dialect: Dialect | None,
 ) -> PreparedRequest:
     tenant = principal.tenant
     limits = services.limits
     check_content_type(request.headers.get("content-type"))
     raw = await _read_body(request, limits.max_body_bytes)
-    body: ChatCompletionRequest | CompletionRequest = (
-        parse_body(raw, ChatCompletionRequest) if endpoint == "chat" else parse_body(raw, CompletionRequest)
-    )
+    body: ChatCompletionRequest | CompletionRequest
+    if dialect is not None:
+        body = dialect.parse(raw)
+    else:
+        body = parse_body(raw, ChatCompletionRequest) if endpoint == "chat" else parse_body(raw, CompletionRequest)
     model = await resolve_model(body.model, services.models, tenant)
     # The base model that runs the request: its limits, tokenizer and chat template from here on.
     served = services.for_model(model.base_model)
@@ -181,7 +204,7 @@ async def _prepare(
     clock.mark("prompt_built")
     return PreparedRequest(
         endpoint=endpoint,
-        request_id=f"{_ID_PREFIX[endpoint]}-{new_request_id()}",
+        request_id=(dialect.request_id_prefix if dialect else _ID_PREFIX[endpoint]) + new_request_id(),
         body=body,
         principal=principal,
         prompt_token_ids=tuple(prompt_ids),

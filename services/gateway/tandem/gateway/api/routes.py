@@ -1,13 +1,15 @@
-"""HTTP route handlers: OpenAI endpoints, usage, model list, admin, health, readiness, metrics.
+"""HTTP route handlers: OpenAI endpoints, Anthropic Messages, usage, model list, admin, health, readiness, metrics.
 
-Called by Starlette (routes are assembled in :mod:`tandem.gateway.app`). Both
-generation endpoints run one pipeline: :func:`~tandem.gateway.api.prepare.prepare`
+Called by Starlette (routes are assembled in :mod:`tandem.gateway.app`). Every
+generation endpoint runs one pipeline (``/v1/messages`` translated into a chat
+request by :mod:`~tandem.gateway.api.anthropic_messages` and written back by
+:mod:`~tandem.gateway.api.anthropic_wire`): :func:`~tandem.gateway.api.prepare.prepare`
 (drain check, authentication, validation, model and tenant checks, prompt and
 context fit) yields a frozen prepared request, the quota admits it, and a
 streamed (:mod:`~tandem.gateway.api.streaming`) or complete
 (:mod:`~tandem.gateway.api.complete`) response runs it through the orchestrator.
-Every error that comes before generation leaves here as an OpenAI-shaped
-4xx/5xx; the API key itself is never logged.
+Every error that comes before generation leaves here as a 4xx/5xx in the
+endpoint's error shape (OpenAI's, or Anthropic's for ``/v1/messages``); the API key itself is never logged.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from starlette.responses import JSONResponse, Response
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, TandemError
 from tandem.gateway.adapters import ResolvedModel
 from tandem.gateway.api import admin_adapters
+from tandem.gateway.api.anthropic_messages import DIALECT as ANTHROPIC_DIALECT
+from tandem.gateway.api.anthropic_messages import check_version
+from tandem.gateway.api.anthropic_wire import ANTHROPIC_WIRE
 from tandem.gateway.api.complete import CompleteResponse
 from tandem.gateway.api.errors import api_error_from
 from tandem.gateway.api.generation import (
@@ -33,9 +38,10 @@ from tandem.gateway.api.generation import (
     RequestTiming,
     ResponseOptions,
 )
-from tandem.gateway.api.prepare import Endpoint, PreparedRequest, may_use, prepare, resolve_model
+from tandem.gateway.api.prepare import Dialect, Endpoint, PreparedRequest, may_use, prepare, resolve_model
 from tandem.gateway.api.services import GatewayServices
 from tandem.gateway.api.streaming import StreamedResponse
+from tandem.gateway.api.wire import OPENAI_WIRE, WireFormat
 from tandem.gateway.errors import (
     AuthenticationError,
     PermissionDeniedError,
@@ -55,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
+MESSAGES_ENDPOINT = "/v1/messages"
 
 
 def _services(request: Request) -> GatewayServices:
@@ -79,8 +86,9 @@ def _rejection_reason(exc: TandemError) -> str | None:
     return None
 
 
-def _openai_errors(endpoint: str, handler: Handler) -> Handler:
-    """Turn TandemErrors raised before generation starts into OpenAI error responses (and count them)."""
+def _openai_errors(endpoint: str, handler: Handler, wire: WireFormat = OPENAI_WIRE) -> Handler:
+    """Turn TandemErrors raised before generation starts into error responses in ``wire``'s shape (OpenAI's
+    unless told otherwise), and count them."""
 
     async def wrapped(request: Request) -> Response:
         try:
@@ -95,7 +103,7 @@ def _openai_errors(endpoint: str, handler: Handler) -> Handler:
                 logger.info(
                     "request refused", extra={"endpoint": endpoint, "status": error.status_code, "reason": reason}
                 )
-            return error.response()
+            return JSONResponse(wire.error_body(error), status_code=error.status_code, headers=error.headers or None)
         except ClientDisconnect:
             # The client left while sending its body (or the server cut a body that came too slowly).
             _services(request).metrics.requests_total.labels(endpoint=endpoint, status=str(STATUS_CLIENT_GONE)).inc()
@@ -105,12 +113,23 @@ def _openai_errors(endpoint: str, handler: Handler) -> Handler:
     return wrapped
 
 
-def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
-    """The one pipeline of both generation endpoints: prepare, admit, generate."""
+def _generation_handler(
+    endpoint: Endpoint,
+    path: str,
+    *,
+    dialect: Dialect | None = None,
+    wire: WireFormat = OPENAI_WIRE,
+    check_headers: Callable[[Request], None] | None = None,
+) -> Handler:
+    """The one pipeline of every generation endpoint: prepare, admit, generate. ``dialect``: the body is
+    another API's chat request, ``wire``: the answer is written in that API's shape, ``check_headers``:
+    the API's own headers, checked first."""
 
     async def handle(request: Request) -> Response:
         services = _services(request)
-        prepared = await prepare(request, services, endpoint)
+        if check_headers is not None:
+            check_headers(request)
+        prepared = await prepare(request, services, endpoint, dialect)
         tenant = prepared.tenant
         admission = await services.quota.admit(
             tenant.id,
@@ -158,10 +177,10 @@ def _generation_handler(endpoint: Endpoint, path: str) -> Handler:
                     logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})
 
         return _generation_response(
-            services, request, prepared, path, admission, on_finish, progress.advance if opened else None
+            services, request, prepared, path, admission, on_finish, progress.advance if opened else None, wire
         )
 
-    return _openai_errors(path, handle)
+    return _openai_errors(path, handle, wire)
 
 
 async def _open_usage(
@@ -224,6 +243,7 @@ def _generation_response(
     admission: Admission,
     on_finish: Callable[[Outcome], Coroutine[Any, Any, None]],
     on_progress: Callable[[int], Coroutine[Any, Any, None]] | None,
+    wire: WireFormat,
 ) -> GenerationResponse:
     tenant = prepared.tenant
     body = prepared.body
@@ -275,12 +295,20 @@ def _generation_response(
             extra_fields={"conversation_id": conversation.id} if conversation is not None else {},
             on_finish=on_finish,
             on_progress=on_progress,
+            wire=wire,
         ),
     )
 
 
 chat_completions = _generation_handler("chat", CHAT_ENDPOINT)
 completions = _generation_handler("completions", COMPLETIONS_ENDPOINT)
+messages = _generation_handler(
+    "chat",
+    MESSAGES_ENDPOINT,
+    dialect=ANTHROPIC_DIALECT,
+    wire=ANTHROPIC_WIRE,
+    check_headers=lambda request: check_version(request.headers.get("anthropic-version")),
+)
 
 
 async def _usage(request: Request) -> Response:

@@ -33,8 +33,9 @@ from tandem.gateway.api.generation import (
     raw_headers,
     send_error,
 )
+from tandem.gateway.api.wire import StreamEncoder
 from tandem.gateway.job import Finished, GenerationEvent, TextDelta
-from tandem.gateway.sse import DONE_EVENT, HEARTBEAT, SSE_HEADERS, ChunkEncoder, stream_end
+from tandem.gateway.sse import HEARTBEAT, SSE_HEADERS
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class StreamedResponse(GenerationResponse):
             send, max_buffered_bytes=limits.max_buffered_bytes, timeout_s=limits.slow_reader_timeout_s
         )
         writer_task: asyncio.Task[None] | None = None
-        encoder = ChunkEncoder(self._meta)
+        encoder = self._options.wire.stream_encoder(self._meta, len(self._job.prompt_token_ids))
         headers = {**SSE_HEADERS, **self._options.headers, "X-Request-Id": self._job.request_id}
 
         async def start_stream() -> None:
@@ -137,15 +138,15 @@ class StreamedResponse(GenerationResponse):
             except TandemError as exc:
                 error = api_error_from(exc, request_id=self._job.request_id)
                 if writer_task is None:
-                    return await send_error(send, error)
-                return await self._end_with_error(writer, writer_task, error, exc)
+                    return await send_error(send, error, self._options.wire)
+                return await self._end_with_error(writer, writer_task, encoder, error)
             except (SlowReaderError, ClientGoneError):
                 raise
             except Exception:
                 logger.exception("generation failed", extra={"request_id": self._job.request_id})
                 if writer_task is None:
-                    return await send_error(send, internal_error())
-                return await self._end_with_error(writer, writer_task, internal_error(), None)
+                    return await send_error(send, internal_error(), self._options.wire)
+                return await self._end_with_error(writer, writer_task, encoder, internal_error())
             assert isinstance(first, TextDelta)
             self._observe_first_token(first)
             if writer_task is None:
@@ -166,7 +167,7 @@ class StreamedResponse(GenerationResponse):
                 writer_task.cancel()
 
     async def _stream_rest(
-        self, writer: _StreamWriter, writer_task: asyncio.Task[None], encoder: ChunkEncoder, source: EventSource
+        self, writer: _StreamWriter, writer_task: asyncio.Task[None], encoder: StreamEncoder, source: EventSource
     ) -> int:
         last_token_s = time.monotonic()
         num_unsent_tokens = 0  # tokens whose text was empty so far; they reach the client with the next text
@@ -189,18 +190,18 @@ class StreamedResponse(GenerationResponse):
                     # Tokens that added no text (a stop token) still have log-probabilities to report.
                     unsent = self._delta(encoder, "") if self._num_logprobs_sent < len(self._logprobs) else b""
                     await self._save_progress()
-                    await writer.write(unsent + encoder.finish(event.finish_reason) + encoder.usage(event.usage))
+                    await writer.write(unsent + encoder.finish(event))
         except TandemError as exc:
             logger.warning("stream failed: %s", exc, extra={"request_id": self._job.request_id})
             error = api_error_from(exc, request_id=self._job.request_id)
-            return await self._end_with_error(writer, writer_task, error, exc)
+            return await self._end_with_error(writer, writer_task, encoder, error)
         except (SlowReaderError, ClientGoneError):
             raise
         except Exception:
             logger.exception("stream failed", extra={"request_id": self._job.request_id})
-            return await self._end_with_error(writer, writer_task, internal_error(), None)
+            return await self._end_with_error(writer, writer_task, encoder, internal_error())
         self._job.clock.mark("done")
-        await writer.write(stream_end(self._job.clock.breakdown() if self._options.timings else None))
+        await writer.write(encoder.end(self._job.clock.breakdown() if self._options.timings else None))
         await writer.close()
         await writer_task
         if writer.error is not None:
@@ -208,17 +209,17 @@ class StreamedResponse(GenerationResponse):
         return 200
 
     async def _end_with_error(
-        self, writer: _StreamWriter, writer_task: asyncio.Task[None], error: ApiError, exc: BaseException | None
+        self, writer: _StreamWriter, writer_task: asyncio.Task[None], encoder: StreamEncoder, error: ApiError
     ) -> int:
         """After the stream started, an error is the stream's last event."""
-        await writer.write(ChunkEncoder.error(error.body()) + DONE_EVENT)
+        await writer.write(encoder.error(error))
         await writer.close()
         await writer_task
         if writer.error is not None:
             raise writer.error
         return error.status_code
 
-    def _delta(self, encoder: ChunkEncoder, text: str) -> bytes:
+    def _delta(self, encoder: StreamEncoder, text: str) -> bytes:
         """A content chunk with the log-probabilities of every token not reported yet."""
         unsent = self._logprobs[self._num_logprobs_sent :]
         self._num_logprobs_sent = len(self._logprobs)

@@ -287,12 +287,17 @@ def check_content_type(content_type: str | None) -> None:
 
 def parse_body(body: bytes, model_cls: type[RequestT]) -> RequestT:
     """Parse and validate a JSON body; every failure is an InvalidRequestError."""
-    data = parse_json_object(body)
+    return validate_body(parse_json_object(body), model_cls)
+
+
+def validate_body(data: dict[str, Any], model_cls: type[RequestT]) -> RequestT:
+    """Validate a parsed body (a client's, or one translated from another API); every failure is an
+    InvalidRequestError."""
     check_parameters(data, model_cls.ENDPOINT)
     try:
         request = model_cls.model_validate(data)
     except ValidationError as exc:
-        raise _to_invalid_request(exc) from exc
+        raise to_invalid_request(exc) from exc
     _check_supported(request)
     return request
 
@@ -356,7 +361,7 @@ def _has_lone_surrogate(data: dict[str, Any]) -> bool:
     return False
 
 
-def _to_invalid_request(exc: ValidationError) -> InvalidRequestError:
+def to_invalid_request(exc: ValidationError) -> InvalidRequestError:
     # A union reports one error per member; the member that got furthest, with a value error rather
     # than a type error, is the one the client meant.
     first = max(

@@ -1,4 +1,4 @@
-"""Authentication of a request: the ``Authorization: Bearer`` key → the tenant.
+"""Authentication of a request: the ``Authorization: Bearer`` key (or ``x-api-key``) → the tenant.
 
 Called by the route handlers before anything else; calls the
 :class:`~tandem.gateway.tenancy.store.TenantStore`, with a short in-process
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tandem.common.errors import BackendUnavailableError
@@ -27,6 +27,16 @@ class Principal:
     tenant: Tenant
     #: Public id of the key used ("" when auth is disabled).
     key_id: str
+
+
+def request_authorization(headers: Mapping[str, str]) -> str | None:
+    """The request's credentials as an ``Authorization`` value: that header, or else Anthropic's
+    ``x-api-key: <key>`` (the same tenant keys, for the ``anthropic`` SDK) as ``Bearer <key>``."""
+    authorization = headers.get("authorization")
+    if authorization:
+        return authorization
+    api_key = headers.get("x-api-key", "").strip()
+    return f"Bearer {api_key}" if api_key else None
 
 
 def bearer_token(authorization: str | None) -> str | None:
