@@ -13,14 +13,17 @@ the last message is never dropped. When even that cannot fit: 400.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tandem.common.errors import InvalidRequestError
 from tandem.gateway.errors import PermissionDeniedError
 from tandem.gateway.prompt import ChatPrompt, PromptTokenizer, chat_prompt
 
-Message = dict[str, str]
+#: A chat turn as the chat template reads it: role and content (text), and for tool calling an assistant's
+#: ``tool_calls`` or a tool turn's ``tool_call_id``.
+Message = Mapping[str, Any]
 SYSTEM_ROLES = ("system", "developer")
 
 
@@ -62,7 +65,9 @@ async def assemble_chat(
     requested_max_tokens: int | None,
     default_max_tokens: int,
     context_tokens: int,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> AssembledPrompt:
+    """``tools``: the request's tools in OpenAI's shape, for the template (their tokens count as the prompt's)."""
     system = system_block(rules, client_messages)
     head = [system] if system is not None else []
     turns = [*history, *(m for m in client_messages if m["role"] not in SYSTEM_ROLES)]
@@ -73,7 +78,7 @@ async def assemble_chat(
 
     async def render_without(num_dropped: int) -> ChatPrompt:
         if num_dropped not in renders:
-            renders[num_dropped] = await chat_prompt(tokenizer, [*head, *turns[num_dropped:]])
+            renders[num_dropped] = await chat_prompt(tokenizer, [*head, *turns[num_dropped:]], tools)
         return renders[num_dropped]
 
     async def fits_without(num_dropped: int) -> bool:

@@ -35,6 +35,13 @@ refused with 400 ``control_token_in_content``, never tokenized the unsafe way.
 Non-special added tokens (``special=False``) stay matchable in content, as in
 vLLM.
 
+Tools (``tools=``, as vLLM passes them) and an assistant turn's ``tool_calls``
+reach the template beside the contents. A template that renders them puts client
+text (descriptions, arguments) outside every content span, where it cannot be told
+from control: a control string in it is refused with 400
+``control_token_in_content``, unless the template leaves tools and tool calls out
+of the prompt altogether (as the default model's does).
+
 :meth:`HfPromptTokenizer.text_prompt_ids` (``/v1/completions``) keeps special
 tokens live, as vLLM does: a raw prompt is the client's whole prompt, with no
 trusted system turn in it to protect.
@@ -45,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import json
 import logging
 import re
 import secrets
@@ -61,9 +69,11 @@ class PromptTokenizer(Protocol):
     """Turns client input into prompt token ids. Methods may block (CPU); the
     caller runs them off the event loop. Bad input raises InvalidRequestError."""
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
-        """Apply the model's chat template with the generation prompt and tokenize.
-        Special-token strings inside message content are tokenized as text."""
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> ChatPrompt:
+        """Apply the model's chat template with the generation prompt (and ``tools=``, as vLLM passes
+        them) and tokenize. Special-token strings inside client text are tokenized as text, or refused."""
         ...
 
     def text_prompt_ids(self, text: str) -> list[int]:
@@ -143,21 +153,25 @@ class HfPromptTokenizer:
             raise FileNotFoundError(f"model folder {model_dir} does not exist")
         return cls(AutoTokenizer.from_pretrained(str(model_dir)))
 
-    def chat_prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def chat_prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         return self.chat_prompt(messages).ids
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> ChatPrompt:
         if not getattr(self._tokenizer, "chat_template", None):
             raise InvalidRequestError("This model has no chat template; use /v1/completions.", code="no_chat_template")
         real = [dict(m) for m in messages]
-        rendered = self._render(real)
+        tool_list = [dict(t) for t in tools] if tools else None
+        rendered = self._render(real, tool_list)
+        self._check_tool_text(real, tool_list, rendered)
         # Exactly apply_chat_template(tokenize=True)'s call: the template's text carries any BOS.
         batch = self._tokenizer(
             rendered, padding=False, truncation=False, max_length=None, add_special_tokens=False, return_tensors=None
         )
         ids = list(batch["input_ids"])
         contents = [m.get("content") or "" for m in real]
-        spans = self._content_spans(real, contents, rendered)
+        spans = self._content_spans(real, contents, rendered, tool_list)
         encoding = batch.encodings[0] if batch.encodings else None
         if spans is None or encoding is None:
             # Content cannot be told from control here, so content may not carry control strings at all.
@@ -181,17 +195,40 @@ class HfPromptTokenizer:
     def text_prompt_ids(self, text: str) -> list[int]:
         return [int(i) for i in self._tokenizer(text, add_special_tokens=True)["input_ids"]]
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         import jinja2
 
         try:
-            return str(self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+            return str(
+                self._tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            )
         except jinja2.TemplateError as exc:
             # Templates reject e.g. non-alternating roles with raise_exception(...): that is client input.
             raise InvalidRequestError(f"messages: {exc}", param="messages", code="invalid_messages") from exc
 
+    def _check_tool_text(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, rendered: str
+    ) -> None:
+        """Tool definitions and an assistant turn's tool calls are client text that a template renders outside
+        any content, where the stand-ins of :meth:`_content_spans` cannot tell it from control. A control string
+        in it is refused, unless the template leaves tools and tool calls out of the prompt altogether (the
+        rendering without them is the same), as templates that cannot present tools do."""
+        structured = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+        if not structured and not tools:
+            return
+        text = json.dumps([tools or [], structured], ensure_ascii=False)
+        if not self._special_pattern.search(text):
+            return
+        plain = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+        if self._render(plain) != rendered:
+            raise self._control_token_error()
+
     def _content_spans(
-        self, messages: list[dict[str, str]], contents: list[str], rendered: str
+        self,
+        messages: list[dict[str, Any]],
+        contents: list[str],
+        rendered: str,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[ContentSpan] | None:
         """Where each rendered content lies in ``rendered``, in order; None when the
         template does not render contents verbatim (or ``strip()``-ed) in content-independent text."""
@@ -199,7 +236,7 @@ class HfPromptTokenizer:
             {**m, "content": self._stand_in.format(i)} if contents[i] else m for i, m in enumerate(messages)
         ]
         try:
-            skeleton = self._render(skeleton_messages)
+            skeleton = self._render(skeleton_messages, tools)
         except Exception:  # a template may choke on a stand-in (parse it, index it): treat like a transform
             return None
         # [template text, content index, template text, …, template text]
@@ -329,9 +366,13 @@ def _text_only_backend(backend: Any, specials: Mapping[str, int]) -> Any | None:
     return copy
 
 
-async def chat_prompt(tokenizer: PromptTokenizer, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
+async def chat_prompt(
+    tokenizer: PromptTokenizer, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+) -> ChatPrompt:
     """:meth:`PromptTokenizer.chat_prompt` off the event loop (long prompts take milliseconds)."""
-    return await asyncio.to_thread(tokenizer.chat_prompt, messages)
+    if tools is None:  # the one-argument call, which every PromptTokenizer takes
+        return await asyncio.to_thread(tokenizer.chat_prompt, messages)
+    return await asyncio.to_thread(tokenizer.chat_prompt, messages, tools)
 
 
 async def text_prompt_ids(tokenizer: PromptTokenizer, text: str) -> list[int]:

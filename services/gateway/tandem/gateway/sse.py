@@ -131,25 +131,41 @@ class ChunkEncoder:
             payload["usage"] = None
         return payload
 
-    def _choice(self, content: str | None, *, role: bool = False, finish_reason: str | None = None) -> dict[str, Any]:
+    def _choice(
+        self,
+        content: str | None,
+        *,
+        role: bool = False,
+        finish_reason: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         if self._meta.kind == "chat":
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if content is not None:
                 delta["content"] = content
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish_reason}
 
-    def start(self) -> bytes:
-        """The role chunk of a chat stream; text completions have none."""
+    def start(self, *, content: str | None = "") -> bytes:
+        """The role chunk of a chat stream (a tool-call answer's has no content); text completions have none."""
         if self._meta.kind != "chat":
             return b""
-        return encode_event(self._chunk(self._choice("", role=True)))
+        return encode_event(self._chunk(self._choice(content, role=True)))
 
-    def delta(self, text: str, logprobs: Sequence[common_pb2.TokenLogprobs] = ()) -> bytes:
-        """A content chunk; ``logprobs``: one entry per token whose text it completes."""
-        choice = self._choice(text)
+    def delta(
+        self,
+        text: str | None,
+        logprobs: Sequence[common_pb2.TokenLogprobs] = (),
+        *,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> bytes:
+        """A content chunk, or with ``text`` None a chunk of ``delta.tool_calls`` entries
+        (tandem.gateway.api.tool_calls); ``logprobs``: one entry per token whose text it completes."""
+        choice = self._choice(text, tool_calls=tool_calls)
         if self._meta.logprobs and logprobs:
             choice["logprobs"] = logprobs_dict(self._meta, logprobs, self._num_token_chars)
             self._num_token_chars += sum(len(e.token) for e in logprobs)
@@ -176,13 +192,17 @@ def full_response(
     finish_reason: str,
     usage: Usage,
     logprobs: Sequence[common_pb2.TokenLogprobs] = (),
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The non-streamed response object."""
+    """The non-streamed response object; with ``tool_calls`` (chat) the message is those calls, content null."""
     logprobs_value = logprobs_dict(meta, logprobs, 0) if meta.logprobs else None
     if meta.kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": logprobs_value,
             "finish_reason": finish_reason,
         }

@@ -13,7 +13,7 @@ Three kinds:
 * **refused**: OpenAI or vLLM define it, Tandem does not implement it, so a
   request that sets it gets 400 ``unsupported_parameter`` rather than an
   answer that silently ignores it. Some are refused only away from their
-  neutral value (``n: 1`` and ``tool_choice: "none"`` are fine);
+  neutral value (``n: 1`` and ``echo: false`` are fine);
 * **metadata**: OpenAI itself defines it as information about the request,
   not about the answer; accepted and not acted on.
 
@@ -81,10 +81,18 @@ PARAMETERS: tuple[Parameter, ...] = (
     _honoured("top_logprobs", CHAT, "0..20; needs logprobs: true"),
     _honoured("response_format", BOTH, "text, json_object, json_schema: a grammar constrains every token"),
     _honoured("n", BOTH, "only 1"),
+    _honoured(
+        "tools",
+        CHAT,
+        "function tools only, at most 128; given to the chat template as vLLM does (see Tools below)",
+    ),
+    _honoured(
+        "tool_choice",
+        CHAT,
+        "a named function or required: a grammar makes the answer the call's JSON; none; auto is refused (400)",
+    ),
+    _honoured("parallel_tool_calls", CHAT, "false: required makes at most one call"),
     # -- OpenAI, refused ---------------------------------------------------------------------------------
-    _refused("tools", CHAT, "Tool calling is not supported for this model.", neutral=([],)),
-    _refused("tool_choice", CHAT, "Tool calling is not supported for this model.", neutral=("none",)),
-    _refused("parallel_tool_calls", CHAT, "Tool calling is not supported for this model."),
     _refused("functions", CHAT, "Function calling is not supported for this model.", neutral=([],)),
     _refused("function_call", CHAT, "Function calling is not supported for this model.", neutral=("none",)),
     _refused("audio", CHAT, "Audio output is not supported."),
@@ -156,11 +164,11 @@ PARAMETERS: tuple[Parameter, ...] = (
 
 #: Keys of one chat message, and what happens to them.
 MESSAGE_FIELDS: tuple[Parameter, ...] = (
-    _honoured("role", CHAT, "system, developer (as system), user, assistant"),
+    _honoured("role", CHAT, "system, developer (as system), user, assistant, tool"),
     _honoured("content", CHAT, "a string or text parts; other part types are refused"),
     _refused("name", CHAT, "Message names are not supported by this model's chat template."),
-    _refused("tool_calls", CHAT, "Tool calling is not supported for this model.", neutral=([],)),
-    _refused("tool_call_id", CHAT, "Tool calling is not supported for this model."),
+    _honoured("tool_calls", CHAT, "an assistant turn's function calls (content may be null), to the chat template"),
+    _honoured("tool_call_id", CHAT, "a tool turn's answer to that call; its content is data, as every content"),
     _refused("function_call", CHAT, "Function calling is not supported for this model."),
     _refused("audio", CHAT, "Audio is not supported."),
     _refused("refusal", CHAT, "Assistant refusals cannot be sent back to this model."),
@@ -193,10 +201,10 @@ def check_parameters(body: Mapping[str, Any], endpoint: Endpoint) -> None:
                 if parameter is not None and not _is_neutral(parameter, value):
                     param = f"messages.{index}.{name}"
                     raise InvalidRequestError(f"{param}: {parameter.note}", param=param, code="unsupported_parameter")
-            if message.get("role") in ("tool", "function"):
+            if message.get("role") == "function":
                 param = f"messages.{index}.role"
                 raise InvalidRequestError(
-                    f"{param}: Tool calling is not supported for this model.",
+                    f"{param}: the role function (the deprecated functions API) is not supported; use tools.",
                     param=param,
                     code="unsupported_parameter",
                 )

@@ -17,9 +17,9 @@ failure is a TandemError that the handler turns into an OpenAI error.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from starlette.requests import Request
 
@@ -28,8 +28,16 @@ from tandem.common.ids import new_request_id
 from tandem.gateway.adapters import ModelResolver, ResolvedModel
 from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError
 from tandem.gateway.api.services import GatewayServices, ModelLimits
-from tandem.gateway.api.validation import ChatCompletionRequest, CompletionRequest, check_content_type, parse_body
+from tandem.gateway.api.tools import ToolSpec, arguments_text_size, tools_text_size
+from tandem.gateway.api.validation import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    check_content_type,
+    parse_body,
+)
 from tandem.gateway.assembly import Message, PromptRules, assemble_chat, fit_max_tokens
+from tandem.gateway.conversations import Message as StoredTurn
 from tandem.gateway.conversations import StoredConversation, check_conversation_id
 from tandem.gateway.errors import PermissionDeniedError, ShuttingDownError
 from tandem.gateway.prompt import PromptTokenizer, text_prompt_ids
@@ -61,7 +69,7 @@ class Conversation:
 
     id: str
     #: The client's new turns that made it into the prompt (older ones trimmed to fit are not kept).
-    new_turns: tuple[Message, ...]
+    new_turns: tuple[StoredTurn, ...]
     #: Stored turns trimmed away to fit the context: the store forgets them too.
     num_dropped_history: int = 0
 
@@ -83,6 +91,8 @@ class PreparedRequest:
     model: ResolvedModel
     conversation: Conversation | None = None
     num_dropped_messages: int = 0
+    #: A chat request's function tools (tandem.gateway.api.tools); the answer is a tool call when they constrain it.
+    tools: ToolSpec | None = None
 
     @property
     def tenant(self) -> Tenant:
@@ -156,8 +166,9 @@ async def _prepare(
         if body.conversation_id is not None:
             check_conversation_id(body.conversation_id)
             stored = await services.conversations.read(tenant.id, body.conversation_id)
-        history: list[Message] = stored.messages
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        history: Sequence[Message] = stored.messages
+        messages = [_template_message(m) for m in body.messages]
+        tools = body.tool_spec()
         assembled = await assemble_chat(
             tokenizer,
             rules=PromptRules(tenant.system_prompt, tenant.allow_client_system_prompt),
@@ -166,10 +177,12 @@ async def _prepare(
             requested_max_tokens=body.requested_max_tokens(),
             default_max_tokens=_default_max_tokens(limits.default_max_tokens, tenant),
             context_tokens=context_tokens,
+            tools=tools.template_tools() if tools is not None else None,
         )
         prompt_ids, max_tokens, num_dropped = assembled.prompt_ids, assembled.max_tokens, assembled.num_dropped_messages
         if body.conversation_id is not None:
-            new_turns = tuple(m for m in messages if m["role"] != "system")
+            # validation refused conversation_id with tools, so these turns are role and text only
+            new_turns = tuple({"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system")
             dropped_history = min(num_dropped, len(history))
             conversation = Conversation(
                 body.conversation_id, new_turns[num_dropped - dropped_history :], dropped_history
@@ -214,6 +227,7 @@ async def _prepare(
         model=model,
         conversation=conversation,
         num_dropped_messages=num_dropped,
+        tools=body.tool_spec() if isinstance(body, ChatCompletionRequest) else None,
     )
 
 
@@ -224,7 +238,8 @@ MAX_BYTES_PER_TOKEN = 64
 def _text_size(body: ChatCompletionRequest | CompletionRequest) -> tuple[int, int]:
     """(bytes of text, the fewest prompt tokens that text can make), without tokenizing."""
     if isinstance(body, ChatCompletionRequest):
-        num_bytes = sum(len(m.text().encode()) for m in body.messages)
+        num_bytes = sum(len(m.text().encode()) + arguments_text_size(m.tool_calls) for m in body.messages)
+        num_bytes += tools_text_size(body.tool_spec())
         return num_bytes, num_bytes // MAX_BYTES_PER_TOKEN
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -234,6 +249,19 @@ def _text_size(body: ChatCompletionRequest | CompletionRequest) -> tuple[int, in
         return len(prompt) * 4, len(prompt)
     num_bytes = sum(len(str(p).encode()) for p in prompt)
     return num_bytes, num_bytes // MAX_BYTES_PER_TOKEN
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A client message as the chat template reads it (vLLM's shape: content is text, never null)."""
+    turn: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": message.text(),
+    }
+    if message.tool_calls:
+        turn["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
 
 
 def _check_prompt_ids(body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], vocab_size: int) -> None:

@@ -41,6 +41,8 @@ from tandem.gateway.api.generation import (
 from tandem.gateway.api.prepare import Dialect, Endpoint, PreparedRequest, may_use, prepare, resolve_model
 from tandem.gateway.api.services import GatewayServices
 from tandem.gateway.api.streaming import StreamedResponse
+from tandem.gateway.api.tool_wire import OpenAIToolWire
+from tandem.gateway.api.tools import ToolSpec
 from tandem.gateway.api.wire import OPENAI_WIRE, WireFormat
 from tandem.gateway.errors import (
     AuthenticationError,
@@ -70,6 +72,8 @@ def _services(request: Request) -> GatewayServices:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+#: The wire format of an answer that is a tool call, for the request's tools.
+ToolWire = Callable[[ToolSpec], WireFormat]
 
 
 def _rejection_reason(exc: TandemError) -> str | None:
@@ -119,6 +123,7 @@ def _generation_handler(
     *,
     dialect: Dialect | None = None,
     wire: WireFormat = OPENAI_WIRE,
+    tool_wire: ToolWire = OpenAIToolWire,
     check_headers: Callable[[Request], None] | None = None,
 ) -> Handler:
     """The one pipeline of every generation endpoint: prepare, admit, generate. ``dialect``: the body is
@@ -177,7 +182,15 @@ def _generation_handler(
                     logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})
 
         return _generation_response(
-            services, request, prepared, path, admission, on_finish, progress.advance if opened else None, wire
+            services,
+            request,
+            prepared,
+            path,
+            admission,
+            on_finish,
+            progress.advance if opened else None,
+            wire,
+            tool_wire,
         )
 
     return _openai_errors(path, handle, wire)
@@ -244,6 +257,7 @@ def _generation_response(
     on_finish: Callable[[Outcome], Coroutine[Any, Any, None]],
     on_progress: Callable[[int], Coroutine[Any, Any, None]] | None,
     wire: WireFormat,
+    tool_wire: ToolWire,
 ) -> GenerationResponse:
     tenant = prepared.tenant
     body = prepared.body
@@ -280,6 +294,8 @@ def _generation_response(
         },
     )
     conversation = prepared.conversation
+    if prepared.tools is not None and prepared.tools.constrains:
+        wire = tool_wire(prepared.tools)  # the answer is a tool call (tandem.gateway.api.tool_wire)
     response_cls = StreamedResponse if body.stream else CompleteResponse
     return response_cls(
         orchestrator=services.orchestrator,

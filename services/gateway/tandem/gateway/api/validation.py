@@ -31,6 +31,7 @@ from pydantic import (
 
 from tandem.common.errors import InvalidRequestError
 from tandem.gateway.api.parameters import Endpoint, check_parameters
+from tandem.gateway.api.tools import ToolCallList, ToolChoice, ToolList, ToolSpec, check_exclusive, tool_spec
 from tandem.gateway.sampling import SamplingParams, StructuredOutput
 
 #: Deepest nesting of arrays and objects accepted; OpenAI requests need a handful of levels.
@@ -73,6 +74,19 @@ class ChatMessage(_Lenient):
     role: Role
     content: StrictStr | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: StrictStr | None = None
+    #: An assistant turn's calls (its content may then be null); a ``tool`` turn names the call it answers.
+    tool_calls: ToolCallList | None = None
+    tool_call_id: StrictStr | None = Field(None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry a tool_call_id")
+        return self
 
     def text(self) -> str:
         """The message content as one string (text parts joined)."""
@@ -242,6 +256,10 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     #: Tandem extension: the server keeps this conversation's turns; send only the new message.
     conversation_id: StrictStr | None = Field(None, min_length=1, max_length=128)
+    #: Function tools (tandem.gateway.api.tools).
+    tools: ToolList | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -254,6 +272,19 @@ class ChatCompletionRequest(_SamplingFields):
 
     def num_top_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_spec(self) -> ToolSpec | None:
+        """The request's tools, checked (InvalidRequestError otherwise); None when it has none."""
+        return tool_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_output(self) -> StructuredOutput | None:
+        spec = self.tool_spec()
+        if spec is not None and spec.constrains:
+            return spec.constraint()
+        return super().structured_output()
+
+    def has_tool_history(self) -> bool:
+        return any(m.role == "tool" or m.tool_calls for m in self.messages)
 
 
 class CompletionRequest(_SamplingFields):
@@ -399,6 +430,17 @@ def _check_supported(request: _SamplingFields) -> None:
             param="structured_outputs",
             code="invalid_value",
         )
+    if isinstance(request, ChatCompletionRequest):
+        spec = request.tool_spec()
+        fmt = request.response_format
+        has_format = request.structured_outputs is not None or (fmt is not None and fmt.type != "text")
+        check_exclusive(spec, has_response_format=has_format)
+        if request.conversation_id is not None and (spec is not None or request.has_tool_history()):
+            raise InvalidRequestError(
+                "conversation_id cannot be combined with tools or tool messages: send the whole history instead.",
+                param="conversation_id",
+                code="unsupported_value",
+            )
     if isinstance(request, CompletionRequest):
         prompt = request.prompt
         if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str):
