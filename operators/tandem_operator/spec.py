@@ -312,8 +312,9 @@ class AdapterSpec(_Model):
     name: str = Field(pattern=ADAPTER_NAME.pattern)
     #: The served model it adapts (a ``spec.models[].name``, or the single model's servedModelName).
     base_model: str = Field(min_length=1)
-    #: The adapter's folder, as every worker of the base model sees it (absolute, no control characters).
-    path: str = Field(pattern=r"^/[^\x00-\x1f\x7f]*$", max_length=4096)
+    #: The adapter's folder, as every worker of the base model sees it (absolute; no control character: C0,
+    #: DEL or C1, which helm's toYaml cannot encode).
+    path: str = Field(pattern=r"^/[^\x00-\x1f\x7f-\x9f]*$", max_length=4096)
 
 
 class SloSpec(_Model):

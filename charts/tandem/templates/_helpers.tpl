@@ -140,17 +140,38 @@ models form: each model's name, folder and context length. */}}
 {{- if and (eq .Values.model.source "initContainer") (or (not .Values.model.initContainer.image) (not .Values.model.initContainer.command)) -}}
 {{- fail "model.source is initContainer: set model.initContainer.image and .command" -}}
 {{- end -}}
-{{- range $role, $pool := .Values.tandemDeployment.pools -}}
-{{- if or (gt (int $pool.minReplicas) (int $pool.replicas)) (gt (int $pool.replicas) (int $pool.maxReplicas)) -}}
-{{- fail (printf "tandemDeployment.pools.%s: need minReplicas <= replicas <= maxReplicas" $role) -}}
-{{- end -}}
-{{- if not $.Values.tandemDeployment.models -}}
-{{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.pools.%s" $role) "pool" $pool) -}}
+{{- $td := .Values.tandemDeployment -}}
+{{- if not $td.models -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.pools.%s" $role) "pool" (get $td.pools $role)) -}}
 {{- end -}}
 {{- end -}}
-{{- range $i, $m := .Values.tandemDeployment.models -}}
+{{- /* The models form: what the operator would refuse (SpecValid=False) fails the install instead. */ -}}
+{{- $served := dict -}}
+{{- range $i, $m := $td.models -}}
+{{- if hasKey $served $m.name -}}
+{{- fail (printf "tandemDeployment.models[%d]: the name %q is taken by an earlier model" $i $m.name) -}}
+{{- end -}}
+{{- $_ := set $served $m.name (int (($m.lora | default dict).maxAdapters | default 0)) -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.models[%d].%s" $i $role) "pool" (get $m $role | default dict)) -}}
+{{- end -}}
+{{- end -}}
+{{- $adapters := dict -}}
+{{- range $i, $a := $td.adapters -}}
+{{- $where := printf "tandemDeployment.adapters[%d] (%s)" $i $a.name -}}
+{{- if hasKey $adapters $a.name -}}
+{{- fail (printf "%s: the name is taken by an earlier adapter" $where) -}}
+{{- end -}}
+{{- $_ := set $adapters $a.name true -}}
+{{- if hasKey $served $a.name -}}
+{{- fail (printf "%s: the name is a served model's" $where) -}}
+{{- end -}}
+{{- if not (hasKey $served $a.baseModel) -}}
+{{- fail (printf "%s: baseModel %q is not a model of tandemDeployment.models (adapters need the models form, with lora.maxAdapters > 0)" $where $a.baseModel) -}}
+{{- end -}}
+{{- if lt (get $served $a.baseModel) 1 -}}
+{{- fail (printf "%s: model %q has LoRA off (set its lora.maxAdapters > 0)" $where $a.baseModel) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -159,6 +180,13 @@ models form: each model's name, folder and context length. */}}
 checks all but the accelerator too):
 (dict "ctx" $ "where" "tandemDeployment.pools.prefill" "pool" $pool). */}}
 {{- define "tandem.checkPool" -}}
+{{- /* Absent counts are the CRD's defaults (1, 1, 4); 0 is a count, not an absence. */ -}}
+{{- $replicas := ternary (int .pool.replicas) 1 (hasKey .pool "replicas") -}}
+{{- $min := ternary (int .pool.minReplicas) 1 (hasKey .pool "minReplicas") -}}
+{{- $max := ternary (int .pool.maxReplicas) 4 (hasKey .pool "maxReplicas") -}}
+{{- if or (gt $min $replicas) (gt $replicas $max) -}}
+{{- fail (printf "%s: need minReplicas <= replicas <= maxReplicas (%d <= %d <= %d)" .where $min $replicas $max) -}}
+{{- end -}}
 {{- $limits := (.pool.resources | default dict).limits | default dict -}}
 {{- $gpus := int (get $limits "nvidia.com/gpu" | default 0) -}}
 {{- $tp := int ((.pool.engineArgs | default dict).tensorParallelSize | default 1) -}}
@@ -320,4 +348,15 @@ decimal: 2 -> "2.0", 0.1 -> "0.1"). An SLO of 2 written "2" matches no series.
 {{- if gt $tp $max }}{{ $max = $tp }}{{ end -}}
 {{- end -}}
 {{- $max -}}
+{{- end -}}
+
+{{/* toYaml that fails instead of rendering nothing: helm's toYaml returns "" when YAML cannot encode a value
+(a C1 control character such as U+0086 in a string), which would drop a whole list from the custom resource
+(the API server then rejects it halfway through the install). */}}
+{{- define "tandem.toYaml" -}}
+{{- $out := toYaml . -}}
+{{- if and (eq $out "") (not (empty .)) -}}
+{{- fail "tandemDeployment: a value holds characters YAML cannot encode (control characters U+0080..U+009F?)" -}}
+{{- end -}}
+{{- $out -}}
 {{- end -}}
