@@ -1,9 +1,9 @@
 """No request body gets a 5xx (issue 38): hypothesis, driven from the gateway's own /openapi.json through
-schemathesis, sends ``FUZZ_EXAMPLES`` generated requests (valid by the schema and not, half each, on both
+schemathesis, sends ``FUZZ_EXAMPLES`` generated requests (valid by the schema and not, half each, on the
 generation endpoints; 10,000 by default) to the real app. Behind it, the fake workers run the real
 workers' own field checks (:mod:`tandem.worker.validation`, against the test tokenizer's vocabulary), so a
 field the gateway passes on and a worker would refuse is a 400 here as it is in production. Every answer
-must be 200 or a 4xx in the OpenAI error shape.
+must be 200 or a 4xx in the endpoint's error shape (OpenAI's; Anthropic's on ``/v1/messages``).
 
 The same property runs against a real stack (real engines) in ``tests/faults/test_hostile_input.py``."""
 
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
 #: Requests in all, over both endpoints and both generation modes.
 FUZZ_EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "10000"))
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -83,12 +83,15 @@ def test_openapi_document_lists_the_endpoints() -> None:
     assert fields["min_tokens"]["exclusiveMaximum"] == 2**32
 
 
-def _openai_error(response: Any) -> str:
-    """'' when ``response`` is a 4xx in the OpenAI error shape, else what is wrong with it."""
+def _error_shape(path: str, response: Any) -> str:
+    """'' when ``response`` is a 4xx in the endpoint's error shape, else what is wrong with it."""
     try:
-        error = json.loads(response.content)["error"]
+        body = json.loads(response.content)
+        error = body["error"]
+        if path == "/v1/messages" and body["type"] != "error":
+            return f"{response.status_code} without Anthropic's error type: {response.content[:200]!r}"
     except (ValueError, KeyError, TypeError):
-        return f"{response.status_code} without an OpenAI error body: {response.content[:200]!r}"
+        return f"{response.status_code} without an error body: {response.content[:200]!r}"
     if not (isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)):
         return f"{response.status_code} with a malformed error: {error!r}"[:300]
     return ""
@@ -127,7 +130,7 @@ async def test_no_request_body_gets_a_5xx(edge: Any, edge_url: str, start_worker
             future = asyncio.run_coroutine_threadsafe(send(op.method.upper(), op.path, body, headers), loop)
             response = future.result(60)
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-            wrong = response.status_code >= 500 or (response.status_code != 200 and _openai_error(response))
+            wrong = response.status_code >= 500 or (response.status_code != 200 and _error_shape(op.path, response))
             if wrong:
                 failures.append(
                     f"{op.path} {mode.value}: {response.status_code} {response.text[:200]} body={str(case.body)[:300]}"
