@@ -360,3 +360,8 @@ decimal: 2 -> "2.0", 0.1 -> "0.1"). An SLO of 2 written "2" matches no series.
 {{- end -}}
 {{- $out -}}
 {{- end -}}
+
+{{/* The name clients send for the first served model (the models form's first, else model.servedModelName). */}}
+{{- define "tandem.firstServedModel" -}}
+{{- with .Values.tandemDeployment.models -}}{{ (first .).name }}{{- else -}}{{ .Values.model.servedModelName }}{{- end -}}
+{{- end -}}
