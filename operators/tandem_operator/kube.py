@@ -22,6 +22,8 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 _PATHS = {
     ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
     ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
+    # Deleted by the uninstall hook (tandem_operator.uninstall); kopf handles it everywhere else.
+    ("tandem.dev/v1alpha1", "TandemDeployment"): "/apis/tandem.dev/v1alpha1/namespaces/{ns}/tandemdeployments",
 }
 _MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
 #: Server-side apply: JSON is YAML. With this field manager, a key the operator stops setting is

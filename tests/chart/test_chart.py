@@ -22,7 +22,7 @@ K8S_VERSION = "1.30.0"
 FULL = f"{RELEASE}-tandem"
 #: Kinds from other operators' CRDs, whose schemas are not available offline.
 THIRD_PARTY_KINDS = {"RayService", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
-POD_KINDS = {"Deployment"}
+POD_KINDS = {"Deployment", "Job"}
 
 
 def _ids(values: str | None) -> str:
@@ -172,7 +172,8 @@ def test_secure_pod_defaults(values: str | None) -> None:
     for name, pod in pods:
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", name
-        expected_token = name.endswith("-operator")
+        # The operator talks to the API server, and so does its uninstall hook (as the operator's account).
+        expected_token = name.endswith(("-operator", "-uninstall"))
         assert pod.get("automountServiceAccountToken") is expected_token, name
         for container in pod["containers"] + pod.get("initContainers", []):
             ctx = container["securityContext"]
@@ -365,7 +366,10 @@ def test_operator_rbac_is_least_privilege() -> None:
                                       "resources": ["customresourcedefinitions"],
                                       "verbs": ["get", "list", "watch"]}]
     roles = find(docs, "Role")
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["tandem", "tandem-b"]
+    operator_roles = [r for r in roles if r["metadata"]["name"] == f"{FULL}-operator"]
+    assert sorted(r["metadata"]["namespace"] for r in operator_roles) == ["tandem", "tandem-b"]
+    # The uninstall hook's Role (tests/chart/test_uninstall.py) is the only other one.
+    assert {r["metadata"]["name"] for r in roles} == {f"{FULL}-operator", f"{FULL}-uninstall"}
     for role in roles:
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]

@@ -81,6 +81,11 @@ async def prometheus() -> AsyncIterator[tuple[FakePrometheus, str]]:
 
 @pytest.fixture
 def cluster(kmock: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    return operator_resources(kmock, monkeypatch)
+
+
+def operator_resources(kmock: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``kmock`` serving the resources the operator uses, and the operator's settings pointing at it."""
     for key, kind, namespaced, subresources in [
         ("v1/namespaces", "Namespace", False, []),
         ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False, []),
