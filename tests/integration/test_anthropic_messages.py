@@ -149,3 +149,29 @@ def test_anthropic_sdk_calls_a_tool_as_chat_completions_does(stack: LocalStack) 
         ],
     )
     assert follow_up.content[0].type == "text" and follow_up.content[0].text
+
+
+def test_a_stop_sequence_ends_the_answer_and_is_named(stack: LocalStack) -> None:
+    """The real engine's stop_reason reaches the client: on whichever worker the stop string matched."""
+    model = stack.config.served_model_name
+    question = "What is the capital of France?"
+    chat_client = openai.OpenAI(base_url=f"{stack.config.gateway_url}/v1", api_key=stack.api_key, timeout=120)
+    chat = chat_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=40, temperature=0, stop=["Paris"]
+    )
+    client = anthropic.Anthropic(base_url=stack.config.gateway_url, api_key=stack.api_key, max_retries=0, timeout=120)
+    request: dict[str, Any] = {
+        "model": model,
+        "max_tokens": 40,
+        "messages": [{"role": "user", "content": question}],
+        "stop_sequences": ["Paris", "never said ✗"],
+        "extra_body": {"temperature": 0},
+    }
+    message = client.messages.create(**request)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "Paris")
+    assert chat.choices[0].finish_reason == "stop"
+    assert message.content[0].type == "text" and message.content[0].text == chat.choices[0].message.content
+    assert "Paris" not in message.content[0].text
+    with client.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "Paris")

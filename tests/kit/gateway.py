@@ -63,6 +63,8 @@ class DecodeStep:
     text: str
     token_ids: Sequence[int]
     finish_reason: str = ""
+    #: With finish_reason "stop": the stop string that ended the answer (DecodeChunk.stop_string).
+    stop_string: str = ""
 
 
 @dataclass
@@ -139,7 +141,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 if self.decode_step_delay_s:
                     await asyncio.sleep(self.decode_step_delay_s)
                 chunk = worker_pb2.DecodeChunk(
-                    text=step.text, token_ids=list(step.token_ids), finish_reason=step.finish_reason
+                    text=step.text,
+                    token_ids=list(step.token_ids),
+                    finish_reason=step.finish_reason,
+                    stop_string=step.stop_string,
                 )
                 if step.finish_reason:
                     chunk.stats.num_output_tokens = sum(len(s.token_ids) for s in self.decode_steps)

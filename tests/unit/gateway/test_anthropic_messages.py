@@ -12,7 +12,7 @@ import anthropic
 import pytest
 
 from tandem.common.errors import NoCapacityError
-from tests.kit.gateway import MODEL
+from tests.kit.gateway import MODEL, DecodeStep
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -352,3 +352,15 @@ async def test_openapi_document_describes_messages(stack: Any) -> None:
         "$ref": "#/components/schemas/AnthropicError"
     }
     assert {p["name"] for p in post["parameters"]} >= {"x-api-key", "anthropic-version"}
+
+
+async def test_a_stop_sequence_is_reported_by_name(stack: Any) -> None:
+    stack.decode.decode_steps = [DecodeStep(" world", [102]), DecodeStep("", [103], "stop", stop_string="终")]
+    message = (await stack.client.post("/v1/messages", json=anthropic_body())).json()
+    assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "终")
+    assert message["content"] == [{"type": "text", "text": "Hello world"}]
+    events = events_of((await stack.client.post("/v1/messages", json=anthropic_body(stream=True))).text)
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "终"}
+    # The chat API's answer is unchanged: "stop".
+    chat = (await stack.client.post("/v1/chat/completions", json=chat_body())).json()
+    assert chat["choices"][0]["finish_reason"] == "stop"

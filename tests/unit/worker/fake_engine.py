@@ -28,6 +28,8 @@ class Completion:
     text: str
     logprobs: Any = None
     finish_reason: str | None = None
+    #: vLLM's: the stop string or stop token id that ended the answer (None: end-of-sequence).
+    stop_reason: int | str | None = None
 
 
 @dataclass

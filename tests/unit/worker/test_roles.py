@@ -475,3 +475,23 @@ async def test_a_penalised_greedy_resumed_decode_takes_the_tokens_as_prompt_and_
     assert engine.prompts == [{"prompt_token_ids": [1, 2, 3, 11, 12, 13]}]
     assert params.extra_args[CARRIED_TOKEN_IDS] == [11, 12, 13] and REPLAY_TOKEN_ID not in params.extra_args
     assert params.max_tokens == 5
+
+
+@pytest.mark.parametrize(("stop_reason", "stop_string"), [("###", "###"), (None, ""), (2, "")])
+async def test_the_stop_string_that_ended_the_answer_is_reported(
+    stop_reason: int | str | None, stop_string: str
+) -> None:
+    """vLLM's stop_reason is the matched stop string, a stop token's id, or None (end-of-sequence): only a
+    string is a stop string, on either role."""
+    finished = Completion([13], "!", finish_reason="stop", stop_reason=stop_reason)
+    decode = await _service(
+        "decode", ScriptedEngine(outputs=[Output([Completion([12], " there")]), Output([finished], finished=True)])
+    )
+    chunks = await _decode(decode, decode_request(kv_handle=handle(num_tokens=5)))
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_string == stop_string
+    prefill = await _service("prefill", ScriptedEngine(outputs=[Output([finished], finished=True)]))
+    request = worker_pb2.PrefillRequest(
+        request_id="p1", prompt_token_ids=[1, 2], keep_kv=True, kv_capability=CAPABILITY
+    )
+    response = await prefill.Prefill(request, Context())  # type: ignore[arg-type]
+    assert response.finish_reason == "stop" and response.stop_string == stop_string

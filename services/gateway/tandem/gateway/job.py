@@ -65,6 +65,8 @@ class TextDelta:
 class Finished:
     finish_reason: str
     usage: Usage
+    #: With finish_reason "stop": the stop string that ended the answer ("" for an end-of-sequence token).
+    stop_string: str = ""
 
 
 GenerationEvent = TextDelta | Finished

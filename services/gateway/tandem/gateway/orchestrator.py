@@ -173,11 +173,12 @@ class Orchestrator:
                 if prefill.finish_reason or job.max_tokens <= 1:
                     progress.completed = True
                     usage = Usage(len(job.prompt_token_ids), 1, prefill.num_cached_tokens)
-                    yield Finished(prefill.finish_reason or "length", usage)
+                    yield Finished(prefill.finish_reason or "length", usage, prefill.stop_string)
                     return
             assert progress.placement is not None
             num_cached_tokens = 0 if prefill is None else prefill.num_cached_tokens
             finish_reason = ""
+            stop_string = ""
             sent = _Sent() if prefill is None else _Sent([prefill.first_token_id], prefill.first_text)
             resume: _Sent | None = None  # set once the stream migrated
             migrated_at_s: float | None = None
@@ -207,6 +208,7 @@ class Orchestrator:
                             yield TextDelta(chunk.text, len(chunk.token_ids), tuple(chunk.logprobs))
                         if chunk.finish_reason:
                             finish_reason = chunk.finish_reason
+                            stop_string = chunk.stop_string
                     if not finish_reason:
                         # Closed with OK but unfinished (a proxy cut it, a worker bug): as good as dead.
                         raise _Truncated(f"decode worker {progress.placement.decode.address}: stream ended early")
@@ -237,7 +239,8 @@ class Orchestrator:
                     resume = sent
             progress.completed = True
             # Every token the client received, once: a resumed worker streams none of those it was given.
-            yield Finished(finish_reason, Usage(len(job.prompt_token_ids), len(sent.token_ids), num_cached_tokens))
+            usage = Usage(len(job.prompt_token_ids), len(sent.token_ids), num_cached_tokens)
+            yield Finished(finish_reason, usage, stop_string)
         finally:
             if progress.decode_call is not None and not progress.decode_call.done():
                 progress.decode_call.cancel()

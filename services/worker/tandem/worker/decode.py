@@ -28,7 +28,7 @@ from tandem.worker.handling import Ctx, Role, engine_errors, engine_prompt, samp
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.params import KVHandleParams, PrefetchOrder, decode_params, load_record_of
 from tandem.worker.peers import PrefillPeers
-from tandem.worker.sampling import logprobs_messages, sampling_kwargs
+from tandem.worker.sampling import logprobs_messages, sampling_kwargs, stop_string
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class DecodeRole(Role):
                         continue  # the replayed first token alone: prefill streamed it already
                     if out.finished:
                         chunk.finish_reason = completion.finish_reason or "stop"
+                        chunk.stop_string = stop_string(completion.stop_reason)
                         chunk.stats.CopyFrom(self._stats(out, num_prompt, num_output))
                         chunk.stats.first_token_seconds = first_token_s
                         if timeline is not None:

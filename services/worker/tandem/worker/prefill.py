@@ -12,7 +12,7 @@ from tandem.v1 import worker_pb2
 from tandem.worker.continuation import first_streamed_text
 from tandem.worker.handling import Ctx, Role, engine_errors, engine_prompt, sampling_params
 from tandem.worker.kv_connector.params import HANDLE, KVHandleParams, prefill_params
-from tandem.worker.sampling import logprobs_messages
+from tandem.worker.sampling import logprobs_messages, stop_string
 
 
 class PrefillRole(Role):
@@ -69,6 +69,7 @@ class PrefillRole(Role):
         handle_dict = (final.kv_transfer_params or {}).get(HANDLE)
         if finished:
             response.finish_reason = completion.finish_reason or "length"
+            response.stop_string = stop_string(completion.stop_reason)
         elif handle_dict is not None:
             # The blocks are held, under their lease, by this engine's KV server, which alone tracks them.
             response.kv_handle.CopyFrom(KVHandleParams.from_dict(handle_dict).to_proto(self._layout.to_proto()))

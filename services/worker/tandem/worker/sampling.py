@@ -1,5 +1,5 @@
 """Maps ``tandem.v1.SamplingOptions`` to vLLM ``SamplingParams`` keyword
-arguments, and vLLM's log-probabilities back to ``tandem.v1.TokenLogprobs``.
+arguments, and vLLM's log-probabilities and stop reason back to ``tandem.v1``.
 
 Called by :mod:`service` for both roles; imports nothing from vLLM, so it is
 unit-testable without an engine. Both roles build their parameters here from
@@ -100,3 +100,9 @@ def _rank(item: tuple[int, Any]) -> int:
 def _finite(logprob: float) -> float:
     # -inf (a token masked out) is not JSON; OpenAI reports -9999.0 for such tokens.
     return max(float(logprob), -9999.0)
+
+
+def stop_string(stop_reason: int | str | None) -> str:
+    """The stop string that ended an answer, from vLLM's ``CompletionOutput.stop_reason`` (the matched stop
+    string, or the id of a stop token, or None for end-of-sequence); "" when no stop string did."""
+    return stop_reason if isinstance(stop_reason, str) else ""

@@ -31,6 +31,7 @@ from tandem.gateway.api.anthropic_wire import (
     message,
     message_end,
     message_start,
+    stop_reason,
     usage_dict,
 )
 from tandem.gateway.api.errors import ApiError
@@ -41,10 +42,8 @@ from tandem.gateway.sse import ResponseMeta
 from tandem.v1 import common_pb2
 
 
-def _stop_reason(finish_reason: str, has_calls: bool) -> str:
-    if finish_reason == "length":
-        return "max_tokens"
-    return "tool_use" if has_calls else "end_turn"
+def _stop_reason(finished: Finished, has_calls: bool) -> str:
+    return "tool_use" if has_calls and finished.finish_reason != "length" else stop_reason(finished)
 
 
 def _tool_use_blocks(calls: Sequence[ToolCall]) -> list[dict[str, Any]] | None:
@@ -96,7 +95,7 @@ class _ToolUseStream:
                 + block_delta(0, {"type": "text_delta", "text": self._reader.text})
                 + block_stop(0)
             )
-        return out + message_end(_stop_reason(finished.finish_reason, bool(calls)), finished.usage)
+        return out + message_end(_stop_reason(finished, bool(calls)), finished)
 
     def end(self, timings: dict[str, Any] | None) -> bytes:
         return b""
@@ -127,7 +126,7 @@ class AnthropicToolWire:
         calls = tool_calls_of(self._spec, text)
         blocks = _tool_use_blocks(calls) if calls else None
         answer = message(meta, blocks or [{"type": "text", "text": text}], usage_dict(finished.usage))
-        answer["stop_reason"] = _stop_reason(finished.finish_reason, bool(blocks))
+        answer["stop_reason"] = _stop_reason(finished, bool(blocks))
         return answer
 
     def error_body(self, error: ApiError) -> dict[str, Any]:

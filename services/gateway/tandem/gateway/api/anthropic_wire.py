@@ -6,8 +6,8 @@ request side is :mod:`~tandem.gateway.api.anthropic_messages`. Pure: no I/O.
 
 * A message: ``{id: "msg_…", type: "message", role: "assistant", model, content: [{type: "text", text}],
   stop_reason, stop_sequence, usage}``. ``stop_reason`` is ``max_tokens`` for an answer cut at its
-  length, else ``end_turn``; a stop sequence's end is reported as ``end_turn`` with ``stop_sequence``
-  null too, for the workers report only "stop", not which stop string matched.
+  length, ``stop_sequence`` (with ``stop_sequence`` the string) when one of ``stop_sequences`` ended it
+  (the worker reports which: ``Finished.stop_string``), else ``end_turn``.
 * ``usage`` counts as Anthropic does: ``input_tokens`` are the prompt tokens *not* read from the cache,
   ``cache_read_input_tokens`` those that were (the chat API's ``cached_tokens``), so their sum is the
   chat API's ``prompt_tokens``; ``cache_creation_input_tokens`` is 0 (caching is automatic and free).
@@ -56,8 +56,10 @@ def error_body(error: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": error_type(error.status_code), "message": error.message}}
 
 
-def stop_reason(finish_reason: str) -> str:
-    return "max_tokens" if finish_reason == "length" else "end_turn"
+def stop_reason(finished: Finished) -> str:
+    if finished.finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if finished.stop_string else "end_turn"
 
 
 def usage_dict(usage: Usage) -> dict[str, int]:
@@ -107,10 +109,11 @@ def block_stop(index: int) -> bytes:
     return event("content_block_stop", {"type": "content_block_stop", "index": index})
 
 
-def message_end(stop_reason: str, usage: Usage) -> bytes:
-    """``message_delta`` with the stop reason and the final usage, then ``message_stop``."""
-    delta = {"stop_reason": stop_reason, "stop_sequence": None}
-    return event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage_dict(usage)}) + event(
+def message_end(stop_reason: str, finished: Finished) -> bytes:
+    """``message_delta`` with the stop reason (and stop sequence) and the final usage, then ``message_stop``."""
+    delta = {"stop_reason": stop_reason, "stop_sequence": finished.stop_string or None}
+    usage = usage_dict(finished.usage)
+    return event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}) + event(
         "message_stop", {"type": "message_stop"}
     )
 
@@ -129,7 +132,7 @@ class _MessageStream:
         return block_delta(0, {"type": "text_delta", "text": text})
 
     def finish(self, finished: Finished) -> bytes:
-        return block_stop(0) + message_end(stop_reason(finished.finish_reason), finished.usage)
+        return block_stop(0) + message_end(stop_reason(finished), finished)
 
     def end(self, timings: dict[str, Any] | None) -> bytes:
         return b""
@@ -148,7 +151,8 @@ class AnthropicWire:
         self, meta: ResponseMeta, text: str, finished: Finished, logprobs: Sequence[common_pb2.TokenLogprobs]
     ) -> dict[str, Any]:
         answer = message(meta, [{"type": "text", "text": text}], usage_dict(finished.usage))
-        answer["stop_reason"] = stop_reason(finished.finish_reason)
+        answer["stop_reason"] = stop_reason(finished)
+        answer["stop_sequence"] = finished.stop_string or None
         return answer
 
     def error_body(self, error: ApiError) -> dict[str, Any]:
