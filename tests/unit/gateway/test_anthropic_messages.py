@@ -261,7 +261,9 @@ async def test_x_api_key_authenticates_as_bearer_does(edge: Any) -> None:
         assert refused.json()["error"]["type"] == "authentication_error"
         assert key not in refused.text
     await edge.settled()
-    usage = await edge.client.get("/v1/usage", headers={"authorization": f"Bearer {key}"})
+    # and on the tenant's other endpoints
+    assert (await edge.client.get("/v1/models", headers={"x-api-key": key})).status_code == 200
+    usage = await edge.client.get("/v1/usage", headers={"x-api-key": key})
     assert usage.json()["total"]["requests"] == 3
 
 

@@ -55,7 +55,7 @@ from tandem.gateway.errors import (
 from tandem.gateway.job import GenerationJob
 from tandem.gateway.quota.base import Admission
 from tandem.gateway.sse import ResponseMeta
-from tandem.gateway.tenancy.auth import check_admin
+from tandem.gateway.tenancy.auth import check_admin, request_authorization
 from tandem.gateway.timings import TIMINGS_HEADER, wants_timings
 from tandem.gateway.usage import UsageRecord
 from tandem.gateway.usage_progress import ProgressWriter
@@ -331,7 +331,7 @@ messages = _generation_handler(
 
 async def _usage(request: Request) -> Response:
     services = _services(request)
-    principal = await services.authenticator.authenticate(request.headers.get("authorization"))
+    principal = await services.authenticator.authenticate(request_authorization(request.headers))
     return JSONResponse(await services.usage.tenant_usage(principal.tenant.id, day=_day_param(request)))
 
 
@@ -380,7 +380,7 @@ def _model_card(services: GatewayServices, model: ResolvedModel) -> dict[str, ob
 async def _list_models(request: Request) -> Response:
     """The served models and the loaded adapters that the caller's tenant may use."""
     services = _services(request)
-    principal = await services.authenticator.authenticate(request.headers.get("authorization"))
+    principal = await services.authenticator.authenticate(request_authorization(request.headers))
     models = [ResolvedModel(m, m) for m in services.models.served_models]
     models += [ResolvedModel.of_entry(e) for _, e in sorted((await services.models.adapters()).items())]
     cards = [_model_card(services, m) for m in models if may_use(principal.tenant, m)]
@@ -389,7 +389,7 @@ async def _list_models(request: Request) -> Response:
 
 async def _get_model(request: Request) -> Response:
     services = _services(request)
-    principal = await services.authenticator.authenticate(request.headers.get("authorization"))
+    principal = await services.authenticator.authenticate(request_authorization(request.headers))
     model = await resolve_model(request.path_params["model"], services.models, principal.tenant)
     return JSONResponse(_model_card(services, model))
 
