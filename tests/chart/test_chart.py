@@ -15,6 +15,7 @@ import yaml
 from tandem_operator.reconcile import Owner, desired_objects
 from tandem_operator.spec import parse_spec
 
+from tests.chart import gateway_api
 from tests.chart.conftest import CHART, RELEASE, VALUES_MATRIX, find, one, render, run_helm, values_args
 from tests.chart.crd_schema import validate_custom_resource
 
@@ -44,6 +45,8 @@ def test_every_manifest_validates(values: str | None) -> None:
         if kind == "TandemDeployment":
             validate_custom_resource(doc)
             parse_spec(doc["spec"])  # the operator accepts what the chart renders
+        elif kind == "HTTPRoute":
+            assert gateway_api.validate([doc]) == ["ok"]
         elif kind in THIRD_PARTY_KINDS:
             assert doc["apiVersion"] in ("ray.io/v1", "monitoring.coreos.com/v1")
             assert doc["metadata"]["name"] and doc["spec"]

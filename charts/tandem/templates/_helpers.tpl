@@ -365,3 +365,14 @@ decimal: 2 -> "2.0", 0.1 -> "0.1"). An SLO of 2 written "2" matches no series.
 {{- define "tandem.firstServedModel" -}}
 {{- with .Values.tandemDeployment.models -}}{{ (first .).name }}{{- else -}}{{ .Values.model.servedModelName }}{{- end -}}
 {{- end -}}
+
+{{/* The gateway's paths routed from outside (Ingress, HTTPRoute), as a YAML list of {path, type}: the API,
+its OpenAPI document, and the playground page only with gateway.publicPlayground. Never /metrics, /healthz,
+/readyz. Prefix /v1 matches /v1 and /v1/... (not /v1x). */}}
+{{- define "tandem.gatewayPublicPaths" -}}
+- {path: /v1, type: Prefix}
+- {path: /openapi.json, type: Exact}
+{{- if .Values.gateway.publicPlayground }}
+- {path: /, type: Exact}
+{{- end }}
+{{- end -}}
