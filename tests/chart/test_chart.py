@@ -463,8 +463,20 @@ def test_only_the_kuberay_operators_namespace_reaches_the_ray_dashboard() -> Non
     ]
     assert peers, "no rule admits the Ray dashboard port"
     for peer in peers:
-        assert peer["namespaceSelector"]["matchLabels"], peer  # never {} (every namespace)
+        # Never {} (every namespace): KubeRay's usual namespaces by name, its default install's `default` included.
+        assert peer["namespaceSelector"] == {"matchExpressions": [{
+            "key": "kubernetes.io/metadata.name", "operator": "In", "values": ["default", "ray-system", "kuberay-system"]
+        }]}, peer
         assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
+    labelled = find(render(None, ("networkPolicy.kuberayNamespaceSelector.team=ray",)), "NetworkPolicy")
+    assert any(
+        peer.get("namespaceSelector") == {"matchLabels": {"team": "ray"}}
+        for policy in labelled
+        for rule in policy["spec"].get("ingress", [])
+        for peer in rule.get("from", [])
+    )
+    proc = run_helm("template", RELEASE, str(CHART), "--set", "networkPolicy.kuberayNamespaces=null", check=False)
+    assert proc.returncode != 0 and "set kuberayNamespaces or kuberayNamespaceSelector" in proc.stderr
 
 
 def test_the_gateway_serves_every_model_of_the_models_form(monkeypatch: pytest.MonkeyPatch) -> None:
