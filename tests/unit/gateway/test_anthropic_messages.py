@@ -12,6 +12,7 @@ import anthropic
 import pytest
 
 from tandem.common.errors import NoCapacityError
+from tandem.gateway.api.anthropic_messages import parse_messages
 from tests.kit.gateway import MODEL, DecodeStep
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -366,3 +367,23 @@ async def test_a_stop_sequence_is_reported_by_name(stack: Any) -> None:
     # The chat API's answer is unchanged: "stop".
     chat = (await stack.client.post("/v1/chat/completions", json=chat_body())).json()
     assert chat["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_translation_keeps_hostile_text_verbatim_as_message_content() -> None:
+    """The chat request carries the control-token strings as the text of their own turns: nothing in the
+    translation renders a template or splits a turn (the chat path keeps them text, test_prompt_control_tokens)."""
+    body = anthropic_body(
+        system=HOSTILE,
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": HOSTILE}, {"type": "text", "text": TEXT}]},
+            {"role": "assistant", "content": HOSTILE},
+            {"role": "user", "content": HOSTILE},
+        ],
+    )
+    chat = parse_messages(json.dumps(body).encode())
+    assert [(m.role, m.text()) for m in chat.messages] == [
+        ("system", HOSTILE),
+        ("user", HOSTILE + TEXT),
+        ("assistant", HOSTILE),
+        ("user", HOSTILE),
+    ]
