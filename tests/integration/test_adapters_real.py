@@ -19,6 +19,13 @@ engines of this module at a time. The router hands every request off (prefill �
   gets 403 (OpenAI error shape) and does not see it in ``/v1/models``; ``adapter unload`` while a stream
   of that adapter runs: the stream finishes, and new requests get 404 ``model_not_found`` within 1 s.
 
+* The workers themselves, over their gRPC API as the gateway calls them: each adapter's KV handle names it
+  and its prefill's blocks cross to the decode; a decode given another adapter's handle is refused
+  (FAILED_PRECONDITION) and a handle forged to claim the request's adapter gets no KV from the prefill
+  engine's KV server (the decode computes the prompt itself); files that do not load are refused with a
+  clear error that names no path, and the engine serves on; a reloaded adapter's old engine name is refused
+  (NOT_FOUND); both workers' registry records show what they hold.
+
 The admin commands run as the real CLI (``python -m tandem.gateway.admin``) under the admin's Redis user.
 Peers dying mid-call are not this module's subject (tests/faults): a component that dies fails the test
 with its log tail printed; a garbage answer fails the comparison that reads it.
@@ -38,13 +45,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 import redis
 
+from tandem.common import kv_capability
+from tandem.common.adapters import AdapterCatalog
 from tandem.common.registry import WorkerRegistry
+from tandem.common.tls import aio_channel
 from tandem.local.plain_vllm import start_plain_vllm, stop_plain_vllm
 from tandem.local.stack import LocalStack, StackConfig, default_model_dir, free_port
+from tandem.v1 import worker_pb2, worker_pb2_grpc
+from tests.integration.lora_workers import MAX_TOKENS as WORKER_MAX_TOKENS
+from tests.integration.lora_workers import Workers, chat_prompt, first_token, p_to_d, sampling
 from tests.kit.adapters import ADAPTER_RANK, BASE_MODEL_NAME, adapter_path
 from tests.probes import kv_stats
 
@@ -548,3 +562,131 @@ def test_unload_lets_the_stream_in_flight_finish_and_new_requests_get_404_within
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=B, messages=chat_messages("hi"), max_tokens=1)
     assert ask(client, BASE_MODEL_NAME, chat_messages("hi"), max_tokens=2).completion_tokens == 2
+
+
+# -- 6. the workers themselves, over gRPC -----------------------------------------------------------------
+# Prefill → decode called as the gateway calls them, on this module's stack: what the gateway never sends
+# (a handle of another adapter, a forged one) and what an operator does to the catalog (files that do not
+# load, a reload). The answers' equality with plain vLLM per adapter is test 1's, through the same workers.
+
+#: Non-ASCII, emoji, and the chat template's own control tokens inside the user's text.
+WORKER_TEXT = (
+    "Voyage 🧳: Zürich → Ø, São Paulo, 東京タワー, 北京 🐉; café crème, naïve façade. "
+    "I typed <|im_start|>system and <|im_end|> as plain words. "
+)
+
+
+def test_the_workers_keep_adapters_apart_over_grpc(lora_stack: LocalStack, tmp_path: Path) -> None:
+    asyncio.run(_workers_keep_adapters_apart(lora_stack, tmp_path))
+
+
+async def _workers_keep_adapters_apart(stack: LocalStack, tmp_path: Path) -> None:
+    c = stack.config
+    tls = stack.tls("gateway")
+    catalog = AdapterCatalog.connect(stack.admin_redis_url, key_prefix=c.key_prefix)
+    registry = WorkerRegistry(c.redis_url, key_prefix=c.key_prefix)
+    ports = c.worker_ports()
+    async with (
+        aio_channel(f"{c.host}:{ports['prefill'].port}", tls) as prefill_channel,
+        aio_channel(f"{c.host}:{ports['decode'].port}", tls) as decode_channel,
+    ):
+        w = Workers(worker_pb2_grpc.WorkerStub(prefill_channel), worker_pb2_grpc.WorkerStub(decode_channel))
+        try:
+            await _check_workers(w, catalog, registry, tmp_path)
+        finally:
+            await catalog.aclose()
+            await registry.aclose()
+
+
+async def _check_workers(w: Workers, catalog: AdapterCatalog, registry: WorkerRegistry, tmp_path: Path) -> None:
+    # Names of this test's own (the module's other tests load A and B under theirs), with A's and B's files.
+    a = await catalog.put("worker-a", base_model=BASE_MODEL_NAME, path=str(adapter_path(A)), now_unix_s=0)
+    b = await catalog.put("worker-b", base_model=BASE_MODEL_NAME, path=str(adapter_path(B)), now_unix_s=0)
+    question = WORKER_TEXT * 9 + "Summarise my trip in one sentence."
+    prompt = chat_prompt([], question)
+
+    base = await p_to_d(w, prompt, "")
+    with_a = await p_to_d(w, prompt, a.engine_name)
+    with_b = await p_to_d(w, prompt, b.engine_name)
+    block = with_a.block_size_tokens
+    assert len(prompt) >= 3 * block, (len(prompt), block)
+    # The KV came over gRPC from the prefill engine, and the handle names the adapter it was computed with.
+    for answer in (base, with_a, with_b):
+        assert answer.num_kv_tokens_loaded > 0, answer
+    assert (base.handle_adapter, with_a.handle_adapter, with_b.handle_adapter) == ("", a.engine_name, b.engine_name)
+    # Neither adapter meets the base model's blocks of this prompt, nor each other's.
+    assert with_a.num_cached_tokens == 0 and with_b.num_cached_tokens == 0
+    assert len({tuple(base.token_ids), tuple(with_a.token_ids), tuple(with_b.token_ids)}) == 3
+
+    # Same adapter, second turn: the first turn's blocks are found.
+    second = await p_to_d(w, chat_prompt([(question, with_a.text)], "And in French? 🇫🇷"), a.engine_name)
+    assert second.num_cached_tokens // block >= 0.9 * (len(prompt) // block), (second.num_cached_tokens, len(prompt))
+
+    # A handle of another adapter is refused by the decode worker, before its engine sees the request.
+    capability, request_id = kv_capability.mint(), uuid.uuid4().hex
+    pre = await w.prefill.Prefill(
+        worker_pb2.PrefillRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling(),
+            keep_kv=True,
+            kv_capability=capability,
+            adapter=a.engine_name,
+        )
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        async for _ in w.decode.Decode(
+            worker_pb2.DecodeRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                first_token_id=pre.first_token_id,
+                first_text=pre.first_text,
+                sampling=sampling(),
+                kv_handle=pre.kv_handle,
+                kv_capability=capability,
+                adapter=b.engine_name,
+            )
+        ):
+            pass
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "adapter" in (refused.value.details() or "")
+    assert (await w.prefill.Abort(worker_pb2.AbortRequest(request_id=request_id))).found  # the hold is freed
+
+    # A handle that lies about its adapter passes the decode worker's check, but the prefill engine's KV
+    # server knows what computed the blocks: it refuses the pull, and the decode engine computes the prompt
+    # itself (load_failure_policy recompute) with the request's adapter; no KV is loaded. (A prompt no engine
+    # has cached under b, so the decode has blocks to pull.)
+    fresh = chat_prompt([], WORKER_TEXT * 9 + "Quelle est la meilleure ville? 🏙️")
+    forged = await p_to_d(w, fresh, b.engine_name, forge_handle_from=a.engine_name)
+    assert forged.num_kv_tokens_loaded == 0 and len(forged.token_ids) == WORKER_MAX_TOKENS, forged
+
+    # Files that do not load: a clear refusal that names no path, nothing marked loaded, the engine serves on.
+    broken_dir = tmp_path / "broken"
+    broken_dir.mkdir()
+    (broken_dir / "adapter_config.json").write_text("{not json")
+    broken = await catalog.put("worker-broken", base_model=BASE_MODEL_NAME, path=str(broken_dir), now_unix_s=0)
+    short = chat_prompt([], "Ça va? 👋")
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await first_token(w, short, broken.engine_name)
+    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "failed to load" in (failed.value.details() or "") and str(broken_dir) not in (failed.value.details() or "")
+    assert await first_token(w, short, a.engine_name) == await first_token(w, short, a.engine_name)
+
+    # Reloaded: the old engine name is refused once the worker's catalog read is newer (<= 1 s).
+    reloaded = await catalog.put("worker-b", base_model=BASE_MODEL_NAME, path=b.path, now_unix_s=0)
+    await asyncio.sleep(1.1)
+    with pytest.raises(grpc.aio.AioRpcError) as gone:
+        await first_token(w, short, b.engine_name)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    assert (await p_to_d(w, prompt, reloaded.engine_name)).token_ids == with_b.token_ids
+
+    # The registry records show what each worker holds (at most max_adapters, least recently used first),
+    # from the next heartbeat on.
+    expected = (a.engine_name, reloaded.engine_name)
+    deadline = time.monotonic() + 10
+    while True:
+        records = await registry.list_workers(model=BASE_MODEL_NAME)
+        if [r.adapters for r in records] == [expected, expected] or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.3)
+    assert [(r.max_adapters, r.adapters) for r in records] == [(2, expected), (2, expected)]

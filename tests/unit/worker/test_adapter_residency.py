@@ -2,7 +2,7 @@
 in a dict: loads on demand, LRU eviction of idle adapters only, in-use protection with a bounded
 wait, retiring removed and superseded versions once their requests end, garbage catalog entries,
 an unreachable catalog, failed and aborted loads. The real engine's side is
-tests/integration/test_worker_adapters.py."""
+tests/integration/test_adapters_real.py (test_the_workers_keep_adapters_apart_over_grpc)."""
 
 from __future__ import annotations
 

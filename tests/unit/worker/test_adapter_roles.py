@@ -2,7 +2,8 @@
 the adapter reaches the engine with the request and is held while it runs, the prefill's KV handle
 names the adapter its engine ran with, a decode refuses a handle of another adapter (like the layout
 check), a worker with LoRA off refuses adapters, and the registry record shows the adapters loaded.
-Residency itself: test_adapter_residency.py; the real engines: tests/integration/test_worker_adapters.py."""
+Residency itself: test_adapter_residency.py; the real engines: tests/integration/test_adapters_real.py
+(test_the_workers_keep_adapters_apart_over_grpc)."""
 
 from __future__ import annotations
 
