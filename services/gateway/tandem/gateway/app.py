@@ -211,6 +211,7 @@ def build_app(
             Route(routes.CHAT_ENDPOINT, routes.chat_completions, methods=["POST"]),
             Route(routes.COMPLETIONS_ENDPOINT, routes.completions, methods=["POST"]),
             Route(routes.MESSAGES_ENDPOINT, routes.messages, methods=["POST"]),
+            Route(routes.RESPONSES_ENDPOINT, routes.responses, methods=["POST"]),
             Route("/v1/models", routes.list_models, methods=["GET"]),
             Route("/v1/models/{model:path}", routes.get_model, methods=["GET"]),
             Route("/v1/usage", routes.usage, methods=["GET"]),

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.gateway.api.anthropic_messages import MessagesRequest
+from tandem.gateway.api.responses_request import ResponsesRequest
 from tandem.gateway.api.validation import ChatCompletionRequest, CompletionRequest
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -44,7 +45,12 @@ def _responses(*statuses: int, ok: dict[str, Any] | None = None, error: dict[str
 @functools.cache
 def build_document() -> dict[str, Any]:
     _, top = models_json_schema(
-        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation"), (MessagesRequest, "validation")],
+        [
+            (ChatCompletionRequest, "validation"),
+            (CompletionRequest, "validation"),
+            (MessagesRequest, "validation"),
+            (ResponsesRequest, "validation"),
+        ],
         ref_template="#/components/schemas/{model}",
     )
     schemas: dict[str, Any] = dict(top.get("$defs", {}))
@@ -136,6 +142,9 @@ def build_document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": post("Chat completion (OpenAI-compatible)", "ChatCompletionRequest"),
             "/v1/completions": post("Text completion (OpenAI-compatible)", "CompletionRequest"),
+            "/v1/responses": post(
+                "Response (OpenAI Responses API; not stored: store must be false)", "ResponsesRequest"
+            ),
             "/v1/messages": post(
                 "Message (Anthropic Messages API; errors in Anthropic's shape)",
                 "MessagesRequest",

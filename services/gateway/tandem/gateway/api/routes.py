@@ -1,11 +1,13 @@
-"""HTTP route handlers: OpenAI endpoints, Anthropic Messages, usage, model list, admin, health, readiness, metrics.
+"""HTTP route handlers: OpenAI endpoints (chat, completions, Responses), Anthropic Messages, usage, model
+list, admin, health, readiness, metrics.
 
 Called by Starlette (routes are assembled in :mod:`tandem.gateway.app`). Every
 generation endpoint runs one pipeline (``/v1/messages`` translated into a chat
 request by :mod:`~tandem.gateway.api.anthropic_messages` and written back by
-:mod:`~tandem.gateway.api.anthropic_wire`): :func:`~tandem.gateway.api.prepare.prepare`
-(drain check, authentication, validation, model and tenant checks, prompt and
-context fit) yields a frozen prepared request, the quota admits it, and a
+:mod:`~tandem.gateway.api.anthropic_wire`, ``/v1/responses`` likewise by
+:mod:`~tandem.gateway.api.responses_request` and :mod:`~tandem.gateway.api.responses_wire`):
+:func:`~tandem.gateway.api.prepare.prepare` (drain check, authentication, validation, model and
+tenant checks, prompt and context fit) yields a frozen prepared request, the quota admits it, and a
 streamed (:mod:`~tandem.gateway.api.streaming`) or complete
 (:mod:`~tandem.gateway.api.complete`) response runs it through the orchestrator.
 Every error that comes before generation leaves here as a 4xx/5xx in the
@@ -40,10 +42,13 @@ from tandem.gateway.api.generation import (
     ResponseOptions,
 )
 from tandem.gateway.api.prepare import Dialect, Endpoint, PreparedRequest, may_use, prepare, resolve_model
+from tandem.gateway.api.responses_request import DIALECT as RESPONSES_DIALECT
+from tandem.gateway.api.responses_wire import responses_wire
 from tandem.gateway.api.services import GatewayServices
 from tandem.gateway.api.streaming import StreamedResponse
 from tandem.gateway.api.tool_wire import OpenAIToolWire
 from tandem.gateway.api.tools import ToolSpec
+from tandem.gateway.api.validation import ChatCompletionRequest
 from tandem.gateway.api.wire import OPENAI_WIRE, WireFormat
 from tandem.gateway.errors import (
     AuthenticationError,
@@ -65,6 +70,7 @@ logger = logging.getLogger(__name__)
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
 MESSAGES_ENDPOINT = "/v1/messages"
+RESPONSES_ENDPOINT = "/v1/responses"
 
 
 def _services(request: Request) -> GatewayServices:
@@ -126,10 +132,13 @@ def _generation_handler(
     wire: WireFormat = OPENAI_WIRE,
     tool_wire: ToolWire = OpenAIToolWire,
     check_headers: Callable[[Request], None] | None = None,
+    wire_for: Callable[[PreparedRequest], WireFormat] | None = None,
 ) -> Handler:
     """The one pipeline of every generation endpoint: prepare, admit, generate. ``dialect``: the body is
     another API's chat request, ``wire``: the answer is written in that API's shape (``tool_wire``'s when
-    the request's tools make it a tool call), ``check_headers``: the API's own headers, checked first."""
+    the request's tools make it a tool call), ``check_headers``: the API's own headers, checked first,
+    ``wire_for``: the answer's wire format is the request's own (``wire`` then writes only the errors
+    before generation)."""
 
     async def handle(request: Request) -> Response:
         services = _services(request)
@@ -190,11 +199,23 @@ def _generation_handler(
             admission,
             on_finish,
             progress.advance if opened else None,
-            wire,
-            tool_wire,
+            _answer_wire(prepared, wire, tool_wire, wire_for),
         )
 
     return _openai_errors(path, handle, wire)
+
+
+def _answer_wire(
+    prepared: PreparedRequest,
+    wire: WireFormat,
+    tool_wire: ToolWire,
+    wire_for: Callable[[PreparedRequest], WireFormat] | None,
+) -> WireFormat:
+    if wire_for is not None:
+        return wire_for(prepared)
+    if prepared.tools is not None and prepared.tools.constrains:
+        return tool_wire(prepared.tools)  # the answer is a tool call (tandem.gateway.api.tool_wire)
+    return wire
 
 
 async def _open_usage(
@@ -258,7 +279,6 @@ def _generation_response(
     on_finish: Callable[[Outcome], Coroutine[Any, Any, None]],
     on_progress: Callable[[int], Coroutine[Any, Any, None]] | None,
     wire: WireFormat,
-    tool_wire: ToolWire,
 ) -> GenerationResponse:
     tenant = prepared.tenant
     body = prepared.body
@@ -295,8 +315,6 @@ def _generation_response(
         },
     )
     conversation = prepared.conversation
-    if prepared.tools is not None and prepared.tools.constrains:
-        wire = tool_wire(prepared.tools)  # the answer is a tool call (tandem.gateway.api.tool_wire)
     response_cls = StreamedResponse if body.stream else CompleteResponse
     return response_cls(
         orchestrator=services.orchestrator,
@@ -327,6 +345,14 @@ messages = _generation_handler(
     tool_wire=AnthropicToolWire,
     check_headers=lambda request: check_version(request.headers.get("anthropic-version")),
 )
+
+
+def _responses_wire(prepared: PreparedRequest) -> WireFormat:
+    assert isinstance(prepared.body, ChatCompletionRequest), "a Responses body is translated into a chat request"
+    return responses_wire(prepared.body, prepared.tools)
+
+
+responses = _generation_handler("chat", RESPONSES_ENDPOINT, dialect=RESPONSES_DIALECT, wire_for=_responses_wire)
 
 
 async def _usage(request: Request) -> Response:
