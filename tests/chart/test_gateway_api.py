@@ -67,3 +67,27 @@ def test_a_route_without_a_gateway_fails_with_a_message() -> None:
     proc = run_helm("template", RELEASE, str(CHART), "--set", "gatewayAPI.enabled=true", check=False)
     assert proc.returncode != 0
     assert "set gatewayAPI.parentRefs" in proc.stderr
+
+
+def test_metrics_have_a_port_of_their_own_that_only_prometheus_reaches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway serves /metrics on TANDEM_GATEWAY_METRICS_PORT alone (tests/unit/gateway/test_edge_streaming.py
+    runs that process); the chart sets it, names the port, scrapes it, and admits only the monitoring namespace."""
+    from tandem.gateway.settings import GatewaySettings
+
+    docs = render("ci/values-everything.yaml")
+    container = one(docs, "Deployment", f"{FULL}-gateway")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for name, value in env.items():
+        if name.startswith("TANDEM_GATEWAY_") and value is not None and "ROUTER" not in name:
+            monkeypatch.setenv(name, value)
+    assert GatewaySettings().metrics_port == ports["metrics"] != ports["http"]
+    service = one(docs, "Service", f"{FULL}-gateway")
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"http": "http", "metrics": "metrics"}
+    (endpoint,) = one(docs, "ServiceMonitor", f"{FULL}-gateway")["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    api_rule, metrics_rule = one(docs, "NetworkPolicy", f"{FULL}-gateway")["spec"]["ingress"]
+    assert api_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert metrics_rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    (peer,) = metrics_rule["from"]
+    assert peer == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}

@@ -21,7 +21,7 @@ from tandem.gateway.app import build_app
 from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.sse import HEARTBEAT as HEARTBEAT_BYTES
 from tests.kit.gateway import DecodeStep, FakeReadiness, placement
-from tests.kit.net import start_stream_then_stop_reading
+from tests.kit.net import free_port, start_stream_then_stop_reading
 from tests.kit.redis import start_redis
 
 from .conftest import gateway_settings
@@ -195,6 +195,9 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(
         await registry.heartbeat(
             WorkerRecord(worker_id=worker.worker_id, role=role, model=MODEL, address=worker.address)
         )
+    # /metrics on a port of its own (as in Kubernetes, where only Prometheus may reach that port): two
+    # servers in one process, and the SIGTERM still drains the API's.
+    metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
     proc, url = await start_gateway_process(
         tokenizer_dir,
         router_address,
@@ -202,10 +205,13 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(
         tmp_path / "gw.log",
         TANDEM_GATEWAY_AUTH__MODE="disabled",
         TANDEM_GATEWAY_STREAM__DRAIN_GRACE_S="20",
+        TANDEM_GATEWAY_METRICS_PORT=metrics_url.split(":")[2].split("/")[0],
     )
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             assert (await client.get("/readyz")).status_code == 200
+            assert (await client.get("/metrics")).status_code == 404  # not beside the API
+            assert "tandem_gateway_draining 0.0" in (await client.get(metrics_url)).text
 
             async def stream() -> str:
                 async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as r:
@@ -220,10 +226,19 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(
             assert ready.status_code == 503 and ready.json()["status"] == "draining"
             refused = await client.post("/v1/chat/completions", json=chat())
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            # While it drains, the scrape port answers: the draining gauge and the two streams' first tokens.
+            scraped = (await client.get(metrics_url)).text
             bodies = await asyncio.gather(*streams)
+        assert "tandem_gateway_draining 1.0" in scraped, scraped[:2000]
+        assert any(
+            line.startswith("tandem_gateway_time_to_first_token_seconds_count") and float(line.split()[-1]) >= 2
+            for line in scraped.splitlines()
+        ), scraped[:2000]
         for body in bodies:
             assert body.rstrip().endswith("data: [DONE]") and '"finish_reason":"stop"' in body
         assert proc.wait(timeout=20) == 0
+        with pytest.raises(httpx.ConnectError):  # the scrape port closed with the process
+            httpx.get(metrics_url, timeout=2)
         log = (tmp_path / "gw.log").read_text()
         assert '"msg": "draining"' in log and '"msg": "drained"' in log
     finally:

@@ -10,9 +10,11 @@ stops. A second SIGTERM or SIGINT stops at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
+from collections.abc import Generator
 from types import FrameType
 
 import uvicorn
@@ -20,7 +22,7 @@ import uvicorn
 from tandem.common.logging import configure_logging
 from tandem.common.registry import WorkerRegistry
 from tandem.common.tls import warn_if_plaintext
-from tandem.gateway.app import build_app
+from tandem.gateway.app import build_app, build_metrics_app
 from tandem.gateway.drain import Drain
 from tandem.gateway.http_server import guarded_protocol
 from tandem.gateway.metrics import GatewayMetrics
@@ -104,6 +106,8 @@ async def serve(settings: GatewaySettings) -> None:
     )
     server = _DrainingServer(config, drain, settings.stream.drain_grace_s, metrics)
     task = asyncio.create_task(server.serve())
+    metrics_server = _metrics_server(settings, metrics)
+    metrics_task = asyncio.create_task(metrics_server.serve()) if metrics_server is not None else None
     try:
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
@@ -122,9 +126,36 @@ async def serve(settings: GatewaySettings) -> None:
             )
         await task
     finally:
+        if metrics_server is not None and metrics_task is not None:
+            metrics_server.should_exit = True  # scrapes end with the API's server, drained or not
+            await metrics_task
         await router.aclose()
         await registry.aclose()
         logger.info("gateway stopped")
+
+
+def _metrics_server(settings: GatewaySettings, metrics: GatewayMetrics) -> uvicorn.Server | None:
+    """``/metrics`` on ``settings.metrics_port`` alone (None: it is served beside the API)."""
+    if settings.metrics_port is None:
+        return None
+    config = uvicorn.Config(
+        build_metrics_app(metrics),
+        host=settings.host,
+        port=settings.metrics_port,
+        log_config=None,
+        access_log=False,
+        ws="none",
+    )
+    return _MetricsServer(config)
+
+
+class _MetricsServer(uvicorn.Server):
+    """uvicorn, except that it leaves the signals to the API's server (which drains on SIGTERM first): two
+    servers capturing them would each replace the other's handlers. It stops after the API's server."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
 
 
 def main() -> None:

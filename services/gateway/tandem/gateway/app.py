@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 
 import redis.asyncio as aioredis
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -221,7 +222,8 @@ def build_app(
             Route("/v1/admin/adapters/{name:path}", routes.admin_unload_adapter, methods=["DELETE"]),
             Route("/healthz", routes.healthz, methods=["GET"]),
             Route("/readyz", routes.readyz, methods=["GET"]),
-            Route("/metrics", routes.metrics, methods=["GET"]),
+            # With a port of its own (settings.metrics_port), /metrics is there and not here.
+            *([Route("/metrics", routes.metrics, methods=["GET"])] if settings.metrics_port is None else []),
         ],
         exception_handlers={HTTPException: _http_exception, Exception: _unhandled},
         lifespan=lifespan,
@@ -229,3 +231,12 @@ def build_app(
     app.state.services = services
     app.state.drain = drain
     return app
+
+
+def build_metrics_app(metrics: GatewayMetrics) -> Starlette:
+    """``/metrics`` alone, for ``settings.metrics_port``: the same registry the API's app records into."""
+
+    async def serve_metrics(request: Request) -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Starlette(routes=[Route("/metrics", serve_metrics, methods=["GET"])])

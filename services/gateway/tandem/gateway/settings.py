@@ -128,6 +128,9 @@ class GatewaySettings(BaseSettings):
     host: str = "0.0.0.0"
     #: HTTP port.
     port: int = Field(8080, ge=0, le=65535)
+    #: Serve ``/metrics`` on this port alone, and not on ``port`` (Kubernetes: the NetworkPolicy lets only
+    #: Prometheus reach it, while clients reach ``port``). None: ``/metrics`` beside the API on ``port``.
+    metrics_port: int | None = Field(None, ge=0, le=65535)
     #: Model name clients pass in ``model`` and see in ``/v1/models``.
     served_model_name: str = "SmolLM2-135M-Instruct"
     #: A request naming a LoRA adapter (its ``model``) is resolved through the adapter catalog in Redis as
