@@ -65,6 +65,9 @@ class PoolSignals:
     waiting: float | None = None
     #: Inter-token latency, p90 over the last minute, seconds (decode).
     itl_p90_s: float | None = None
+    #: Sources that did not answer this time (router pods, by name): the signals they feed are ``None``
+    #: rather than a sum short of their share (which would read as less load than there is).
+    unread_from: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ from tandem_operator.reconcile import (
 )
 from tandem_operator.resources import LABEL_DEPLOYMENT
 from tandem_operator.settings import OperatorSettings
-from tandem_operator.signals import PrometheusSource, QueryScope, RouterSource, SignalSource
+from tandem_operator.signals import PrometheusSource, QueryScope, RouterService, RouterSource, SignalSource
 from tandem_operator.spec import GROUP, PLURAL, VERSION, Pool, SpecError, TandemSpec, parse_spec
 
 FINALIZER = "tandem.dev/cleanup"
@@ -230,11 +230,18 @@ async def reconcile_handler(
     memo.last_adapter_sync_s[(namespace, name)] = time.monotonic()
 
 
-def _source(td: TandemSpec, namespace: str, name: str, http: aiohttp.ClientSession) -> SignalSource:
-    """The resource's signal source; its ``read(pool)`` selects that pool's model and pods."""
-    if td.autoscaling.source == "router":
-        return RouterSource(td.autoscaling.router_metrics_url, http)
-    return PrometheusSource(td.autoscaling.prometheus_url, QueryScope(namespace, name), http)
+def _source(
+    td: TandemSpec, namespace: str, name: str, http: aiohttp.ClientSession, kube: KubeClient
+) -> SignalSource:
+    """The resource's signal source; its ``read(pool)`` selects that pool's model and pods, and only this
+    resource's router and gateway series (their Services)."""
+    spec = td.autoscaling
+    if spec.source == "router":
+        service = RouterService(kube, namespace, spec.router_metrics_service) if spec.router_metrics_service else None
+        return RouterSource(spec.router_metrics_url, http, service)
+    scope = QueryScope(namespace, name, router_service=spec.router_metrics_service,
+                       gateway_service=spec.gateway_metrics_service)
+    return PrometheusSource(spec.prometheus_url, scope, http)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=_TICK_S, idle=0)
@@ -266,10 +273,11 @@ async def autoscale_handler(
         return
     memo.last_decision_s[key] = now_s
     kube: KubeClient = memo.kube
-    source = _source(td, namespace, name, memo.http)
+    source = _source(td, namespace, name, memo.http, kube)
     entries: dict[str, Any] = {}
     num_with_metrics = 0
     without_metrics: list[str] = []
+    unread: set[str] = set()
     try:
         for pool in td.pools_of():
             role = pool.role
@@ -280,6 +288,7 @@ async def autoscale_handler(
             current = int((dep.get("spec") or {}).get("replicas", 0))
             ready = int((dep.get("status") or {}).get("readyReplicas", 0) or 0)
             signals = await source.read(pool, dep_name)
+            unread.update(signals.unread_from)
             history: tuple[Recommendation, ...] = memo.history.get((namespace, name, pool.key), ())
             decision, history = decide(
                 role=role, current_replicas=current, signals=signals, pool=pool.spec,
@@ -294,7 +303,7 @@ async def autoscale_handler(
                 "model": pool.model.name, "pool": dep_name,
                 "current": decision.current_replicas, "desired": decision.desired_replicas,
                 "raw": decision.raw_replicas, "votes": decision.votes, "reason": decision.reason,
-                "signals": {k: v for k, v in vars(signals).items() if v is not None},
+                "signals": {k: v for k, v in vars(signals).items() if v is not None and v != ()},
             }))
             if decision.changed:
                 await kube.patch("apps/v1", "Deployment", namespace, dep_name,
@@ -308,7 +317,7 @@ async def autoscale_handler(
             entries[pool.key] = entry
     except KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=memo.settings.retry_delay_s) from exc
-    _set_metrics_condition(td, status, patch, without_metrics, int(meta.get("generation") or 0))
+    _set_metrics_condition(td, status, patch, without_metrics, sorted(unread), int(meta.get("generation") or 0))
     if entries:
         entries["metricsAvailable"] = num_with_metrics > 0
         entries["source"] = td.autoscaling.source
@@ -343,21 +352,28 @@ def _reconciled(conditions: list[dict[str, Any]]) -> bool:
 
 
 def _set_metrics_condition(
-    td: TandemSpec, status: Any, patch: kopf.Patch, without_metrics: list[str], generation: int
+    td: TandemSpec, status: Any, patch: kopf.Patch, without_metrics: list[str], unread: list[str], generation: int
 ) -> None:
     """MetricsAvailable=False, with the reason, while a pool's source gives no signal at all (its
-    replicas then hold): visible in `kubectl describe`, not only in the operator's log. Written only
+    replicas then hold) or only part of one (``unread``: router pods that did not answer; reason
+    ``PartialSignals``): visible in `kubectl describe`, not only in the operator's log. Written only
     when it changes (the reconcile handler writes the same list)."""
-    available = not without_metrics
-    if td.autoscaling.source == "prometheus":
-        where = f"Prometheus at {td.autoscaling.prometheus_url}"
+    available = not without_metrics and not unread
+    spec = td.autoscaling
+    if spec.source == "prometheus":
+        where = f"Prometheus at {spec.prometheus_url}"
+    elif spec.router_metrics_service:
+        where = f"every router pod of the Service {spec.router_metrics_service}"
     else:
-        where = f"the router's metrics at {td.autoscaling.router_metrics_url or '(no URL)'}"
-    message = (
-        f"signals from {where}"
-        if available
-        else f"no signal for the {' and '.join(without_metrics)} pool from {where}: its replicas hold"
-    )
+        where = f"the router's metrics at {spec.router_metrics_url or '(no URL)'}"
+    if available:
+        reason, message = "SignalsRead", f"signals from {where}"
+    elif unread:
+        reason = "PartialSignals"
+        message = f"router pods {', '.join(unread)} did not answer: signals from {where} are partial, the pools hold"
+    else:
+        reason = "NoSignals"
+        message = f"no signal for the {' and '.join(without_metrics)} pool from {where}: its replicas hold"
     conditions = list(patch.status.get("conditions") or status.get("conditions", []))
     if not _reconciled(conditions):
         return
@@ -366,7 +382,7 @@ def _set_metrics_condition(
         return
     patch.status["conditions"] = set_condition(
         conditions, type_="MetricsAvailable", status=available,
-        reason="SignalsRead" if available else "NoSignals", message=message, now=_now(), generation=generation,
+        reason=reason, message=message, now=_now(), generation=generation,
     )
 
 

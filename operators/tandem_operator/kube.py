@@ -22,6 +22,8 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 _PATHS = {
     ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
     ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
+    # Listed only: the router pods' metrics endpoints (tandem_operator.endpoints).
+    ("discovery.k8s.io/v1", "EndpointSlice"): "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
     # Deleted by the uninstall hook (tandem_operator.uninstall); kopf handles it everywhere else.
     ("tandem.dev/v1alpha1", "TandemDeployment"): "/apis/tandem.dev/v1alpha1/namespaces/{ns}/tandemdeployments",
 }

@@ -186,11 +186,14 @@ def invalid_status(owner: Owner, message: str, conditions: list[dict[str, Any]],
 
 def decision_status(decision: Decision, now: str) -> dict[str, Any]:
     """The ``status.autoscaling.<role>`` entry for a decision."""
-    signals = {k: v for k, v in vars(decision.signals).items() if v is not None}
-    return {
+    signals = {k: v for k, v in vars(decision.signals).items() if isinstance(v, float | int)}
+    entry: dict[str, Any] = {
         "currentReplicas": decision.current_replicas,
         "desiredReplicas": decision.desired_replicas,
         "reason": decision.reason,
         "signals": {k: round(v, 6) for k, v in signals.items()},
         "lastDecisionTime": now,
     }
+    if decision.signals.unread_from:
+        entry["unreadFrom"] = list(decision.signals.unread_from)  # router pods that did not answer: a partial read
+    return entry

@@ -9,7 +9,28 @@ autoscaling tick. Two implementations:
   chart's ServiceMonitor/PodMonitor);
 * :class:`RouterSource` — reads the router's Prometheus text endpoint directly
   (the router's queue and token backlog only; no latency, no KV usage), for
-  clusters without Prometheus.
+  clusters without Prometheus: with ``autoscaling.routerMetricsService`` set,
+  every ready router pod listed in that Service's EndpointSlices
+  (:mod:`tandem_operator.endpoints`), summed; without it, the one
+  ``routerMetricsUrl`` (local mode, tests).
+
+Every router pod, summed: each Ray node exports only its own router replicas'
+series, and a request is counted by the one replica that holds it, so queue
+depths, queued and in-flight token backlogs and requests in flight are
+additive over pods and replicas. The one gauge that is not, the pool's budget
+in use, is every replica's view of the whole pool: it is averaged over all
+replicas of all pods (summing would count the pool once per replica). A pod
+that does not answer makes the read *partial*: the pool's router signals are
+then ``None`` (its replicas hold; ``MetricsAvailable=False`` names the pod, and
+a warning is logged) rather than a sum short of that pod's queue, which would
+read as less load than there is and could shrink a busy pool.
+
+Per release: two releases in one namespace each see only their own series.
+Prometheus labels what a ServiceMonitor scrapes with ``service`` (the Service's
+name): the router's and the gateway's series are selected by
+``autoscaling.routerMetricsService`` / ``gatewayMetricsService`` (the chart sets
+both to the release's Services; unset, by namespace alone). The workers' (a
+PodMonitor's) by their pod names, which begin with the pool Deployment's name.
 
 Names are the real exported ones: Ray prefixes the router's application
 metrics with ``ray_`` (a test reads them from a real Ray Serve router and
@@ -35,15 +56,19 @@ raised: a flaky Prometheus must not crash-loop the operator.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem_operator.autoscale import PoolSignals
+from tandem_operator.endpoints import SERVICE_NAME_LABEL, MetricsEndpoint, ready_metrics_urls
+from tandem_operator.kube import KubeError
 from tandem_operator.spec import Pool, Role
 
 logger = logging.getLogger(__name__)
@@ -58,6 +83,11 @@ POOL_BUDGET_USED = "ray_tandem_router_pool_budget_used_fraction"
 POOL_IN_FLIGHT = "ray_tandem_router_pool_in_flight_requests"
 #: The label of the router's and the gateway's series that names the model (the served model name).
 MODEL_LABEL = "model"
+#: The label Prometheus puts on every series a ServiceMonitor scrapes: the Service's name.
+SERVICE_LABEL = "service"
+#: A pool Deployment's pods: ``<deployment>-<pod-template-hash>-<suffix>`` (neither part holds a dash), so
+#: the pods of a pool whose name merely begins with this one's (``a-prefill-b-decode``) are not its own.
+_POD_SUFFIX = "-[a-z0-9]+-[a-z0-9]+"
 
 
 def _model_of(pool: Pool) -> str | None:
@@ -77,19 +107,23 @@ class QueryScope:
 
     namespace: str
     deployment_name: str
+    #: The router's metrics Service (label ``service``); "" = every router series of the namespace.
+    router_service: str = ""
+    #: The gateway's metrics Service (label ``service``); "" = every gateway series of the namespace.
+    gateway_service: str = ""
 
     def queries(self, role: Role, *, model: str | None = None, pool_name: str | None = None) -> dict[str, str]:
         """PromQL per signal of one pool: ``pool_name`` (default ``<deployment>-<role>``) selects the
         workers' pods, ``model`` (None: no selection) the router's and the gateway's series."""
-        ns = f'namespace="{self.namespace}"'
-        if model is not None:
-            ns += f',{MODEL_LABEL}="{model}"'  # MODEL_NAME allows no quote or backslash
-        pods = f'pod=~"{pool_name or f"{self.deployment_name}-{role}"}-.*"'
+        pod_ns = f'namespace="{self.namespace}"'
+        by_model = "" if model is None else f',{MODEL_LABEL}="{model}"'  # MODEL_NAME allows no quote or backslash
+        ns = pod_ns + by_model + (f',{SERVICE_LABEL}="{self.router_service}"' if self.router_service else "")
+        gateway = pod_ns + by_model + (f',{SERVICE_LABEL}="{self.gateway_service}"' if self.gateway_service else "")
+        pods = f'pod=~"{pool_name or f"{self.deployment_name}-{role}"}{_POD_SUFFIX}"'
         waiting = f'{QUEUED_REQUESTS}{{{ns},waiting_for="{role}"}}'
         # Every router replica sees the whole pool's budget (its own and the others' reservations): the
         # average over replicas; each counts only the requests it placed itself: the sum.
         in_flight = f'sum({POOL_IN_FLIGHT}{{{ns},role="{role}"}})'
-        pod_ns = f'namespace="{self.namespace}"'
         if role == "prefill":
             return {
                 "queue_depth": f"sum({waiting})",
@@ -101,7 +135,7 @@ class QueryScope:
                 ),
                 "ttft_p90_s": (
                     "histogram_quantile(0.9, sum by (le) "
-                    f"(rate(tandem_gateway_time_to_first_token_seconds_bucket{{{ns}}}[1m])))"
+                    f"(rate(tandem_gateway_time_to_first_token_seconds_bucket{{{gateway}}}[1m])))"
                 ),
             }
         return {
@@ -111,7 +145,7 @@ class QueryScope:
             "waiting": f"sum({waiting}) + (sum(vllm:num_requests_waiting{{{pod_ns},{pods}}}) or vector(0))",
             "itl_p90_s": (
                 "histogram_quantile(0.9, sum by (le) "
-                f"(rate(tandem_gateway_inter_token_latency_seconds_bucket{{{ns}}}[1m])))"
+                f"(rate(tandem_gateway_inter_token_latency_seconds_bucket{{{gateway}}}[1m])))"
             ),
         }
 
@@ -154,31 +188,33 @@ class PrometheusSource:
 
     async def read(self, pool: Pool, pool_name: str) -> PoolSignals:
         queries = self._scope.queries(pool.role, model=_model_of(pool), pool_name=pool_name)
-        values = {name: await self._query(q) for name, q in queries.items()}
+        values: dict[str, Any] = {name: await self._query(q) for name, q in queries.items()}
         return PoolSignals(**values)
 
 
-def parse_router_metrics(text: str, role: Role, model: str | None = None) -> PoolSignals:
-    """``role``'s signals from the router's Prometheus text (Ray's export; summed over replicas); with
+def parse_router_metrics(text: str | Iterable[str], role: Role, model: str | None = None) -> PoolSignals:
+    """``role``'s signals from the router's Prometheus text (Ray's export), one text or one per router pod:
+    summed over pods and replicas, the budget in use averaged (the module docstring says why); with
     ``model``, only the samples labelled with that model."""
     totals: dict[str, float] = {}
     budget_used: list[float] = []  # one per router replica: averaged, as the PromQL does
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if model is not None and sample.labels.get(MODEL_LABEL) != model:
-                continue
-            name = sample.name
-            if name in (QUEUED_REQUESTS, QUEUED_UNCACHED_TOKENS):
-                name = f"{name}/{sample.labels.get('waiting_for', '')}"
-            elif name in (POOL_BUDGET_USED, POOL_IN_FLIGHT):
-                if sample.labels.get("role") != role:
+    for one_text in [text] if isinstance(text, str) else text:
+        for family in text_string_to_metric_families(one_text):
+            for sample in family.samples:
+                if model is not None and sample.labels.get(MODEL_LABEL) != model:
                     continue
-                if name == POOL_BUDGET_USED:
-                    budget_used.append(sample.value)
+                name = sample.name
+                if name in (QUEUED_REQUESTS, QUEUED_UNCACHED_TOKENS):
+                    name = f"{name}/{sample.labels.get('waiting_for', '')}"
+                elif name in (POOL_BUDGET_USED, POOL_IN_FLIGHT):
+                    if sample.labels.get("role") != role:
+                        continue
+                    if name == POOL_BUDGET_USED:
+                        budget_used.append(sample.value)
+                        continue
+                elif name != PREFILL_TOKENS_IN_FLIGHT:
                     continue
-            elif name != PREFILL_TOKENS_IN_FLIGHT:
-                continue
-            totals[name] = totals.get(name, 0.0) + sample.value
+                totals[name] = totals.get(name, 0.0) + sample.value
     waiting = totals.get(f"{QUEUED_REQUESTS}/{role}")
     requests_in_flight = totals.get(POOL_IN_FLIGHT)
     if role == "decode":
@@ -196,20 +232,68 @@ def parse_router_metrics(text: str, role: Role, model: str | None = None) -> Poo
     )
 
 
+class EndpointSliceLister(Protocol):
+    """What :class:`RouterSource` needs of :class:`tandem_operator.kube.KubeClient`."""
+
+    async def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class RouterService:
+    """The router's metrics Service whose EndpointSlices list the router pods to scrape."""
+
+    kube: EndpointSliceLister
+    namespace: str
+    name: str
+
+
 class RouterSource:
-    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+    """The router's own metrics: every ready pod of ``service`` (EndpointSlices), else the one ``url``."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, service: RouterService | None = None) -> None:
         self._url = url
         self._session = session
+        self._service = service
+
+    async def _endpoints(self) -> list[MetricsEndpoint]:
+        if self._service is None:
+            return [MetricsEndpoint(url=self._url, name=self._url)] if self._url else []
+        svc = self._service
+        try:
+            slices = await svc.kube.list(
+                "discovery.k8s.io/v1", "EndpointSlice", svc.namespace, f"{SERVICE_NAME_LABEL}={svc.name}"
+            )
+        except KubeError as exc:  # the API server refused (RBAC missing) or is away: no pod to read
+            logger.warning("router metrics: cannot list the EndpointSlices of %s/%s: %s", svc.namespace, svc.name, exc)
+            return []
+        return ready_metrics_urls(slices, svc.name)
+
+    async def _scrape(self, endpoint: MetricsEndpoint) -> str | None:
+        try:
+            async with self._session.get(endpoint.url, timeout=_TIMEOUT) as resp:
+                if resp.status != 200:
+                    logger.warning("router metrics at %s answered %s", endpoint.name, resp.status)
+                    return None
+                text = await resp.text()
+                # Parsed here too, so that garbage is charged to the pod that sent it.
+                for _ in text_string_to_metric_families(text):
+                    pass
+                return text
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            logger.warning("router metrics unreadable (%s) at %s", type(exc).__name__, endpoint.name)
+            return None
 
     async def read(self, pool: Pool, pool_name: str) -> PoolSignals:
-        if not self._url:
-            return PoolSignals()
-        try:
-            async with self._session.get(self._url, timeout=_TIMEOUT) as resp:
-                if resp.status != 200:
-                    logger.warning("router metrics answered %s", resp.status)
-                    return PoolSignals()
-                return parse_router_metrics(await resp.text(), pool.role, _model_of(pool))
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            logger.warning("router metrics unreadable (%s) at %s", type(exc).__name__, self._url)
-            return PoolSignals()
+        endpoints = await self._endpoints()
+        texts = await asyncio.gather(*(self._scrape(e) for e in endpoints))
+        unread = tuple(e.name for e, text in zip(endpoints, texts, strict=True) if text is None)
+        if unread:
+            logger.warning(
+                "router metrics partial: %d of %d router pods did not answer (%s); the %s pool holds",
+                len(unread),
+                len(endpoints),
+                ", ".join(unread),
+                pool.key,
+            )
+            return PoolSignals(unread_from=unread)
+        return parse_router_metrics([t for t in texts if t is not None], pool.role, _model_of(pool))

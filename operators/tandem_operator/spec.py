@@ -345,8 +345,16 @@ class AutoscalingSpec(_Model):
     external: bool = False
     source: Literal["prometheus", "router"] = "prometheus"
     prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
-    #: Prometheus-text endpoint of the router (Ray's metrics export), for ``source: router``.
+    #: Prometheus-text endpoint of the router (Ray's metrics export), for ``source: router`` without
+    #: ``router_metrics_service`` (local mode, tests): one URL, so one router pod per read.
     router_metrics_url: str = ""
+    #: The router's metrics Service in the resource's namespace: ``source: router`` reads every ready
+    #: pod its EndpointSlices list (summed), and Prometheus queries select the router's series by it
+    #: (label ``service``). "" = the URL above, and Prometheus series by namespace alone.
+    router_metrics_service: str = Field(default="", pattern=r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)?$")
+    #: The gateway's metrics Service: Prometheus queries select the gateway's series by it (label
+    #: ``service``). "" = by namespace alone (two releases in one namespace then mix their latencies).
+    gateway_metrics_service: str = Field(default="", pattern=r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)?$")
     interval_seconds: float = Field(default=15.0, gt=0)
     scale_up_stabilization_seconds: float = Field(default=30.0, ge=0)
     scale_down_stabilization_seconds: float = Field(default=300.0, ge=0)

@@ -377,6 +377,12 @@ def test_operator_rbac_is_least_privilege() -> None:
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
             assert not {"secrets", "pods/exec", "configmaps"} & set(rule["resources"])
+    # The router pods' metrics endpoints (autoscaling.source router reads every pod): EndpointSlices,
+    # listed only, in each watched namespace; nothing else of discovery.k8s.io, no Endpoints, no Pods.
+    for role in operator_roles:
+        discovery = [r for r in role["rules"] if set(r["apiGroups"]) & {"discovery.k8s.io"}]
+        assert discovery == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}]
+        assert not any({"endpoints", "pods"} & set(r["resources"]) for r in role["rules"])
     operator = one(docs, "Deployment", f"{FULL}-operator")["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=tandem" in operator["args"] and "--namespace=tandem-b" in operator["args"]
 

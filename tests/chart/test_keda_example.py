@@ -34,7 +34,15 @@ def test_the_keda_example_asks_what_the_operator_asks() -> None:
     (td,) = find(render(None, ("fullnameOverride=tandem",)), "TandemDeployment")
     for obj, role in zip(objects, ("prefill", "decode"), strict=True):
         assert obj["spec"]["scaleTargetRef"]["name"] == pool_name(td["metadata"]["name"], role)
-        queries = QueryScope(obj["metadata"]["namespace"], td["metadata"]["name"]).queries(role)
+        autoscaling = td["spec"]["autoscaling"]
+        scope = QueryScope(
+            obj["metadata"]["namespace"],
+            td["metadata"]["name"],
+            router_service=autoscaling["routerMetricsService"],
+            gateway_service=autoscaling["gatewayMetricsService"],
+        )
+        assert scope.router_service == "tandem-router-metrics" and scope.gateway_service == "tandem-gateway"
+        queries = scope.queries(role)
         # Requests in flight feed only the operator's demand vote, which a KEDA trigger cannot express.
         del queries["in_flight"]
         triggers = {t["name"]: t for t in obj["spec"]["triggers"]}

@@ -29,6 +29,7 @@ from tandem.common.router_client import RouterClient
 from tandem.router.settings import DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE
 from tests.kit.promql import check_promql, series_from_exposition
 from tests.kit.router import RouterProcess, router_process
+from tests.kit.router_export import label_shapes, recorded_router_export
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 #: The router reads the registry at most this often (TANDEM_ROUTER_REGISTRY_REFRESH_INTERVAL_S default).
@@ -283,6 +284,10 @@ async def test_metrics_reach_rays_prometheus_endpoint(
         )
         await client.release("req-metrics")
         assert "ray_tandem_router_schedule_seconds_count" in text
+        # The recorded export the operator's unit tests read (tests/kit/router_export.py) is still this
+        # export's: every series in it has a live one of the same name and label keys.
+        recorded = label_shapes(recorded_router_export())
+        assert recorded and recorded <= label_shapes(text), recorded - label_shapes(text)
         paths = {
             path: line
             for line in text.splitlines()

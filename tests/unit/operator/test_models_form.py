@@ -160,7 +160,7 @@ def test_each_models_pools_query_their_own_series() -> None:
     scope = QueryScope("ns1", "chat")
     smol_decode = next(p for p in spec.pools_of() if p.model.name == "smol" and p.role == "decode")
     queries = scope.queries("decode", model="smol", pool_name=smol_decode.name("chat"))
-    assert 'pod=~"chat-smol-decode-.*"' in queries["kv_usage"]
+    assert 'pod=~"chat-smol-decode-[a-z0-9]+-[a-z0-9]+"' in queries["kv_usage"]
     assert 'model="smol"' in queries["budget_usage"] and 'model="smol"' in queries["itl_p90_s"]
     assert 'model="smol"' not in queries["kv_usage"]  # vLLM's series: the pool's pods select the model
     prefill = scope.queries("prefill", model="smol", pool_name="chat-smol-prefill")

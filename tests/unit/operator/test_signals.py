@@ -15,7 +15,7 @@ def test_instant_values() -> None:
 
 def test_queries_are_scoped_to_the_namespace_and_pool() -> None:
     queries = QueryScope("ns1", "chat").queries("decode")
-    assert 'namespace="ns1"' in queries["kv_usage"] and 'pod=~"chat-decode-.*"' in queries["kv_usage"]
+    assert 'namespace="ns1"' in queries["kv_usage"] and 'pod=~"chat-decode-[a-z0-9]+-[a-z0-9]+"' in queries["kv_usage"]
     assert set(queries) == {"budget_usage", "in_flight", "kv_usage", "waiting", "itl_p90_s"}
     assert 'role="decode"' in queries["budget_usage"] and 'role="decode"' in queries["in_flight"]
     assert 'waiting_for="decode"' in queries["waiting"]
@@ -70,3 +70,24 @@ def test_unprefixed_names_are_not_read() -> None:
     text = "# TYPE tandem_router_queue_depth gauge\ntandem_router_queue_depth 3\n"
     assert parse_router_metrics(text, "prefill") == parse_router_metrics("", "prefill")
     assert parse_router_metrics("", "prefill").uncached_tokens is None
+
+
+def test_several_router_pods_sum_their_counts_and_average_the_budget_over_every_replica() -> None:
+    """One text per router pod (source router with a Service): queues, backlogs and requests in flight are
+    each held by one replica and add up; the budget in use is every replica's view of the whole pool, so it
+    is averaged over all replicas (0.9, 0.7 on one pod, 0.2 on the other: 0.6, not the pods' mean 0.5)."""
+    second_pod = """\
+# TYPE ray_tandem_router_queued_requests gauge
+ray_tandem_router_queued_requests{replica="c",waiting_for="prefill"} 5.0
+# TYPE ray_tandem_router_prefill_tokens_in_flight gauge
+ray_tandem_router_prefill_tokens_in_flight{replica="c",worker_id="p1"} 250.0
+# TYPE ray_tandem_router_pool_budget_used_fraction gauge
+ray_tandem_router_pool_budget_used_fraction{replica="c",role="decode"} 0.2
+# TYPE ray_tandem_router_pool_in_flight_requests gauge
+ray_tandem_router_pool_in_flight_requests{replica="c",role="decode"} 4.0
+"""
+    prefill = parse_router_metrics([RAY_TEXT, second_pod], "prefill")
+    assert prefill.queue_depth == 7 + 5 and prefill.uncached_tokens == 1000 + 500 + 700 + 250
+    decode = parse_router_metrics([RAY_TEXT, second_pod], "decode")
+    assert decode.in_flight == 11 + 4
+    assert decode.budget_usage is not None and abs(decode.budget_usage - 0.6) < 1e-12

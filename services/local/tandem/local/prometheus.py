@@ -1,7 +1,8 @@
 """A real Prometheus (Debian's package, ``make prometheus``) scraping a local stack, for the
 live-query test and the autoscaling demo. The scrape configuration adds what the chart's
 ServiceMonitors and PodMonitor add in a cluster: a ``namespace`` label on every series, and
-``pod`` and ``pool`` on the workers' (pods named ``<deployment>-<pool>-<n>``)."""
+``pod`` and ``pool`` on the workers' (pods named as a Deployment names them,
+``<deployment>-<pool>-<pod-template-hash>-<suffix>``: here ``local`` and the worker's index)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def stack_targets(config: StackConfig, namespace: str, deployment: str) -> list[
     if config.start_workers:
         for name, worker in config.worker_ports().items():  # prefill, prefill-1, ..., decode, ...
             pool, _, index = name.partition("-")
-            labels = {"namespace": namespace, "pod": f"{deployment}-{pool}-{index or 0}", "pool": pool}
+            labels = {"namespace": namespace, "pod": f"{deployment}-{pool}-local-{index or 0}", "pool": pool}
             targets.append(ScrapeTarget("workers", f"{config.host}:{worker.metrics_port}", labels))
     return targets
 
