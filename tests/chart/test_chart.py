@@ -470,9 +470,10 @@ def test_only_the_kuberay_operators_namespace_reaches_the_ray_dashboard() -> Non
     assert peers, "no rule admits the Ray dashboard port"
     for peer in peers:
         # Never {} (every namespace): KubeRay's usual namespaces by name, its default install's `default` included.
-        assert peer["namespaceSelector"] == {"matchExpressions": [{
-            "key": "kubernetes.io/metadata.name", "operator": "In", "values": ["default", "ray-system", "kuberay-system"]
-        }]}, peer
+        kuberay_namespaces = ["default", "ray-system", "kuberay-system"]
+        assert peer["namespaceSelector"] == {
+            "matchExpressions": [{"key": "kubernetes.io/metadata.name", "operator": "In", "values": kuberay_namespaces}]
+        }, peer
         assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
     labelled = find(render(None, ("networkPolicy.kuberayNamespaceSelector.team=ray",)), "NetworkPolicy")
     assert any(
