@@ -1,8 +1,9 @@
-"""``/v1/responses`` (``store: false``) on the real stack with the real ``openai`` SDK: at temperature 0 the
-answer, created and streamed, is the chat completions answer to the same conversation through the same
-gateway (text and token counts), every streamed event parses into the SDK's types, and a function tool
-with ``tool_choice`` ``"required"`` is called as chat calls it. The text carries emoji, CJK, accents and
-the chat template's own control tokens (which stay text)."""
+"""``/v1/responses`` on the real stack with the real ``openai`` SDK: at temperature 0 the answer, created and
+streamed, is the chat completions answer to the same conversation through the same gateway (text and token
+counts), every streamed event parses into the SDK's types, a function tool with ``tool_choice``
+``"required"`` is called as chat calls it, and a ``previous_response_id`` chain sending only new input reads
+at least 90 % of the previous context from the cache from turn 2 on; retrieve and delete. The text carries
+emoji, CJK, accents and the chat template's own control tokens (which stay text)."""
 
 from __future__ import annotations
 
@@ -140,3 +141,48 @@ def test_openai_sdk_responses_call_a_required_function(stack: LocalStack) -> Non
         store=False,
     )
     assert answer.output[0].type == "message" and answer.output_text
+
+
+#: Turns of the chain test: enough to see every turn after the first read its prefix from the cache,
+#: few enough to stay well under two minutes with short answers.
+NUM_CHAIN_TURNS = 6
+CHAIN_MAX_TOKENS = 8
+#: An agent's long instructions (~1,500 tokens). The engines cache whole KV blocks only (vLLM's CPU block
+#: is 128 tokens), so a turn can read at most the previous context less its last partial block from the
+#: cache: 90 % of it needs a context of about 1,350 tokens or more.
+AGENT_INSTRUCTIONS = " ".join(
+    f"Règle {i}: réponds en une ligne, cite la ville 🏙 et son pays; 规则 {i}: 简短回答; Regel {i}: sei kurz."
+    for i in range(26)
+)
+
+
+def test_openai_sdk_chain_sends_only_new_input_and_hits_the_cache(stack: LocalStack) -> None:
+    model = stack.config.served_model_name
+    client = _client(stack)
+    previous = None
+    for turn in range(NUM_CHAIN_TURNS):
+        question = f"Tour {turn + 1}: nomme une ville 🏙 ({'東京' if turn % 2 else 'Zürich'})."
+        response = client.responses.create(
+            model=model,
+            instructions=AGENT_INSTRUCTIONS,
+            input=question,
+            previous_response_id=previous.id if previous is not None else None,
+            max_output_tokens=CHAIN_MAX_TOKENS,
+            temperature=0,
+        )
+        assert response.usage is not None and response.previous_response_id == (previous.id if previous else None)
+        if previous is not None:
+            assert previous.usage is not None
+            previous_context = previous.usage.input_tokens + previous.usage.output_tokens
+            # The prompt grew by the previous answer and this question only: the chain was read, not resent.
+            assert response.usage.input_tokens > previous_context
+            cached = response.usage.input_tokens_details.cached_tokens
+            print(f"turn {turn + 1}: cached {cached} of the previous context {previous_context}")
+            assert cached >= 0.9 * previous_context, (turn + 1, cached, previous_context)
+        previous = response
+    assert previous is not None
+    retrieved = client.responses.retrieve(previous.id)
+    assert retrieved.id == previous.id and retrieved.output_text == previous.output_text
+    client.responses.delete(previous.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(previous.id)

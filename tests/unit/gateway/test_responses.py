@@ -1,7 +1,8 @@
-"""``POST /v1/responses`` (OpenAI Responses, not stored) on the gateway with fake router and workers: the
-translation into the chat request (same prompt tokens and sampling as ``/v1/chat/completions``), the
-response object and its typed stream events as the ``openai`` SDK's types parse them, function tools,
-errors in OpenAI's shape, and the real ``openai`` SDK against a real uvicorn."""
+"""``POST /v1/responses`` (OpenAI Responses, ``store: false``; stored ones: test_response_chains.py) on the
+gateway with fake router and workers: the translation into the chat request (same prompt tokens and
+sampling as ``/v1/chat/completions``), the response object and its typed stream events as the ``openai``
+SDK's types parse them, function tools, errors in OpenAI's shape, and the real ``openai`` SDK against a
+real uvicorn."""
 
 from __future__ import annotations
 
@@ -293,9 +294,9 @@ async def test_answer_without_a_call_is_a_message(stack: Any) -> None:
 @pytest.mark.parametrize(
     ("change", "status", "param", "says"),
     [
-        ({"store": True}, 400, "store", "store: false"),
-        ({"store": None}, 400, "store", "store"),
-        ({"previous_response_id": "resp_1"}, 400, "previous_response_id", "not supported"),
+        ({"store": "yes"}, 400, "store", "store"),
+        ({"previous_response_id": "resp_1"}, 404, "previous_response_id", "'resp_1' not found"),
+        ({"previous_response_id": "../x"}, 404, "previous_response_id", "not found"),
         ({"background": True}, 400, "background", "Background"),
         ({"reasoning": {"effort": "high"}}, 400, "reasoning.effort", "does not reason"),
         ({"include": ["message.output_text.logprobs"]}, 400, "include", "include"),
@@ -321,8 +322,6 @@ async def test_bad_input_is_a_clear_400(
     stack: Any, change: dict[str, Any], status: int, param: str | None, says: str
 ) -> None:
     body = responses_body(**change)
-    if change.get("store", False) is None:
-        del body["store"]
     response = await stack.client.post("/v1/responses", json=body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -357,5 +356,5 @@ async def test_sdk_create_and_stream(stack: Any, live_url: str) -> None:
             final = await stream.get_final_response()
         assert final.output_text == "Hello world!" and seen[-1] == "response.completed"
         with pytest.raises(openai.BadRequestError) as raised:
-            await client.responses.create(model=MODEL, input=TEXT)
-        assert raised.value.body is not None and "store" in str(raised.value.body)
+            await client.responses.create(model=MODEL, input=TEXT, store=False, background=True)
+        assert raised.value.body is not None and raised.value.param == "background"

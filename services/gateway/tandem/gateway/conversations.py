@@ -184,6 +184,20 @@ return {stored_total(account), redis.call('ZCARD', index)}
 """
 )
 
+#: Deletes one conversation and takes it out of the index and the account. KEYS: the tenant's index, its
+#: account. ARGV: the conversation id, the tenant's conversation key prefix. Returns 1 if it existed.
+_DELETE = (
+    "#!lua flags=allow-oom\n"
+    + """local index, account = KEYS[1], KEYS[2]
+local conv_prefix = ARGV[2]
+"""
+    + _CONVERSATION_LUA
+    + """local existed = redis.call('EXISTS', conv_prefix .. ARGV[1])
+evict(ARGV[1])
+return existed
+"""
+)
+
 
 @dataclass(frozen=True)
 class StoredConversation:
@@ -232,6 +246,7 @@ class ConversationStore:
         self._default_max_stored_bytes = default_max_stored_bytes
         self._append: Any = client.register_script(_APPEND)
         self._settle: Any = client.register_script(_SETTLE)
+        self._delete: Any = client.register_script(_DELETE)
         self._key_prefix = key_prefix
 
     def _index_key(self, tenant_id: str) -> str:
@@ -317,3 +332,10 @@ class ConversationStore:
         with redis_errors("conversation account"):
             num_bytes, num_conversations = await self._settle(keys=keys, args=[self._ttl_s, f"{self._p}:{tenant_id}:"])
         return int(num_bytes), int(num_conversations)
+
+    async def delete(self, tenant_id: str, conversation_id: str) -> bool:
+        """Delete one conversation (its bytes leave the tenant's storage account); False if there was none."""
+        keys = [self._index_key(tenant_id), account_key(self._key_prefix, tenant_id)]
+        with redis_errors("conversation delete"):
+            existed = await self._delete(keys=keys, args=[conversation_id, f"{self._p}:{tenant_id}:"])
+        return bool(existed)

@@ -42,6 +42,7 @@ class CompleteResponse(GenerationResponse):
         self._metrics.generated_tokens_total.inc(finished.usage.completion_tokens)
         self._job.clock.mark("first_byte")
         self._job.clock.mark("done")
+        await self._answer_complete(finished)
         payload = self._options.wire.full_response(self._meta, "".join(self._texts), finished, self._logprobs)
         payload.update(self._options.extra_fields)
         if self._options.timings:

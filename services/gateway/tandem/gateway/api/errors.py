@@ -99,7 +99,8 @@ def api_error_from(exc: TandemError, *, request_id: str = "") -> ApiError:
         )
     if isinstance(exc, ModelNotFoundError) or (isinstance(exc, InvalidRequestError) and exc.code == "model_not_found"):
         return ApiError(404, str(exc), param=exc.param or "model", code=exc.code or "model_not_found")
-    if isinstance(exc, InvalidRequestError) and exc.code == "adapter_not_found":  # the admin API's unload
+    # The admin API's unload of an adapter; a stored response (api.response_chains).
+    if isinstance(exc, InvalidRequestError) and exc.code in ("adapter_not_found", "response_not_found"):
         return ApiError(404, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, RequestTooLargeError):
         return ApiError(413, str(exc), code=exc.code or "request_too_large")

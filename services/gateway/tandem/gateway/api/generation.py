@@ -36,6 +36,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from tandem.common.errors import TandemError
 from tandem.gateway.api.errors import ApiError
 from tandem.gateway.api.wire import OPENAI_WIRE, WireFormat
 from tandem.gateway.drain import Drain
@@ -98,6 +99,10 @@ class ResponseOptions:
     on_progress: Callable[[int], Coroutine[Any, Any, None]] | None = None
     #: The API dialect the answer and its errors are written in (tandem.gateway.api.wire).
     wire: WireFormat = OPENAI_WIRE
+    #: Awaited once the answer is complete, before its last bytes go out, so that what it stores (a
+    #: stored response) can be read as soon as the client has the answer; a TandemError it raises is
+    #: logged and the answer still goes out.
+    on_answer: Callable[[Outcome], Coroutine[Any, Any, None]] | None = None
 
 
 class ClientGoneError(Exception):
@@ -272,6 +277,16 @@ class GenerationResponse(Response):
         assert isinstance(event, TextDelta)
         self._observe_first_token(event)
         return event
+
+    async def _answer_complete(self, finished: Finished) -> None:
+        """Runs the ``on_answer`` hook (the writers call it before the answer's last bytes)."""
+        hook = self._options.on_answer
+        if hook is None:
+            return
+        try:
+            await hook(Outcome(200, self._num_completion_tokens, "".join(self._texts), finished))
+        except TandemError as exc:
+            logger.warning("answer hook failed: %s", exc, extra={"request_id": self._job.request_id})
 
     async def _save_progress(self) -> None:
         """Have the open usage record follow the tokens about to be sent (off the token path: the hook

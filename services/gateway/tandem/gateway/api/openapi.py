@@ -128,6 +128,8 @@ def build_document() -> dict[str, Any]:
             }
         }
 
+    response_id = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
     def get(summary: str, *statuses: int, **extra: Any) -> dict[str, Any]:
         return {"get": {"summary": summary, "responses": _responses(*statuses), **extra}}
 
@@ -142,9 +144,22 @@ def build_document() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": post("Chat completion (OpenAI-compatible)", "ChatCompletionRequest"),
             "/v1/completions": post("Text completion (OpenAI-compatible)", "CompletionRequest"),
-            "/v1/responses": post(
-                "Response (OpenAI Responses API; not stored: store must be false)", "ResponsesRequest"
-            ),
+            "/v1/responses": post("Response (OpenAI Responses API)", "ResponsesRequest"),
+            "/v1/responses/{response_id}": {
+                **get("A stored response of the caller's tenant", 401, 404, 503, parameters=[response_id]),
+                "delete": {
+                    "summary": "Delete a stored response",
+                    "parameters": [response_id],
+                    "responses": _responses(401, 404, 503),
+                },
+            },
+            "/v1/responses/{response_id}/cancel": {
+                "post": {
+                    "summary": "Cancel a background response (none are made: 400, or 404 for an unknown id)",
+                    "parameters": [response_id],
+                    "responses": _responses(400, 401, 404, 503),
+                }
+            },
             "/v1/messages": post(
                 "Message (Anthropic Messages API; errors in Anthropic's shape)",
                 "MessagesRequest",

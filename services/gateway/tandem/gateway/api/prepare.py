@@ -27,6 +27,7 @@ from tandem.common.errors import InvalidRequestError, PermanentError
 from tandem.common.ids import new_request_id
 from tandem.gateway.adapters import ModelResolver, ResolvedModel
 from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError
+from tandem.gateway.api.response_chains import ChainParser, ChainRequest, chain_to_store, history_of, read_response
 from tandem.gateway.api.services import GatewayServices, ModelLimits
 from tandem.gateway.api.tools import ToolSpec, arguments_text_size, tools_text_size
 from tandem.gateway.api.validation import (
@@ -61,6 +62,8 @@ class Dialect:
     parse: ChatBodyParser
     #: Starts the request id (which is also the answer's id), e.g. ``msg_``.
     request_id_prefix: str
+    #: The API stores its answers in chains (the Responses API): what the body asks of the store.
+    chain: ChainParser | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,10 @@ class PreparedRequest:
     num_dropped_messages: int = 0
     #: A chat request's function tools (tandem.gateway.api.tools); the answer is a tool call when they constrain it.
     tools: ToolSpec | None = None
+    #: A Responses request's store fields (tandem.gateway.api.response_chains).
+    chain: ChainRequest | None = None
+    #: With ``chain.store``: the turns the response keeps before its answer, under its own id.
+    stored_chain: Conversation | None = None
 
     @property
     def tenant(self) -> Tenant:
@@ -132,8 +139,10 @@ async def _prepare(
     check_content_type(request.headers.get("content-type"))
     raw = await _read_body(request, limits.max_body_bytes)
     body: ChatCompletionRequest | CompletionRequest
+    chain = None
     if dialect is not None:
         body = dialect.parse(raw)
+        chain = dialect.chain(raw) if dialect.chain is not None else None
     else:
         body = parse_body(raw, ChatCompletionRequest) if endpoint == "chat" else parse_body(raw, CompletionRequest)
     model = await resolve_model(body.model, services.models, tenant)
@@ -159,14 +168,19 @@ async def _prepare(
         )
     await services.quota.precheck(tenant.id, tenant, min_input_tokens, model=body.model)
     context_tokens = _context_tokens(limits, tenant)
-    conversation = None
+    conversation = stored_chain = None
     num_dropped = 0
+    request_id = (dialect.request_id_prefix if dialect else _ID_PREFIX[endpoint]) + new_request_id()
     if isinstance(body, ChatCompletionRequest):
         stored = StoredConversation([], ())
+        history: Sequence[Message] = stored.messages
         if body.conversation_id is not None:
             check_conversation_id(body.conversation_id)
             stored = await services.conversations.read(tenant.id, body.conversation_id)
-        history: Sequence[Message] = stored.messages
+            history = stored.messages
+        elif chain is not None and chain.previous_id is not None:
+            stored = await read_response(services.conversations, tenant.id, chain.previous_id, "previous_response_id")
+            history = history_of(stored)
         messages = [_template_message(m) for m in body.messages]
         tools = body.tool_spec()
         assembled = await assemble_chat(
@@ -198,6 +212,13 @@ async def _prepare(
             services.storage_quota.check(
                 tenant, num_bytes, what=f"Conversation {body.conversation_id!r}", param="conversation_id"
             )
+        if chain is not None and chain.store:
+            turns = chain_to_store(history, messages, num_dropped)
+            stored_chain = Conversation(request_id, turns)
+            num_bytes = services.conversations.bytes_after(
+                StoredConversation([], ()), num_dropped_history=0, new_turns=turns, max_tokens=max_tokens
+            )
+            services.storage_quota.check(tenant, num_bytes, what="The response's chain", param="store")
     else:
         prompt_ids = await _completion_prompt_ids(tokenizer, body)
         max_tokens = fit_max_tokens(
@@ -217,7 +238,7 @@ async def _prepare(
     clock.mark("prompt_built")
     return PreparedRequest(
         endpoint=endpoint,
-        request_id=(dialect.request_id_prefix if dialect else _ID_PREFIX[endpoint]) + new_request_id(),
+        request_id=request_id,
         body=body,
         principal=principal,
         prompt_token_ids=tuple(prompt_ids),
@@ -228,6 +249,8 @@ async def _prepare(
         conversation=conversation,
         num_dropped_messages=num_dropped,
         tools=body.tool_spec() if isinstance(body, ChatCompletionRequest) else None,
+        chain=chain,
+        stored_chain=stored_chain,
     )
 
 

@@ -20,8 +20,9 @@ conversation sent to ``/v1/chat/completions`` make the same prompt tokens and sa
   ``tool_choice`` and ``parallel_tool_calls`` are chat's function tools (:mod:`tandem.gateway.api.tools`:
   ``"auto"`` is refused for this deployment's models); ``text.format`` ``json_schema`` / ``json_object``
   is chat's ``response_format``.
-* Stored responses are not served yet: ``store`` must be ``false`` (the API's default is ``true``), and
-  ``previous_response_id`` is refused. Refused with a 400 naming the parameter, rather than ignored:
+* ``store`` (default ``true``) keeps the response, and ``previous_response_id`` continues a stored one:
+  the chain's turns come before the new input (:mod:`~tandem.gateway.api.response_chains`, read by
+  :func:`parse_chain`). Refused with a 400 naming the parameter, rather than ignored:
   ``background``, ``reasoning`` with an effort (the served models do not reason), built-in tools
   (``web_search``, ``file_search``, …), ``include`` values, ``conversation``, ``prompt`` templates,
   content parts other than text (images, files, audio) and items other than the three above.
@@ -38,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from tandem.common.errors import InvalidRequestError
 from tandem.gateway.api.prepare import Dialect
+from tandem.gateway.api.response_chains import ChainRequest
 from tandem.gateway.api.tools import MAX_NUM_TOOLS
 from tandem.gateway.api.validation import (
     MAX_NUM_MESSAGES,
@@ -51,7 +53,6 @@ from tandem.gateway.api.validation import (
 #: Request fields that ask for something this gateway does not do, with the values that ask for nothing.
 _REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "background": ("Background responses are not supported.", (False,)),
-    "previous_response_id": ("Stored responses are not supported yet: send the whole input each turn.", ()),
     "conversation": ("Conversations are not supported by /v1/responses.", ()),
     "prompt": ("Prompt templates are not supported.", ()),
     "include": ("No include values are supported.", ([],)),
@@ -137,6 +138,7 @@ class ResponsesRequest(_Lenient):
     reasoning: Reasoning | None = None
     stream: StrictBool = False
     store: StrictBool = True
+    previous_response_id: StrictStr | None = Field(None, min_length=1, max_length=128)
     #: Accepted, never read nor logged.
     metadata: dict[str, StrictStr] | None = None
 
@@ -152,12 +154,6 @@ def parse_responses(raw: bytes) -> ChatCompletionRequest:
         request = ResponsesRequest.model_validate(data)
     except ValidationError as exc:
         raise to_invalid_request(exc) from exc
-    if request.store:
-        raise InvalidRequestError(
-            "Stored responses are not supported yet: send store: false (the Responses API's default is true).",
-            param="store",
-            code="unsupported_value",
-        )
     if request.reasoning is not None and request.reasoning.effort not in (None, "none"):
         raise InvalidRequestError(
             f"reasoning.effort: the model {request.model[:80]!r} does not reason; leave reasoning out.",
@@ -316,4 +312,13 @@ def _required(value: Any, param: str) -> Any:
     return value
 
 
-DIALECT = Dialect(parse=parse_responses, request_id_prefix="resp_")
+def parse_chain(raw: bytes) -> ChainRequest:
+    """The store fields of a body :func:`parse_responses` accepted."""
+    data = parse_json_object(raw)
+    return ChainRequest(
+        previous_id=data.get("previous_response_id"),
+        store=data.get("store") is not False,
+    )
+
+
+DIALECT = Dialect(parse=parse_responses, request_id_prefix="resp_", chain=parse_chain)

@@ -9,8 +9,9 @@ text. Pure: no I/O.
 
 * A response: ``{id: "resp_…", object: "response", created_at, status, incomplete_details, model,
   output, usage, …}`` with the request's ``tools``, ``tool_choice``, ``temperature``, ``top_p``,
-  ``max_output_tokens``, ``parallel_tool_calls`` and ``text`` echoed. ``status`` is ``completed``, or
-  ``incomplete`` with ``incomplete_details.reason: "max_output_tokens"`` for an answer cut at its length.
+  ``max_output_tokens``, ``parallel_tool_calls``, ``text``, ``store`` and ``previous_response_id``
+  echoed. ``status`` is ``completed``, or ``incomplete`` with ``incomplete_details.reason:
+  "max_output_tokens"`` for an answer cut at its length.
   ``output`` is one ``message`` item (``msg_…``) holding one ``output_text`` part, or, when the request's
   tools constrain the answer, one ``function_call`` item (``fc_…``) per call with ``call_id``, ``name``
   and ``arguments`` (an answer that holds no complete call is a message of its text).
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tandem.gateway.api.errors import ApiError
+from tandem.gateway.api.response_chains import ChainRequest
 from tandem.gateway.api.tool_calls import ToolCall, ToolCallReader, tool_calls_of
 from tandem.gateway.api.tools import ToolSpec
 from tandem.gateway.api.validation import ChatCompletionRequest
@@ -52,7 +54,7 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
     }
 
 
-def echo_of(body: ChatCompletionRequest) -> dict[str, Any]:
+def echo_of(body: ChatCompletionRequest, chain: ChainRequest | None) -> dict[str, Any]:
     """The request parameters a response repeats, in this API's shapes (from the chat request they became)."""
     tools = []
     for tool in body.tools or ():
@@ -86,6 +88,8 @@ def echo_of(body: ChatCompletionRequest) -> dict[str, Any]:
         "tool_choice": tool_choice if tool_choice is not None else "auto",
         "tools": tools,
         "text": {"format": fmt},
+        "store": chain is not None and chain.store,
+        "previous_response_id": chain.previous_id if chain is not None else None,
     }
 
 
@@ -108,7 +112,8 @@ def function_call_item(meta: ResponseMeta, call: ToolCall, index: int, status: s
         "id": f"fc_{_suffix(meta)}_{index}",
         "type": "function_call",
         "status": status,
-        "call_id": call.id,
+        # Of the response, not the reader's (random): the answer, its stream and its stored copy agree.
+        "call_id": f"call_{_suffix(meta)}_{index}",
         "name": call.name,
         "arguments": call.arguments,
     }
@@ -134,9 +139,7 @@ def response(
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "model": meta.model,
         "output": output,
-        "previous_response_id": None,
         "reasoning": None,
-        "store": False,
         "truncation": "disabled",
         "metadata": {},
         "usage": usage_dict(finished.usage) if finished is not None else None,
@@ -277,6 +280,6 @@ class ResponsesWire:
         return error.body()
 
 
-def responses_wire(body: ChatCompletionRequest, spec: ToolSpec | None) -> ResponsesWire:
+def responses_wire(body: ChatCompletionRequest, spec: ToolSpec | None, chain: ChainRequest | None) -> ResponsesWire:
     """The wire format of one ``/v1/responses`` request, from the chat request it became."""
-    return ResponsesWire(echo_of(body), spec)
+    return ResponsesWire(echo_of(body, chain), spec)

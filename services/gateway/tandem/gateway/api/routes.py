@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, TandemError
 from tandem.gateway.adapters import ResolvedModel
-from tandem.gateway.api import admin_adapters
+from tandem.gateway.api import admin_adapters, stored_responses
 from tandem.gateway.api.anthropic_messages import DIALECT as ANTHROPIC_DIALECT
 from tandem.gateway.api.anthropic_messages import check_version
 from tandem.gateway.api.anthropic_tool_wire import AnthropicToolWire
@@ -42,6 +42,7 @@ from tandem.gateway.api.generation import (
     ResponseOptions,
 )
 from tandem.gateway.api.prepare import Dialect, Endpoint, PreparedRequest, may_use, prepare, resolve_model
+from tandem.gateway.api.response_chains import answer_turn
 from tandem.gateway.api.responses_request import DIALECT as RESPONSES_DIALECT
 from tandem.gateway.api.responses_wire import responses_wire
 from tandem.gateway.api.services import GatewayServices
@@ -165,6 +166,8 @@ def _generation_handler(
                 extra={"request_id": prepared.request_id, "num_dropped_messages": prepared.num_dropped_messages},
             )
 
+        wire_now = _answer_wire(prepared, wire, tool_wire, wire_for)
+        meta = _response_meta(prepared)
         # The open usage record follows the tokens sent, written off the token path (usage_progress).
         progress = ProgressWriter(
             lambda n: services.usage.progress(prepared.request_id, n),
@@ -191,6 +194,18 @@ def _generation_handler(
                 except BackendUnavailableError as exc:
                     logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})
 
+        async def store_answer(outcome: Outcome) -> None:
+            chain = prepared.stored_chain
+            assert chain is not None and outcome.finished is not None
+            response = wire_now.full_response(meta, outcome.text, outcome.finished, ())
+            await services.conversations.append(
+                tenant.id,
+                chain.id,
+                [*chain.new_turns, answer_turn(response)],
+                tenant_salt=tenant_salt,
+                max_stored_bytes=services.storage_quota.limit_bytes(tenant),
+            )
+
         return _generation_response(
             services,
             request,
@@ -199,7 +214,9 @@ def _generation_handler(
             admission,
             on_finish,
             progress.advance if opened else None,
-            _answer_wire(prepared, wire, tool_wire, wire_for),
+            wire_now,
+            meta,
+            store_answer if prepared.stored_chain is not None else None,
         )
 
     return _openai_errors(path, handle, wire)
@@ -270,6 +287,17 @@ async def _settle(
     )
 
 
+def _response_meta(prepared: PreparedRequest) -> ResponseMeta:
+    return ResponseMeta(
+        id=prepared.request_id,
+        created=int(time.time()),
+        model=prepared.body.model,
+        kind="chat" if prepared.endpoint == "chat" else "text",
+        include_usage=prepared.body.include_usage,
+        logprobs=prepared.sampling.logprobs is not None,
+    )
+
+
 def _generation_response(
     services: GatewayServices,
     request: Request,
@@ -279,6 +307,8 @@ def _generation_response(
     on_finish: Callable[[Outcome], Coroutine[Any, Any, None]],
     on_progress: Callable[[int], Coroutine[Any, Any, None]] | None,
     wire: WireFormat,
+    meta: ResponseMeta,
+    on_answer: Callable[[Outcome], Coroutine[Any, Any, None]] | None,
 ) -> GenerationResponse:
     tenant = prepared.tenant
     body = prepared.body
@@ -294,14 +324,6 @@ def _generation_response(
         cache_salt=tenant.cache_salt,
         priority=tenant.priority_class,
         clock=prepared.clock,
-    )
-    meta = ResponseMeta(
-        id=prepared.request_id,
-        created=int(time.time()),
-        model=body.model,
-        kind="chat" if prepared.endpoint == "chat" else "text",
-        include_usage=body.include_usage,
-        logprobs=prepared.sampling.logprobs is not None,
     )
     logger.info(
         "request admitted",
@@ -331,6 +353,7 @@ def _generation_response(
             on_finish=on_finish,
             on_progress=on_progress,
             wire=wire,
+            on_answer=on_answer,
         ),
     )
 
@@ -349,10 +372,15 @@ messages = _generation_handler(
 
 def _responses_wire(prepared: PreparedRequest) -> WireFormat:
     assert isinstance(prepared.body, ChatCompletionRequest), "a Responses body is translated into a chat request"
-    return responses_wire(prepared.body, prepared.tools)
+    return responses_wire(prepared.body, prepared.tools, prepared.chain)
 
 
 responses = _generation_handler("chat", RESPONSES_ENDPOINT, dialect=RESPONSES_DIALECT, wire_for=_responses_wire)
+
+
+get_response = _openai_errors("/v1/responses/{response_id}", stored_responses.get_response)
+delete_response = _openai_errors("/v1/responses/{response_id}", stored_responses.delete_response)
+cancel_response = _openai_errors("/v1/responses/{response_id}/cancel", stored_responses.cancel_response)
 
 
 async def _usage(request: Request) -> Response:

@@ -190,6 +190,7 @@ class StreamedResponse(GenerationResponse):
                     # Tokens that added no text (a stop token) still have log-probabilities to report.
                     unsent = self._delta(encoder, "") if self._num_logprobs_sent < len(self._logprobs) else b""
                     await self._save_progress()
+                    await self._answer_complete(event)
                     await writer.write(unsent + encoder.finish(event))
         except TandemError as exc:
             logger.warning("stream failed: %s", exc, extra={"request_id": self._job.request_id})
