@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
 #: Requests in all, over both endpoints and both generation modes.
 FUZZ_EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "10000"))
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 MODEL = "SmolLM2-135M-Instruct"
 
 
