@@ -14,6 +14,7 @@ import openai
 import pytest
 from openai.types.responses import Response
 
+from tandem.common.errors import BackendUnavailableError
 from tests.kit.gateway import MODEL
 from tests.unit.gateway.test_anthropic_messages import TEXT, events_of
 from tests.unit.gateway.test_anthropic_tools import required_answer
@@ -88,6 +89,26 @@ async def test_streamed_response_is_stored_before_its_last_event(edge: Any) -> N
     final = events_of(response.text)[-1][1]["response"]
     got = await edge.client.get(f"/v1/responses/{final['id']}", headers=bearer(key))
     assert got.status_code == 200 and got.json() == final
+
+
+async def test_redis_failing_at_store_time_still_answers(edge: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store is written before the answer's last bytes; when Redis refuses it, the client still gets
+    its answer (logged, not stored: a later GET or continuation is 404), never a half-written stream."""
+    key = await edge.tenant("acme")
+    conversations = edge.app.state.services.conversations
+
+    async def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise BackendUnavailableError("redis at 10.0.0.9:6379 refused the write")
+
+    monkeypatch.setattr(conversations, "append", refuse)
+    answer = await create(edge, key, input=TEXT)
+    assert answer["status"] == "completed" and answer["output"][0]["content"][0]["text"] == "Hello world!"
+    streamed = await edge.client.post(
+        "/v1/responses", json={"model": MODEL, "input": TEXT, "stream": True}, headers=bearer(key)
+    )
+    assert events_of(streamed.text)[-1][0] == "response.completed"
+    monkeypatch.undo()
+    assert (await edge.client.get(f"/v1/responses/{answer['id']}", headers=bearer(key))).status_code == 404
 
 
 async def test_chain_turn_extends_the_previous_prompt_exactly(edge: Any) -> None:

@@ -14,6 +14,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from tandem.common.errors import NoCapacityError
 from tests.kit.gateway import MODEL
 from tests.unit.gateway.test_anthropic_messages import HOSTILE, SYSTEM, TEXT, events_of
 from tests.unit.gateway.test_anthropic_tools import named_answer, required_answer, script
@@ -208,6 +209,29 @@ async def test_stream_cut_ends_incomplete(stack: Any) -> None:
     assert events[-1][0] == "response.incomplete"
     assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     EVENTS.validate_python(events[-1][1])
+
+
+async def test_error_after_the_stream_began_is_response_failed(stack: Any) -> None:
+    stack.decode.decode_fail_after = 1
+    response = await stack.client.post("/v1/responses", json=responses_body(stream=True))
+    assert response.status_code == 200
+    events = events_of(response.text)
+    for _, data in events:
+        EVENTS.validate_python(data)
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    name, data = events[-1]
+    assert name == "response.failed" and data["response"]["status"] == "failed"
+    assert data["response"]["error"]["code"] == "server_error"
+    assert "scripted" not in response.text and "127.0.0.1" not in response.text  # no internal detail leaks
+    assert "response.completed" not in [n for n, _ in events]
+
+
+async def test_no_capacity_before_the_stream_is_a_503_in_openai_shape(stack: Any) -> None:
+    stack.router.error = NoCapacityError("no decode worker at 10.1.2.3:50051", retry_after_s=2.0)
+    response = await stack.client.post("/v1/responses", json=responses_body(stream=True))
+    assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1
+    error = response.json()["error"]
+    assert error["code"] == "no_capacity" and "10.1.2.3" not in response.text
 
 
 # --- function tools ------------------------------------------------------------------------------------
