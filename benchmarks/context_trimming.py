@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from tandem.gateway.assembly import PromptRules, assemble_chat
 from tandem.gateway.prompt import ChatPrompt, HfPromptTokenizer
@@ -46,9 +47,11 @@ class Counting:
         self.bisection = bisection
         self.renders = 0
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> ChatPrompt:
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> ChatPrompt:
         self.renders += 1
-        prompt = self.inner.chat_prompt(messages)
+        prompt = self.inner.chat_prompt(messages, tools)
         return ChatPrompt(prompt.ids) if self.bisection else prompt
 
     def text_prompt_ids(self, text: str) -> list[int]:
