@@ -17,6 +17,7 @@ from pydantic import TypeAdapter
 from tandem.common.errors import NoCapacityError
 from tests.kit.gateway import MODEL
 from tests.unit.gateway.test_anthropic_messages import HOSTILE, SYSTEM, TEXT, events_of
+from tests.unit.gateway.test_anthropic_messages import chat_body as anthropic_chat_body
 from tests.unit.gateway.test_anthropic_tools import named_answer, required_answer, script
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -50,19 +51,9 @@ def responses_body(**overrides: Any) -> dict[str, Any]:
 
 
 def chat_body(**overrides: Any) -> dict[str, Any]:
-    """The same conversation and sampling as :func:`responses_body`, in chat completions' words."""
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "max_tokens": 8,
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": "hello world"},
-            {"role": "assistant", "content": "hi"},
-            {"role": "user", "content": TEXT + " café"},
-        ],
-        "temperature": 0.5,
-        "top_p": 0.9,
-    }
+    """The same conversation and sampling as :func:`responses_body`, in chat completions' words (the
+    Anthropic test's, without the sampling fields this API has not)."""
+    body = {k: v for k, v in anthropic_chat_body().items() if k not in ("top_k", "stop")}
     body.update(overrides)
     return body
 
