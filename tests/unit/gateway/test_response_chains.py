@@ -80,6 +80,19 @@ async def test_stored_response_is_read_deleted_and_private(edge: Any) -> None:
     assert await stored_bytes(edge, "acme") == 0
 
 
+async def test_chat_cannot_name_a_stored_response_as_its_conversation(edge: Any) -> None:
+    key = await edge.tenant("acme")
+    created = await create(edge, key, input=TEXT)
+    chat = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    refused = await edge.client.post(
+        "/v1/chat/completions", json={**chat, "conversation_id": created["id"]}, headers=bearer(key)
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "conversation_id"
+    assert "previous_response_id" in refused.json()["error"]["message"]
+    got = await edge.client.get(f"/v1/responses/{created['id']}", headers=bearer(key))
+    assert got.status_code == 200 and got.json() == created
+
+
 async def test_streamed_response_is_stored_before_its_last_event(edge: Any) -> None:
     key = await edge.tenant("acme")
     response = await edge.client.post(

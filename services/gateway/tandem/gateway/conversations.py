@@ -43,6 +43,8 @@ from tandem.gateway.tenancy.store import tenant_record_key, tenant_salt_guard_lu
 logger = logging.getLogger(__name__)
 
 CONVERSATION_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+#: Starts the ids of stored responses, which are conversations too (not to be named by a chat request).
+RESPONSE_ID_PREFIX = "resp_"
 Message = dict[str, str]
 #: The answer's share of a conversation, estimated before it is generated: bytes per token of its
 #: ``max_tokens`` (~4 for English text with BPE tokenizers; an answer longer than that is still kept
@@ -54,6 +56,15 @@ def check_conversation_id(conversation_id: str) -> None:
     if not CONVERSATION_ID_PATTERN.match(conversation_id):
         raise InvalidRequestError(
             "conversation_id: use 1-128 characters of A-Z a-z 0-9 _ . : -",
+            param="conversation_id",
+            code="invalid_value",
+        )
+    if conversation_id.startswith(RESPONSE_ID_PREFIX):
+        # Stored responses are conversations under their response ids (tandem.gateway.api.response_chains):
+        # a chat turn appended to one would make it unreadable as a response.
+        raise InvalidRequestError(
+            f"conversation_id: ids starting with {RESPONSE_ID_PREFIX!r} name stored responses; continue one "
+            "with previous_response_id on /v1/responses.",
             param="conversation_id",
             code="invalid_value",
         )

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.common.errors import InvalidRequestError
-from tandem.gateway.conversations import ConversationStore, StoredConversation
+from tandem.gateway.conversations import RESPONSE_ID_PREFIX, ConversationStore, StoredConversation
 
 #: The key of an answer turn that holds its response object (read by GET; never shown to the template).
 RESPONSE_KEY = "response"
-_RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9]{1,100}$")
+_RESPONSE_ID = re.compile(rf"^{RESPONSE_ID_PREFIX}[A-Za-z0-9]{{1,100}}$")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from tandem.gateway.api.validation import (
     to_invalid_request,
     validate_body,
 )
+from tandem.gateway.conversations import RESPONSE_ID_PREFIX
 
 #: Request fields that ask for something this gateway does not do, with the values that ask for nothing.
 _REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
@@ -321,4 +322,4 @@ def parse_chain(raw: bytes) -> ChainRequest:
     )
 
 
-DIALECT = Dialect(parse=parse_responses, request_id_prefix="resp_", chain=parse_chain)
+DIALECT = Dialect(parse=parse_responses, request_id_prefix=RESPONSE_ID_PREFIX, chain=parse_chain)
