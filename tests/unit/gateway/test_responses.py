@@ -102,6 +102,7 @@ async def test_response_translates_exactly_into_the_chat_request(stack: Any) -> 
     }
     assert (response["temperature"], response["top_p"], response["max_output_tokens"]) == (0.5, 0.9, 8)
     assert response["store"] is False and response["tools"] == [] and response["text"] == {"format": {"type": "text"}}
+    assert response["instructions"] == SYSTEM  # repeated as sent, as OpenAI's API does
 
 
 async def test_string_input_and_developer_role(stack: Any) -> None:
@@ -187,6 +188,7 @@ async def test_stream_has_typed_events_with_sequence_numbers(stack: Any) -> None
     assert created["status"] == "in_progress" and created["output"] == [] and created["usage"] is None
     final = events[-1][1]["response"]
     assert final["status"] == "completed" and final["id"] == created["id"]
+    assert created["instructions"] == final["instructions"] == SYSTEM
     assert final["output"][0]["content"][0]["text"] == "Hello world!"
     num_prompt_tokens = len(stack.prefill.prefill_requests[-1].prompt_token_ids)
     assert final["usage"]["input_tokens"] == num_prompt_tokens and final["usage"]["output_tokens"] == 4

@@ -45,6 +45,9 @@ class ChainRequest:
     previous_id: str | None
     #: Keep this response (and its chain) for GET and for the next turn.
     store: bool
+    #: The request's ``instructions``, which the response repeats (the chat request holds them only as its first
+    #: system message, which a system or developer input item would be too).
+    instructions: str | None = None
 
 
 #: A dialect's reading of the store fields of its body (the body is already checked by its parser).

@@ -314,11 +314,13 @@ def _required(value: Any, param: str) -> Any:
 
 
 def parse_chain(raw: bytes) -> ChainRequest:
-    """The store fields of a body :func:`parse_responses` accepted."""
+    """The store fields of a body :func:`parse_responses` accepted, and the instructions its response repeats."""
     data = parse_json_object(raw)
+    instructions = data.get("instructions")
     return ChainRequest(
         previous_id=data.get("previous_response_id"),
         store=data.get("store") is not False,
+        instructions=instructions if isinstance(instructions, str) else None,
     )
 
 

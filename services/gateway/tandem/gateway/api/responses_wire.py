@@ -80,7 +80,7 @@ def echo_of(body: ChatCompletionRequest, chain: ChainRequest | None) -> dict[str
         schema = body.response_format.json_schema
         fmt = {"type": "json_schema", "name": schema.name, "schema": schema.schema_, "strict": schema.strict}
     return {
-        "instructions": None,
+        "instructions": chain.instructions if chain is not None else None,
         "max_output_tokens": body.max_tokens,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "temperature": body.temperature if body.temperature is not None else 1.0,
