@@ -48,6 +48,7 @@ from tandem.gateway.tenancy.store import TenantStore
 from tandem.local.stack import LocalStack
 from tests.faults.conftest import running_stack
 from tests.faults.ledger import FaultLedger, FaultRecord
+from tests.kit.fuzz import GENERATION_PATHS, capped, error_shape
 from tests.probes import quiesce, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
@@ -595,38 +596,19 @@ def test_client_that_never_reads(ledger: FaultLedger, client: Client) -> None:
 
 # --- generated bodies ---------------------------------------------------------------------------------
 
-#: Generated requests sent to the real stack (the 10,000 of tests/unit/gateway/test_openapi_fuzz.py run
-#: against fake workers that share the real workers' checks; these reach the real engines).
-FUZZ_EXAMPLES_PER_RUN = 60
+#: Generated requests sent to the real stack in all, split over the generation endpoints and the valid and
+#: invalid bodies (the 10,000 of tests/unit/gateway/test_openapi_fuzz.py run against fake workers that share
+#: the real workers' checks; these reach the real engines).
+FUZZ_EXAMPLES = 240
 #: The most tokens a generated request may ask for here, so that the run takes minutes, not hours.
 FUZZ_MAX_TOKENS = 8
 
 
-def _capped(body: Any) -> Any:
-    """A valid generated body with its answer length capped (invalid values are left as they are)."""
-    if not isinstance(body, dict):
-        return body
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > FUZZ_MAX_TOKENS:
-            body[name] = FUZZ_MAX_TOKENS
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = FUZZ_MAX_TOKENS
-    return body
-
-
-def _is_openai_error(response: httpx.Response) -> bool:
-    try:
-        error = response.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        return False
-    return isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)
-
-
 def test_generated_bodies_get_200_or_a_4xx_never_a_5xx(ledger: FaultLedger, client: Client) -> None:
     """Issue 38: no request body may get a 5xx (``min_tokens: 4294967296`` answered 500). Schemathesis
-    generates bodies from the gateway's own /openapi.json, valid and not, for both endpoints; the valid
-    ones reach the real engines (answers capped at FUZZ_MAX_TOKENS tokens)."""
+    generates bodies from the gateway's own /openapi.json, valid and not, for each endpoint; the valid
+    ones reach the real engines (answers capped at FUZZ_MAX_TOKENS tokens). Every generation endpoint: chat,
+    completions, Anthropic's /v1/messages (its refusals in Anthropic's error shape) and /v1/responses."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from schemathesis.core import NotSet
@@ -640,7 +622,7 @@ def test_generated_bodies_get_200_or_a_4xx_never_a_5xx(ledger: FaultLedger, clie
 
         def fuzz(op: Any, mode: GenerationMode) -> None:
             @settings(
-                max_examples=FUZZ_EXAMPLES_PER_RUN,
+                max_examples=max(1, FUZZ_EXAMPLES // (2 * len(GENERATION_PATHS))),
                 deadline=None,
                 suppress_health_check=list(HealthCheck),
                 database=None,
@@ -649,19 +631,20 @@ def test_generated_bodies_get_200_or_a_4xx_never_a_5xx(ledger: FaultLedger, clie
             def check(case: Any) -> None:
                 body = None if isinstance(case.body, NotSet) else case.body
                 if mode == GenerationMode.POSITIVE and isinstance(body, dict):
-                    body = _capped({**body, "model": model})
+                    body = capped(op.path, {**body, "model": model}, FUZZ_MAX_TOKENS)
                 content = body if isinstance(body, bytes) else json.dumps(body, default=str).encode()
                 response = client.post(op.path, content=content, headers={"Content-Type": "application/json"})
                 f.tried()
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-                if response.status_code >= 500 or (response.status_code != 200 and not _is_openai_error(response)):
+                status = response.status_code
+                if status >= 500 or (status != 200 and error_shape(op.path, status, response.content)):
                     wrong.append(f"{op.path} {response.status_code} {response.text[:200]} body={str(body)[:300]}")
 
             check()
 
         for operation in schema.get_all_operations():
             op = operation.ok()
-            if op.path in (CHAT, COMPLETIONS):
+            if op.path in GENERATION_PATHS:
                 for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
                     fuzz(op, mode)
         f.saw(f"by status {dict(sorted(statuses.items()))}")

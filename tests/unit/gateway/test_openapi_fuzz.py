@@ -20,13 +20,13 @@ import pytest
 
 from tandem.v1 import worker_pb2
 from tandem.worker.validation import ModelLimits, check_decode, check_prefetch, check_prefill
+from tests.kit.fuzz import GENERATION_PATHS, error_shape
 from tests.kit.gateway import DecodeStep, FakeWorker
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
 #: Requests in all, over both endpoints and both generation modes.
 FUZZ_EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "10000"))
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -83,20 +83,6 @@ def test_openapi_document_lists_the_endpoints() -> None:
     assert fields["min_tokens"]["exclusiveMaximum"] == 2**32
 
 
-def _error_shape(path: str, response: Any) -> str:
-    """'' when ``response`` is a 4xx in the endpoint's error shape, else what is wrong with it."""
-    try:
-        body = json.loads(response.content)
-        error = body["error"]
-        if path == "/v1/messages" and body["type"] != "error":
-            return f"{response.status_code} without Anthropic's error type: {response.content[:200]!r}"
-    except (ValueError, KeyError, TypeError):
-        return f"{response.status_code} without an error body: {response.content[:200]!r}"
-    if not (isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)):
-        return f"{response.status_code} with a malformed error: {error!r}"[:300]
-    return ""
-
-
 async def test_no_request_body_gets_a_5xx(edge: Any, edge_url: str, start_worker: Any, prompt_tokenizer: Any) -> None:
     import schemathesis
     from hypothesis import HealthCheck, given, settings
@@ -130,7 +116,8 @@ async def test_no_request_body_gets_a_5xx(edge: Any, edge_url: str, start_worker
             future = asyncio.run_coroutine_threadsafe(send(op.method.upper(), op.path, body, headers), loop)
             response = future.result(60)
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-            wrong = response.status_code >= 500 or (response.status_code != 200 and _error_shape(op.path, response))
+            status = response.status_code
+            wrong = status >= 500 or (status != 200 and error_shape(op.path, status, response.content))
             if wrong:
                 failures.append(
                     f"{op.path} {mode.value}: {response.status_code} {response.text[:200]} body={str(case.body)[:300]}"
