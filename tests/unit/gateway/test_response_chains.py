@@ -193,3 +193,57 @@ async def test_sdk_retrieve_chain_and_delete(edge: Any, edge_url: str) -> None:
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(first.id)
         assert (await client.responses.retrieve(second.id)).id == second.id  # its own chain stays whole
+
+
+async def test_another_gateway_replica_reads_and_continues_a_stored_chain(edge: Any, prompt_tokenizer: Any) -> None:
+    """Issue 41: a stored response is readable through any gateway replica and survives a restart, because it
+    lives in Redis only. A second app over the same Redis prefix (a replica, or the first one restarted)
+    reads what the first stored and continues its chain with the exact prompt prefix."""
+    import httpx
+
+    from tandem.gateway.app import build_app
+    from tandem.gateway.metrics import GatewayMetrics
+    from tests.kit.gateway import FakeReadiness
+    from tests.unit.gateway.conftest import CountingHasher, gateway_settings
+
+    key = await edge.tenant("acme")
+    first = await create(edge, key, input="première question ☕", instructions=INSTRUCTIONS)
+    first_prompt = list(edge.prefill.prefill_requests[-1].prompt_token_ids)
+    settings = gateway_settings(
+        auth={"mode": "api_key", "cache_s": 0, "admin_key": edge.admin_key},
+        tenancy={"key_prefix": edge.key_prefix},
+        registry={"key_prefix": edge.key_prefix},
+    )
+    replica = build_app(
+        settings,
+        router=edge.router,
+        tokenizer=prompt_tokenizer,
+        readiness=FakeReadiness(),
+        metrics=GatewayMetrics(),
+        prompt_hasher=CountingHasher(),
+    )
+    async with (
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=replica), base_url="http://replica") as client,
+        replica.router.lifespan_context(replica),
+    ):
+        got = await client.get(f"/v1/responses/{first['id']}", headers=bearer(key))
+        assert got.status_code == 200 and got.json() == first
+        turn = await client.post(
+            "/v1/responses",
+            json={
+                "model": MODEL,
+                "max_output_tokens": 8,
+                "input": "二番目の質問",
+                "previous_response_id": first["id"],
+                # Sent again, as clients do: a turn's instructions are its own (not the chain's), and the
+                # prompt keeps its prefix only when they are the same.
+                "instructions": INSTRUCTIONS,
+            },
+            headers=bearer(key),
+        )
+        assert turn.status_code == 200, turn.text
+        second_prompt = list(edge.prefill.prefill_requests[-1].prompt_token_ids)
+        assert second_prompt[: len(first_prompt)] == first_prompt and len(second_prompt) > len(first_prompt)
+    # And back on the first: the replica's turn is there too.
+    again = await edge.client.get(f"/v1/responses/{turn.json()['id']}", headers=bearer(key))
+    assert again.status_code == 200 and again.json()["previous_response_id"] == first["id"]
