@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from tandem.gateway.tenancy.store import TenantStore
 from tests.chart.conftest import CHART, ROOT, helm_path
+from tests.kit.redis import delete_prefix
 
 REDIS_URL = os.environ.get("TANDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 
@@ -103,8 +104,6 @@ async def _lookup(prefix: str, key: str) -> str | None:
 async def _delete(prefix: str) -> None:
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
-        keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
-        if keys:
-            await client.delete(*keys)
+        await delete_prefix(client, prefix)
     finally:
         await client.aclose()
