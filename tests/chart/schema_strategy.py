@@ -28,12 +28,13 @@ def strategy(schema: dict[str, Any], root: dict[str, Any]) -> st.SearchStrategy[
     return _unchecked(schema, root).filter(validator.is_valid)
 
 
-def _merged(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+def resolved(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its ``$ref`` (to ``#/definitions/...``) and ``allOf`` parts merged in."""
     if "$ref" in schema:
         target = root["definitions"][schema["$ref"].removeprefix("#/definitions/")]
-        schema = {**_merged(target, root), **{k: v for k, v in schema.items() if k != "$ref"}}
+        schema = {**resolved(target, root), **{k: v for k, v in schema.items() if k != "$ref"}}
     for part in schema.get("allOf", ()):
-        part = _merged(part, root)
+        part = resolved(part, root)
         props = {**part.get("properties", {}), **schema.get("properties", {})}
         required = [*part.get("required", ()), *schema.get("required", ())]
         schema = {**part, **schema, "properties": props, "required": required}
@@ -41,14 +42,14 @@ def _merged(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
 
 
 def _unchecked(schema: dict[str, Any], root: dict[str, Any]) -> st.SearchStrategy[Any]:
-    schema = _merged(schema, root)
+    schema = resolved(schema, root)
     if "const" in schema:
         return st.just(schema["const"])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     if "oneOf" in schema:
         rest = {k: v for k, v in schema.items() if k != "oneOf"}
-        return st.one_of([_unchecked({**rest, **_merged(branch, root)}, root) for branch in schema["oneOf"]])
+        return st.one_of([_unchecked({**rest, **resolved(branch, root)}, root) for branch in schema["oneOf"]])
     types = schema.get("type", "object" if "properties" in schema else "string")
     if isinstance(types, list):
         return st.one_of([_unchecked({**schema, "type": t}, root) for t in types])

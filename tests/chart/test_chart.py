@@ -18,6 +18,7 @@ from tandem_operator.spec import parse_spec
 from tests.chart import gateway_api
 from tests.chart.conftest import CHART, RELEASE, VALUES_MATRIX, find, one, render, run_helm, values_args
 from tests.chart.crd_schema import validate_custom_resource
+from tests.chart.schema_strategy import resolved
 
 K8S_VERSION = "1.30.0"
 FULL = f"{RELEASE}-tandem"
@@ -109,27 +110,16 @@ def _walk_values(node: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]
     return paths
 
 
-def _resolved(node: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
-    """``node`` with its ``$ref`` (to ``#/definitions/...``) and ``allOf`` parts merged in."""
-    if "$ref" in node:
-        name = node["$ref"].removeprefix("#/definitions/")
-        node = {**_resolved(schema["definitions"][name], schema), **{k: v for k, v in node.items() if k != "$ref"}}
-    for part in node.get("allOf", ()):
-        part = _resolved(part, schema)
-        node = {**part, **node, "properties": {**part.get("properties", {}), **node.get("properties", {})}}
-    return node
-
-
 def test_every_value_is_typed_in_the_schema() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     schema = json.loads((CHART / "values.schema.json").read_text())
     for path in _walk_values(values):
         node = schema
         for key in path:
-            node = _resolved(node, schema)
+            node = resolved(node, schema)
             assert key in node.get("properties", {}), f"values.{'.'.join(path)} is not in values.schema.json"
             node = node["properties"][key]
-        node = _resolved(node, schema)
+        node = resolved(node, schema)
         assert "type" in node or "const" in node or "enum" in node, f"values.{'.'.join(path)} has no type"
 
 
