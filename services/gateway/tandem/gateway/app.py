@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Mapping
 
 import redis.asyncio as aioredis
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -240,6 +239,6 @@ def build_metrics_app(metrics: GatewayMetrics) -> Starlette:
     """``/metrics`` alone, for ``settings.metrics_port``: the same registry the API's app records into."""
 
     async def serve_metrics(request: Request) -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return routes.metrics_response(metrics)
 
     return Starlette(routes=[Route("/metrics", serve_metrics, methods=["GET"])])

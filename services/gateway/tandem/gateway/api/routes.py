@@ -59,6 +59,7 @@ from tandem.gateway.errors import (
     StorageQuotaExceededError,
 )
 from tandem.gateway.job import GenerationJob
+from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.quota.base import Admission
 from tandem.gateway.sse import ResponseMeta
 from tandem.gateway.tenancy.auth import check_admin, request_authorization
@@ -468,4 +469,9 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(_services(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return metrics_response(_services(request).metrics)
+
+
+def metrics_response(metrics: GatewayMetrics) -> Response:
+    """The Prometheus exposition of ``metrics`` (on the API's port, or on its own: ``app.build_metrics_app``)."""
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
