@@ -48,37 +48,52 @@ def sampling() -> common_pb2.SamplingOptions:
     return common_pb2.SamplingOptions(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-async def p_to_d(w: Workers, prompt: list[int], adapter: str, *, forge_handle_from: str | None = None) -> Answer:
-    """Prefill on the prefill worker, then decode on the decode worker from its KV handle. With
-    ``forge_handle_from``: the prefill runs with that adapter and its handle is rewritten to claim ``adapter``."""
-    request_id = uuid.uuid4().hex
-    capability = kv_capability.mint()
-    pre = await w.prefill.Prefill(
+async def prefill_kept(
+    w: Workers, prompt: list[int], adapter: str, request_id: str, capability: str
+) -> worker_pb2.PrefillResponse:
+    """A prefill that keeps its KV for a decode (its response carries the KV handle)."""
+    pre: worker_pb2.PrefillResponse = await w.prefill.Prefill(
         worker_pb2.PrefillRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
             sampling=sampling(),
             keep_kv=True,
             kv_capability=capability,
-            adapter=adapter if forge_handle_from is None else forge_handle_from,
+            adapter=adapter,
         )
     )
     assert pre.HasField("kv_handle"), pre
+    return pre
+
+
+def decode_request(
+    prompt: list[int], pre: worker_pb2.PrefillResponse, adapter: str, request_id: str, capability: str
+) -> worker_pb2.DecodeRequest:
+    """The decode of ``pre``'s prompt from its KV handle, with ``adapter``."""
+    return worker_pb2.DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        first_token_id=pre.first_token_id,
+        first_text=pre.first_text,
+        sampling=sampling(),
+        kv_handle=pre.kv_handle,
+        kv_capability=capability,
+        adapter=adapter,
+    )
+
+
+async def p_to_d(w: Workers, prompt: list[int], adapter: str, *, forge_handle_from: str | None = None) -> Answer:
+    """Prefill on the prefill worker, then decode on the decode worker from its KV handle. With
+    ``forge_handle_from``: the prefill runs with that adapter and its handle is rewritten to claim ``adapter``."""
+    request_id = uuid.uuid4().hex
+    capability = kv_capability.mint()
+    pre = await prefill_kept(
+        w, prompt, adapter if forge_handle_from is None else forge_handle_from, request_id, capability
+    )
     if forge_handle_from is not None:
         pre.kv_handle.adapter = adapter
     tokens, text, loaded = [pre.first_token_id], pre.first_text, 0
-    async for chunk in w.decode.Decode(
-        worker_pb2.DecodeRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            first_token_id=pre.first_token_id,
-            first_text=pre.first_text,
-            sampling=sampling(),
-            kv_handle=pre.kv_handle,
-            kv_capability=capability,
-            adapter=adapter,
-        )
-    ):
+    async for chunk in w.decode.Decode(decode_request(prompt, pre, adapter, request_id, capability)):
         tokens += list(chunk.token_ids)
         text += chunk.text
         if chunk.finish_reason:

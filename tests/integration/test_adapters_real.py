@@ -58,7 +58,7 @@ from tandem.local.plain_vllm import start_plain_vllm, stop_plain_vllm
 from tandem.local.stack import LocalStack, StackConfig, default_model_dir, free_port
 from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.integration.lora_workers import MAX_TOKENS as WORKER_MAX_TOKENS
-from tests.integration.lora_workers import Workers, chat_prompt, first_token, p_to_d, sampling
+from tests.integration.lora_workers import Workers, chat_prompt, decode_request, first_token, p_to_d, prefill_kept
 from tests.kit.adapters import ADAPTER_RANK, BASE_MODEL_NAME, adapter_path
 from tests.probes import kv_stats
 
@@ -624,29 +624,9 @@ async def _check_workers(w: Workers, catalog: AdapterCatalog, registry: WorkerRe
 
     # A handle of another adapter is refused by the decode worker, before its engine sees the request.
     capability, request_id = kv_capability.mint(), uuid.uuid4().hex
-    pre = await w.prefill.Prefill(
-        worker_pb2.PrefillRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling=sampling(),
-            keep_kv=True,
-            kv_capability=capability,
-            adapter=a.engine_name,
-        )
-    )
+    pre = await prefill_kept(w, prompt, a.engine_name, request_id, capability)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        async for _ in w.decode.Decode(
-            worker_pb2.DecodeRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                first_token_id=pre.first_token_id,
-                first_text=pre.first_text,
-                sampling=sampling(),
-                kv_handle=pre.kv_handle,
-                kv_capability=capability,
-                adapter=b.engine_name,
-            )
-        ):
+        async for _ in w.decode.Decode(decode_request(prompt, pre, b.engine_name, request_id, capability)):
             pass
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "adapter" in (refused.value.details() or "")
