@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from tandem.v1 import common_pb2
@@ -13,7 +16,8 @@ from tandem.worker.engine import (
     kv_events_plan,
     resolve_dtype,
 )
-from tandem.worker.registration import build_record
+from tandem.worker.kv_connector.layout import KVLayout
+from tandem.worker.registration import build_record, kv_identity
 from tandem.worker.sampling import sampling_kwargs, structured_output_spec
 from tandem.worker.settings import WorkerSettings
 
@@ -133,6 +137,21 @@ def test_registry_record_advertises_addresses_and_capacity() -> None:
     assert record.address == "10.1.2.3:7000"
     assert record.kv_address == f"{settings.kv.host}:{settings.kv.port}"
     assert record.capacity_tokens == 12_800
+
+
+def test_registry_record_carries_the_engines_kv_fingerprint_and_revision(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 30}')
+    layout = KVLayout(model="m", dtype="float32", block_size_tokens=16, num_layers=30, block_shape=(2, 16, 3, 64))
+    declared = WorkerSettings.model_validate({"engine": {"model_dir": str(tmp_path), "model_revision": "v2-ü"}})
+    read = WorkerSettings.model_validate({"engine": {"model_dir": str(tmp_path)}})
+    assert kv_identity(declared, layout) == ("v2-ü", layout.fingerprint("v2-ü"))
+    revision, fingerprint = kv_identity(read, layout)
+    assert revision.startswith("dir-") and fingerprint == layout.fingerprint(revision)
+    assert kv_identity(read, dataclasses.replace(layout, dtype="bfloat16"))[1] != fingerprint
+    record = build_record(
+        read, "w1", num_kv_blocks=1, block_size_tokens=16, model_revision=revision, kv_fingerprint=fingerprint
+    )
+    assert (record.model_revision, record.kv_fingerprint) == (revision, fingerprint)
 
 
 def test_engine_publishes_kv_events_on_the_workers_own_address_only() -> None:

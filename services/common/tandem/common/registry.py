@@ -73,6 +73,11 @@ class WorkerRecord:
     max_adapters: int = 0
     #: Engine names (tandem.common.adapters) of the adapters loaded now, least recently used first.
     adapters: tuple[str, ...] = ()
+    #: Which weights the engine runs (declared, or read from the model folder: tandem.common.kv_fingerprint).
+    model_revision: str = ""
+    #: The engine's KV-layout fingerprint (tandem.common.kv_fingerprint): the router pairs a prefill worker
+    #: only with decode workers of the same one. "" from a worker of an older version: pairs only with "".
+    kv_fingerprint: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
 
     @property

@@ -31,7 +31,7 @@ from tandem.v1 import worker_pb2_grpc
 from tandem.worker.adapters import AdapterResidency
 from tandem.worker.liveness import EXIT_ENGINE_DEAD, EngineWatch
 from tandem.worker.peers import PrefillPeers
-from tandem.worker.registration import build_record, heartbeat_forever
+from tandem.worker.registration import build_record, heartbeat_forever, kv_identity
 from tandem.worker.service import WorkerService, wait_idle
 from tandem.worker.settings import WorkerSettings
 
@@ -146,7 +146,12 @@ async def serve(settings: WorkerSettings) -> int:
         start_metrics_server(settings.bind_host, settings.metrics_port, service)
 
     num_blocks, block_size = engine.kv_cache_shape()
-    record = build_record(settings, worker_id, num_kv_blocks=num_blocks, block_size_tokens=block_size)
+    assert service.layout is not None  # service.start() read it from the engine
+    revision, fingerprint = kv_identity(settings, service.layout)
+    record = build_record(
+        settings, worker_id, num_kv_blocks=num_blocks, block_size_tokens=block_size,
+        model_revision=revision, kv_fingerprint=fingerprint,
+    )
     heartbeat = asyncio.create_task(
         heartbeat_forever(registry, record, service, settings.registry.heartbeat_interval_s)
     )
@@ -161,7 +166,9 @@ async def serve(settings: WorkerSettings) -> int:
             "engine_start_s": round(engine_start_s, 2),
             "num_kv_blocks": num_blocks,
             "block_size_tokens": block_size,
-            "layout": service.layout.to_dict() if service.layout else None,
+            "layout": service.layout.to_dict(),
+            "model_revision": revision,
+            "kv_fingerprint": fingerprint,
         },
     )
 

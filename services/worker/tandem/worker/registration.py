@@ -10,7 +10,9 @@ import logging
 import time
 
 from tandem.common.errors import BackendUnavailableError
+from tandem.common.kv_fingerprint import model_revision
 from tandem.common.registry import WorkerLoad, WorkerRecord, WorkerRegistry
+from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
 
@@ -18,8 +20,16 @@ logger = logging.getLogger(__name__)
 
 
 def build_record(
-    settings: WorkerSettings, worker_id: str, *, num_kv_blocks: int, block_size_tokens: int
+    settings: WorkerSettings,
+    worker_id: str,
+    *,
+    num_kv_blocks: int,
+    block_size_tokens: int,
+    model_revision: str = "",
+    kv_fingerprint: str = "",
 ) -> WorkerRecord:
+    """The record this worker registers; ``model_revision`` and ``kv_fingerprint`` from
+    :func:`kv_identity` (the router pairs prefill and decode workers by the fingerprint)."""
     from tandem.worker.engine import PREFIX_CACHING_HASH_ALGO, kv_events_endpoints, none_hash_seed
 
     host = settings.advertise_host or settings.bind_host
@@ -39,7 +49,16 @@ def build_record(
         max_model_len=settings.engine.max_model_len,
         started_unix_s=time.time(),
         max_adapters=settings.adapters.max_adapters,
+        model_revision=model_revision,
+        kv_fingerprint=kv_fingerprint,
     )
+
+
+def kv_identity(settings: WorkerSettings, layout: KVLayout) -> tuple[str, str]:
+    """(model revision, KV fingerprint) of this worker's engine, from its own KV ``layout`` (read from the
+    engine at start) and the weights' revision (declared in the settings, or read from the model folder)."""
+    revision = model_revision(settings.engine.model_dir, settings.engine.model_revision)
+    return revision, layout.fingerprint(revision)
 
 
 async def heartbeat_forever(

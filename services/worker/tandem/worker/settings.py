@@ -27,6 +27,9 @@ class EngineSettings(BaseModel):
     model_dir: Path = Field(default_factory=default_model_dir)
     #: The model name clients use.
     served_model_name: str = "SmolLM2-135M-Instruct"
+    #: Which weights ``model_dir`` holds (a Hugging Face commit, a tag); part of the KV fingerprint. "": a
+    #: digest of the folder's config and weight file sizes (tandem.common.kv_fingerprint.model_revision).
+    model_revision: str = Field("", max_length=128)
     max_model_len: int = Field(4096, gt=0)
     #: Memory for the KV cache (vLLM's kv_cache_memory_bytes).
     kv_cache_bytes: int = Field(1 << 30, gt=0)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.common.errors import KVLayoutMismatchError
+from tandem.common.kv_fingerprint import kv_fingerprint
 from tandem.v1 import common_pb2
 
 
@@ -34,6 +35,19 @@ class KVLayout:
         for d in self.block_shape:
             n *= d
         return n
+
+    def fingerprint(self, model_revision: str) -> str:
+        """This layout's fingerprint with the weights' revision (what the worker registers)."""
+        return kv_fingerprint(
+            model=self.model,
+            model_revision=model_revision,
+            dtype=self.dtype,
+            block_size_tokens=self.block_size_tokens,
+            num_layers=self.num_layers,
+            block_shape=self.block_shape,
+            tp_size=self.tp_size,
+            block_dim=self.block_dim,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
