@@ -57,12 +57,22 @@ class RouterMetrics(Protocol):
         or decode), and their prompt tokens no worker holds."""
         ...
 
+    def set_pending_demand(self, role: str, model: str, num_refused: int) -> None:
+        """Requests for ``model`` this replica refused within the pending-demand window because no
+        worker of ``role`` serves it (the pool is at zero; tandem.router.pending_demand)."""
+        ...
+
     def observe_queue_wait(self, duration_s: float, *, outcome: str, model: str) -> None:
         """A request for ``model`` left the admission queue: ``admitted``, ``timeout`` or ``error``."""
         ...
 
     def count_placement(self, *, local_prefill: bool, model: str) -> None:
         """A request was placed: on a decode worker alone (``local_prefill``) or on a (prefill, decode) pair."""
+        ...
+
+    def count_unpaired(self, *, model: str) -> None:
+        """A local prefill was placed because no prefill worker shares the decode worker's KV fingerprint
+        (tandem.router.pairing)."""
         ...
 
     def count_handoff(self, outcome: str) -> None:
@@ -95,10 +105,16 @@ class NullRouterMetrics:
     def set_queued(self, waiting_for: str, model: str, num_requests: int, num_uncached_tokens: int) -> None:
         pass
 
+    def set_pending_demand(self, role: str, model: str, num_refused: int) -> None:
+        pass
+
     def observe_queue_wait(self, duration_s: float, *, outcome: str, model: str) -> None:
         pass
 
     def count_placement(self, *, local_prefill: bool, model: str) -> None:
+        pass
+
+    def count_unpaired(self, *, model: str) -> None:
         pass
 
     def count_handoff(self, outcome: str) -> None:
@@ -167,6 +183,12 @@ class RayRouterMetrics:
             "queue, by the pool whose budget they wait for.",
             tag_keys=("waiting_for", "model"),
         )
+        self._pending_demand = serve_metrics.Gauge(
+            "tandem_router_pending_demand",
+            description="Requests this replica refused within the pending-demand window because no worker of "
+            "the pool (role) serves their model: the pool is at zero and the autoscaler should start it.",
+            tag_keys=("role", "model"),
+        )
         self._queue_wait = serve_metrics.Histogram(
             "tandem_router_queue_wait_seconds",
             description="Time requests spent in the admission queue.",
@@ -178,6 +200,12 @@ class RayRouterMetrics:
             description="Requests placed, by path: disaggregated (a prefill worker, then a decode worker) or "
             "local_prefill (the decode worker alone, when little of the prompt is uncached there).",
             tag_keys=("path", "model"),
+        )
+        self._unpaired = serve_metrics.Counter(
+            "tandem_router_unpaired_local_prefills",  # exported as ray_tandem_router_unpaired_local_prefills_total
+            description="Local prefills placed because no prefill worker shares a KV-layout fingerprint with the "
+            "decode workers that had budget (a rollout between revisions; lasting: prefill and decode differ).",
+            tag_keys=("model",),
         )
         self._handoffs = serve_metrics.Counter(
             "tandem_router_handoffs",  # exported as ray_tandem_router_handoffs_total
@@ -214,12 +242,18 @@ class RayRouterMetrics:
         self._queued_requests.set(num_requests, tags=tags)
         self._queued_tokens.set(num_uncached_tokens, tags=tags)
 
+    def set_pending_demand(self, role: str, model: str, num_refused: int) -> None:
+        self._pending_demand.set(num_refused, tags={"role": role, "model": model})
+
     def observe_queue_wait(self, duration_s: float, *, outcome: str, model: str) -> None:
         self._queue_wait.observe(duration_s, tags={"outcome": outcome, "model": model})
 
     def count_placement(self, *, local_prefill: bool, model: str) -> None:
         path = PATH_LOCAL_PREFILL if local_prefill else PATH_DISAGGREGATED
         self._placements.inc(tags={"path": path, "model": model})
+
+    def count_unpaired(self, *, model: str) -> None:
+        self._unpaired.inc(tags={"model": model})
 
     def count_handoff(self, outcome: str) -> None:
         self._handoffs.inc(tags={"outcome": outcome})

@@ -29,11 +29,25 @@ from tandem.router.intake import WorkerIntake
 from tandem.router.kv_index import KVIndex
 from tandem.router.ledger import Ledger
 from tandem.router.metrics import RouterMetrics
+from tandem.router.pairing import Pairing
 from tandem.router.policy import RoutingPolicy, ScheduleRequest, ScoredWorker
 from tandem.router.reservations import ReservationTable
 
 #: How long a caller told "no capacity" should wait before trying again.
 NO_CAPACITY_RETRY_AFTER_S = 1.0
+#: ... and one told that the pool has no worker at all: the autoscaler starts one within its interval,
+#: and a worker's start (engine load, warm-up) takes tens of seconds; an earlier retry is refused again.
+POOL_AT_ZERO_RETRY_AFTER_S = 10.0
+
+
+class PoolAtZeroError(NoCapacityError):
+    """No worker of ``role`` serves the request's model at all (the pool is at zero, or its last worker
+    left): the same 503 with Retry-After to the caller (a NoCapacityError on the wire), and the
+    scheduler counts it as the pool's pending demand (:mod:`tandem.router.pending_demand`)."""
+
+    def __init__(self, message: str, *, role: str) -> None:
+        super().__init__(message, retry_after_s=POOL_AT_ZERO_RETRY_AFTER_S)
+        self.role = role
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,8 @@ class Choice:
     #: Prompt tokens this placement makes a worker compute (the tenant's fair-share cost).
     num_uncached_tokens: int
     tokens: dict[str, int]
+    #: A local prefill because no prefill worker shares the decode worker's KV fingerprint.
+    unpaired: bool = False
 
 
 class NoBudget(Exception):
@@ -146,9 +162,23 @@ class Placer:
             default=0.0,
         )
         pending.num_uncached_tokens = max(0, request.num_tokens - int(num_most_cached))
-        decode = None if decode_pool is None else self.policy.choose_in(request, decode_pool)
         decode_only = bool(request.prefill_done_on_worker_id)
         local_only = request.local_prefill_only
+        pairing = Pairing.of(request, workers)
+        unpaired = False
+        if decode_pool is None:
+            decode = None
+        elif decode_only:
+            decode = self.policy.choose_in(pairing.decode_for(request.prefill_done_on_worker_id), decode_pool)
+        elif local_only:
+            decode = self.policy.choose_in(request, decode_pool)
+        else:
+            # A decode worker with a prefill worker of its KV fingerprint first; else one without, which
+            # computes the prompt itself (a rollout's unpaired side: see tandem.router.pairing).
+            decode = self.policy.choose_in(pairing.paired_decode(workers), decode_pool)
+            if decode is None and pairing.has_unpaired_decode(workers):
+                decode = self.policy.choose_in(request, decode_pool)
+                unpaired = decode is not None
         if decode is None:
             # Would prefill take it? If not, it waits for both pools (and both must grow for it to go).
             also = (
@@ -165,7 +195,7 @@ class Placer:
         assert decode_pool is not None
         num_decode_cached = int(decode_pool.cached_tokens[decode.position])
         # A request that does not say how long its prompt is is not known to be short.
-        local = local_only or (
+        local = local_only or unpaired or (
             not decode_only
             and num_tokens > 0
             and num_tokens - num_decode_cached < self._min_uncached_tokens_to_disaggregate
@@ -179,7 +209,8 @@ class Placer:
                 (w for w in workers if w.worker_id == request.prefill_done_on_worker_id), None
             ) or WorkerRecord(request.prefill_done_on_worker_id, ROLE_PREFILL, request.model, "")
         elif not local:
-            prefill = None if prefill_pool is None else self.policy.choose_in(request, prefill_pool)
+            paired = pairing.prefill_for(decode.worker)
+            prefill = None if prefill_pool is None else self.policy.choose_in(paired, prefill_pool)
             if prefill is None:
                 _no_worker(request, workers, ROLE_PREFILL)
             prefill_worker = prefill.worker
@@ -193,7 +224,8 @@ class Placer:
         elif local:
             num_uncached = max(0, num_tokens - num_decode_cached)
         return Choice(
-            request, prefill, decode, prefill_worker, local, num_cached, num_decode_cached, num_uncached, tokens
+            request, prefill, decode, prefill_worker, local, num_cached, num_decode_cached, num_uncached, tokens,
+            unpaired=unpaired,
         )
 
     def commit(self, choice: Choice) -> PlacementDecision:
@@ -212,6 +244,8 @@ class Placer:
             self._ledger.reserved(reservation, choice.num_uncached_tokens)
         self._gauges.publish(reservation)
         self._metrics.count_placement(local_prefill=choice.local, model=request.model)
+        if choice.unpaired:
+            self._metrics.count_unpaired(model=request.model)
         return self.decision(choice)
 
     def decision(self, choice: Choice) -> PlacementDecision:
@@ -255,7 +289,8 @@ class Placer:
         if prefill is None and choice.prefill_worker is not None:
             return f"{self.policy.name} decode_only prefill_done_on={choice.prefill_worker.worker_id} {decode_part}"
         if prefill is None:
-            return f"{self.policy.name} local_prefill {decode_part}"
+            unpaired = " unpaired" if choice.unpaired else ""
+            return f"{self.policy.name} local_prefill{unpaired} {decode_part}"
         return (
             f"{self.policy.name} prefill={prefill.worker.worker_id}:{prefill.score:.3f} "
             f"{decode_part} cached={choice.num_cached_tokens}"
@@ -304,6 +339,8 @@ def no_worker_error(request: ScheduleRequest, workers: Sequence[WorkerRecord], r
     num_excluded = sum(
         1 for w in workers if w.role == role and w.model == request.model and w.worker_id in request.exclude_worker_ids
     )
+    if not num_of_role:
+        return PoolAtZeroError(f"no {role} worker registered for model {request.model!r}", role=role)
     if request.adapter:
         num_lora = sum(1 for w in workers if w.role == role and w.model == request.model and w.max_adapters > 0)
         return NoCapacityError(
