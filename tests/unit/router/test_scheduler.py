@@ -7,6 +7,7 @@ import pytest
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord
 from tandem.router.metrics import NullRouterMetrics
+from tandem.router.placement import POOL_AT_ZERO_RETRY_AFTER_S
 from tandem.router.policy import ScheduleRequest
 from tandem.router.worker_view import CachedWorkerView
 from tests.kit.clock import FakeClock
@@ -20,6 +21,10 @@ class RecordingMetrics(NullRouterMetrics):
     def __init__(self) -> None:
         self.outcomes: list[str] = []
         self.in_flight: dict[str, int] = {}
+        self.pending_demand: dict[tuple[str, str], int] = {}
+
+    def set_pending_demand(self, role: str, model: str, num_refused: int) -> None:
+        self.pending_demand[(role, model)] = num_refused
 
     def observe_schedule(self, duration_s: float, *, outcome: str, model: str) -> None:
         assert duration_s >= 0
@@ -95,12 +100,26 @@ async def test_retry_of_the_same_request_moves_its_reservation() -> None:
     assert h.scheduler.reservations.in_flight_by_worker() == {retry.prefill.worker_id: 1, "d0": 1}
 
 
-async def test_no_worker_of_a_role_is_no_capacity() -> None:
+async def test_no_worker_of_a_role_is_no_capacity_and_pending_demand() -> None:
+    """A pool at zero: NoCapacityError (503 + Retry-After at the gateway) with the longer retry delay,
+    counted as that pool's pending demand under the model's label (its prefill pool serves it)."""
     h = Harness(make_pool(2, 0))
-    with pytest.raises(NoCapacityError, match="no decode worker"):
-        await h.schedule("r1")
+    for request_id in ("r1", "r2"):
+        with pytest.raises(NoCapacityError, match="no decode worker registered for model 'm'") as info:
+            await h.schedule(request_id)
+        assert info.value.retry_after_s == POOL_AT_ZERO_RETRY_AFTER_S
     assert h.scheduler.reservations.in_flight_by_worker() == {}
-    assert h.metrics.outcomes == ["NoCapacityError"]
+    assert h.metrics.outcomes == ["PoolAtZeroError", "PoolAtZeroError"]
+    assert h.metrics.pending_demand == {("decode", "m"): 2}
+    h.scheduler.tick()
+    assert h.metrics.pending_demand == {("decode", "m"): 2}  # re-published within the window
+
+
+async def test_busy_or_excluded_workers_are_no_pending_demand() -> None:
+    h = Harness(make_pool(1, 1))
+    with pytest.raises(NoCapacityError, match="1 excluded"):
+        await h.schedule("r1", exclude_worker_ids=frozenset({"p0"}))
+    assert h.metrics.pending_demand == {} and h.scheduler.pending_demand.counts() == {}
 
 
 async def test_empty_registry_is_no_capacity_not_unknown_model() -> None:

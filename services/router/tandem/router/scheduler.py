@@ -17,7 +17,9 @@ upkeep loops. A Schedule goes through, in order:
 4. :mod:`tandem.router.handoff` — with several replicas the queue is the router's: the replica where
    budget frees places the best-ranked waiter of any replica and hands the placement to the
    waiter's replica;
-5. :mod:`tandem.router.gauges` — the per-worker and per-pool gauges.
+5. :mod:`tandem.router.gauges` — the per-worker and per-pool gauges;
+6. :mod:`tandem.router.pending_demand` — a request refused because its pool has no worker at all
+   (the pool is at zero) counts as that pool's pending demand, which the autoscaler reads.
 
 "Release" named five things across the tree; here only one, by its own name: a *budget
 reservation* ends (:meth:`Scheduler.end_reservation`: the request finished or was retried, or its
@@ -46,12 +48,14 @@ from tandem.router.kv_index import KVIndex
 from tandem.router.kv_subscriber import KVEventSubscriber
 from tandem.router.ledger import Ledger
 from tandem.router.metrics import NullRouterMetrics, RouterMetrics
+from tandem.router.pending_demand import PendingDemand
 from tandem.router.placement import (
     NO_CAPACITY_RETRY_AFTER_S,
     NoBudget,
     PendingRequest,
     PlacementDecision,
     Placer,
+    PoolAtZeroError,
     check_servable,
 )
 from tandem.router.policy import RoutingPolicy, ScheduleRequest
@@ -96,6 +100,7 @@ class Scheduler:
         self._epoch = BudgetEpoch(ledger)
         self.intake = WorkerIntake(view, budget, reservations, self._index, subscriber, ledger, self._epoch.bump)
         self._gauges = Gauges(self._metrics, reservations, budget, ledger)
+        self._pending_demand = PendingDemand(self._metrics, window_s=queue_config.pending_demand_window_s)
         self._placer = Placer(
             policy,
             self.intake,
@@ -154,12 +159,23 @@ class Scheduler:
             return await self._schedule(request)
         except TandemError as exc:
             outcome = getattr(exc, "code", None) or type(exc).__name__
+            if isinstance(exc, PoolAtZeroError):
+                self._pending_demand.note(exc.role, self._model_label(request.model))
             raise
         finally:
-            # The model as a label only when a live worker serves it: a caller's name adds no label value.
-            fleet = self.intake.fleet
-            model = request.model if fleet is not None and fleet.serves(request.model) else ""
-            self._metrics.observe_schedule(time.perf_counter() - started_s, outcome=outcome, model=model)
+            self._metrics.observe_schedule(
+                time.perf_counter() - started_s, outcome=outcome, model=self._model_label(request.model)
+            )
+
+    def _model_label(self, model: str) -> str:
+        """The model as a label only when a live worker serves it: a caller's name adds no label value
+        (so a model whose pools are both at zero is labelled "")."""
+        fleet = self.intake.fleet
+        return model if fleet is not None and fleet.serves(model) else ""
+
+    @property
+    def pending_demand(self) -> PendingDemand:
+        return self._pending_demand
 
     async def _schedule(self, request: ScheduleRequest) -> PlacementDecision:
         _check(request)
@@ -277,6 +293,7 @@ class Scheduler:
         for priority in queue.priority_classes:
             self._metrics.set_queue_depth(priority, queue.depth(priority))
         self._gauges.refresh(self.intake.last_workers or (), self._room.queued())
+        self._pending_demand.refresh()
 
     def pools(self) -> dict[tuple[str, str], tuple[float, int]]:
         """Per (model, role), the average budget fraction in use and the requests this replica placed there."""

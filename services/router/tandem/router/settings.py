@@ -57,6 +57,10 @@ class QueueSettings(BaseModel):
     fair_share_half_life_s: float = Field(60.0, gt=0)
     #: Longest a placement made for another replica's waiter holds its budget unanswered.
     handoff_timeout_s: float = Field(2.0, gt=0)
+    #: A request refused because its pool had no worker at all counts as pending demand for this long
+    #: (``tandem_router_pending_demand``): at least the operator's interval plus the metrics' export and
+    #: scrape delays, so the autoscaler sees it and starts the pool (see tandem.router.pending_demand).
+    pending_demand_window_s: float = Field(60.0, gt=0)
 
 
 class KVIndexSettings(BaseModel):
