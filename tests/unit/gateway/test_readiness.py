@@ -46,25 +46,35 @@ def record(worker_id: str, role: str) -> WorkerRecord:
     return WorkerRecord(worker_id=worker_id, role=role, model="SmolLM2-135M-Instruct", address="127.0.0.1:1")
 
 
-async def test_ready_needs_router_and_both_roles(registry: WorkerRegistry) -> None:
+async def test_ready_needs_the_router_not_the_workers(registry: WorkerRegistry) -> None:
+    """Pools may be at zero (scale from zero): the gateway stays ready, the counts say what is there."""
     probe, clock = FlagProbe(), FakeClock()
     readiness = RouterAndWorkersReadiness(probe, registry, cache_s=1.0, timeout_s=1.0, clock=clock)
 
     report = await readiness.check()
-    assert not report.ready and report.detail == "no prefill worker; no decode worker"
+    assert report.ready and report.router_reachable
+    assert (report.num_prefill_workers, report.num_decode_workers) == (0, 0)
+    assert report.detail == "no prefill worker; no decode worker"
 
     await registry.heartbeat(record("prefill-a", "prefill"))
     await registry.heartbeat(record("decode-a", "decode"))
-    assert not (await readiness.check()).ready  # cached for cache_s
+    assert (await readiness.check()).num_prefill_workers == 0  # cached for cache_s
     assert probe.num_calls == 1
     clock.now_s += 1.5
     report = await readiness.check()
     assert report.ready and (report.num_prefill_workers, report.num_decode_workers) == (1, 1)
+    assert report.detail == ""
+
+    await registry.unregister("decode-a")  # the decode pool went to zero
+    clock.now_s += 1.5
+    report = await readiness.check()
+    assert report.ready and (report.num_prefill_workers, report.num_decode_workers) == (1, 0)
+    assert report.detail == "no decode worker"
 
     probe.up = False
     clock.now_s += 1.5
     report = await readiness.check()
-    assert not report.ready and report.detail == "router unreachable"
+    assert not report.ready and report.detail == "router unreachable; no decode worker"
 
 
 async def test_registry_down_is_not_ready() -> None:

@@ -358,10 +358,14 @@ async def test_readyz_reports_the_check(stack: Any) -> None:
     response = await stack.client.get("/readyz")
     assert response.status_code == 200
     assert response.json()["status"] == "ready"
-    stack.readiness.report = ReadinessReport(False, True, 1, 0, detail="no decode worker")
+    stack.readiness.report = ReadinessReport(True, True, 1, 0, detail="no decode worker")
+    response = await stack.client.get("/readyz")
+    assert response.status_code == 200  # a pool at zero: ready, the counts in the body
+    assert response.json()["num_decode_workers"] == 0 and response.json()["detail"] == "no decode worker"
+    stack.readiness.report = ReadinessReport(False, False, 1, 1, detail="router unreachable")
     response = await stack.client.get("/readyz")
     assert response.status_code == 503
-    assert response.json()["detail"] == "no decode worker"
+    assert response.json()["detail"] == "router unreachable"
     assert (await stack.client.get("/healthz")).status_code == 200
 
 

@@ -2,9 +2,14 @@
 
 Called by the ``/readyz`` handler; calls the router (a gRPC connection
 attempt) and the worker registry in Redis (:class:`tandem.common.registry.WorkerRegistry`).
-Ready means the router is reachable and at least one prefill and one decode
-worker are registered. Answers are cached for a short time so that frequent
-probes from several kubelets do not hammer Redis.
+Ready means this gateway can take requests: the router is reachable and the
+registry answers. Workers are not required: a pool may be at zero
+(``minReplicas: 0``), and then its requests are answered 503 with Retry-After
+while the autoscaler starts it; a gateway that went NotReady instead would take
+every model's traffic off the Service, the requests that raise the pool's
+pending demand included. The worker counts are still reported in the body.
+Answers are cached for a short time so that frequent probes from several
+kubelets do not hammer Redis.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ class GrpcConnectProbe:
 
 
 class RouterAndWorkersReadiness:
-    """Router reachable and ≥1 prefill and ≥1 decode worker registered; cached ``cache_s``."""
+    """Router reachable and the worker registry readable (its counts reported, not required); cached ``cache_s``."""
 
     def __init__(
         self,
@@ -106,16 +111,14 @@ class RouterAndWorkersReadiness:
             return ReadinessReport(False, router_ok, 0, 0, detail=workers)
         num_prefill = sum(1 for w in workers if w.role == ROLE_PREFILL)
         num_decode = sum(1 for w in workers if w.role == ROLE_DECODE)
-        missing = [
+        # Pools at zero are not this gateway's fault: said in the detail, not in ``ready``.
+        notes = [
             what
-            for what, ok in (
-                ("router unreachable", router_ok),
-                ("no prefill worker", num_prefill > 0),
-                ("no decode worker", num_decode > 0),
-            )
+            for what, ok in (("no prefill worker", num_prefill > 0), ("no decode worker", num_decode > 0))
             if not ok
         ]
-        return ReadinessReport(not missing, router_ok, num_prefill, num_decode, detail="; ".join(missing))
+        detail = "; ".join(["router unreachable", *notes] if not router_ok else notes)
+        return ReadinessReport(router_ok, router_ok, num_prefill, num_decode, detail=detail)
 
     async def _list_workers(self) -> list[WorkerRecord] | str:
         try:

@@ -4,7 +4,7 @@ Ray Serve router, one prefill (or ``num_prefill_workers``) and one decode
 its own log file. ``extra_models`` adds a pool per further base model (its own
 prefill and decode worker, ``prefill-m1``/``decode-m1``, ...), served by the
 same router and gateway (``TANDEM_GATEWAY_MODELS``). Readiness is probed the way a client
-would see it (Health RPC, a router Release call, the gateway's /readyz).
+would see it (Health RPC, a router Release call, the gateway's /readyz and the worker counts it reports).
 
 Internal gRPC runs over mutual TLS unless the config says otherwise: before
 anything starts, the local CA in the cache folder (:mod:`tandem.local.pki`)
@@ -575,7 +575,11 @@ class LocalStack:
             self._progress(f"created an API key for tenant {c.dev_tenant_id}")
         self._progress("starting gateway")
         self._spawn("gateway", [py, "-m", "tandem.gateway"], self._gateway_env())
-        self._wait("gateway", self._gateway_ready, timeout_s)
+        # Ready no longer needs workers (a pool may be at zero); at start-up the stack waits until the
+        # gateway's registry read lists the workers it started, as the first request expects.
+        num_prefill = sum(not n.startswith("decode") for n in workers)
+        expect = (num_prefill, len(workers) - num_prefill)
+        self._wait("gateway", lambda: self._gateway_ready(expect), timeout_s)
         if c.supervise:
             self.supervisor.start()
 
@@ -701,8 +705,13 @@ class LocalStack:
             )
             return True
 
-    def _gateway_ready(self) -> bool:
-        return httpx.get(f"{self.config.gateway_url}/readyz", timeout=2).status_code == 200
+    def _gateway_ready(self, workers: tuple[int, int] = (0, 0)) -> bool:
+        """/readyz answers 200 and counts at least ``workers`` (prefill, decode) registered."""
+        response = httpx.get(f"{self.config.gateway_url}/readyz", timeout=2)
+        if response.status_code != 200 or workers == (0, 0):
+            return response.status_code == 200
+        body = response.json()
+        return bool(body["num_prefill_workers"] >= workers[0] and body["num_decode_workers"] >= workers[1])
 
     def tail(self, name: str, num_lines: int = 30) -> str:
         child = self._children.get(name)
