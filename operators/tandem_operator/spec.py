@@ -32,17 +32,18 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, ValidationError, model_validator
 
 from tandem.common.adapters import ADAPTER_NAME
+from tandem_operator.pool_spec import Pools, SpecModel
+from tandem_operator.pool_spec import PoolSpec as PoolSpec  # re-exported: its users import it from here
+from tandem_operator.pool_spec import Role as Role
 
 GROUP = "tandem.dev"
 VERSION = "v1alpha1"
 PLURAL = "tandemdeployments"
 KIND = "TandemDeployment"
 
-Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 #: What a served model's name may be (clients send it as ``model``; it becomes a label value's source
@@ -59,11 +60,7 @@ class SpecError(ValueError):
     """The resource cannot be reconciled as written; the message says why (permanent)."""
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, frozen=True, extra="forbid")
-
-
-class ImageSpec(_Model):
+class ImageSpec(SpecModel):
     repository: str = Field(min_length=1)
     tag: str = Field(min_length=1)
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
@@ -73,19 +70,19 @@ class ImageSpec(_Model):
         return f"{self.repository}:{self.tag}"
 
 
-class PvcSource(_Model):
+class PvcSource(SpecModel):
     claim_name: str = Field(min_length=1)
     sub_path: str = ""
 
 
-class InitContainerSource(_Model):
+class InitContainerSource(SpecModel):
     """An image whose command copies the model into ``/models`` (an emptyDir)."""
 
     image: str = Field(min_length=1)
     command: list[str] = Field(min_length=1)
 
 
-class LoraSpec(_Model):
+class LoraSpec(SpecModel):
     """LoRA adapters on the model's workers (the worker settings ``max_adapters``, ``max_adapter_rank``)."""
 
     #: Adapters one worker's engine holds at once (vLLM's ``max_loras``); 0 = LoRA off.
@@ -94,7 +91,7 @@ class LoraSpec(_Model):
     max_adapter_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
 
 
-class ModelSource(_Model):
+class ModelSource(SpecModel):
     """Where a model's weights come from, and its engine-wide settings."""
 
     #: Folder of the model inside the pod (under the ``/models`` mount).
@@ -117,7 +114,7 @@ class ModelSpec(ModelSource):
     served_model_name: str = Field(min_length=1)
 
 
-class RedisRef(_Model):
+class RedisRef(SpecModel):
     """Where the pools' workers register. ``url`` or a Secret key holding it."""
 
     url: str | None = None
@@ -132,7 +129,7 @@ class RedisRef(_Model):
         return self
 
 
-class TLSRef(_Model):
+class TLSRef(SpecModel):
     """Mutual TLS of the pools' gRPC (Worker service, KV transfer): Secrets with tls.crt, tls.key, ca.crt.
 
     Each pool should have its own role's certificate (``prefillSecretName``, ``decodeSecretName``: the
@@ -159,144 +156,6 @@ class TLSRef(_Model):
         return secret
 
 
-class EngineArgs(_Model):
-    dtype: str = "auto"
-    tensor_parallel_size: int = Field(default=1, ge=1)
-    kv_cache_bytes: int | None = Field(default=None, ge=1)
-    #: Extra ``TANDEM_WORKER_*`` variables, passed through unchanged.
-    extra_env: dict[str, str] = Field(default_factory=dict)
-
-
-class Toleration(_Model):
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    #: "" (or none) tolerates every effect, as in Kubernetes.
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute", ""] | None = None
-    toleration_seconds: int | None = None
-
-
-class Resources(_Model):
-    requests: dict[str, str | int] = Field(default_factory=dict)
-    limits: dict[str, str | int] = Field(default_factory=dict)
-
-
-#: A DNS label (a resource claim's name inside the pod, an object name it refers to).
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-#: A rollout bound: a count or a percentage of the pool's replicas, as in a Deployment's strategy.
-_COUNT_OR_PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
-#: Label keys the operator sets on a pool's pods (its selector among them): a pool's podLabels may not set them.
-RESERVED_POD_LABEL_PREFIXES = ("tandem.dev/", "app.kubernetes.io/")
-
-
-class ResourceClaim(_Model):
-    """A Dynamic Resource Allocation claim of the pool's pods (a pod's ``resourceClaims`` entry); the worker
-    container uses every one (``resources.claims``). Exactly one of the two sources."""
-
-    name: str = Field(pattern=DNS_LABEL, max_length=63)
-    resource_claim_name: str | None = Field(default=None, min_length=1)
-    resource_claim_template_name: str | None = Field(default=None, min_length=1)
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ResourceClaim:
-        if (self.resource_claim_name is None) == (self.resource_claim_template_name is None):
-            raise ValueError(f"resourceClaims {self.name!r}: give resourceClaimName or resourceClaimTemplateName")
-        return self
-
-
-class Rollout(_Model):
-    """How a pool's Deployment rolls: pods added above the replica count, pods down below it (a count or a
-    percentage). The defaults (1, 0) never take a serving worker away first; on a fully allocated GPU pool
-    the surge pod stays Pending, and (0, 1) replaces one worker at a time in place instead."""
-
-    max_surge: int | str = 1
-    max_unavailable: int | str = 0
-
-    @model_validator(mode="after")
-    def _bounds(self) -> Rollout:
-        for name, value in (("maxSurge", self.max_surge), ("maxUnavailable", self.max_unavailable)):
-            bad_count = isinstance(value, int) and value < 0
-            if bad_count or (isinstance(value, str) and not _COUNT_OR_PERCENT.match(value)):
-                raise ValueError(f"rollout.{name} {value!r}: a count >= 0 or a percentage such as '25%'")
-        if self.max_surge in (0, "0%") and self.max_unavailable in (0, "0%"):
-            raise ValueError("rollout: maxSurge and maxUnavailable cannot both be 0 (the rollout could never start)")
-        return self
-
-
-class PoolSpec(_Model):
-    replicas: int = Field(default=1, ge=0)
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=4, ge=1)
-    resources: Resources = Resources()
-    engine_args: EngineArgs = EngineArgs()
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
-    #: A worker told to stop finishes its in-flight requests for at most this long.
-    drain_timeout_seconds: int = Field(default=120, ge=0)
-    # -- Scheduling and pod metadata, each copied into the pool's pod template as Kubernetes spells it.
-    #: A pod ``affinity`` (nodeAffinity, podAffinity, podAntiAffinity), passed through as written.
-    affinity: dict[str, Any] = Field(default_factory=dict)
-    #: ``topologySpreadConstraints``; one without ``labelSelector`` gets the pool's own pods' selector.
-    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
-    priority_class_name: str = Field(default="", pattern=r"^$|^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
-    #: The container runtime class (e.g. ``nvidia`` where it is not the node's default runtime).
-    runtime_class_name: str = Field(default="", pattern=r"^$|^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
-    #: Annotations on the pods (e.g. Multus ``k8s.v1.cni.cncf.io/networks`` for a second network).
-    pod_annotations: dict[str, str] = Field(default_factory=dict)
-    #: Labels on this pool's pods (beside the resource's ``podLabels``); the operator's own keys are refused.
-    pod_labels: dict[str, str] = Field(default_factory=dict)
-    resource_claims: list[ResourceClaim] = Field(default_factory=list, max_length=16)
-    rollout: Rollout = Rollout()
-
-    @model_validator(mode="after")
-    def _bounds(self) -> PoolSpec:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
-        if not self.min_replicas <= self.replicas <= self.max_replicas:
-            raise ValueError(
-                f"replicas {self.replicas} outside [minReplicas {self.min_replicas}, maxReplicas {self.max_replicas}]"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _consistent(self) -> PoolSpec:
-        tp = self.engine_args.tensor_parallel_size
-        if self.num_gpus > 0 and tp > self.num_gpus:
-            raise ValueError(
-                f"engineArgs.tensorParallelSize {tp} > the {self.num_gpus} GPU(s) in resources.limits "
-                "(one rank per GPU)"
-            )
-        reserved = sorted(k for k in self.pod_labels if k.startswith(RESERVED_POD_LABEL_PREFIXES))
-        if reserved:
-            raise ValueError(f"podLabels {reserved}: keys under {list(RESERVED_POD_LABEL_PREFIXES)} are the operator's")
-        for i, c in enumerate(self.topology_spread_constraints):
-            skew, key, when = c.get("maxSkew"), c.get("topologyKey"), c.get("whenUnsatisfiable")
-            if not (isinstance(skew, int) and skew >= 1 and isinstance(key, str) and key
-                    and when in ("DoNotSchedule", "ScheduleAnyway")):
-                raise ValueError(
-                    f"topologySpreadConstraints[{i}]: needs maxSkew >= 1, a topologyKey and whenUnsatisfiable "
-                    "DoNotSchedule or ScheduleAnyway"
-                )
-        claims = [c.name for c in self.resource_claims]
-        if len(set(claims)) != len(claims):
-            raise ValueError(f"resourceClaims: duplicate names {sorted({n for n in claims if claims.count(n) > 1})}")
-        return self
-
-    @property
-    def num_gpus(self) -> int:
-        """GPUs per worker (``nvidia.com/gpu`` in the limits; 0 when absent or not a whole number)."""
-        value = self.resources.limits.get("nvidia.com/gpu", 0)
-        return value if isinstance(value, int) else int(value) if str(value).isdigit() else 0
-
-
-class Pools(_Model):
-    prefill: PoolSpec = PoolSpec()
-    decode: PoolSpec = PoolSpec()
-
-    def get(self, role: Role) -> PoolSpec:
-        return self.prefill if role == "prefill" else self.decode
-
-
 class ModelEntry(ModelSource):
     """One model of the models form (``spec.models[]``), with its own pools."""
 
@@ -306,7 +165,7 @@ class ModelEntry(ModelSource):
     decode: PoolSpec = PoolSpec()
 
 
-class AdapterSpec(_Model):
+class AdapterSpec(SpecModel):
     """A LoRA adapter the operator keeps in the adapter catalog (``spec.adapters[]``)."""
 
     name: str = Field(pattern=ADAPTER_NAME.pattern)
@@ -317,19 +176,19 @@ class AdapterSpec(_Model):
     path: str = Field(pattern=r"^/[^\x00-\x1f\x7f-\x9f]*$", max_length=4096)
 
 
-class SloSpec(_Model):
+class SloSpec(SpecModel):
     ttft_p90_seconds: float = Field(default=2.0, gt=0)
     itl_p90_seconds: float = Field(default=0.1, gt=0)
 
 
-class PrefillTargets(_Model):
+class PrefillTargets(SpecModel):
     #: Requests waiting in the router per prefill replica before adding one.
     queue_depth_per_replica: float = Field(default=4.0, gt=0)
     #: Uncached prompt tokens in flight per prefill replica before adding one.
     uncached_tokens_per_replica: float = Field(default=8192.0, gt=0)
 
 
-class DecodeTargets(_Model):
+class DecodeTargets(SpecModel):
     #: Average share (0..1) of the router's decode budget in use to hold (what its admission check counts).
     budget_usage: float = Field(default=0.8, gt=0, le=1)
     #: Average KV-cache usage (0..1) of the decode pool to hold.
@@ -338,7 +197,7 @@ class DecodeTargets(_Model):
     waiting_per_replica: float = Field(default=4.0, gt=0)
 
 
-class AutoscalingSpec(_Model):
+class AutoscalingSpec(SpecModel):
     enabled: bool = True
     #: The pools' replicas belong to an external autoscaler (HPA, KEDA) targeting the pool Deployments:
     #: the operator neither decides nor resets them after creating the pools.
@@ -368,7 +227,7 @@ class AutoscalingSpec(_Model):
     decode: DecodeTargets = DecodeTargets()
 
 
-class ImagePullSecret(_Model):
+class ImagePullSecret(SpecModel):
     name: str = Field(min_length=1)
 
 
@@ -429,7 +288,7 @@ class Pool:
         return _capped(f"{deployment_name}-{self.key}")
 
 
-class TandemSpec(_Model):
+class TandemSpec(SpecModel):
     #: The single-model form (with ``pools``); exactly one of ``model`` and ``models``.
     model: ModelSpec | None = None
     image: ImageSpec
