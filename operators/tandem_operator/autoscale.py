@@ -31,6 +31,12 @@ decode worker away raises the others' batch and their ITL only with a lag.
 Then the step caps and min/max apply.
 A latency above ``scale_down_slo_fraction × SLO`` vetoes any scale-down.
 
+**From and to zero.** A pool with ``minReplicas: 0`` goes to zero as any scale-down does (every
+recommendation asking for zero for the window, a step at a time). At zero, the router refuses its
+requests (503 with Retry-After) and counts them as the pool's **pending demand**; any pending demand
+votes for at least one replica, and a pool at zero grows at once, without the scale-up window: it
+serves nobody, so there is no spike to filter.
+
 Only ready replicas count as capacity: the proportional votes (KV usage,
 latency) multiply the *ready* count, and while some replicas are still starting
 the pool never shrinks (their capacity is on its way; the start-up time of the
@@ -65,6 +71,8 @@ class PoolSignals:
     waiting: float | None = None
     #: Inter-token latency, p90 over the last minute, seconds (decode).
     itl_p90_s: float | None = None
+    #: Requests refused lately because the pool had no worker at all (it is at zero; both pools).
+    pending_demand: float | None = None
     #: Sources that did not answer this time (router pods, by name): the signals they feed are ``None``
     #: rather than a sum short of their share (which would read as less load than there is).
     unread_from: tuple[str, ...] = ()
@@ -140,6 +148,10 @@ def _latency_vote(current: int, p90_s: float, slo_s: float, scale_down_fraction:
 def votes_for(role: Role, current: int, signals: PoolSignals, policy: AutoscalingSpec, slo: SloSpec) -> dict[str, int]:
     """Per available signal, how many replicas it asks for."""
     votes: dict[str, int] = {}
+    if signals.pending_demand is not None and signals.pending_demand > 0:
+        # Requests found no worker of this pool: it needs one at least (from zero, the other votes
+        # read an empty pool's zeros); how many more, the pool's own signals tell once it serves.
+        votes["pending_demand"] = max(current, 1)
     if role == "prefill":
         targets = policy.prefill
         if signals.queue_depth is not None:
@@ -216,7 +228,11 @@ def decide(
     top_signal = max(votes, key=lambda k: votes[k])
     desired = current_replicas
     reason = f"steady ({top_signal} asks {raw})"
-    if raw_bounded > current_replicas:
+    if current_replicas == 0 and raw_bounded > 0:
+        # A pool at zero refuses every request it gets: no spike to filter, start it in this interval.
+        desired = min(raw_bounded, policy.max_scale_up_step)
+        reason = f"scale from zero: {top_signal} asks {raw}"
+    elif raw_bounded > current_replicas:
         window = [r.num_replicas for r in earlier if now_s - r.at_s < policy.scale_up_stabilization_seconds]
         stable = min([raw_bounded, *window])
         if stable > current_replicas:

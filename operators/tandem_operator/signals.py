@@ -34,7 +34,9 @@ PodMonitor's) by their pod names, which begin with the pool Deployment's name.
 
 Names are the real exported ones: Ray prefixes the router's application
 metrics with ``ray_`` (a test reads them from a real Ray Serve router and
-parses them here). Each pool reads its own quantities: prefill the uncached
+parses them here). Both pools read their pending demand: requests the router
+refused because the pool had no worker at all (it is at zero), which starts
+it. Each pool reads its own quantities: prefill the uncached
 prompt tokens on prefill workers, the requests placed on them and those waiting
 for prefill budget; decode the budget in use on decode workers (what the
 router's admission check counts), the requests placed on them, those waiting for
@@ -81,6 +83,8 @@ QUEUED_REQUESTS = "ray_tandem_router_queued_requests"
 QUEUED_UNCACHED_TOKENS = "ray_tandem_router_queued_uncached_tokens"
 POOL_BUDGET_USED = "ray_tandem_router_pool_budget_used_fraction"
 POOL_IN_FLIGHT = "ray_tandem_router_pool_in_flight_requests"
+#: Requests refused because the pool had no worker (it is at zero), within the router's window.
+PENDING_DEMAND = "ray_tandem_router_pending_demand"
 #: The label of the router's and the gateway's series that names the model (the served model name).
 MODEL_LABEL = "model"
 #: The label Prometheus puts on every series a ServiceMonitor scrapes: the Service's name.
@@ -124,8 +128,11 @@ class QueryScope:
         # Every router replica sees the whole pool's budget (its own and the others' reservations): the
         # average over replicas; each counts only the requests it placed itself: the sum.
         in_flight = f'sum({POOL_IN_FLIGHT}{{{ns},role="{role}"}})'
+        # Absent (no refusal lately, Ray dropped the series) reads as no signal, not as zero.
+        pending = f'sum({PENDING_DEMAND}{{{ns},role="{role}"}})'
         if role == "prefill":
             return {
+                "pending_demand": pending,
                 "queue_depth": f"sum({waiting})",
                 "in_flight": in_flight,
                 # A router at rest publishes zeros, so the in-flight sum exists whenever a router runs.
@@ -139,6 +146,7 @@ class QueryScope:
                 ),
             }
         return {
+            "pending_demand": pending,
             "budget_usage": f'avg({POOL_BUDGET_USED}{{{ns},role="decode"}})',
             "in_flight": in_flight,
             "kv_usage": f"avg(vllm:kv_cache_usage_perc{{{pod_ns},{pods}}})",
@@ -206,7 +214,7 @@ def parse_router_metrics(text: str | Iterable[str], role: Role, model: str | Non
                 name = sample.name
                 if name in (QUEUED_REQUESTS, QUEUED_UNCACHED_TOKENS):
                     name = f"{name}/{sample.labels.get('waiting_for', '')}"
-                elif name in (POOL_BUDGET_USED, POOL_IN_FLIGHT):
+                elif name in (POOL_BUDGET_USED, POOL_IN_FLIGHT, PENDING_DEMAND):
                     if sample.labels.get("role") != role:
                         continue
                     if name == POOL_BUDGET_USED:
@@ -217,8 +225,10 @@ def parse_router_metrics(text: str | Iterable[str], role: Role, model: str | Non
                 totals[name] = totals.get(name, 0.0) + sample.value
     waiting = totals.get(f"{QUEUED_REQUESTS}/{role}")
     requests_in_flight = totals.get(POOL_IN_FLIGHT)
+    pending_demand = totals.get(PENDING_DEMAND)
     if role == "decode":
         return PoolSignals(
+            pending_demand=pending_demand,
             waiting=waiting,
             in_flight=requests_in_flight,
             budget_usage=sum(budget_used) / len(budget_used) if budget_used else None,
@@ -226,6 +236,7 @@ def parse_router_metrics(text: str | Iterable[str], role: Role, model: str | Non
     tokens_in_flight = totals.get(PREFILL_TOKENS_IN_FLIGHT)
     queued_tokens = totals.get(f"{QUEUED_UNCACHED_TOKENS}/prefill", 0.0)
     return PoolSignals(
+        pending_demand=pending_demand,
         queue_depth=waiting,
         uncached_tokens=None if tokens_in_flight is None else tokens_in_flight + queued_tokens,
         in_flight=requests_in_flight,

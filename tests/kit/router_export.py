@@ -36,6 +36,23 @@ def with_queued_requests(text: str, waiting_for: str, num_requests: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+PENDING_DEMAND = "ray_tandem_router_pending_demand"
+
+
+def with_pending_demand(text: str, role: str, num_refused: int) -> str:
+    """``text`` plus a ``pending_demand`` sample for ``role`` (the pool at zero), with the labels Ray puts on
+    the recorded queue sample (its ``waiting_for`` becoming ``role``): the shape
+    tests/integration/test_router_ray.py checks against the live export of a real refusal."""
+    (line,) = [
+        line
+        for line in text.splitlines()
+        if line.startswith(QUEUED_REQUESTS + "{") and 'waiting_for="prefill"' in line
+    ]
+    series, _, _ = line.rpartition(" ")
+    series = PENDING_DEMAND + series[len(QUEUED_REQUESTS) :].replace('waiting_for="prefill"', f'role="{role}"')
+    return text + f"# TYPE {PENDING_DEMAND} gauge\n{series} {float(num_refused)!r}\n"
+
+
 def label_shapes(text: str) -> set[tuple[str, frozenset[str]]]:
     """Each ``ray_tandem_router_*`` sample's name and label keys (not values: ids and sessions vary)."""
     return {

@@ -106,3 +106,32 @@ def test_scale_down_waits_for_its_window_and_a_spike_resets_it() -> None:
         trace.append(current)
     # The 4 at t=50 keeps replicas up until it leaves the window (t=110).
     assert trace == [4, 4, 4, 4, 4, 3]
+
+
+ZERO_POOL = PoolSpec(replicas=0, min_replicas=0, max_replicas=6)
+
+
+def test_pending_demand_starts_a_pool_at_zero_at_once_whatever_the_scale_up_window() -> None:
+    slow = policy(scale_up_stabilization_seconds=600)
+    # At zero, the pool's own signals read an empty pool's zeros: held there.
+    idle = once("decode", 0, PoolSignals(budget_usage=0.0, waiting=0.0, in_flight=0.0), slow, ZERO_POOL)
+    assert idle.desired_replicas == 0 and not idle.changed
+    for role in ("prefill", "decode"):
+        started = once(role, 0, PoolSignals(pending_demand=3.0, in_flight=0.0), slow, ZERO_POOL)
+        assert started.desired_replicas == 1 and started.votes["pending_demand"] == 1
+        assert started.reason == "scale from zero: pending_demand asks 1"
+    # Other signals asking for more start it with more, within the step cap.
+    big = once("prefill", 0, PoolSignals(pending_demand=1.0, queue_depth=40.0), slow, ZERO_POOL)
+    assert big.desired_replicas == 2  # queue asks 10, max_scale_up_step 2
+    # Once it runs, pending demand left in the router's window holds it up, never grows it.
+    assert once("decode", 1, PoolSignals(pending_demand=5.0, budget_usage=0.0), pool=ZERO_POOL).desired_replicas == 1
+
+
+def test_an_idle_pool_with_min_zero_goes_to_zero_a_step_at_a_time() -> None:
+    signals = PoolSignals(budget_usage=0.0, waiting=0.0, in_flight=0.0)
+    assert once("decode", 1, signals, pool=ZERO_POOL).desired_replicas == 0
+    assert once("prefill", 1, PoolSignals(queue_depth=0.0, uncached_tokens=0.0), pool=ZERO_POOL).desired_replicas == 0
+    # Still starting: never below what is on its way.
+    held, _ = decide(role="decode", current_replicas=1, signals=signals, pool=ZERO_POOL, policy=policy(), slo=SLO,
+                     history=(), now_s=100.0, ready_replicas=0)
+    assert held.desired_replicas == 1

@@ -16,11 +16,12 @@ def test_instant_values() -> None:
 def test_queries_are_scoped_to_the_namespace_and_pool() -> None:
     queries = QueryScope("ns1", "chat").queries("decode")
     assert 'namespace="ns1"' in queries["kv_usage"] and 'pod=~"chat-decode-[a-z0-9]+-[a-z0-9]+"' in queries["kv_usage"]
-    assert set(queries) == {"budget_usage", "in_flight", "kv_usage", "waiting", "itl_p90_s"}
+    assert set(queries) == {"pending_demand", "budget_usage", "in_flight", "kv_usage", "waiting", "itl_p90_s"}
+    assert queries["pending_demand"] == 'sum(ray_tandem_router_pending_demand{namespace="ns1",role="decode"})'
     assert 'role="decode"' in queries["budget_usage"] and 'role="decode"' in queries["in_flight"]
     assert 'waiting_for="decode"' in queries["waiting"]
     prefill = QueryScope("ns1", "chat").queries("prefill")
-    assert set(prefill) == {"queue_depth", "in_flight", "uncached_tokens", "ttft_p90_s"}
+    assert set(prefill) == {"pending_demand", "queue_depth", "in_flight", "uncached_tokens", "ttft_p90_s"}
     assert 'waiting_for="prefill"' in prefill["queue_depth"]
     # No decode quantity in a prefill query, nor the reverse.
     assert not any("decode" in q for q in prefill.values())
@@ -91,3 +92,22 @@ ray_tandem_router_pool_in_flight_requests{replica="c",role="decode"} 4.0
     decode = parse_router_metrics([RAY_TEXT, second_pod], "decode")
     assert decode.in_flight == 11 + 4
     assert decode.budget_usage is not None and abs(decode.budget_usage - 0.6) < 1e-12
+
+
+def test_pending_demand_is_read_per_pool_and_summed_over_pods() -> None:
+    """Requests refused for want of any decode worker (the pool at zero): decode's signal, not prefill's;
+    absent (no refusal in the router's window) is no signal, not zero."""
+    refusals = """\
+# TYPE ray_tandem_router_pending_demand gauge
+ray_tandem_router_pending_demand{replica="a",role="decode",model="m"} 3.0
+ray_tandem_router_pending_demand{replica="b",role="decode",model="m"} 1.0
+ray_tandem_router_pending_demand{replica="b",role="decode",model="other"} 9.0
+"""
+    second_pod = (
+        "# TYPE ray_tandem_router_pending_demand gauge\n"
+        'ray_tandem_router_pending_demand{replica="c",role="decode",model="m"} 2.0\n'
+    )
+    assert parse_router_metrics([RAY_TEXT + refusals, second_pod], "decode", "m").pending_demand == 6
+    assert parse_router_metrics([RAY_TEXT + refusals, second_pod], "decode").pending_demand == 15
+    assert parse_router_metrics([RAY_TEXT + refusals], "prefill").pending_demand is None
+    assert parse_router_metrics(RAY_TEXT, "decode").pending_demand is None
