@@ -126,7 +126,8 @@ end
 #: Room is made in this order: expired conversations leave the account; over the count cap, and then
 #: over the byte limit, the least recently used other conversations are deleted; if this conversation
 #: alone is still over the limit (an answer longer than the preparation's estimate, or two requests on
-#: one conversation at once), its own oldest turns go. The account never ends above the limit.
+#: one conversation at once), its own oldest turns go, whole exchanges (what is kept starts with a user
+#: turn). The account never ends above the limit.
 _APPEND = (
     "#!lua\n"
     + tenant_salt_guard_lua(key="ARGV[9]", salt="ARGV[8]", refused="-1")
@@ -168,6 +169,13 @@ while total > limit do
 end
 local num_forgotten = 0
 while total > limit and redis.call('LPOP', key) do
+  num_forgotten = num_forgotten + 1
+  total = stored_set(account, item, conversation_bytes(key))
+end
+-- whole exchanges: what is kept starts with a user turn (never an answer, a function call's output or an
+-- assistant's call without its question)
+while num_forgotten > 0 and redis.call('LLEN', key) > 0 and cjson.decode(redis.call('LINDEX', key, 0)).role ~= 'user' do
+  redis.call('LPOP', key)
   num_forgotten = num_forgotten + 1
   total = stored_set(account, item, conversation_bytes(key))
 end

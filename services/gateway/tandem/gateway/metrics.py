@@ -162,6 +162,16 @@ class GatewayMetrics:
             "Streams cut off because the client stopped reading (their generation was cancelled).",
             registry=self.registry,
         )
+        self.stored_turns_forgotten_total = Counter(
+            "tandem_gateway_stored_turns_forgotten_total",
+            "Oldest turns forgotten from a stored conversation (store=conversation) or a stored response's "
+            "chain (store=response) because it alone was over the tenant's storage byte limit once its answer "
+            "was appended (an answer longer than the estimate the request was admitted with). The next turn's "
+            "prompt starts with the instructions and the kept turns: past the instructions, its prefix is not "
+            "in the cache once.",
+            ["store"],
+            registry=self.registry,
+        )
         self.rejected_requests_total = Counter(
             "tandem_gateway_rejected_requests_total",
             "Requests refused before generation: unauthenticated (401), forbidden (403), rate_limited (429), "

@@ -28,6 +28,7 @@ from tandem.common.ids import new_request_id
 from tandem.gateway.adapters import ModelResolver, ResolvedModel
 from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError
 from tandem.gateway.api.response_chains import ChainParser, ChainRequest, chain_to_store, history_of, read_response
+from tandem.gateway.api.responses_wire import stored_response_bytes
 from tandem.gateway.api.services import GatewayServices, ModelLimits
 from tandem.gateway.api.tools import ToolSpec, arguments_text_size, tools_text_size
 from tandem.gateway.api.validation import (
@@ -217,7 +218,7 @@ async def _prepare(
             stored_chain = Conversation(request_id, turns)
             num_bytes = services.conversations.bytes_after(
                 StoredConversation([], ()), num_dropped_history=0, new_turns=turns, max_tokens=max_tokens
-            )
+            ) + stored_response_bytes(body, chain, max_tokens)
             services.storage_quota.check(tenant, num_bytes, what="The response's chain", param="store")
     else:
         prompt_ids = await _completion_prompt_ids(tokenizer, body)

@@ -31,6 +31,7 @@ text. Pure: no I/O.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,7 @@ from tandem.gateway.api.response_chains import ChainRequest
 from tandem.gateway.api.tool_calls import ToolCall, ToolCallReader, tool_calls_of
 from tandem.gateway.api.tools import ToolSpec
 from tandem.gateway.api.validation import ChatCompletionRequest
+from tandem.gateway.conversations import ANSWER_BYTES_PER_TOKEN
 from tandem.gateway.job import Finished, Usage
 from tandem.gateway.sse import ResponseMeta, encode_event
 from tandem.v1 import common_pb2
@@ -91,6 +93,21 @@ def echo_of(body: ChatCompletionRequest, chain: ChainRequest | None) -> dict[str
         "store": chain is not None and chain.store,
         "previous_response_id": chain.previous_id if chain is not None else None,
     }
+
+
+#: A stored response object's bytes besides its echoed parameters and its text: ids, status, the output
+#: item around the text, usage (~600 for a message answer, a few function calls stay under this).
+RESPONSE_OBJECT_BYTES = 1024
+
+
+def stored_response_bytes(body: ChatCompletionRequest, chain: ChainRequest, max_tokens: int) -> int:
+    """About what a stored response's object adds to its answer turn in the tenant's storage account,
+    beside the answer's text in the turn itself: the parameters it repeats (``instructions``, tools, a
+    schema) as sent, the text once more at :data:`ANSWER_BYTES_PER_TOKEN` per token of ``max_tokens``, and
+    :data:`RESPONSE_OBJECT_BYTES`. The preparation adds it to the chain's bytes, so that a chain near the
+    tenant's limit is refused before any token rather than stored without its oldest turns."""
+    echo = json.dumps(echo_of(body, chain), ensure_ascii=False).encode()
+    return RESPONSE_OBJECT_BYTES + len(echo) + ANSWER_BYTES_PER_TOKEN * max_tokens
 
 
 def _suffix(meta: ResponseMeta) -> str:

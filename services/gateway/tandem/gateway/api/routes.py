@@ -184,7 +184,7 @@ def _generation_handler(
             if conversation is not None and outcome.finished is not None:
                 answer = {"role": "assistant", "content": outcome.text}
                 try:
-                    await services.conversations.append(
+                    appended = await services.conversations.append(
                         tenant.id,
                         conversation.id,
                         [*conversation.new_turns, answer],
@@ -192,6 +192,7 @@ def _generation_handler(
                         tenant_salt=tenant_salt,
                         max_stored_bytes=services.storage_quota.limit_bytes(tenant),
                     )
+                    _count_forgotten(services, "conversation", appended.num_forgotten_turns)
                 except BackendUnavailableError as exc:
                     logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})
 
@@ -199,13 +200,14 @@ def _generation_handler(
             chain = prepared.stored_chain
             assert chain is not None and outcome.finished is not None
             response = wire_now.full_response(meta, outcome.text, outcome.finished, ())
-            await services.conversations.append(
+            appended = await services.conversations.append(
                 tenant.id,
                 chain.id,
                 [*chain.new_turns, answer_turn(response)],
                 tenant_salt=tenant_salt,
                 max_stored_bytes=services.storage_quota.limit_bytes(tenant),
             )
+            _count_forgotten(services, "response", appended.num_forgotten_turns)
 
         return _generation_response(
             services,
@@ -221,6 +223,11 @@ def _generation_handler(
         )
 
     return _openai_errors(path, handle, wire)
+
+
+def _count_forgotten(services: GatewayServices, store: str, num_turns: int) -> None:
+    if num_turns:
+        services.metrics.stored_turns_forgotten_total.labels(store=store).inc(num_turns)
 
 
 def _answer_wire(
