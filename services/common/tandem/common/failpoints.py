@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 #: Every failpoint in the code base, with where it sits.
 KNOWN = {
     "kv_server.before_pull": "prefill worker's KV server, after the held blocks were found, before sending them",
+    "kv_shm.serve": "prefill worker's KV server, a pull through shared memory checked, before its segment is "
+    "taken (``error``: the decode worker falls back to gRPC)",
     "engine.step": "every engine step of a worker, in its model-runner process, before the forward pass "
     "(``sleep``: a stuck step; ``error``: a step that raises and kills the engine)",
 }

@@ -78,6 +78,13 @@ class WorkerRecord:
     #: The engine's KV-layout fingerprint (tandem.common.kv_fingerprint): the router pairs a prefill worker
     #: only with decode workers of the same one. "" from a worker of an older version: pairs only with "".
     kv_fingerprint: str = ""
+    #: The data paths its KV server serves held blocks over: "grpc" always, "shm" with shared memory on
+    #: (tandem.worker.kv_connector.shm_transport); a worker of an older version: gRPC only.
+    kv_data_paths: tuple[str, ...] = ("grpc",)
+    #: With "shm": the host (node name or boot id) and the shared directory's token; a decode worker of the
+    #: same two pulls from it through shared memory.
+    kv_shm_host_id: str = ""
+    kv_shm_dir_token: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
 
     @property
@@ -94,8 +101,9 @@ class WorkerRecord:
         data: dict[str, Any] = json.loads(raw)
         load = WorkerLoad(**{k: v for k, v in (data.get("load") or {}).items() if k in _LOAD_FIELDS})
         fields = {k: v for k, v in data.items() if k in _RECORD_FIELDS}
-        if "adapters" in fields:
-            fields["adapters"] = tuple(fields["adapters"])
+        for name in ("adapters", "kv_data_paths"):
+            if name in fields:
+                fields[name] = tuple(fields[name])
         return cls(**fields, load=load)
 
 

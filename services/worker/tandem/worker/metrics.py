@@ -3,7 +3,8 @@ by AsyncLLM in this process) plus ``tandem_kv_*`` counters of the engine's KV
 server, as the worker service last read them (through the engine: by GetLoad,
 and by the registry heartbeat at most every 30 s), and on a decode worker the
 service's own ``tandem_decode_continuations_total{mode}`` and the prefetches'
-``tandem_kv_prefetches_total{outcome}`` and ``tandem_kv_staged_bytes``; with LoRA on, the adapter
+``tandem_kv_prefetches_total{outcome}``, ``tandem_kv_staged_bytes``, the pulls through shared memory
+``tandem_kv_shm_loads_total`` and their ``tandem_kv_shm_fallbacks_total{reason}``; with LoRA on, the adapter
 slots' ``tandem_worker_adapter_{loads,evictions,load_failures}_total`` and
 ``tandem_worker_adapters_loaded`` / ``tandem_worker_adapter_slots`` (tandem.worker.adapters). Started by
 ``__main__``.
@@ -28,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tandem.worker.handling import CONTINUATION_MODES
+from tandem.worker.kv_connector.shm import FALLBACK_REASONS
 
 if TYPE_CHECKING:
     from tandem.worker.service import WorkerService
@@ -81,6 +83,17 @@ class KVCollector(Collector):
             g = GaugeMetricFamily("tandem_kv_staged_bytes", "Bytes of prefetched KV waiting for their decode")
             g.add_metric([], float(s.staged_bytes))
             yield g
+            c = CounterMetricFamily("tandem_kv_shm_loads", "KV loads pulled through shared memory (same host)")
+            c.add_metric([], float(s.shm_loads_total))
+            yield c
+            c = CounterMetricFamily(
+                "tandem_kv_shm_fallbacks",
+                "Pulls through shared memory that fell back to gRPC, by reason",
+                labels=["reason"],
+            )
+            for reason in FALLBACK_REASONS:
+                c.add_metric([reason], float(s.shm_fallbacks_total.get(reason, 0)))
+            yield c
 
 
 def _adapter_metrics(service: WorkerService) -> Iterator[Metric]:

@@ -8,10 +8,12 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import Any
 
 from tandem.common.errors import BackendUnavailableError
 from tandem.common.kv_fingerprint import model_revision
 from tandem.common.registry import WorkerLoad, WorkerRecord, WorkerRegistry
+from tandem.worker.kv_connector import shm
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.service import WorkerService
 from tandem.worker.settings import WorkerSettings
@@ -51,7 +53,25 @@ def build_record(
         max_adapters=settings.adapters.max_adapters,
         model_revision=model_revision,
         kv_fingerprint=kv_fingerprint,
+        **shm_advertisement(settings),
     )
+
+
+def shm_advertisement(settings: WorkerSettings) -> dict[str, Any]:
+    """The record's data-path fields: shared memory with this host's and directory's identity where
+    ``kv.shm_dir`` is set and usable (the engine's KV connector reads the same), else gRPC alone."""
+    if not settings.kv.shm_dir:
+        return {}
+    try:
+        token = shm.dir_token(settings.kv.shm_dir)
+    except OSError as exc:
+        logger.warning("kv.shm_dir %s is not usable (%s): KV over gRPC only", settings.kv.shm_dir, exc)
+        return {}
+    return {
+        "kv_data_paths": ("grpc", "shm"),
+        "kv_shm_host_id": shm.host_id(settings.kv.node_name),
+        "kv_shm_dir_token": token,
+    }
 
 
 def kv_identity(settings: WorkerSettings, layout: KVLayout) -> tuple[str, str]:

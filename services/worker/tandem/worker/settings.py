@@ -81,6 +81,18 @@ class KVSettings(BaseModel):
     #: for a host with a core to spare for the transfer. "inherit" because moving them measured
     #: worse where every core runs an engine (see ``tandem.worker.kv_connector.cpus``).
     thread_cpus: str = "inherit"
+    #: A directory of shared memory (tmpfs) for pulls between workers of one host: a decode worker pulls
+    #: through it from a prefill worker of the same host (``node_name``) that opens the same directory,
+    #: and over gRPC otherwise or when it fails (``tandem.worker.kv_connector.shm_transport``). "": off
+    #: (gRPC only). In Kubernetes, both pods mount one ``emptyDir: {medium: Memory}``-like volume of the
+    #: node here and run as the same user (segments are mode 0600); see docs/kv-transfer.md.
+    shm_dir: str = "/dev/shm"
+    #: Prefill role: shared-memory segments kept at most, each as large as the largest pull it served (a
+    #: pull finding all in use goes over gRPC). Their sum must fit the directory (Docker's /dev/shm: 64 MB).
+    shm_max_segments: int = Field(4, ge=1)
+    #: This host's name for the shared-memory path ("": the kernel's boot id). In Kubernetes: the node's
+    #: name (the downward API's spec.nodeName).
+    node_name: str = ""
 
     @model_validator(mode="after")
     def _pull_gives_up_within_the_lease(self) -> KVSettings:

@@ -78,6 +78,9 @@ class GrpcKVConnector(KVConnectorBase_V1):
                 prefetch_max_bytes=int(extra.get("prefetch_max_bytes", 0)),
                 tls=TLSSettings(**dict(extra.get("tls") or {})),
                 thread_cpus=frozenset(int(c) for c in extra.get("thread_cpus") or ()),
+                shm_dir=str(extra.get("shm_dir", "")),
+                shm_max_segments=int(extra.get("shm_max_segments", 4)),
+                node_name=str(extra.get("node_name", "")),
             )
 
     # -- scheduler role ----------------------------------------------------------

@@ -47,10 +47,11 @@ from tandem.common.errors import KVLayoutMismatchError
 from tandem.common.identity import sync_role_checks
 from tandem.common.tls import TLSSettings, add_port
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
-from tandem.worker.kv_connector import wire
+from tandem.worker.kv_connector import shm_transport, wire
 from tandem.worker.kv_connector.cpus import move_this_thread, threads_started_on
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, HoldSpec, PrefillProgress
+from tandem.worker.kv_connector.shm import ShmError
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +124,17 @@ def _ready_blocks(num_tokens: int, num_prompt_tokens: int, block_size: int) -> i
 class KVServer:
     """Holds and serves one engine rank's blocks on ``bind`` (``host:kv_port + rank``)."""
 
-    def __init__(self, *, bind: str, tls: TLSSettings, thread_cpus: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        *,
+        bind: str,
+        tls: TLSSettings,
+        thread_cpus: frozenset[int] = frozenset(),
+        shm: shm_transport.SharedMemory | None = None,
+    ) -> None:
         self._bind = bind
+        #: The shared-memory data path (None: gRPC only); its segments are freed with their holds.
+        self.shm = shm
         self._tls = tls
         #: CPUs the serving threads run on (see :mod:`cpus`; empty: where they were started).
         self._thread_cpus = thread_cpus
@@ -189,6 +199,8 @@ class KVServer:
             self._server.stop(grace=0.5).wait(2.0)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.shm is not None:
+            self.shm.close()
 
     def _find(self, request_id: str) -> tuple[str, Hold | None]:
         """(vLLM's id, record) of the prompt the gateway named ``request_id`` (the lock held)."""
@@ -205,6 +217,8 @@ class KVServer:
         """Drop the record of vLLM's ``engine_request_id`` (the lock held): whoever reads its blocks must stop."""
         hold = self._holds.pop(engine_request_id)
         hold.gone = True
+        if self.shm is not None:
+            self.shm.pool.release_owner(hold.request_id)
         if self._by_request_id.get(hold.request_id) == engine_request_id:
             del self._by_request_id[hold.request_id]
         self._gone[hold.request_id] = None
@@ -458,9 +472,8 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         except KVLayoutMismatchError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
-    def pull_block_bytes(
-        self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
-    ) -> Iterator[bytes]:
+    def _held_blocks(self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext) -> list[int]:
+        """The blocks a pull asks for, once its layout, capability, adapter and blocks are checked (either path)."""
         kv = self._kv
         self._check_layout(request.expected_layout, context)
         hold = kv.wait_for_hold(request.request_id)
@@ -481,6 +494,13 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 f"blocks {sorted(set(wanted) - set(hold.block_ids))} are not held for this request",
             )
         failpoints.hit("kv_server.before_pull")
+        return wanted
+
+    def pull_block_bytes(
+        self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        kv = self._kv
+        wanted = self._held_blocks(request, context)
         max_chunk = request.max_chunk_bytes or 4 * 1024 * 1024
         total = 0
         for chunk in kv.read_chunks(wanted, max_chunk):
@@ -553,6 +573,30 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 grpc.StatusCode.ABORTED,
                 f"the prefill of {request_id} ended without keeping its KV (stopped, aborted or preempted)",
             )
+
+    def DataPaths(
+        self, request: kv_transfer_pb2.DataPathsRequest, context: grpc.ServicerContext
+    ) -> kv_transfer_pb2.DataPathsReply:
+        shm = self._kv.shm
+        return kv_transfer_pb2.DataPathsReply(data_paths=["grpc"]) if shm is None else shm.data_paths()
+
+    def PullBlocksShm(
+        self, request: kv_transfer_pb2.ShmPullRequest, context: grpc.ServicerContext
+    ) -> Iterator[kv_transfer_pb2.ShmChunksReady]:
+        """The pull through shared memory (see :mod:`shm_transport`)."""
+        shm = self._kv.shm
+        if shm is None or request.shm_dir_token != shm.dir_token:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no shared memory with this engine")
+        assert shm is not None
+        wanted = self._held_blocks(request.pull, context)
+        failpoints.hit("kv_shm.serve")
+        reader = self._kv.reader()
+        try:
+            max_chunk = request.pull.max_chunk_bytes or 4 * 1024 * 1024
+            yield from shm_transport.serve_pull(shm.pool, reader, wanted, max_chunk, request.pull.request_id)
+        except ShmError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        self._kv.count_sent(len(wanted) * reader.block_bytes * reader.num_layers, len(wanted))
 
     def Release(
         self, request: kv_transfer_pb2.ReleaseBlocksRequest, context: grpc.ServicerContext

@@ -58,6 +58,7 @@ from tandem.worker.kv_connector.cpus import move_this_thread
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, LoadSpec
 from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord, PrefetchOrder
+from tandem.worker.kv_connector.shm_transport import ShmPuller
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +147,11 @@ class KVPuller:
         prefetch_max_bytes: int = 0,
         prefetch_keep_s: float = 60.0,
         thread_cpus: frozenset[int] = frozenset(),
+        shm: ShmPuller | None = None,
     ) -> None:
         self._tp_rank = tp_rank
+        #: Pulls from a peer of the same host and shared directory go through shared memory (None: off).
+        self.shm = shm
         self._prefetch_max_bytes = prefetch_max_bytes
         self._prefetch_keep_s = prefetch_keep_s
         #: By request id (the gateway's, which the load's handle carries too).
@@ -247,13 +251,16 @@ class KVPuller:
     def _channel(self, handle: KVHandleParams) -> grpc.Channel:
         return self._channel_to(handle.kv_address)
 
-    def _raw_stream(self, kv_address: str, method: str, request: Message) -> grpc._CallIterator[bytes]:
+    def _raw_stream(
+        self, kv_address: str, method: str, request: Message, timeout_s: float | None = None
+    ) -> grpc._CallIterator[bytes]:
         """A server stream of raw bytes (no response deserializer: see :mod:`wire`) from the KV server
-        at ``kv_address``, under the pull timeout; iterate it for the messages, cancel it to stop."""
+        at ``kv_address``, under the pull timeout (or ``timeout_s``); iterate it for the messages, cancel
+        it to stop."""
         call: grpc.UnaryStreamMultiCallable[Message, bytes] = self._channel_to(kv_address).unary_stream(
             method, request_serializer=type(request).SerializeToString, response_deserializer=None
         )
-        return call(request, timeout=self._pull_timeout_s)
+        return call(request, timeout=self._pull_timeout_s if timeout_s is None else timeout_s)
 
     def _channel_to(self, kv_address: str) -> grpc.Channel:
         host, _, port = kv_address.rpartition(":")
@@ -477,19 +484,23 @@ class KVPuller:
         chunk_bytes = wire.pull_chunk_bytes(
             self._writer.block_bytes * len(spec.remote_block_ids) * len(self._caches), self._max_chunk_bytes
         )
+        request = kv_transfer_pb2.PullBlocksRequest(
+            request_id=spec.handle.request_id,
+            block_ids=list(spec.remote_block_ids),
+            expected_layout=self._layout.to_proto(),
+            max_chunk_bytes=chunk_bytes,
+            capability=spec.handle.capability,
+            adapter=spec.handle.adapter,
+        )
+        address = spec.handle.kv_address
         try:
-            stream = self._raw_stream(
-                spec.handle.kv_address,
-                wire.PULL_METHOD,
-                kv_transfer_pb2.PullBlocksRequest(
-                    request_id=spec.handle.request_id,
-                    block_ids=list(spec.remote_block_ids),
-                    expected_layout=self._layout.to_proto(),
-                    max_chunk_bytes=chunk_bytes,
-                    capability=spec.handle.capability,
-                    adapter=spec.handle.adapter,
-                ),
-            )
+            if self.shm is not None:  # a fallback pulls over gRPC within what is left of the pull's time
+                channel, timeout_s = self._channel_to(address), self._pull_timeout_s
+                shared = self.shm.pull(channel, address, request, self._writer, spec.local_block_ids, timeout_s)
+                if shared is not None:
+                    return self._finish_load(spec, started, shared, "", prefetched=False)
+            left_s = self._pull_timeout_s - (time.perf_counter() - started)
+            stream = self._raw_stream(address, wire.PULL_METHOD, request, timeout_s=max(0.1, left_s))
             num_bytes = self._writer.write_chunks(spec.local_block_ids, chunk_bytes, stream)
         except Exception as exc:
             message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)

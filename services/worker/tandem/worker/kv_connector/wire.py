@@ -214,6 +214,29 @@ class BlockReader:
                 parts.extend(np.ascontiguousarray(row[r.block : r.block + r.length]).data for r in piece_runs)
         return b"".join(parts)
 
+    def read_into(self, block_ids: Sequence[int], chunk: Chunk, out: memoryview) -> int:
+        """Write the bytes :meth:`read` returns for ``chunk`` into ``out`` instead (a shared-memory
+        segment: one copy out of the cache, no message); returns how many."""
+        offset = 0
+        for piece in chunk.pieces:
+            words = self._words[piece.layer_index]
+            shape = list(words.shape)
+            shape[self._block_dim] = piece.num_blocks
+            count = words.numel() // words.shape[self._block_dim] * piece.num_blocks
+            ids = _piece_ids(block_ids, piece)
+            if self._on_cpu:
+                array = self._arrays[piece.layer_index]
+                dst = np.frombuffer(out, dtype=array.dtype, count=count, offset=offset).reshape(shape)
+                dim = self._block_dim
+                for run in runs(ids):
+                    dst[_cut(dim, run.offset, run.length)] = array[_cut(dim, run.block, run.length)]
+            else:
+                index = torch.tensor(list(ids), dtype=torch.long, device=words.device)
+                host = torch.frombuffer(out, dtype=words.dtype, count=count, offset=offset).view(shape)
+                host.copy_(words.index_select(self._block_dim, index))
+            offset += piece.num_blocks * self.block_bytes
+        return offset
+
     def _read_device(self, block_ids: Sequence[int], chunk: Chunk) -> bytes:
         """Device caches: each piece gathered on the device, copied into one host staging buffer."""
         first = self._words[0]
@@ -337,7 +360,13 @@ class BlockWriter:
         on_cpu = bool(layers) and self._words[0].device.type == "cpu"
         self._arrays: list[np.ndarray] | None = [words.numpy() for words in self._words] if on_cpu else None
 
-    def write_chunks(self, block_ids: Sequence[int], max_chunk_bytes: int, chunks: Iterable[bytes]) -> int:
+    @property
+    def num_layers(self) -> int:
+        return len(self._words)
+
+    def write_chunks(
+        self, block_ids: Sequence[int], max_chunk_bytes: int, chunks: Iterable[bytes | memoryview]
+    ) -> int:
         """Copy a pull's chunks (in wire order) into blocks ``block_ids`` of every layer's cache.
         Returns the bytes written; raises ``ValueError`` when a chunk's size or the number of chunks
         is not what the plan says (nothing of a chunk of the wrong size is written)."""
@@ -384,7 +413,7 @@ def _write_piece(
     words: torch.Tensor,
     block_dim: int,
     ids: Sequence[int],
-    data: bytes,
+    data: bytes | memoryview,
     offset: int,
     array: np.ndarray | None = None,
 ) -> None:

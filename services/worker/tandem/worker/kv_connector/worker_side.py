@@ -28,6 +28,7 @@ from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import GrpcKVMetadata, LoadSpec
 from tandem.worker.kv_connector.params import LoadRecord, PrefetchOrder
 from tandem.worker.kv_connector.puller import KVPuller
+from tandem.worker.kv_connector.shm_transport import SharedMemory, ShmPuller
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class WorkerSide:
         prefetch_max_bytes: int = 0,
         tls: TLSSettings | None = None,
         thread_cpus: frozenset[int] = frozenset(),
+        shm_dir: str = "",
+        shm_max_segments: int = 4,
+        node_name: str = "",
     ) -> None:
         self._model = model
         self._num_blocks = num_blocks
@@ -63,7 +67,14 @@ class WorkerSide:
         self._tp_size = tp_size
         tls = tls or TLSSettings()
         heap.keep_message_buffers(max_chunk_bytes)
-        self.server = KVServer(bind=f"{kv_host}:{kv_port + tp_rank}", tls=tls, thread_cpus=thread_cpus)
+        #: The shared-memory data path (:mod:`shm_transport`), where a directory is given.
+        self.shm: SharedMemory | None = None
+        if shm_dir:
+            try:
+                self.shm = SharedMemory(shm_dir, max_segments=shm_max_segments, max_age_s=lease_s, node_name=node_name)
+            except OSError as exc:
+                logger.warning("shared memory in %s is not usable (%s): KV over gRPC only", shm_dir, exc)
+        self.server = KVServer(bind=f"{kv_host}:{kv_port + tp_rank}", tls=tls, thread_cpus=thread_cpus, shm=self.shm)
         self.puller = KVPuller(
             tp_rank=tp_rank,
             max_chunk_bytes=max_chunk_bytes,
@@ -72,6 +83,7 @@ class WorkerSide:
             prefetch_max_bytes=prefetch_max_bytes,
             prefetch_keep_s=lease_s,
             thread_cpus=thread_cpus,
+            shm=ShmPuller(self.shm) if self.shm is not None else None,
         )
         self._idle_step = False
         #: Layer name (as vLLM's attention layers call save_kv_layer) → index in layer order.
@@ -192,6 +204,9 @@ class WorkerSide:
             prefetches_wasted_total=pulled.prefetches_wasted,
         )
         msg.num_staged_prefetches, msg.staged_bytes = num_staged, staged_bytes
+        if self.puller.shm is not None:
+            msg.shm_loads_total = self.puller.shm.num_loads
+            msg.shm_fallbacks_total.update(self.puller.shm.fallbacks)
         if self.layout is not None:
             msg.layout.CopyFrom(self.layout.to_proto())
         return msg
