@@ -63,11 +63,14 @@ class SpecError(ValueError):
 class ImageSpec(SpecModel):
     repository: str = Field(min_length=1)
     tag: str = Field(min_length=1)
+    #: sha256:<64 hex>; when set the pods pull repository@digest and the tag is ignored (the release
+    #: workflow publishes images by digest).
+    digest: str = Field(default="", pattern=r"^(sha256:[0-9a-f]{64})?$")
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
 
     @property
     def ref(self) -> str:
-        return f"{self.repository}:{self.tag}"
+        return f"{self.repository}@{self.digest}" if self.digest else f"{self.repository}:{self.tag}"
 
 
 class PvcSource(SpecModel):

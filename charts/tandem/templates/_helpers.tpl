@@ -29,9 +29,14 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* image reference; pass (dict "ctx" $ "image" .Values.images.gateway). */}}
+{{/* image reference; pass (dict "ctx" $ "image" .Values.images.gateway). A digest (the release
+workflow's, sha256:...) takes precedence over the tag: repository@digest. */}}
 {{- define "tandem.image" -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "tandem.tdName" -}}
