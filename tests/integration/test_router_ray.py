@@ -21,15 +21,23 @@ import httpx
 import pytest
 import pytest_asyncio
 import redis
+from tandem_operator.autoscale import decide
 from tandem_operator.signals import QueryScope, parse_router_metrics
+from tandem_operator.spec import AutoscalingSpec, PoolSpec, SloSpec
 
 from tandem.common.errors import InvalidRequestError, NoCapacityError
 from tandem.common.registry import WorkerRecord, WorkerRegistry
 from tandem.common.router_client import RouterClient
+from tandem.gateway.app import build_app
+from tandem.gateway.prompt import HfPromptTokenizer
+from tandem.gateway.readiness import GrpcConnectProbe, RouterAndWorkersReadiness
+from tandem.gateway.router import connect_router
+from tandem.gateway.settings import GatewaySettings
 from tandem.router.settings import DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE
+from tests.kit.gateway import make_tokenizer_dir
 from tests.kit.promql import check_promql, series_from_exposition
 from tests.kit.router import RouterProcess, router_process
-from tests.kit.router_export import label_shapes, recorded_router_export
+from tests.kit.router_export import label_shapes, recorded_router_export, with_pending_demand
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 #: The router reads the registry at most this often (TANDEM_ROUTER_REGISTRY_REFRESH_INTERVAL_S default).
@@ -185,6 +193,75 @@ async def test_no_decode_worker_is_no_capacity(router: RouterProcess, client: Ro
             await client.schedule("req-nocap", "model-prefill-only")
     finally:
         await fake.close()
+
+
+async def test_a_pool_at_zero_is_a_503_and_pending_demand_the_operator_reads(
+    router: RouterProcess, tmp_path: Path
+) -> None:
+    """Scale from zero (issue 42 item 4) on the real router, with SIMULATED workers (registry records
+    only: no request reaches them). The gateway (its real app, router client and readiness) in front of
+    a model whose decode pool is at zero: /readyz is 200 with no decode worker counted, a request is a
+    503 with Retry-After in OpenAI's error shape naming no internal address, and the router's real
+    export carries the pending demand that the operator's own parser reads and its decision acts on
+    within one interval."""
+    model = "model-decode-at-zero"
+    fake = FakeWorkers(router.key_prefix, pool(model, num_prefill=1, num_decode=0))
+    await fake.start()
+    tokenizer = HfPromptTokenizer.from_dir(make_tokenizer_dir(tmp_path / "tokenizer"))
+    settings = GatewaySettings(served_model_name=model, max_model_len=64, auth={"mode": "disabled"})
+    gateway_router = connect_router(router.address, timeout_s=5.0)
+    registry = WorkerRegistry(REDIS_URL, key_prefix=router.key_prefix)
+    readiness = RouterAndWorkersReadiness(
+        GrpcConnectProbe(router.address, timeout_s=2.0), registry, cache_s=0.0, timeout_s=2.0
+    )
+    app = build_app(settings, router=gateway_router, tokenizer=tokenizer, readiness=readiness)
+    hostile = "hello \u202e東京 <script>alert(1)</script> \x00 🚀"
+    try:
+        async with (
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http,
+            app.router.lifespan_context(app),
+        ):
+            ready = await http.get("/readyz")
+            assert ready.status_code == 200, ready.text
+            assert ready.json()["num_decode_workers"] == 0 and "no decode worker" in ready.json()["detail"]
+            for stream in (False, True):
+                body = {"model": model, "messages": [{"role": "user", "content": hostile}], "stream": stream}
+                response = await http.post("/v1/chat/completions", json=body)
+                assert response.status_code == 503, response.text
+                assert response.headers["retry-after"] == "10"
+                assert response.json() == {
+                    "error": {
+                        "message": "No worker can take this request now; retry after the Retry-After delay.",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "no_capacity",
+                    }
+                }
+                assert "127.0.0.1" not in response.text and "7000" not in response.text
+    finally:
+        await gateway_router.aclose()
+        await registry.aclose()
+        await fake.close()
+
+    text = await _scrape_until(
+        router, lambda text: (parse_router_metrics(text, "decode", model).pending_demand or 0) >= 2
+    )
+    decode = parse_router_metrics(text, "decode", model)
+    assert decode.pending_demand == 2, [line for line in text.splitlines() if "pending_demand" in line]
+    assert parse_router_metrics(text, "prefill", model).pending_demand is None  # prefill has its worker
+    # The sample the operator's kmock test adds to the recorded export has the live series' shape.
+    live = {shape for shape in label_shapes(text) if shape[0] == "ray_tandem_router_pending_demand"}
+    assert live == {
+        shape
+        for shape in label_shapes(with_pending_demand(recorded_router_export(), "decode", 1))
+        if shape[0] == "ray_tandem_router_pending_demand"
+    }
+    at_zero = PoolSpec(replicas=0, min_replicas=0, max_replicas=4)
+    decision, _ = decide(
+        role="decode", current_replicas=0, signals=decode, pool=at_zero, policy=AutoscalingSpec(),
+        slo=SloSpec(), history=(), now_s=0.0, ready_replicas=0,
+    )
+    assert decision.desired_replicas == 1 and decision.reason.startswith("scale from zero: pending_demand"), decision
 
 
 async def test_unknown_model_is_invalid_request(client: RouterClient, workers: FakeWorkers) -> None:
