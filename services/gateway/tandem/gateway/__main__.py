@@ -70,6 +70,12 @@ class _DrainingServer(uvicorn.Server):
 async def serve(settings: GatewaySettings) -> None:
     # One tokenizer and chat template per served base model (settings.models; the first is the default).
     tokenizers = {m.name: HfPromptTokenizer.from_dir(m.model_dir) for m in settings.models}
+    # The same tokenizers with each model's tool chat template, where it has one (tool_choice "auto").
+    tool_tokenizers = {
+        m.name: tokenizers[m.name].with_chat_template(m.tool_chat_template.read_text(encoding="utf-8"))
+        for m in settings.models
+        if m.tool_chat_template is not None
+    }
     warn_if_plaintext(settings.tls, "the gateway (calls to the router and the workers)")
     router = connect_router(settings.router_address, timeout_s=settings.router_timeout_s, tls=settings.tls)
     registry = WorkerRegistry(
@@ -88,6 +94,7 @@ async def serve(settings: GatewaySettings) -> None:
         router=router,
         tokenizer=tokenizers[settings.default_model.name],
         tokenizers=tokenizers,
+        tool_tokenizers=tool_tokenizers,
         readiness=readiness,
         drain=drain,
         metrics=metrics,

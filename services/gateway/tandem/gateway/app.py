@@ -87,14 +87,19 @@ def _model_limits(settings: GatewaySettings, model: ServedModel) -> ModelLimits:
 
 
 def _served_models(
-    settings: GatewaySettings, default_tokenizer: PromptTokenizer, tokenizers: Mapping[str, PromptTokenizer]
+    settings: GatewaySettings,
+    default_tokenizer: PromptTokenizer,
+    tokenizers: Mapping[str, PromptTokenizer],
+    tool_tokenizers: Mapping[str, PromptTokenizer],
 ) -> dict[str, ServedModelServices]:
     served: dict[str, ServedModelServices] = {}
     for i, model in enumerate(settings.models):
         model_tokenizer = tokenizers.get(model.name, default_tokenizer if i == 0 else None)
         if model_tokenizer is None:
             raise ValueError(f"no tokenizer for the served model {model.name!r}")
-        served[model.name] = ServedModelServices(_model_limits(settings, model), model_tokenizer)
+        served[model.name] = ServedModelServices(
+            _model_limits(settings, model), model_tokenizer, tool_tokenizers.get(model.name)
+        )
     return served
 
 
@@ -110,11 +115,14 @@ def build_app(
     drain: Drain | None = None,
     prompt_hasher: PromptHasher | None = None,
     tokenizers: Mapping[str, PromptTokenizer] | None = None,
+    tool_tokenizers: Mapping[str, PromptTokenizer] | None = None,
 ) -> Starlette:
     """The ASGI app. Worker channels and Redis are closed and pending cleanups drained at shutdown.
 
     ``tokenizers``: each served model's tokenizer by name (``settings.models``); ``tokenizer`` is the
-    default (first) model's when ``tokenizers`` lacks it. A served model with no tokenizer: ValueError."""
+    default (first) model's when ``tokenizers`` lacks it. A served model with no tokenizer: ValueError.
+    ``tool_tokenizers``: the tokenizers with a served model's tool chat template, by name (a model missing
+    here refuses ``tool_choice: "auto"``)."""
     metrics = metrics if metrics is not None else GatewayMetrics()
     workers = workers if workers is not None else WorkerChannels(settings.tls)
     drain = drain if drain is not None else Drain()
@@ -154,13 +162,14 @@ def build_app(
     )
     # The adapter catalog lives beside the worker registry (its readers are the workers of each model).
     catalog = AdapterCatalog(client, key_prefix=settings.registry.key_prefix)
-    served = _served_models(settings, tokenizer, tokenizers or {})
+    served = _served_models(settings, tokenizer, tokenizers or {}, tool_tokenizers or {})
     served_models = tuple(m.name for m in settings.models)
     default = served[served_models[0]]
     metrics.serve_models(served_models)
     services = GatewayServices(
         limits=default.limits,
         tokenizer=default.tokenizer,
+        tool_tokenizer=default.tool_tokenizer,
         orchestrator=orchestrator,
         readiness=readiness,
         metrics=metrics,

@@ -120,9 +120,12 @@ class SpecialToken(NamedTuple):
 class HfPromptTokenizer:
     """A Hugging Face tokenizer from a model folder."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        """``chat_template``: render with this template instead of the tokenizer's own (a model's tool
+        chat template, tandem.gateway.settings.ServedModel.tool_chat_template)."""
         self._tokenizer = tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        self._chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not self._chat_template:
             logger.warning("tokenizer has no chat template; chat requests will be refused")
         specials = _special_tokens(tokenizer)
         #: Special token id → its text.
@@ -153,13 +156,17 @@ class HfPromptTokenizer:
             raise FileNotFoundError(f"model folder {model_dir} does not exist")
         return cls(AutoTokenizer.from_pretrained(str(model_dir)))
 
+    def with_chat_template(self, chat_template: str) -> HfPromptTokenizer:
+        """The same tokenizer, rendering chat prompts with ``chat_template`` (the same rules apply)."""
+        return HfPromptTokenizer(self._tokenizer, chat_template)
+
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         return self.chat_prompt(messages).ids
 
     def chat_prompt(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
     ) -> ChatPrompt:
-        if not getattr(self._tokenizer, "chat_template", None):
+        if not self._chat_template:
             raise InvalidRequestError("This model has no chat template; use /v1/completions.", code="no_chat_template")
         real = [dict(m) for m in messages]
         tool_list = [dict(t) for t in tools] if tools else None
@@ -200,7 +207,9 @@ class HfPromptTokenizer:
 
         try:
             return str(
-                self._tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+                self._tokenizer.apply_chat_template(
+                    messages, tools=tools, chat_template=self._chat_template, add_generation_prompt=True, tokenize=False
+                )
             )
         except jinja2.TemplateError as exc:
             # Templates reject e.g. non-alternating roles with raise_exception(...): that is client input.

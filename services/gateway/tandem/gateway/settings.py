@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
@@ -19,6 +19,10 @@ def _default_model_dir() -> Path:
     return Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
 
 
+#: Tandem's tool chat template for the default model (SmolLM2-135M-Instruct, ChatML; Hermes-style calls).
+SMOLLM2_TOOL_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
+
+
 class ServedModel(BaseModel):
     """One base model this gateway serves: its name (a request's ``model``, the router's and the workers'
     model), the folder of its tokenizer and chat template, and its context length."""
@@ -28,6 +32,11 @@ class ServedModel(BaseModel):
     model_dir: Path
     #: Prompt plus generated tokens may not exceed this.
     max_model_len: int = Field(4096, ge=2)
+    #: A chat template (a Jinja file) that presents tools and lets the model answer with Hermes-style
+    #: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; requests with tools and
+    #: ``tool_choice: "auto"`` are rendered with it (all others with the model's own template) and their
+    #: answers read by tandem.gateway.api.hermes_tools. None: ``auto`` is refused with 400 for this model.
+    tool_chat_template: Path | None = None
 
 
 class AuthSettings(BaseModel):
@@ -141,6 +150,10 @@ class GatewaySettings(BaseSettings):
     model_dir: Path = Field(default_factory=_default_model_dir)
     #: Prompt plus generated tokens may not exceed this.
     max_model_len: int = Field(4096, ge=2)
+    #: The single model's tool chat template (ServedModel.tool_chat_template): by default Tandem's for
+    #: SmolLM2-135M-Instruct (ChatML); set it to another model's template, or to an empty value to refuse
+    #: ``tool_choice: "auto"``. With ``models`` set, each model names its own (none by default).
+    tool_chat_template: Path | None = SMOLLM2_TOOL_TEMPLATE
     #: Every base model served, as JSON (``TANDEM_GATEWAY_MODELS='[{"name": "a", "model_dir": "/m/a",
     #: "max_model_len": 4096}, ...]'``); the first is the default (an adapter loaded without a base model
     #: adapts it). Empty (the default): one model, ``served_model_name`` in ``model_dir`` with
@@ -204,11 +217,21 @@ class GatewaySettings(BaseSettings):
     #: JSON log lines (false: plain text, for humans at a terminal).
     json_logs: bool = True
 
+    @field_validator("tool_chat_template", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
     @model_validator(mode="after")
     def _served_models(self) -> GatewaySettings:
         if not self.models:
             self.models = [
-                ServedModel(name=self.served_model_name, model_dir=self.model_dir, max_model_len=self.max_model_len)
+                ServedModel(
+                    name=self.served_model_name,
+                    model_dir=self.model_dir,
+                    max_model_len=self.max_model_len,
+                    tool_chat_template=self.tool_chat_template,
+                )
             ]
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):

@@ -193,13 +193,15 @@ def full_response(
     usage: Usage,
     logprobs: Sequence[common_pb2.TokenLogprobs] = (),
     tool_calls: list[dict[str, Any]] | None = None,
+    content: str | None = None,
 ) -> dict[str, Any]:
-    """The non-streamed response object; with ``tool_calls`` (chat) the message is those calls, content null."""
+    """The non-streamed response object; with ``tool_calls`` (chat) the message is those calls, and
+    ``content`` its content (null: none; an ``auto`` answer may write text beside its calls)."""
     logprobs_value = logprobs_dict(meta, logprobs, 0) if meta.logprobs else None
     if meta.kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
-            message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+            message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,

@@ -19,8 +19,8 @@ conversation sent to ``/v1/chat/completions`` make the same prompt tokens and sa
 * Tools are chat's function tools (:mod:`tandem.gateway.api.tools`, which checks them): ``tools``
   (``name``, ``description``, ``input_schema``) are functions with those ``parameters``;
   ``tool_choice`` ``any`` is chat's ``"required"``, ``tool`` a named function, ``none`` ``"none"``
-  and ``auto`` (the default with tools) chat's ``"auto"``, refused for this deployment's models
-  (reworded in this API's terms); ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.
+  and ``auto`` (the default with tools) chat's ``"auto"`` (for a model with a tool chat template; refused
+  in this API's terms for others); ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.
   An assistant's ``tool_use`` blocks are its ``tool_calls`` (``input`` as the JSON arguments); a
   user's ``tool_result`` blocks are ``tool`` turns, in order, before the user turn of its text.
   The answer is read back by :mod:`~tandem.gateway.api.anthropic_tool_wire`.
@@ -171,20 +171,7 @@ def parse_messages(raw: bytes) -> ChatCompletionRequest:
         request = MessagesRequest.model_validate(data)
     except ValidationError as exc:
         raise to_invalid_request(exc) from exc
-    chat = to_chat(request)
-    try:
-        return validate_body(chat, ChatCompletionRequest)
-    except InvalidRequestError as exc:
-        if exc.param == "tool_choice" and chat.get("tools") and chat.get("tool_choice", "auto") == "auto":
-            # Chat's own refusal names chat's choices; say it in this API's words.
-            raise InvalidRequestError(
-                'tool_choice {"type": "auto"} (the default when tools are given) needs a model with a tool-call '
-                'format, and this deployment has none: send {"type": "any"} (the model calls one or more of the '
-                'tools) or {"type": "tool", "name": "..."}.',
-                param="tool_choice",
-                code=exc.code,
-            ) from exc
-        raise
+    return validate_body(to_chat(request), ChatCompletionRequest)
 
 
 def to_chat(request: MessagesRequest) -> dict[str, Any]:
@@ -302,4 +289,11 @@ def _required(value: Any, param: str) -> Any:
     return value
 
 
-DIALECT = Dialect(parse=parse_messages, request_id_prefix="msg_")
+DIALECT = Dialect(
+    parse=parse_messages,
+    request_id_prefix="msg_",
+    # Chat's refusal names chat's choices; this one says it in this API's words.
+    auto_refused='tool_choice {"type": "auto"} (the default when tools are given) needs a model with a tool-call '
+    'format, and this model has none: send {"type": "any"} (the model calls one or more of the tools) or '
+    '{"type": "tool", "name": "..."}.',
+)

@@ -13,6 +13,9 @@ and writes every event and error as :mod:`~tandem.gateway.api.anthropic_wire` do
   ``input: {}``), its arguments as ``input_json_delta`` fragments in the order generated, and a
   ``content_block_stop``; then ``message_delta`` and ``message_stop``. The SDK's accumulator parses
   the fragments into ``input``.
+* ``tool_choice`` ``auto`` (:mod:`~tandem.gateway.api.hermes_tools` reads the model's own syntax): the
+  blocks follow the answer in order, each run of text a ``text`` block and each call a ``tool_use``
+  block (streamed whole, once its block is closed); ``stop_reason`` ``tool_use`` when a call was made.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from tandem.gateway.api.anthropic_wire import (
     usage_dict,
 )
 from tandem.gateway.api.errors import ApiError
+from tandem.gateway.api.hermes_tools import Event, HermesReader, Text, read_whole
 from tandem.gateway.api.tool_calls import ToolCall, ToolCallReader, tool_calls_of
 from tandem.gateway.api.tools import ToolSpec
 from tandem.gateway.job import Finished
@@ -110,19 +114,77 @@ class _ToolUseStream:
         return block_stop(index)
 
 
+class _AutoBlocks:
+    """The content blocks of an ``auto`` answer, as stream events, from its reader's events in order."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self._open_text = False
+
+    def add(self, event: Event) -> bytes:
+        index = len(self.blocks)
+        if isinstance(event, Text):
+            out = b""
+            if not self._open_text:
+                self.blocks.append({"type": "text", "text": ""})
+                out, self._open_text = block_start(index, {"type": "text", "text": ""}), True
+            self.blocks[-1]["text"] += event.text
+            return out + block_delta(len(self.blocks) - 1, {"type": "text_delta", "text": event.text})
+        out = self.close()
+        call = event.call
+        index = len(self.blocks)
+        self.blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": json.loads(call.arguments)})
+        return (
+            out
+            + block_start(index, {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            + block_delta(index, {"type": "input_json_delta", "partial_json": call.arguments})
+            + block_stop(index)
+        )
+
+    def close(self) -> bytes:
+        if not self._open_text:
+            return b""
+        self._open_text = False
+        return block_stop(len(self.blocks) - 1)
+
+
+class _AutoStream(_ToolUseStream):
+    def __init__(self, meta: ResponseMeta, num_prompt_tokens: int, spec: ToolSpec) -> None:
+        super().__init__(meta, num_prompt_tokens, spec)
+        self._hermes = HermesReader(spec)
+        self._blocks = _AutoBlocks()
+
+    def delta(self, text: str, logprobs: Sequence[common_pb2.TokenLogprobs] = ()) -> bytes:
+        return b"".join(self._blocks.add(e) for e in self._hermes.feed(text))
+
+    def finish(self, finished: Finished) -> bytes:
+        out = b"".join(self._blocks.add(e) for e in self._hermes.close()) + self._blocks.close()
+        return out + message_end(_stop_reason(finished, bool(self._hermes.calls)), finished)
+
+
 class AnthropicToolWire:
     """``/v1/messages`` answers as tool calls, for one request's :class:`ToolSpec`."""
 
     def __init__(self, spec: ToolSpec) -> None:
-        assert spec.constrains, "only an answer constrained to a tool call is read as one"
+        assert spec.reads_calls, "only an answer that may be a tool call is read as one"
         self._spec = spec
 
     def stream_encoder(self, meta: ResponseMeta, num_prompt_tokens: int) -> _ToolUseStream:
+        if self._spec.mode == "auto":
+            return _AutoStream(meta, num_prompt_tokens, self._spec)
         return _ToolUseStream(meta, num_prompt_tokens, self._spec)
 
     def full_response(
         self, meta: ResponseMeta, text: str, finished: Finished, logprobs: Sequence[common_pb2.TokenLogprobs]
     ) -> dict[str, Any]:
+        if self._spec.mode == "auto":
+            events, _, auto_calls = read_whole(self._spec, text)
+            built = _AutoBlocks()
+            for auto_event in events:
+                built.add(auto_event)
+            answer = message(meta, built.blocks, usage_dict(finished.usage))
+            answer["stop_reason"] = _stop_reason(finished, bool(auto_calls))
+            return answer
         calls = tool_calls_of(self._spec, text)
         blocks = _tool_use_blocks(calls) if calls else None
         answer = message(meta, blocks or [{"type": "text", "text": text}], usage_dict(finished.usage))

@@ -29,8 +29,8 @@ from tandem.gateway.adapters import ModelResolver, ResolvedModel
 from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError
 from tandem.gateway.api.response_chains import ChainParser, ChainRequest, chain_to_store, history_of, read_response
 from tandem.gateway.api.responses_wire import stored_response_bytes
-from tandem.gateway.api.services import GatewayServices, ModelLimits
-from tandem.gateway.api.tools import ToolSpec, arguments_text_size, tools_text_size
+from tandem.gateway.api.services import GatewayServices, ModelLimits, ServedModelServices
+from tandem.gateway.api.tools import AUTO_REFUSED, ToolSpec, arguments_text_size, tools_text_size
 from tandem.gateway.api.validation import (
     ChatCompletionRequest,
     ChatMessage,
@@ -65,6 +65,8 @@ class Dialect:
     request_id_prefix: str
     #: The API stores its answers in chains (the Responses API): what the body asks of the store.
     chain: ChainParser | None = None
+    #: The refusal of ``tool_choice`` auto for a model without a tool chat template, in this API's words.
+    auto_refused: str = AUTO_REFUSED
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,8 @@ async def _prepare(
     # The base model that runs the request: its limits, tokenizer and chat template from here on.
     served = services.for_model(model.base_model)
     limits, tokenizer = served.limits, served.tokenizer
+    tools = body.tool_spec() if isinstance(body, ChatCompletionRequest) else None
+    chat_tokenizer = _chat_tokenizer(served, tools, dialect)
     if endpoint == "completions" and not tenant.may_send_raw_prompts():
         raise PermissionDeniedError(
             "This API key's tenant has a prompt policy (a system prompt, or no client system messages) that "
@@ -183,9 +187,8 @@ async def _prepare(
             stored = await read_response(services.conversations, tenant.id, chain.previous_id, "previous_response_id")
             history = history_of(stored)
         messages = [_template_message(m) for m in body.messages]
-        tools = body.tool_spec()
         assembled = await assemble_chat(
-            tokenizer,
+            chat_tokenizer,
             rules=PromptRules(tenant.system_prompt, tenant.allow_client_system_prompt),
             history=history,
             client_messages=messages,
@@ -249,10 +252,21 @@ async def _prepare(
         model=model,
         conversation=conversation,
         num_dropped_messages=num_dropped,
-        tools=body.tool_spec() if isinstance(body, ChatCompletionRequest) else None,
+        tools=tools,
         chain=chain,
         stored_chain=stored_chain,
     )
+
+
+def _chat_tokenizer(served: ServedModelServices, tools: ToolSpec | None, dialect: Dialect | None) -> PromptTokenizer:
+    """The tokenizer whose chat template renders the request: the model's tool chat template when the request
+    leaves the tool choice to the model (``auto``), which only it can present; the model's own otherwise."""
+    if tools is None or tools.mode != "auto":
+        return served.tokenizer
+    if served.tool_tokenizer is None:
+        message = dialect.auto_refused if dialect is not None else AUTO_REFUSED
+        raise InvalidRequestError(message, param="tool_choice", code="unsupported_value")
+    return served.tool_tokenizer
 
 
 #: No token of any tokenizer Tandem serves is longer than this many bytes of text.

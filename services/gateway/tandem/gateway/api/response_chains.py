@@ -99,15 +99,13 @@ def answer_turn(response: dict[str, Any]) -> dict[str, Any]:
     """The answer's chat turn (as a client would send it back: text, or the function calls) and the
     response object itself."""
     calls = [item for item in response["output"] if item["type"] == "function_call"]
-    turn: dict[str, Any]
+    # An answer to tool_choice "auto" may hold text beside its calls (tandem.gateway.api.responses_auto).
+    parts = [p["text"] for item in response["output"] if item["type"] == "message" for p in item["content"]]
+    turn: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
     if calls:
-        tool_calls = [
+        turn["tool_calls"] = [
             {"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
             for c in calls
         ]
-        turn = {"role": "assistant", "content": "", "tool_calls": tool_calls}
-    else:
-        parts = [p["text"] for item in response["output"] if item["type"] == "message" for p in item["content"]]
-        turn = {"role": "assistant", "content": "".join(parts)}
     turn[RESPONSE_KEY] = response
     return turn

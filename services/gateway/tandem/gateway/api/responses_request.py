@@ -18,8 +18,8 @@ conversation sent to ``/v1/chat/completions`` make the same prompt tokens and sa
 * ``max_output_tokens``, ``temperature`` and ``top_p`` are chat's ``max_tokens``, ``temperature`` and
   ``top_p``; ``tools`` (``type: "function"``, flat: ``name``, ``description``, ``parameters``, ``strict``),
   ``tool_choice`` and ``parallel_tool_calls`` are chat's function tools (:mod:`tandem.gateway.api.tools`:
-  ``"auto"`` is refused for this deployment's models); ``text.format`` ``json_schema`` / ``json_object``
-  is chat's ``response_format``.
+  ``"auto"`` for a model with a tool chat template, refused for others); ``text.format`` ``json_schema`` /
+  ``json_object`` is chat's ``response_format``.
 * ``store`` (default ``true``) keeps the response, and ``previous_response_id`` continues a stored one:
   the chain's turns come before the new input (:mod:`~tandem.gateway.api.response_chains`, read by
   :func:`parse_chain`). Refused with a 400 naming the parameter, rather than ignored:
@@ -165,7 +165,7 @@ def parse_responses(raw: bytes) -> ChatCompletionRequest:
     try:
         return validate_body(chat, ChatCompletionRequest)
     except InvalidRequestError as exc:
-        raise InvalidRequestError(_reworded(exc), param=_param(exc.param), code=exc.code) from exc
+        raise InvalidRequestError(str(exc), param=_param(exc.param), code=exc.code) from exc
 
 
 def _param(param: str | None) -> str | None:
@@ -176,15 +176,6 @@ def _param(param: str | None) -> str | None:
         if param == chat or param.startswith(chat + "."):
             return ours + param[len(chat) :]
     return param
-
-
-def _reworded(exc: InvalidRequestError) -> str:
-    if exc.param == "tool_choice" and "auto" in str(exc):
-        return (
-            'tool_choice "auto" (the default when tools are given) needs a model with a tool-call format, and this '
-            'deployment has none: send "required" or {"type": "function", "name": "..."}.'
-        )
-    return str(exc)
 
 
 def to_chat(request: ResponsesRequest) -> dict[str, Any]:
@@ -324,4 +315,10 @@ def parse_chain(raw: bytes) -> ChainRequest:
     )
 
 
-DIALECT = Dialect(parse=parse_responses, request_id_prefix=RESPONSE_ID_PREFIX, chain=parse_chain)
+DIALECT = Dialect(
+    parse=parse_responses,
+    request_id_prefix=RESPONSE_ID_PREFIX,
+    chain=parse_chain,
+    auto_refused='tool_choice "auto" (the default when tools are given) needs a model with a tool-call format, and '
+    'this model has none: send "required" or {"type": "function", "name": "..."}.',
+)

@@ -43,8 +43,9 @@ from tandem.gateway.api.generation import (
 )
 from tandem.gateway.api.prepare import Dialect, Endpoint, PreparedRequest, may_use, prepare, resolve_model
 from tandem.gateway.api.response_chains import answer_turn
+from tandem.gateway.api.responses_auto import AutoResponsesWire
 from tandem.gateway.api.responses_request import DIALECT as RESPONSES_DIALECT
-from tandem.gateway.api.responses_wire import responses_wire
+from tandem.gateway.api.responses_wire import echo_of, responses_wire
 from tandem.gateway.api.services import GatewayServices
 from tandem.gateway.api.streaming import StreamedResponse
 from tandem.gateway.api.tool_wire import OpenAIToolWire
@@ -238,7 +239,7 @@ def _answer_wire(
 ) -> WireFormat:
     if wire_for is not None:
         return wire_for(prepared)
-    if prepared.tools is not None and prepared.tools.constrains:
+    if prepared.tools is not None and prepared.tools.reads_calls:
         return tool_wire(prepared.tools)  # the answer is a tool call (tandem.gateway.api.tool_wire)
     return wire
 
@@ -380,6 +381,8 @@ messages = _generation_handler(
 
 def _responses_wire(prepared: PreparedRequest) -> WireFormat:
     assert isinstance(prepared.body, ChatCompletionRequest), "a Responses body is translated into a chat request"
+    if prepared.tools is not None and prepared.tools.mode == "auto":
+        return AutoResponsesWire(echo_of(prepared.body, prepared.chain), prepared.tools)
     return responses_wire(prepared.body, prepared.tools, prepared.chain)
 
 

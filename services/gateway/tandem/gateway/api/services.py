@@ -38,6 +38,9 @@ class ServedModelServices:
 
     limits: ModelLimits
     tokenizer: PromptTokenizer
+    #: The tokenizer with the model's tool chat template, for requests with tools and ``tool_choice: "auto"``;
+    #: None: the model has none, and ``auto`` is refused (tandem.gateway.api.tools.AUTO_REFUSED).
+    tool_tokenizer: PromptTokenizer | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class GatewayServices:
     #: missing here (a test's app with one model) uses ``limits`` and ``tokenizer``, the default model's.
     served: Mapping[str, ServedModelServices] = field(default_factory=dict)
     admin_key: str | None = None
+    #: The default model's tool tokenizer (ServedModelServices.tool_tokenizer), for a model missing in ``served``.
+    tool_tokenizer: PromptTokenizer | None = None
     #: How often a request's open usage record is written as its answer streams, and how far it may lag
     #: the tokens sent before the stream waits for it (tandem.gateway.usage_progress).
     usage_progress_interval_s: float = 0.2
@@ -76,4 +81,4 @@ class GatewayServices:
     def for_model(self, base_model: str) -> ServedModelServices:
         """The limits and tokenizer of the served base model ``base_model`` (a resolved request's)."""
         served = self.served.get(base_model)
-        return served if served is not None else ServedModelServices(self.limits, self.tokenizer)
+        return served if served is not None else ServedModelServices(self.limits, self.tokenizer, self.tool_tokenizer)

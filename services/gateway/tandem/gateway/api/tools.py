@@ -21,9 +21,14 @@ through structured outputs, so they work across prefill and decode exactly as
   ``minItems`` 1, each item ``anyOf`` the tools (``maxItems`` 1 when
   ``parallel_tool_calls`` is false); each item is one call;
 * ``"none"``: the tools constrain nothing (the chat template still gets them);
-* ``"auto"`` (OpenAI's default when tools are given) needs a model that decides
-  for itself whether to call, and a parser for its own tool-call syntax. Tandem
-  ships neither, so ``auto`` is refused with 400, naming the choices that work.
+* ``"auto"`` (OpenAI's default when tools are given) constrains nothing either: the
+  model decides for itself whether to call, in its own syntax. It needs a chat
+  template that presents the tools and a parser for that syntax: a served model
+  configured with a tool chat template (``ServedModel.tool_chat_template``; Tandem
+  ships a Hermes-style one for the default model) is rendered with it and its answer
+  read by :mod:`tandem.gateway.api.hermes_tools`; for any other model
+  :mod:`tandem.gateway.api.prepare` refuses ``auto`` with 400 (:data:`AUTO_REFUSED`),
+  naming the choices that work.
 """
 
 from __future__ import annotations
@@ -45,7 +50,14 @@ MAX_NUM_TOOL_CALLS = 128
 #: OpenAI's rule for function names.
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
-ToolMode = Literal["none", "required", "named"]
+ToolMode = Literal["none", "auto", "required", "named"]
+
+#: Chat's refusal of ``"auto"`` for a model without a tool chat template (each API words its own).
+AUTO_REFUSED = (
+    'tool_choice: "auto" (the default when tools are given) needs a model with a tool-call format, and this '
+    'model has none; send tool_choice "required" (the model calls one or more of the tools) or name a function: '
+    '{"type": "function", "function": {"name": "..."}}.'
+)
 
 
 class _Lenient(BaseModel):
@@ -130,11 +142,16 @@ class ToolSpec:
 
     @property
     def constrains(self) -> bool:
-        """Whether the answer is a tool call (its grammar is :meth:`constraint`)."""
+        """Whether the answer must be a tool call (its grammar is :meth:`constraint`)."""
+        return self.mode in ("required", "named")
+
+    @property
+    def reads_calls(self) -> bool:
+        """Whether the answer is read for tool calls (``"auto"``: by the model's own syntax, which may be absent)."""
         return self.mode != "none"
 
     def constraint(self) -> StructuredOutput | None:
-        """The structured output that makes the answer a tool call; None for ``"none"``."""
+        """The structured output that makes the answer a tool call; None for ``"none"`` and ``"auto"``."""
         if self.mode == "named":
             (tool,) = (t for t in self.tools if t.name == self.name)
             return StructuredOutput("json_schema", _parameters_or_empty_object(tool.parameters))
@@ -210,14 +227,6 @@ def tool_spec(
         _check_parameters_schema(function.parameters, f"{param}.function.parameters", defs)
         checked.append(FunctionTool(function.name, function.description, function.parameters))
     choice = "auto" if tool_choice is None else tool_choice
-    if choice == "auto":
-        raise InvalidRequestError(
-            'tool_choice: "auto" (the default when tools are given) needs a model with a tool-call format, '
-            'and this deployment has none; send tool_choice "required" (the model calls one or more of the '
-            'tools) or name a function: {"type": "function", "function": {"name": "..."}}.',
-            param="tool_choice",
-            code="unsupported_value",
-        )
     parallel = parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
