@@ -104,6 +104,37 @@ async def test_the_decode_workers_cached_prefix_counts_as_computed() -> None:
     assert cold.num_cached_tokens == len(DOC)  # the prefill worker's prefix still counts for prefill
 
 
+@pytest.mark.parametrize(
+    ("num_prefill_blocks", "num_new_tokens", "local"),
+    [
+        (3, THRESHOLD + 4, True),  # the prefill worker three blocks behind would compute 48 tokens more
+        (5, THRESHOLD + 4, True),  # one block behind: 16 more, still over the handoff's price
+        (5, THRESHOLD + 20, False),  # one block behind, but 60 uncached tokens: the handoff pays
+        (6, THRESHOLD + 4, False),  # the prefill worker as far as the decode worker: the threshold alone
+    ],
+)
+async def test_a_chain_turn_stays_where_its_previous_turn_was_finished(
+    num_prefill_blocks: int, num_new_tokens: int, local: bool
+) -> None:
+    """A chain's turn N+1 (a Responses chain, a conversation) when turn N ran on the decode worker alone:
+    the decode worker holds its prompt and answer, the prefill worker only an older turn's prefix. A
+    handoff would make the prefill worker compute again what the decode worker holds: the tokens it would
+    recompute add to the handoff's price (the threshold), so the turn stays on the decode worker while its
+    own uncached tokens are below both."""
+    scheduler, index, metrics = make_scheduler(POOL)
+    chain = list(range(3000, 3000 + 6 * BLOCK))  # turn N's prompt and answer: six full blocks
+    hashes = BlockHasher(BLOCK).block_hashes(chain)
+    index.store("d0", hashes)
+    index.store("p0", hashes[:num_prefill_blocks])
+    placement = await scheduler.schedule(request("turn", chain + [7] * num_new_tokens))
+    assert placement.decode.worker_id == "d0" and placement.num_decode_cached_tokens == len(chain)
+    assert placement.local_prefill is local and (placement.prefill is None) is local
+    if not local:
+        assert placement.prefill is not None and placement.prefill.worker_id == "p0"
+        assert placement.num_cached_tokens == num_prefill_blocks * BLOCK
+    assert (metrics.local, metrics.disaggregated) == ((1, 0) if local else (0, 1))
+
+
 async def test_a_request_that_does_not_say_its_prompt_length_is_not_taken_for_short() -> None:
     scheduler, _, _ = make_scheduler(POOL)
     placement = await scheduler.schedule(ScheduleRequest(request_id="unsized", model="m", max_tokens=8))

@@ -213,7 +213,12 @@ class Placer:
             prefill = None if prefill_pool is None else self.policy.choose_in(paired, prefill_pool)
             if prefill is None:
                 _no_worker(request, workers, ROLE_PREFILL)
-            prefill_worker = prefill.worker
+            assert prefill_pool is not None
+            num_prefill_cached = int(prefill_pool.cached_tokens[prefill.position])
+            if self._recomputes_too_much(num_tokens, num_decode_cached, num_prefill_cached):
+                local, prefill = True, None
+            else:
+                prefill_worker = prefill.worker
         tokens = {decode.worker.worker_id: num_tokens + request.max_tokens}
         num_cached = 0
         num_uncached = 0
@@ -227,6 +232,19 @@ class Placer:
             request, prefill, decode, prefill_worker, local, num_cached, num_decode_cached, num_uncached, tokens,
             unpaired=unpaired,
         )
+
+    def _recomputes_too_much(self, num_tokens: int, num_decode_cached: int, num_prefill_cached: int) -> bool:
+        """The handoff would make the prefill worker compute what the decode worker holds already: more of
+        the prompt than the decode worker would compute itself, by the threshold or more (a chain's turn
+        whose previous turn was finished on the decode worker alone: the prefill worker's copy of the prefix
+        is a turn or more behind). The threshold is the handoff's price in prompt tokens
+        (``make bench-local-prefill``); tokens the prefill worker computes again add to it, so the decode
+        worker prefills alone while its own uncached tokens are below both. With a threshold of 0 (always
+        hand off), or for a request that does not say how long its prompt is, never."""
+        threshold = self._min_uncached_tokens_to_disaggregate
+        num_decode_uncached = num_tokens - num_decode_cached
+        num_recomputed = max(0, num_decode_cached - num_prefill_cached)
+        return threshold > 0 and num_tokens > 0 and num_decode_uncached < threshold + num_recomputed
 
     def commit(self, choice: Choice) -> PlacementDecision:
         """Reserve ``choice`` and tell everyone who counts it."""
