@@ -74,7 +74,7 @@ def test_validation_catches_a_broken_manifest() -> None:
 @pytest.mark.parametrize(
     "bad",
     ["gateway.replcas=2", "accelerator=tpu", "tandemDeployment.pools.decode.maxReplicas=0",
-     "monitoring.prometheusRules.objective=1.5", "podSecurityContext.runAsNonRoot=false"],
+     "tandemDeployment.autoscaling.prefill.budgetUsage=2", "podSecurityContext.runAsNonRoot=false"],
 )
 def test_values_schema_rejects(bad: str) -> None:
     proc = run_helm("template", RELEASE, str(CHART), "--set", bad, check=False)

@@ -381,3 +381,9 @@ its OpenAPI document, and the playground page only with gateway.publicPlayground
 - {path: /, type: Exact}
 {{- end }}
 {{- end -}}
+
+{{/* The SLO's percentile: tandemDeployment.slo's targets are p90s, the quantile the operator's autoscaler
+reads (tandem_operator.signals, histogram_quantile(0.9, ...)). The alert rules' error budget is what it leaves,
+as PromQL arithmetic (Sprig's sub is integer math): the two call the same traffic on target. */}}
+{{- define "tandem.sloQuantile" -}}0.9{{- end -}}
+{{- define "tandem.sloErrorBudget" -}}(1 - {{ include "tandem.sloQuantile" . }}){{- end -}}
