@@ -22,6 +22,9 @@ through :class:`.kube.KubeClient` and writes the answer into ``status``.
   ``autoscaling.intervalSeconds`` each pool's signals (its model's) are read and the decision
   applied to its Deployment's replicas; every decision is logged as one JSON
   line (``tandem.autoscale``).
+* timer → every ``PAIRING_INTERVAL_S`` the pools' new pods of a revision being rolled out are marked
+  paired once the other role's of the same revision serve (:mod:`.rollout`): prefill and decode roll
+  together.
 * delete → the pools' Deployments and Services are deleted (the owner
   references would let the garbage collector do it too; this makes it
   immediate), and the adapters the resource managed are removed from the
@@ -61,7 +64,8 @@ from tandem_operator.reconcile import (
     set_condition,
     stale_names,
 )
-from tandem_operator.resources import LABEL_DEPLOYMENT
+from tandem_operator.resources import LABEL_DEPLOYMENT, LABEL_MODEL
+from tandem_operator.rollout import paired_status_patch, pod_state, pods_to_pair, revision_changed
 from tandem_operator.settings import OperatorSettings
 from tandem_operator.signals import PrometheusSource, QueryScope, RouterService, RouterSource, SignalSource
 from tandem_operator.spec import GROUP, PLURAL, VERSION, Pool, SpecError, TandemSpec, parse_spec
@@ -76,6 +80,8 @@ decision_logger = logging.getLogger("tandem.autoscale")
 _TICK_S = OperatorSettings().tick_s
 #: How often the timer refreshes a resource's status.pools and Ready condition.
 STATUS_REFRESH_S = 5.0
+#: How often the pairing timer looks at the pools' pods (a new worker waits at most this long to be Ready).
+PAIRING_INTERVAL_S = 2.0
 
 
 def _now() -> str:
@@ -219,7 +225,12 @@ async def reconcile_handler(
             key: None if dep is None else int((dep.get("spec") or {}).get("replicas", 0))
             for key, dep in existing.items()
         }
-        for obj in desired_objects(owner, td, current):
+        keys = {pool.name(name): pool.key for pool in td.pools_of()}
+        for obj in desired_objects(owner, td, current, existing):
+            key = keys.get(obj["metadata"]["name"]) if obj["kind"] == "Deployment" else None
+            if key is not None and revision_changed(obj, existing.get(key)):
+                logger.info("pool %s rolls to a new revision (image, model, dtype or TP size): its new workers "
+                            "turn Ready once the other role's of the same revision serve", key)
             await kube.apply(obj)
         await _delete_stale_pools(kube, owner, td, logger)
         deployments = await _deployments(kube, namespace, name, td)
@@ -322,6 +333,28 @@ async def autoscale_handler(
         entries["metricsAvailable"] = num_with_metrics > 0
         entries["source"] = td.autoscaling.source
         patch.status["autoscaling"] = entries
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=PAIRING_INTERVAL_S, idle=0)
+async def pairing_handler(*, name: str, namespace: str | None, memo: Any, logger: _Logger, **_: Any) -> None:
+    """Sets the pairing condition on the pools' new pods whose partner of the other role serves
+    (:func:`tandem_operator.rollout.pods_to_pair`, per model), so a rollout takes an old worker away only
+    once a pair of the new revision serves."""
+    assert namespace is not None
+    kube: KubeClient = memo.kube
+    try:
+        pods = await kube.list("v1", "Pod", namespace, f"{LABEL_DEPLOYMENT}={name}")
+        by_model: dict[str, list[dict[str, Any]]] = {}
+        for pod in pods:
+            by_model.setdefault(((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_MODEL, ""), []).append(pod)
+        for model_pods in by_model.values():
+            by_name = {str(p["metadata"]["name"]): p for p in model_pods}
+            for pod_name in pods_to_pair([pod_state(p) for p in model_pods]):
+                changes = paired_status_patch(by_name[pod_name], _now())
+                await kube.patch_status("v1", "Pod", namespace, pod_name, changes)
+                logger.info("pod %s paired: a worker of the other role with its revision serves", pod_name)
+    except KubeError as exc:
+        raise kopf.TemporaryError(str(exc), delay=memo.settings.retry_delay_s) from exc
 
 
 async def _refresh_status(

@@ -22,6 +22,8 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 _PATHS = {
     ("apps/v1", "Deployment"): "/apis/apps/v1/namespaces/{ns}/deployments",
     ("v1", "Service"): "/api/v1/namespaces/{ns}/services",
+    # Listed, and their status patched (the pairing condition, tandem_operator.rollout); never created.
+    ("v1", "Pod"): "/api/v1/namespaces/{ns}/pods",
     # Listed only: the router pods' metrics endpoints (tandem_operator.endpoints).
     ("discovery.k8s.io/v1", "EndpointSlice"): "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
     # Deleted by the uninstall hook (tandem_operator.uninstall); kopf handles it everywhere else.
@@ -90,6 +92,12 @@ class KubeClient:
     async def patch(self, api_version: str, kind: str, namespace: str, name: str,
                     changes: dict[str, Any]) -> dict[str, Any] | None:
         path = f"{collection_path(api_version, kind, namespace)}/{name}"
+        return await self._request("PATCH", path, json=changes, headers=_MERGE_PATCH)
+
+    async def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
+                           changes: dict[str, Any]) -> dict[str, Any] | None:
+        """A merge patch of the object's ``status`` subresource (None: the object is gone)."""
+        path = f"{collection_path(api_version, kind, namespace)}/{name}/status"
         return await self._request("PATCH", path, json=changes, headers=_MERGE_PATCH)
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:

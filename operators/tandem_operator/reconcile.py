@@ -12,6 +12,7 @@ from typing import Any
 
 from tandem_operator.autoscale import Decision
 from tandem_operator.resources import build_pool_deployment, build_pool_service
+from tandem_operator.rollout import with_pairing_gate
 from tandem_operator.spec import Pool, PoolSpec, TandemSpec
 
 
@@ -41,9 +42,13 @@ def replicas_to_apply(
 
 
 def desired_objects(
-    owner: Owner, spec: TandemSpec, current_replicas: Mapping[str, int | None]
+    owner: Owner,
+    spec: TandemSpec,
+    current_replicas: Mapping[str, int | None],
+    live: Mapping[str, dict[str, Any] | None] | None = None,
 ) -> list[dict[str, Any]]:
-    """The Deployment and Service of every pool; ``current_replicas`` by pool key (:attr:`Pool.key`)."""
+    """The Deployment and Service of every pool; ``current_replicas`` and the ``live`` Deployments by pool
+    key (:attr:`Pool.key`): a pool whose revision changes gets the pairing gate (tandem_operator.rollout)."""
     objects: list[dict[str, Any]] = []
     for pool in spec.pools_of():
         replicas = replicas_to_apply(
@@ -52,8 +57,9 @@ def desired_objects(
             current=current_replicas.get(pool.key),
             external=spec.autoscaling.external,
         )
-        objects.append(build_pool_deployment(name=owner.name, namespace=owner.namespace, uid=owner.uid,
-                                             cr_labels=owner.labels, spec=spec, pool=pool, replicas=replicas))
+        deployment = build_pool_deployment(name=owner.name, namespace=owner.namespace, uid=owner.uid,
+                                           cr_labels=owner.labels, spec=spec, pool=pool, replicas=replicas)
+        objects.append(with_pairing_gate(deployment, (live or {}).get(pool.key)))
         objects.append(build_pool_service(name=owner.name, namespace=owner.namespace, uid=owner.uid,
                                           cr_labels=owner.labels, spec=spec, pool=pool))
     return objects

@@ -368,11 +368,15 @@ def test_operator_rbac_is_least_privilege() -> None:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
             assert not {"secrets", "pods/exec", "configmaps"} & set(rule["resources"])
     # The router pods' metrics endpoints (autoscaling.source router reads every pod): EndpointSlices,
-    # listed only, in each watched namespace; nothing else of discovery.k8s.io, no Endpoints, no Pods.
+    # listed only, in each watched namespace; nothing else of discovery.k8s.io, no Endpoints. Pods: listed,
+    # and their status patched (the rollout's pairing condition), never created, deleted or exec'd into.
     for role in operator_roles:
         discovery = [r for r in role["rules"] if set(r["apiGroups"]) & {"discovery.k8s.io"}]
         assert discovery == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list"]}]
-        assert not any({"endpoints", "pods"} & set(r["resources"]) for r in role["rules"])
+        assert not any("endpoints" in r["resources"] for r in role["rules"])
+        pods = [r for r in role["rules"] if any(x.startswith("pods") for x in r["resources"])]
+        assert pods == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+                        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]}]
     operator = one(docs, "Deployment", f"{FULL}-operator")["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=tandem" in operator["args"] and "--namespace=tandem-b" in operator["args"]
 
