@@ -102,6 +102,12 @@ def whole(text: str) -> tuple[str | None, list[tuple[str, str]]]:
         ),
         pytest.param("<tool_call>", "<tool_call>", [], id="an-empty-open-block-is-text"),
         pytest.param(
+            "<tool_call>" + "[" * 100_000 + "</tool_call>",
+            "<tool_call>" + "[" * 100_000 + "</tool_call>",
+            [],
+            id="nested-past-the-json-recursion-limit",
+        ),
+        pytest.param(
             "  " + block("nope", {}) + block("get_time", {}),
             "  " + block("nope", {}),
             [("get_time", "{}")],

@@ -92,6 +92,8 @@ class HermesReader:
     #: Whitespace before any content, held until text follows (dropped when the answer is only calls).
     _held_whitespace: str = ""
     _in_call: bool = False
+    #: Characters of an open call block already searched for its end tag.
+    _num_searched: int = 0
     _closed: bool = False
 
     def feed(self, delta: str) -> list[Event]:
@@ -100,9 +102,12 @@ class HermesReader:
         events: list[Event] = []
         while True:
             if self._in_call:
-                end = self._pending.find(CALL_END)
+                # Search only the new text (and an end tag it may complete): each character is read once.
+                end = self._pending.find(CALL_END, max(0, self._num_searched - len(CALL_END) + 1))
                 if end < 0:
+                    self._num_searched = len(self._pending)
                     break
+                self._num_searched = 0
                 block = self._pending[: end + len(CALL_END)]
                 self._pending = self._pending[end + len(CALL_END) :]
                 self._in_call = False
@@ -158,7 +163,7 @@ class HermesReader:
             return None
         try:
             value = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested deeper than json's recursion allows: not a call either
             return None
         if not isinstance(value, dict):
             return None
