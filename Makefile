@@ -55,7 +55,7 @@ empty :=
 space := $(empty) $(empty)
 MYPY_PATH := $(subst $(space),:,$(SERVICE_DIRS) $(TOOL_DIRS))
 
-.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv bench-local-prefill bench-migration bench-trim bench-adapters
+.PHONY: help setup protos model lint test faults run clean distclean redis bench-path bench-kv bench-local-prefill bench-migration bench-trim bench-adapters bench-chain
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -157,6 +157,10 @@ bench-local-prefill: setup redis  ## handoff vs the decode worker prefilling alo
 BENCH_MIGRATION_ARGS ?=
 bench-migration: setup redis  ## streams whose decode worker is SIGKILLed mid-answer, against undisturbed runs (--streams N)
 	PYTHONPATH=. $(PY) benchmarks/migration.py $(BENCH_MIGRATION_ARGS)
+
+BENCH_CHAIN_ARGS ?=
+bench-chain: setup redis  ## 20-turn previous_response_id chains, 8 tenants at once, gateway restarted mid-run: TTFT p50 per turn, cached share
+	$(PY) benchmarks/response_chains.py $(BENCH_CHAIN_ARGS)
 
 bench-trim: setup  ## context trimming: one rendering prices every turn vs bisection, side by side
 	$(PY) benchmarks/context_trimming.py
