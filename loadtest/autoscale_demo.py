@@ -12,9 +12,16 @@ protocols, so the router and the gateway cannot tell. A worker the actuator adds
 ``STARTUP_S`` later (an engine loading its model); one it removes drains first. Every figure here
 describes the control loop, never model speed.
 
+The decode pool starts at zero (``minReplicas: 0``): before the load, one request is sent as a
+client would send it, retried after each 503's Retry-After, while the router counts the refusals as
+the decode pool's pending demand and the loop starts a decode worker; ``from_zero_s`` is the time from
+that first request to its answer (the cold start a client sees: the metrics' delays, one interval at
+most, a worker's start). After the load the pool goes back to zero.
+
 Writes ``reports/autoscale-demo/`` (``autoscale.png``, ``decisions.jsonl``, the load test's
 reports) and ends with one line:
-``autoscale: reversals=... slo_breach_fraction=... peak_prefill=... peak_decode=... returned_to_min=yes|no``.
+``autoscale: reversals=... slo_breach_fraction=... peak_prefill=... peak_decode=... returned_to_min=yes|no
+from_zero_s=...``.
 """
 
 from __future__ import annotations
@@ -66,8 +73,12 @@ ROUTER_QUEUE_TIMEOUT_S = 30
 GATEWAY_ROUTER_TIMEOUT_S = 40
 #: The load: 10x ramp up, a plateau, the ramp down, then quiet (seconds, requests per second).
 LOW_RPS, HIGH_RPS = 0.15, 1.5
-#: The tail is long enough for the pools to step down to their minimum, one step per scale-down window.
-RAMP_S, PLATEAU_S, TAIL_S = 120.0, 120.0, 300.0
+#: The tail is long enough for the pools to step down to their minimum (decode's is 0), one step per
+#: scale-down window.
+RAMP_S, PLATEAU_S, TAIL_S = 120.0, 120.0, 420.0
+#: The first request's deadline, retries included (a cold start takes the metrics' delays, an interval
+#: and ``STARTUP_S``).
+FROM_ZERO_DEADLINE_S = 180.0
 PROMPT_TOKENS, OUTPUT_TOKENS = 200, 16
 
 
@@ -91,7 +102,7 @@ def demo_spec(served_model_name: str) -> TandemSpec:
             "redis": {"url": "redis://unused:6379/0"},
             "pools": {
                 "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 6},
-                "decode": {"replicas": 1, "minReplicas": 1, "maxReplicas": 6},
+                "decode": {"replicas": 0, "minReplicas": 0, "maxReplicas": 6},
             },
             "slo": {"ttftP90Seconds": 5.0, "itlP90Seconds": 0.2},
             "autoscaling": {
@@ -282,7 +293,36 @@ def count_reversals(directions: list[bool]) -> int:
     return max(0, changes - 1) if directions and directions[0] else changes
 
 
-def summary(spec: TandemSpec, ticks: list[Tick], decisions: list[tuple[float, Decision]], load_end_s: float) -> str:
+async def first_request_from_zero(stack: LocalStack) -> float:
+    """One chat request to a deployment whose decode pool is at zero, retried after each 503's
+    Retry-After as the OpenAI SDKs do; seconds from the first try to the answer."""
+    import httpx
+
+    body = {
+        "model": stack.config.served_model_name,
+        "messages": [{"role": "user", "content": "Hello from zero, ünïcode 東京"}],
+        "max_tokens": OUTPUT_TOKENS,
+    }
+    headers = {"Authorization": f"Bearer {stack.api_key}"} if stack.api_key else {}
+    started_s = time.monotonic()
+    async with httpx.AsyncClient(base_url=stack.config.gateway_url, headers=headers, timeout=120) as client:
+        while time.monotonic() - started_s < FROM_ZERO_DEADLINE_S:
+            response = await client.post("/v1/chat/completions", json=body)
+            if response.status_code == 200:
+                return time.monotonic() - started_s
+            if response.status_code != 503 or "retry-after" not in response.headers:
+                raise RuntimeError(f"the first request got {response.status_code}: {response.text[:300]}")
+            await asyncio.sleep(float(response.headers["retry-after"]))
+    raise RuntimeError(f"no answer within {FROM_ZERO_DEADLINE_S:g} s of the first request at zero")
+
+
+def summary(
+    spec: TandemSpec,
+    ticks: list[Tick],
+    decisions: list[tuple[float, Decision]],
+    load_end_s: float,
+    from_zero_s: float | None = None,
+) -> str:
     reversals = 0
     for role in ROLES:
         directions = [d.desired_replicas > d.current_replicas for _, d in decisions if d.role == role and d.changed]
@@ -301,6 +341,7 @@ def summary(spec: TandemSpec, ticks: list[Tick], decisions: list[tuple[float, De
         f"autoscale: reversals={reversals} slo_breach_fraction={breach:.3f} "
         f"peak_prefill={max(t.replicas['prefill'] for t in ticks)} "
         f"peak_decode={max(t.replicas['decode'] for t in ticks)} returned_to_min={'yes' if at_min else 'no'}"
+        + ("" if from_zero_s is None else f" from_zero_s={from_zero_s:.1f}")
     )
 
 
@@ -377,10 +418,11 @@ async def demo(out: Path) -> str:
     decisions: list[tuple[float, Decision]] = []
     stop = asyncio.Event()
     try:
-        # The pools' first workers first: the gateway is ready only once both roles are registered.
+        # Prefill's first worker; decode starts at zero (the gateway is ready without it).
         await cluster.start()
         for role in ROLES:
-            await actuator.start_ready(role)
+            if spec.pools.get(role).replicas:
+                await actuator.start_ready(role)
         await asyncio.to_thread(stack.start)
         await asyncio.to_thread(prometheus.start)  # the simulated workers' heartbeats go on meanwhile
         started_s = time.monotonic()
@@ -388,7 +430,9 @@ async def demo(out: Path) -> str:
             source = PrometheusSource(prometheus.url, QueryScope(NAMESPACE, DEPLOYMENT), http)
             with (out / "decisions.jsonl").open("w") as log:
                 loop = asyncio.create_task(control_loop(spec, source, actuator, started_s, ticks, decisions, log, stop))
-                await asyncio.sleep(20)  # a quiet start: the loop holds at the minimum
+                await asyncio.sleep(20)  # a quiet start: the loop holds at the minimum (decode at zero)
+                from_zero_s = await first_request_from_zero(stack)
+                print(f"[autoscale-demo] first request at zero answered after {from_zero_s:.1f} s", flush=True)
                 load_started_s = time.monotonic() - started_s
                 await asyncio.to_thread(run_load, stack, out / "load")
                 load_end_s = time.monotonic() - started_s
@@ -397,7 +441,7 @@ async def demo(out: Path) -> str:
                 await loop
         plot(spec, ticks, load_started_s, out / "autoscale.png")
         print(f"[autoscale-demo] {load_summary(out / 'load')}", flush=True)
-        return summary(spec, ticks, decisions, load_end_s)
+        return summary(spec, ticks, decisions, load_end_s, from_zero_s)
     finally:
         stop.set()
         await actuator.aclose()
