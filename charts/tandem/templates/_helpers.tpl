@@ -93,6 +93,7 @@ user {{ $p }}-router on #{{ sha256sum (index .passwords "router") }} resetchanne
 user {{ $p }}-worker on #{{ sha256sum (index .passwords "worker") }} resetchannels +ping +select +zrange +mget +get +set +del +zadd +zrem +incrby +multi +exec +discard +hgetall ~{{ $p }}:worker:* ~{{ $p }}:workers ~{{ $p }}:workers:removed %R~{{ $p }}:adapters
 user {{ $p }}-admin on #{{ sha256sum (index .passwords "admin") }} resetchannels +ping +select +evalsha +script|load +get +set +mget +del +scan +time +sadd +srem +smembers +hget +hgetall +hdel +hincrby +zcard +zrem +zrangebyscore +watch +unwatch +multi +exec +discard ~{{ $p }}:gw:* (~{{ $p }}:adapters ~{{ $p }}:adapters:version +hgetall +hset +hdel +incrby)
 user {{ $p }}-operator on #{{ sha256sum (index .passwords "operator") }} resetchannels +ping +select +hgetall +hset +hdel +incrby ~{{ $p }}:adapters ~{{ $p }}:adapters:version
+user {{ $p }}-raygcs on #{{ sha256sum (index .passwords "raygcs") }} resetchannels +ping +select +info +hset +hsetnx +hget +hmget +hkeys +hexists +hdel +hscan +del +exists +incrby +scan ~RAY{{ $p }}-raygcs@* (~DUMMY +del)
 {{- end -}}
 
 {{- define "tandem.routerAddress" -}}
@@ -387,3 +388,53 @@ reads (tandem_operator.signals, histogram_quantile(0.9, ...)). The alert rules' 
 as PromQL arithmetic (Sprig's sub is integer math): the two call the same traffic on target. */}}
 {{- define "tandem.sloQuantile" -}}0.9{{- end -}}
 {{- define "tandem.sloErrorBudget" -}}(1 - {{ include "tandem.sloQuantile" . }}){{- end -}}
+
+{{/* "true" when the router's Ray head keeps its state in Redis (KubeRay's GCS fault tolerance): router.gcsFaultTolerance.enabled,
+or when it is null, the chart's own Redis with the chart's own Secret (whose users the chart writes). */}}
+{{- define "tandem.gcsFaultTolerance" -}}
+{{- $ft := .Values.router.gcsFaultTolerance -}}
+{{- if kindIs "bool" $ft.enabled -}}
+{{- if $ft.enabled }}true{{ end -}}
+{{- else if and .Values.redis.enabled (not .Values.redis.existingSecret) -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* KubeRay's gcsFaultToleranceOptions for the router's RayCluster (KubeRay 1.3 or newer): the chart's Redis and its
+raygcs user (tandem.common.redis_acl), or router.gcsFaultTolerance.redisAddress and its password Secret. */}}
+{{- define "tandem.gcsFaultToleranceOptions" -}}
+{{- $ft := .Values.router.gcsFaultTolerance -}}
+{{- $auth := and .Values.redis.auth.enabled (not $ft.redisAddress) -}}
+{{- if and (not $ft.redisAddress) (or $ft.username $ft.passwordSecret.name) -}}
+{{- fail "router.gcsFaultTolerance: username and passwordSecret are for redisAddress's Redis (the chart's Redis uses its raygcs user)" -}}
+{{- end -}}
+{{- if $ft.redisAddress }}
+redisAddress: {{ $ft.redisAddress | quote }}
+{{- else if .Values.redis.enabled }}
+redisAddress: {{ printf "%s-redis:6379" (include "tandem.fullname" .) | quote }}
+{{- else }}
+{{- fail "router.gcsFaultTolerance: with an external Redis, set redisAddress (host:port of the Redis the Ray head keeps its state in) or enabled: false" }}
+{{- end }}
+{{- if $auth }}
+redisUsername:
+  value: {{ printf "%s-raygcs" .Values.redis.keyPrefix | quote }}
+redisPassword:
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.redisSecretName" . }}
+      key: raygcs-password
+{{- else }}
+{{- with $ft.username }}
+redisUsername:
+  value: {{ . | quote }}
+{{- end }}
+{{- if $ft.passwordSecret.name }}
+redisPassword:
+  valueFrom:
+    secretKeyRef:
+      name: {{ $ft.passwordSecret.name | quote }}
+      key: {{ $ft.passwordSecret.key | quote }}
+{{- end }}
+{{- end }}
+externalStorageNamespace: {{ printf "%s-raygcs" .Values.redis.keyPrefix | quote }}
+{{- end -}}

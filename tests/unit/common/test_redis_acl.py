@@ -266,7 +266,7 @@ async def test_the_admin_cli_and_the_operator_manage_adapters_under_their_own_us
 def test_user_names_carry_the_prefix_and_prefixes_that_would_widen_a_pattern_are_refused() -> None:
     assert redis_acl.username("gateway", "tandem") == "tandem-gateway"
     names = [redis_acl.username(c, "t") for c in redis_acl.COMPONENTS]
-    assert names == ["t-gateway", "t-router", "t-worker", "t-admin", "t-operator"]
+    assert names == ["t-gateway", "t-router", "t-worker", "t-admin", "t-operator", "t-raygcs"]
     for bad in ("", "tan*", "a b", "x~y", "p:q", "a" * 65):
         with pytest.raises(ValueError):
             redis_acl.rules("gateway", bad)
@@ -279,7 +279,10 @@ def test_rules_name_commands_one_by_one_never_a_category_or_every_key() -> None:
         rules = redis_acl.rules(component, "tandem")
         assert rules[0] == "resetchannels"
         assert not [r for r in rules if r.startswith(("+@", "allcommands", "allkeys", "~*", "&*", "allchannels"))]
-        assert all("tandem:" in r for r in rules if "~" in r or r.startswith("&"))
+        # The Ray head's user: Ray's hashes of the prefix's storage namespace, and DEL of its probe key alone.
+        scoped = ("tandem:", "~RAYtandem-raygcs@") if component == redis_acl.RAY_GCS else ("tandem:",)
+        patterns = [r for r in rules if ("~" in r or r.startswith("&")) and r != "(~DUMMY +del)"]
+        assert all(any(s in r for s in scoped) for r in patterns)
     assert not [r for r in redis_acl.rules("gateway", "tandem") if r in ("~tandem:gw:key:*", "~tandem:gw:tenant:*")]
 
 

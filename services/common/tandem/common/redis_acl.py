@@ -30,6 +30,10 @@ admin      tenants, keys, quotas, usage, conversations (``<prefix>:gw:*``) and
 operator   the adapter catalog only (``<prefix>:adapters``,
            ``<prefix>:adapters:version``): it reconciles a TandemDeployment's
            adapters into it (HGETALL, HSET, HDEL, INCRBY)
+raygcs     the router's Ray head (GCS fault tolerance, KubeRay's
+           ``gcsFaultToleranceOptions``): Ray's own tables, the hashes
+           ``RAY<prefix>-raygcs@<table>`` of its storage namespace
+           (:func:`gcs_storage_namespace`), and nothing of Tandem's
 =========  =====================================================================
 
 Nobody but the router publishes on the ledger channel; nobody but the admin
@@ -63,8 +67,9 @@ ROUTER = "router"
 WORKER = "worker"
 ADMIN = "admin"
 OPERATOR = "operator"
+RAY_GCS = "raygcs"
 #: Every component with a Redis user, in the order of the docs' table.
-COMPONENTS = (GATEWAY, ROUTER, WORKER, ADMIN, OPERATOR)
+COMPONENTS = (GATEWAY, ROUTER, WORKER, ADMIN, OPERATOR, RAY_GCS)
 
 #: What a key prefix may hold: it goes into glob patterns and user names unquoted.
 _PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -169,7 +174,35 @@ def _operator(p: str) -> tuple[str, ...]:
     return (*_CONNECTION, *_CATALOG_COMMANDS, *_catalog_keys(p))
 
 
-_RULES = {GATEWAY: _gateway, ROUTER: _router, WORKER: _worker, ADMIN: _admin, OPERATOR: _operator}
+def gcs_storage_namespace(key_prefix: str) -> str:
+    """The Ray head's storage namespace in Redis (KubeRay's ``externalStorageNamespace``, Ray's
+    ``RAY_external_storage_namespace``): Ray keeps each GCS table in the hash ``RAY<namespace>@<table>``."""
+    return f"{check_prefix(key_prefix)}-raygcs"
+
+
+#: What Ray 2.60's GCS sends to its Redis (read with MONITOR from a head started with RAY_REDIS_ADDRESS,
+#: over a Serve deployment and head restarts): its tables are hashes; INCRBY is the job counter;
+#: INFO (CLUSTER, SENTINEL) and DEL of the key DUMMY probe what kind of Redis it is; SCAN (with DEL) is
+#: how KubeRay's cleanup job deletes a deleted cluster's keys.
+_RAY_GCS_COMMANDS = (
+    "+info", "+hset", "+hsetnx", "+hget", "+hmget", "+hkeys", "+hexists", "+hdel", "+hscan",
+    "+del", "+exists", "+incrby", "+scan",
+)  # fmt: skip
+
+
+def _ray_gcs(p: str) -> tuple[str, ...]:
+    # DEL of DUMMY alone, in a selector: the one key outside its namespace, which it never writes.
+    return (*_CONNECTION, *_RAY_GCS_COMMANDS, f"~RAY{gcs_storage_namespace(p)}@*", "(~DUMMY +del)")
+
+
+_RULES = {
+    GATEWAY: _gateway,
+    ROUTER: _router,
+    WORKER: _worker,
+    ADMIN: _admin,
+    OPERATOR: _operator,
+    RAY_GCS: _ray_gcs,
+}
 
 
 def check_prefix(key_prefix: str) -> str:
