@@ -89,7 +89,8 @@ PARAMETERS: tuple[Parameter, ...] = (
     _honoured(
         "tool_choice",
         CHAT,
-        "a named function or required: a grammar makes the answer the call's JSON; none; auto is refused (400)",
+        "a named function or required: a grammar makes the answer the call's JSON; none; auto: the model's tool "
+        "chat template and a Hermes parser (400 for a model without one)",
     ),
     _honoured("parallel_tool_calls", CHAT, "false: required makes at most one call"),
     # -- OpenAI, refused ---------------------------------------------------------------------------------
