@@ -369,3 +369,50 @@ def test_data_paths_answer_grpc_alone_with_shared_memory_off() -> None:
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         side.shutdown()
+
+
+def test_a_stream_that_ends_before_every_chunk_was_said_is_a_broken_pull() -> None:
+    from tandem.worker.kv_connector.shm_transport import _ready_chunks
+
+    data = memoryview(b"abcdefgh")
+    said = iter(
+        [kv_transfer_pb2.ShmChunksReady(num_chunks_ready=1), kv_transfer_pb2.ShmChunksReady(num_chunks_ready=3)]
+    )
+    assert [bytes(c) for c in _ready_chunks(said, data, [3, 3, 2])] == [b"abc", b"def", b"gh"]
+    chunks = _ready_chunks(iter([kv_transfer_pb2.ShmChunksReady(num_chunks_ready=1)]), data, [3, 3, 2])
+    assert bytes(next(chunks)) == b"abc"
+    with pytest.raises(ValueError, match="1 of 3 chunks"):
+        next(chunks)
+
+
+def test_over_mutual_tls_only_a_decode_workers_certificate_asks_or_pulls_through_shared_memory(tmp_path: Path) -> None:
+    import grpc
+
+    from tandem.common.identity import DENIED_MESSAGE
+    from tandem.common.tls import channel
+    from tandem.local.pki import ensure_pki
+
+    pki = ensure_pki(tmp_path / "pki")
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    prefill, p_caches = make_side(free_port(), tls=pki["prefill"], shm_dir=str(shm_dir), lease_s=LEASE_S)
+    decode, d_caches = make_side(free_port(), fill=0.0, tls=pki["decode"], shm_dir=str(shm_dir), lease_s=LEASE_S)
+    try:
+        _, record = _pull(decode, prefill, (4, 5), (6, 7), "rid")
+        assert not record.failed and decode.stats().shm_loads_total == 1
+        _assert_copied(p_caches, d_caches, (4, 5), (6, 7))
+        assert prefill.shm is not None
+        token = prefill.shm.dir_token
+        for role in ("gateway", "prefill", "router", "operator"):
+            with channel(prefill.server.address, pki[role]) as ch:
+                stub = kv_transfer_pb2_grpc.KVTransferStub(ch)
+                with pytest.raises(grpc.RpcError) as asked:
+                    stub.DataPaths(kv_transfer_pb2.DataPathsRequest(), timeout=5)
+                with pytest.raises(grpc.RpcError) as pulled:
+                    next(stub.PullBlocksShm(kv_transfer_pb2.ShmPullRequest(shm_dir_token=token), timeout=5))
+                for refused in (asked.value, pulled.value):
+                    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, role  # type: ignore[attr-defined]
+                    assert refused.details() == DENIED_MESSAGE  # type: ignore[attr-defined]
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

@@ -62,6 +62,9 @@ ALLOWED_ROLES: Mapping[str, frozenset[str]] = {
     "/tandem.v1.KVTransfer/PullBlockBytes": _DECODE,
     "/tandem.v1.KVTransfer/StreamBlockBytes": _DECODE,
     "/tandem.v1.KVTransfer/Release": _DECODE,
+    # The data paths a KV server offers, and the pull through shared memory (the same KV as PullBlockBytes).
+    "/tandem.v1.KVTransfer/DataPaths": _DECODE,
+    "/tandem.v1.KVTransfer/PullBlocksShm": _DECODE,
     "/tandem.v1.KVTransfer/GetStats": _ANY_ROLE,
     # tandem.v1.Router (through the router's TLS front): placements are the gateway's.
     "/tandem.v1.Router/Schedule": _GATEWAY,

@@ -51,7 +51,6 @@ from tandem.worker.kv_connector import shm_transport, wire
 from tandem.worker.kv_connector.cpus import move_this_thread, threads_started_on
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, HoldSpec, PrefillProgress
-from tandem.worker.kv_connector.shm import ShmError
 
 logger = logging.getLogger(__name__)
 
@@ -577,26 +576,13 @@ class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     def DataPaths(
         self, request: kv_transfer_pb2.DataPathsRequest, context: grpc.ServicerContext
     ) -> kv_transfer_pb2.DataPathsReply:
-        shm = self._kv.shm
-        return kv_transfer_pb2.DataPathsReply(data_paths=["grpc"]) if shm is None else shm.data_paths()
+        return shm_transport.data_paths(self._kv.shm)
 
     def PullBlocksShm(
         self, request: kv_transfer_pb2.ShmPullRequest, context: grpc.ServicerContext
     ) -> Iterator[kv_transfer_pb2.ShmChunksReady]:
-        """The pull through shared memory (see :mod:`shm_transport`)."""
-        shm = self._kv.shm
-        if shm is None or request.shm_dir_token != shm.dir_token:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no shared memory with this engine")
-        assert shm is not None
-        wanted = self._held_blocks(request.pull, context)
-        failpoints.hit("kv_shm.serve")
-        reader = self._kv.reader()
-        try:
-            max_chunk = request.pull.max_chunk_bytes or 4 * 1024 * 1024
-            yield from shm_transport.serve_pull(shm.pool, reader, wanted, max_chunk, request.pull.request_id)
-        except ShmError as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        self._kv.count_sent(len(wanted) * reader.block_bytes * reader.num_layers, len(wanted))
+        kv = self._kv
+        return shm_transport.serve(kv.shm, request, context, self._held_blocks, kv.reader(), kv.count_sent)
 
     def Release(
         self, request: kv_transfer_pb2.ReleaseBlocksRequest, context: grpc.ServicerContext

@@ -31,11 +31,12 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import grpc
 
+from tandem.common import failpoints
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector import shm, wire
 
@@ -71,6 +72,34 @@ class SharedMemory:
         self._sweeper.stop()
         self.pool.close()
         self.maps.close()
+
+
+def data_paths(memory: SharedMemory | None) -> kv_transfer_pb2.DataPathsReply:
+    """``DataPaths``: gRPC, and shared memory where ``memory`` is on."""
+    return kv_transfer_pb2.DataPathsReply(data_paths=["grpc"]) if memory is None else memory.data_paths()
+
+
+def serve(
+    memory: SharedMemory | None,
+    request: kv_transfer_pb2.ShmPullRequest,
+    context: grpc.ServicerContext,
+    held_blocks: Callable[[kv_transfer_pb2.PullBlocksRequest, grpc.ServicerContext], list[int]],
+    reader: wire.BlockReader,
+    count_sent: Callable[[int, int], None],
+) -> Iterator[kv_transfer_pb2.ShmChunksReady]:
+    """``PullBlocksShm``: refused unless the caller opens this engine's directory; then the KV server's
+    ``held_blocks`` checks (those of every pull), and the blocks written into a segment (:func:`serve_pull`)."""
+    if memory is None or request.shm_dir_token != memory.dir_token:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no shared memory with this engine")
+    assert memory is not None
+    wanted = held_blocks(request.pull, context)
+    failpoints.hit("kv_shm.serve")
+    try:
+        max_chunk = request.pull.max_chunk_bytes or 4 * 1024 * 1024
+        yield from serve_pull(memory.pool, reader, wanted, max_chunk, request.pull.request_id)
+    except shm.ShmError as exc:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    count_sent(len(wanted) * reader.block_bytes * reader.num_layers, len(wanted))
 
 
 def serve_pull(
@@ -149,18 +178,27 @@ class ShmPuller:
             return None
         try:
             num_bytes = self._pull(channel, request, writer, local_block_ids, timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise  # no time left for a fallback: the load fails as a hung gRPC pull would
+            self._fall_back(address, request, shm.ShmError("failed", f"{exc.code().name}: {exc.details()}"))
+            return None
         except shm.ShmError as exc:
-            with self._lock:
-                self.fallbacks[exc.reason] += 1
-                if exc.reason != "failed":  # ask again before the next pull: the peer may have changed
-                    self._peers.pop(address, None)
-            logger.warning(
-                "KV pull of %s by shared memory fell back to gRPC (%s): %s", request.request_id, exc.reason, exc
-            )
+            self._fall_back(address, request, exc)
+            return None
+        except Exception as exc:  # any other failure (a mapping refused, ...) falls back too
+            self._fall_back(address, request, shm.ShmError("failed", f"{type(exc).__name__}: {exc}"))
             return None
         with self._lock:
             self.num_loads += 1
         return num_bytes
+
+    def _fall_back(self, address: str, request: kv_transfer_pb2.PullBlocksRequest, exc: shm.ShmError) -> None:
+        with self._lock:
+            self.fallbacks[exc.reason] += 1
+            if exc.reason != "failed":  # ask again before the next pull: the peer may have changed
+                self._peers.pop(address, None)
+        logger.warning("KV pull of %s by shared memory fell back to gRPC (%s): %s", request.request_id, exc.reason, exc)
 
     def _pull(
         self,
@@ -194,9 +232,7 @@ class ShmPuller:
                 for _ in call:  # the stream's end: the peer's status, and its count of what it sent
                     pass
                 return num_bytes
-            except (grpc.RpcError, ValueError, StopIteration) as exc:
-                if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise
+            except ValueError as exc:  # too few chunks said (a broken stream raises RpcError: see pull)
                 raise shm.ShmError("failed", f"the shared-memory pull broke off: {exc}") from exc
             finally:
                 view.release()
