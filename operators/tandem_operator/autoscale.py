@@ -145,6 +145,10 @@ def _latency_vote(current: int, p90_s: float, slo_s: float, scale_down_fraction:
     return 0  # comfortable: latency does not stand in the way of a scale-down
 
 
+#: Votes that only say whether latency stands in the way: 0 means "no objection", not "no load".
+LATENCY_VOTES = frozenset({"ttft_p90", "itl_p90"})
+
+
 def votes_for(role: Role, current: int, signals: PoolSignals, policy: AutoscalingSpec, slo: SloSpec) -> dict[str, int]:
     """Per available signal, how many replicas it asks for."""
     votes: dict[str, int] = {}
@@ -218,6 +222,10 @@ def decide(
         return decision, history
 
     raw = max(votes.values())
+    if LATENCY_VOTES.issuperset(votes):
+        # Latency alone (the router's series missing, e.g. its export stalled under load) may grow the
+        # pool, never shrink it: its 0 is no objection, and with minReplicas 0 it took a loaded pool to zero.
+        raw = max(raw, current_replicas)
     raw_bounded = min(max(raw, pool.min_replicas), pool.max_replicas)
     keep_s = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
     # Keep the window's worth, plus the newest older one: it proves how long the pool has had its size.

@@ -135,3 +135,17 @@ def test_an_idle_pool_with_min_zero_goes_to_zero_a_step_at_a_time() -> None:
     held, _ = decide(role="decode", current_replicas=1, signals=signals, pool=ZERO_POOL, policy=policy(), slo=SLO,
                      history=(), now_s=100.0, ready_replicas=0)
     assert held.desired_replicas == 1
+
+
+def test_latency_alone_never_shrinks_a_pool() -> None:
+    """The router's series missing (its export stalled under load), only the latency votes left: a
+    comfortable p90 is no objection, not a count of zero. The demo's run took a loaded decode pool with
+    minReplicas 0 from 1 to 0 on the ITL vote alone."""
+    for role, signals in (("decode", PoolSignals(itl_p90_s=0.05)), ("prefill", PoolSignals(ttft_p90_s=0.5))):
+        for pool in (ZERO_POOL, POOL):
+            held = once(role, 1 if pool is ZERO_POOL else 3, signals, pool=pool)
+            assert not held.changed, held
+    # Over its SLO it still grows the pool.
+    assert once("decode", 1, PoolSignals(itl_p90_s=0.3), pool=ZERO_POOL).desired_replicas == 3
+    # With a load signal beside it, the pool shrinks as before.
+    assert once("decode", 1, PoolSignals(itl_p90_s=0.05, budget_usage=0.0), pool=ZERO_POOL).desired_replicas == 0
