@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import tempfile
 from typing import Any
@@ -22,6 +23,16 @@ from tandem_operator.spec import SpecError, parse_spec
 from tests.chart.conftest import CHART, RELEASE, helm_path
 from tests.chart.crd_schema import validate_custom_resource
 from tests.chart.schema_strategy import strategy
+
+
+class _KubeLoader(yaml.SafeLoader):
+    """YAML as the API server reads it: Go's parser (helm's toYaml writes 1e-05, 5e+07) takes an exponent
+    without a dot for a float, PyYAML's YAML 1.1 resolver for a string."""
+
+
+_KubeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"), list("-+0123456789.")
+)
 
 #: How many value sets one run renders (each is one ``helm template``, ~0.3 s). 150 examples found the
 #: disagreements this test was written for (a model without a source, adapters of no served model, a models-form
@@ -70,7 +81,7 @@ def test_values_the_schema_passes_render_a_resource_the_crd_and_the_operator_acc
         assert "execution error" in proc.stderr or "values don't meet" in proc.stderr, proc.stderr
         assert "nil pointer" not in proc.stderr and "wrong type" not in proc.stderr, proc.stderr
         return
-    (cr,) = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "TandemDeployment"]
+    (cr,) = [d for d in yaml.load_all(proc.stdout, Loader=_KubeLoader) if d and d["kind"] == "TandemDeployment"]
     try:
         validate_custom_resource(cr)
     except jsonschema.ValidationError as exc:
@@ -84,7 +95,7 @@ def test_values_the_schema_passes_render_a_resource_the_crd_and_the_operator_acc
 def test_the_property_sees_a_disagreement() -> None:
     """The check above is not a rubber stamp: a CR the CRD rejects fails it."""
     proc = _render({})
-    (cr,) = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "TandemDeployment"]
+    (cr,) = [d for d in yaml.load_all(proc.stdout, Loader=_KubeLoader) if d and d["kind"] == "TandemDeployment"]
     cr["spec"]["pools"]["prefill"]["tolerations"] = [{"effect": "Sometimes"}]
     try:
         validate_custom_resource(cr)
@@ -101,5 +112,5 @@ def test_a_value_yaml_cannot_encode_fails_the_render_instead_of_vanishing() -> N
     assert "a value holds characters YAML cannot encode" in proc.stderr
     ok = _render({"tandemDeployment": {"pools": {"prefill": {"podAnnotations": {"note": "café 東京 🚀"}}}}})
     assert ok.returncode == 0, ok.stderr
-    (cr,) = [d for d in yaml.safe_load_all(ok.stdout) if d and d["kind"] == "TandemDeployment"]
+    (cr,) = [d for d in yaml.load_all(ok.stdout, Loader=_KubeLoader) if d and d["kind"] == "TandemDeployment"]
     assert cr["spec"]["pools"]["prefill"]["podAnnotations"] == {"note": "café 東京 🚀"}
