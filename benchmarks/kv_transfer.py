@@ -61,8 +61,12 @@ thread; the copies release the GIL) gained nothing when alternated against the i
 (~1k tokens: 28.2 against 27.6 ms p50), nor did two or four channels to the prefill side for four
 concurrent pulls (108.6, 108.6 and 111.1 ms), so neither is in the code.
 
+Each size is also pulled through shared memory (a second decode side of the same host and shared
+directory: ``tandem.worker.kv_connector.shm_transport``), beside a plain memcpy of the same bytes
+in this process, in the same rounds.
+
 Ends with ``bench-kv: pull_gbps=… loopback_gbps=… ratio=… grpc_ceiling_gbps=…
-min_ratio_vs_grpc=… concurrent_ratio=… second_token_gap_ratio=…
+min_ratio_vs_grpc=… concurrent_ratio=… shm_gbps=… memcpy_gbps=… shm_ratio=… second_token_gap_ratio=…
 second_token_gap_ratio_without_prefetch=…`` (ratio: pull ÷
 loopback at ~4k tokens; concurrent_ratio: the same for the concurrent round; the
 gap ratio is ``n/a`` without ``--engines``). Nothing is simulated; the transport part
@@ -74,12 +78,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import shutil
 import socket
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -128,7 +133,7 @@ def _caches(dtype_name: str, seed: int | None) -> dict[str, Any]:
     }
 
 
-def _side(port: int, max_chunk_bytes: int) -> Any:
+def _side(port: int, max_chunk_bytes: int, shm_dir: str = "") -> Any:
     from tandem.worker.kv_connector.worker_side import WorkerSide
 
     return WorkerSide(
@@ -141,18 +146,23 @@ def _side(port: int, max_chunk_bytes: int) -> Any:
         kv_port=port,
         max_chunk_bytes=max_chunk_bytes,
         pull_timeout_s=120,
+        lease_s=600,
+        shm_dir=shm_dir,
     )
 
 
 # --- part 1: processes --------------------------------------------------------------------------------------
 
 
-def _prefill_server(conn: Connection, port: int, dtype_name: str, max_chunk_bytes: int, holds: list[str]) -> None:
+def _prefill_server(
+    conn: Connection, port: int, dtype_name: str, max_chunk_bytes: int, holds: list[str], shm_dir: str
+) -> None:
     """The prefill side: a KV server over seeded random caches, holding blocks 0.. for each request id in
-    ``holds`` (as vLLM's requests ``<id>-abcdefgh``)."""
+    ``holds`` (as vLLM's requests ``<id>-abcdefgh``), serving them over gRPC and through shared memory in
+    ``shm_dir``."""
     from tandem.worker.kv_connector.metadata import GrpcKVMetadata, HoldSpec
 
-    side = _side(port, max_chunk_bytes)
+    side = _side(port, max_chunk_bytes, shm_dir)
     side.register_kv_caches(_caches(dtype_name, SEED))
     blocks = tuple(range(Size(max(SIZES_TOKENS)).num_blocks))
     expiry = time.time() + 3600
@@ -244,6 +254,10 @@ class Transport:
     pull: list[float] = field(default_factory=list)
     loopback: list[float] = field(default_factory=list)
     grpc: list[float] = field(default_factory=list)
+    #: The pull through shared memory (a decode side of the same host and directory), and a plain
+    #: memcpy of the same bytes between two buffers of this process.
+    shm: list[float] = field(default_factory=list)
+    memcpy: list[float] = field(default_factory=list)
 
     def gbps(self, num_bytes: int, way: str) -> float:
         times: list[float] = getattr(self, way)
@@ -345,6 +359,29 @@ class _GrpcCeiling(_Baseline):
         self._proc.join(timeout=10)
 
 
+class _Memcpy:
+    """A plain copy of ``n`` bytes between two buffers of this process, their pages touched first."""
+
+    def __init__(self, largest_bytes: int) -> None:
+        import numpy as np
+
+        self._src = np.ones(largest_bytes, dtype=np.uint8)
+        self._dst = np.zeros(largest_bytes, dtype=np.uint8)
+
+    def seconds(self, num_bytes: int) -> float:
+        started = time.perf_counter()
+        self._dst[:num_bytes] = self._src[:num_bytes]
+        return time.perf_counter() - started
+
+
+def _shm_dir() -> str:
+    """A directory of its own in the host's shared memory (/dev/shm where there is one)."""
+    import os
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="tandem-bench-kv-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
 def timed_rounds(num_tokens: int, repeats: int) -> int:
     """Timed rounds of a prompt size: ``repeats`` for the largest, up to four times as many for the
     smaller ones (a 1-block round takes milliseconds, and its median wanders most on a shared machine)."""
@@ -398,7 +435,10 @@ def measure_transport(
     warmup = max(1, warmup)
     request_ids = [f"bench-{n}-{i}" for n in SIZES_TOKENS for i in range(warmup + timed_rounds(n, repeats))]
     request_ids += [f"bench-c{j}-{i}" for j in range(CONCURRENT_STREAMS) for i in range(warmup + repeats)]
-    proc, conn = _start(_prefill_server, port, dtype_name, max_chunk_bytes, request_ids)
+    request_ids += [f"{rid}-shm" for rid in request_ids if not rid.startswith("bench-c")]
+    shm_dir = _shm_dir()
+    proc, conn = _start(_prefill_server, port, dtype_name, max_chunk_bytes, request_ids, shm_dir)
+    memcpy = _Memcpy(largest)
     loopback = _Loopback(largest, concurrent_bytes)
     block_bytes = Size(BLOCK_TOKENS).num_bytes(element_size) // NUM_LAYERS
     ceiling = _GrpcCeiling(largest, max_chunk_bytes, block_bytes, concurrent_bytes)
@@ -407,6 +447,9 @@ def measure_transport(
     decode = _side(_free_port(), max_chunk_bytes)
     caches = _caches(dtype_name, None)
     decode.register_kv_caches(caches)
+    shm_decode = _side(_free_port(), max_chunk_bytes, shm_dir)
+    shm_caches = _caches(dtype_name, None)
+    shm_decode.register_kv_caches(shm_caches)
     results: dict[int, Transport] = {}
     try:
         for num_tokens in SIZES_TOKENS:
@@ -428,11 +471,22 @@ def measure_transport(
                     raise RuntimeError(f"pull of {num_tokens} tokens failed: {record.error}")
                 if i == 0:
                     _check_pulled(expected, caches, remote, local)
+                shm_handle = replace(handle, request_id=f"{rid}-shm")
+                loads_before = shm_decode.stats().shm_loads_total
+                shm_record = shm_decode.load(LoadSpec(f"{rid}-0123abce", shm_handle, remote, local, num_tokens, 0))
+                shm_decode.puller.release_hold(shm_handle)
+                if shm_record.failed or shm_decode.stats().shm_loads_total != loads_before + 1:
+                    raise RuntimeError(f"shared-memory pull of {num_tokens} tokens: {shm_record.error or 'over gRPC'}")
+                if i == 0:
+                    _check_pulled(expected, shm_caches, remote, local)
                 tcp_s, grpc_s = loopback.seconds(num_bytes), ceiling.seconds(num_bytes)
+                memcpy_s = memcpy.seconds(num_bytes)
                 if i >= warmup:
                     transport.pull.append(record.seconds)
                     transport.loopback.append(tcp_s)
                     transport.grpc.append(grpc_s)
+                    transport.shm.append(shm_record.seconds)
+                    transport.memcpy.append(memcpy_s)
         concurrent = Transport()
         size = Size(CONCURRENT_TOKENS)
         remote = tuple(range(size.num_blocks))
@@ -477,6 +531,8 @@ def measure_transport(
         loopback.close()
         ceiling.close()
         decode.shutdown()
+        shm_decode.shutdown()
+        shutil.rmtree(shm_dir, ignore_errors=True)
     return results, concurrent
 
 
@@ -729,6 +785,16 @@ def main() -> None:
         f"  (concurrent: {CONCURRENT_STREAMS} pulls into distinct blocks, {CONCURRENT_STREAMS} loopback streams,"
         f" {CONCURRENT_STREAMS} gRPC streams over one channel; GB/s of all bytes over the round's wall time)"
     )
+    print("\nthrough shared memory (a decode side of the same host and directory) against a plain memcpy")
+    shm_header = ("prompt", "bytes", "shm ms", "GB/s", "memcpy", "÷memcpy", "÷gRPC pull")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(shm_header, (12, 9, 8, 6, 7, 8, 11), strict=True)))
+    for num_tokens, transport in results.items():
+        n = Size(num_tokens).num_bytes(element_size)
+        shm, copy, pull = (transport.gbps(n, way) for way in ("shm", "memcpy", "pull"))
+        print(
+            f"{num_tokens:>6} tokens {n / 1e6:>7.1f}MB {statistics.median(transport.shm) * 1e3:>8.1f} {shm:>6.2f}"
+            f" {copy:>7.2f} {shm / copy:>8.2f} {shm / pull:>11.2f}"
+        )
     num_bytes = Size(largest).num_bytes(element_size)
     pull_s = statistics.median(results[largest].pull)
     print(f"\nwhere the {largest}-token pull's {pull_s * 1e3:.0f} ms go (each copy timed alone):")
@@ -756,11 +822,13 @@ def main() -> None:
         gap_ratio = f"{statistics.median(gaps.tandem) / itl_p50:.2f}"
         gap_ratio_without_prefetch = f"{statistics.median(gaps.without_prefetch) / itl_p50:.2f}"
     largest_result = results[largest]
+    shm_gbps, memcpy_gbps = largest_result.gbps(num_bytes, "shm"), largest_result.gbps(num_bytes, "memcpy")
     print(
         f"bench-kv: pull_gbps={largest_result.gbps(num_bytes, 'pull'):.2f}"
         f" loopback_gbps={largest_result.gbps(num_bytes, 'loopback'):.2f}"
         f" ratio={ratios[largest][0]:.2f} grpc_ceiling_gbps={largest_result.gbps(num_bytes, 'grpc'):.2f}"
         f" min_ratio_vs_grpc={min(r[1] for r in ratios.values()):.2f} concurrent_ratio={concurrent_ratio:.2f}"
+        f" shm_gbps={shm_gbps:.2f} memcpy_gbps={memcpy_gbps:.2f} shm_ratio={shm_gbps / memcpy_gbps:.2f}"
         f" second_token_gap_ratio={gap_ratio} second_token_gap_ratio_without_prefetch={gap_ratio_without_prefetch}"
     )
 
