@@ -103,3 +103,38 @@ def test_bench_adapters_runs_and_ends_with_its_line() -> None:
     assert match is not None, last
     loads, ratio, hit_rate = (float(v) for v in match.groups())
     assert loads >= 0 and ratio > 0 and 0 <= hit_rate <= 1
+
+
+def test_bench_chain_runs_and_ends_with_its_line() -> None:
+    """The real local stack (engines, router, gateway process, Redis), two tenants' chains of three turns
+    with short instructions, the gateway SIGKILLed and started again after the first turn: the chains must
+    go on after it (restart_survived=yes); the timings and the cached share are not checked (the short
+    instructions stay under one KV block's worth of the 90 %)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/response_chains.py",
+            "--tenants",
+            "2",
+            "--turns",
+            "3",
+            "--restart-after",
+            "1",
+            "--rules",
+            "2",
+            "--kv-cache-gib",
+            "0.25",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(
+        r"bench-chain: turn3_ttft_p50_ratio_vs_turn2=(\S+) cached_share_p50=(\S+) restart_survived=(yes|no)", last
+    )
+    assert match is not None, last
+    ratio, share = float(match.group(1)), float(match.group(2))
+    assert ratio > 0 and 0 <= share <= 1 and match.group(3) == "yes", last
