@@ -22,7 +22,8 @@ from tests.chart.schema_strategy import resolved
 
 K8S_VERSION = "1.30.0"
 FULL = f"{RELEASE}-tandem"
-#: Kinds from other operators' CRDs, whose schemas are not available offline.
+#: Kinds from other operators' CRDs: the RayService is checked against KubeRay's own CRD in
+#: test_router_gcs_ft (tests/chart/kuberay/); the Prometheus operator's schemas are not available offline.
 THIRD_PARTY_KINDS = {"RayService", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
 POD_KINDS = {"Deployment", "Job"}
 
