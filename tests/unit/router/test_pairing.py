@@ -173,9 +173,19 @@ def test_workers_of_an_older_tandem_without_fingerprints_pair_only_with_each_oth
 def test_one_fingerprint_leaves_the_request_as_it_was() -> None:
     fleet = [worker("p0", "prefill", OLD), worker("d0", "decode", OLD), worker("x", "decode", NEW)]
     plain = request("r")
-    pairing = Pairing.of(plain, fleet[:2])
+    pairing = Pairing.of(plain, fleet[:2], {OLD})
     assert pairing.uniform and pairing.paired_decode(fleet[:2]) is plain and pairing.prefill_for(fleet[1]) is plain
-    mixed = Pairing.of(plain, fleet)
+    mixed = Pairing.of(plain, fleet, {OLD, NEW})
     assert mixed.paired_decode(fleet).exclude_worker_ids == {"x"}
     assert mixed.prefill_for(fleet[2]).exclude_worker_ids == {"p0", "d0"}
     assert mixed.decode_for("gone") is plain
+
+
+def test_the_fleet_table_keeps_each_models_fingerprints() -> None:
+    """What Placer hands Pairing.of: a worker changing its fingerprint is a new fleet table."""
+    fleet = [worker("p0", "prefill", OLD), worker("d0", "decode", OLD), worker("x", "decode", NEW)]
+    s, _ = scheduler(fleet, "round_robin")
+    s.place_now(request("r0"), fleet[:2])
+    assert s.intake.fleet.kv_fingerprints == {"m": frozenset({OLD})}
+    s.place_now(request("r1"), fleet)
+    assert s.intake.fleet.kv_fingerprints == {"m": frozenset({OLD, NEW})}

@@ -149,6 +149,7 @@ def _identity(worker: WorkerRecord) -> tuple[object, ...]:
         worker.block_size_tokens,
         worker.num_kv_blocks,
         worker.started_unix_s,
+        worker.kv_fingerprint,
     )
 
 
@@ -170,6 +171,9 @@ class FleetTable:
     pools: dict[tuple[str, str], _Pool] = field(default_factory=dict)
     #: Per model, its hashing configurations (sha256 engines with a block size only: others are cold).
     hash_groups: dict[str, list[HashGroup]] = field(default_factory=dict)
+    #: Per model, the KV-layout fingerprints its workers registered (more than one only during a
+    #: rollout: :mod:`tandem.router.pairing` then has pairs to keep apart).
+    kv_fingerprints: dict[str, frozenset[str]] = field(default_factory=dict)
     _where: dict[str, tuple[_Pool, int]] = field(default_factory=dict)
     #: The KV index's slots_version when the pools' index slots were read (-1: never).
     _index_version: int = -1
@@ -185,8 +189,10 @@ class FleetTable:
         table = cls(workers, config, reservations.recent_half_life_s)
         members: dict[tuple[str, str], list[WorkerRecord]] = {}
         groups: dict[str, dict[HashConfig, list[str]]] = {}
+        fingerprints: dict[str, set[str]] = {}
         for w in workers:
             members.setdefault((w.role, w.model), []).append(w)
+            fingerprints.setdefault(w.model, set()).add(w.kv_fingerprint)
             if w.block_size_tokens > 0 and w.block_hash_algo == HASH_ALGO_SHA256:
                 key = (w.block_size_tokens, w.block_hash_seed)
                 groups.setdefault(w.model, {}).setdefault(key, []).append(w.worker_id)
@@ -198,6 +204,7 @@ class FleetTable:
         table.hash_groups = {
             model: [HashGroup(key, frozenset(ids)) for key, ids in by_key.items()] for model, by_key in groups.items()
         }
+        table.kv_fingerprints = {model: frozenset(found) for model, found in fingerprints.items()}
         table.refresh_own(table._where, reservations)
         if others is not None:
             others.drain_changed()

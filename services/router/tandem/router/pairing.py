@@ -29,7 +29,7 @@ read any ``exclude_worker_ids``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
@@ -47,7 +47,15 @@ class Pairing:
     prefill_fingerprints: frozenset[str]
 
     @classmethod
-    def of(cls, request: ScheduleRequest, workers: Sequence[WorkerRecord]) -> Pairing:
+    def of(
+        cls, request: ScheduleRequest, workers: Sequence[WorkerRecord], model_fingerprints: Collection[str]
+    ) -> Pairing:
+        """The pairing of ``request``'s model among ``workers``, whose fingerprints for that model are
+        ``model_fingerprints`` (kept by the fleet table per worker list). One fingerprint, the state
+        outside a rollout, needs no look at the workers: a decision at 1,000 workers spent ~0.1 ms
+        scanning them here, against a 1 ms budget (``make bench-router``'s fleet line)."""
+        if len(model_fingerprints) <= 1:
+            return cls(request, {}, frozenset())
         fingerprints = {w.worker_id: w.kv_fingerprint for w in workers if w.model == request.model}
         usable = frozenset(
             w.kv_fingerprint

@@ -164,7 +164,7 @@ class Placer:
         pending.num_uncached_tokens = max(0, request.num_tokens - int(num_most_cached))
         decode_only = bool(request.prefill_done_on_worker_id)
         local_only = request.local_prefill_only
-        pairing = Pairing.of(request, workers)
+        pairing = Pairing.of(request, workers, fleet.kv_fingerprints.get(request.model, frozenset()))
         unpaired = False
         if decode_pool is None:
             decode = None
