@@ -23,9 +23,10 @@ token, aborted, preempted). ``StreamBlockBytes`` serves such a prompt chunk by
 chunk as each becomes ready, so that a decode engine's pull overlaps the
 prefill.
 
-It serves ``tandem.v1.KVTransfer`` on its own threads: ``PullBlockBytes`` and
-``StreamBlockBytes`` (raw bytes, see :mod:`wire`), ``Release``, and
-``Describe``/``GetStats`` for people and tools. With internal TLS on, only a
+It serves ``tandem.v1.KVTransfer`` on its own threads (the methods are
+:mod:`kv_servicer`'s): ``PullBlockBytes`` and ``StreamBlockBytes`` (raw bytes,
+see :mod:`wire`), ``PullBlocksShm`` and ``DataPaths`` (:mod:`shm_transport`),
+``Release``, and ``Describe``/``GetStats`` for people and tools. With internal TLS on, only a
 decode worker's certificate may call the first four (GetStats: any role; see
 :data:`tandem.common.identity.ALLOWED_ROLES`)."""
 
@@ -42,13 +43,13 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from tandem.common import failpoints, kv_capability
-from tandem.common.errors import KVLayoutMismatchError
+from tandem.common import kv_capability
 from tandem.common.identity import sync_role_checks
 from tandem.common.tls import TLSSettings, add_port
-from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tandem.worker.kv_connector import shm_transport, wire
 from tandem.worker.kv_connector.cpus import move_this_thread, threads_started_on
+from tandem.worker.kv_connector.kv_servicer import KVTransferServicer
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, HoldSpec, PrefillProgress
 
@@ -178,7 +179,7 @@ class KVServer:
         with threads_started_on(self._thread_cpus):  # gRPC's pollers and the serving loop
             # With TLS on, only decode workers' certificates read or release KV (tandem.common.identity).
             server = grpc.server(self._pool, options=_SERVER_OPTIONS, interceptors=sync_role_checks(self._tls.enabled))
-            servicer = _KVTransferServicer(self, stats)
+            servicer = KVTransferServicer(self, stats)
             kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
             server.add_generic_rpc_handlers((servicer.raw_handlers(),))
             if add_port(server, self._bind, self._tls) == 0:
@@ -434,163 +435,3 @@ class KVServer:
             self.counters.bytes_sent += num_bytes
             self.counters.blocks_sent += num_blocks
             self.counters.streams_served += int(streamed)
-
-
-class _KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
-    """gRPC face of :class:`KVServer`; runs on the KV server's threads."""
-
-    def __init__(self, server: KVServer, stats: Callable[[], kv_transfer_pb2.KVStats]) -> None:
-        self._kv = server
-        self._stats = stats
-
-    def Describe(self, request: kv_transfer_pb2.DescribeRequest, context: grpc.ServicerContext) -> common_pb2.KVLayout:
-        assert self._kv.layout is not None
-        return self._kv.layout.to_proto()
-
-    def raw_handlers(self) -> grpc.GenericRpcHandler:
-        """``PullBlockBytes`` and ``StreamBlockBytes``: raw bytes out (see :mod:`wire`), so no
-        response serializer."""
-        _, service, pull = wire.PULL_METHOD.split("/")
-        stream = wire.STREAM_METHOD.rsplit("/", 1)[1]
-        return grpc.method_handlers_generic_handler(
-            service,
-            {
-                pull: grpc.unary_stream_rpc_method_handler(
-                    self.pull_block_bytes, request_deserializer=kv_transfer_pb2.PullBlocksRequest.FromString
-                ),
-                stream: grpc.unary_stream_rpc_method_handler(
-                    self.stream_block_bytes, request_deserializer=kv_transfer_pb2.StreamBlocksRequest.FromString
-                ),
-            },
-        )
-
-    def _check_layout(self, expected: common_pb2.KVLayout, context: grpc.ServicerContext) -> None:
-        assert self._kv.layout is not None
-        try:
-            self._kv.layout.check_compatible(KVLayout.from_proto(expected))
-        except KVLayoutMismatchError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-
-    def _held_blocks(self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext) -> list[int]:
-        """The blocks a pull asks for, once its layout, capability, adapter and blocks are checked (either path)."""
-        kv = self._kv
-        self._check_layout(request.expected_layout, context)
-        hold = kv.wait_for_hold(request.request_id)
-        if hold is None or not kv_capability.matches(hold.capability, request.capability):
-            # The same answer as for an id nobody holds: a wrong capability learns nothing.
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"no KV held for {request.request_id} (released, expired or never prefilled)",
-            )
-        assert hold is not None
-        # Computed with other weights (a handle that names the wrong adapter): the decode side applies its
-        # load-failure policy (recompute) rather than answer with neither adapter.
-        self._check_adapter(hold, request.request_id, request.adapter, context)
-        wanted = list(request.block_ids)
-        if not set(wanted) <= set(hold.block_ids):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"blocks {sorted(set(wanted) - set(hold.block_ids))} are not held for this request",
-            )
-        failpoints.hit("kv_server.before_pull")
-        return wanted
-
-    def pull_block_bytes(
-        self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
-    ) -> Iterator[bytes]:
-        kv = self._kv
-        wanted = self._held_blocks(request, context)
-        max_chunk = request.max_chunk_bytes or 4 * 1024 * 1024
-        total = 0
-        for chunk in kv.read_chunks(wanted, max_chunk):
-            total += len(chunk)
-            yield chunk
-        kv.count_sent(total, len(wanted))
-
-    def stream_block_bytes(
-        self, request: kv_transfer_pb2.StreamBlocksRequest, context: grpc.ServicerContext
-    ) -> Iterator[bytes]:
-        kv = self._kv
-        assert kv.layout is not None
-        self._check_layout(request.expected_layout, context)
-        hold = kv.find_prompt(request.request_id, context.is_active)
-        if hold is None:
-            return
-        self._abort_gone(hold, request.request_id, context)
-        if not kv_capability.matches(hold.capability, request.capability):
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no prompt {request.request_id} is being prefilled or held")
-        # The same check as a pull's: a prefetch for another adapter stages nothing (its decode pulls, and
-        # that pull is refused too).
-        self._check_adapter(hold, request.request_id, request.adapter, context)
-        if hold.num_prompt_tokens and hold.num_prompt_tokens != request.num_prompt_tokens:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{request.request_id} is a prompt of {hold.num_prompt_tokens} tokens, not {request.num_prompt_tokens}",
-            )
-        block_size = kv.layout.block_size_tokens
-        first, num_blocks = request.first_block_index, request.num_blocks
-        num_prompt_tokens = request.num_prompt_tokens
-        if num_blocks == 0 or (first + num_blocks - 1) * block_size >= num_prompt_tokens:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"blocks {first}..{first + num_blocks - 1} are not all in a prompt of {num_prompt_tokens} tokens",
-            )
-        failpoints.hit("kv_server.before_stream")
-        reader = kv.reader()
-        max_chunk_blocks = max(1, (request.max_chunk_bytes or 4 * 1024 * 1024) // max(1, reader.block_bytes))
-        sent = [0] * reader.num_layers
-        total = 0
-        while any(n < num_blocks for n in sent):
-            ready = kv.wait_progress(hold, sent, (first, num_blocks), context.is_active)
-            if ready is None:
-                self._abort_gone(hold, request.request_id, context)
-                return
-            pieces = wire.ready_pieces(sent, ready, max_chunk_blocks)
-            ids = hold.block_ids[first : first + num_blocks]
-            data = reader.read(ids, wire.Chunk(tuple(pieces)), prefix=wire.stream_header(pieces))
-            # Read, then looked at: a prompt that ended meanwhile may have had its blocks rewritten.
-            if hold.gone:
-                self._abort_gone(hold, request.request_id, context)
-            total += sum(p.num_blocks for p in pieces) * reader.block_bytes
-            yield data
-        kv.count_sent(total, num_blocks, streamed=True)
-
-    @staticmethod
-    def _check_adapter(hold: Hold, request_id: str, adapter: str, context: grpc.ServicerContext) -> None:
-        """FAILED_PRECONDITION unless ``hold``'s KV is (being) computed with ``adapter``."""
-        if hold.adapter != adapter:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the KV of {request_id} was computed with adapter {hold.adapter or '(base model)'!r}, "
-                f"not {adapter or '(base model)'!r}",
-            )
-
-    @staticmethod
-    def _abort_gone(hold: Hold, request_id: str, context: grpc.ServicerContext) -> None:
-        if hold.gone:
-            context.abort(
-                grpc.StatusCode.ABORTED,
-                f"the prefill of {request_id} ended without keeping its KV (stopped, aborted or preempted)",
-            )
-
-    def DataPaths(
-        self, request: kv_transfer_pb2.DataPathsRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_pb2.DataPathsReply:
-        return shm_transport.data_paths(self._kv.shm)
-
-    def PullBlocksShm(
-        self, request: kv_transfer_pb2.ShmPullRequest, context: grpc.ServicerContext
-    ) -> Iterator[kv_transfer_pb2.ShmChunksReady]:
-        kv = self._kv
-        return shm_transport.serve(kv.shm, request, context, self._held_blocks, kv.reader(), kv.count_sent)
-
-    def Release(
-        self, request: kv_transfer_pb2.ReleaseBlocksRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_pb2.ReleaseBlocksResponse:
-        found = self._kv.release_hold(request.request_id, capability=request.capability)
-        return kv_transfer_pb2.ReleaseBlocksResponse(found=found)
-
-    def GetStats(
-        self, request: kv_transfer_pb2.KVStatsRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_pb2.KVStats:
-        return self._stats()
