@@ -36,7 +36,8 @@ CHANGED = {
 
 
 def test_the_layout_fingerprint_is_the_one_function() -> None:
-    assert LAYOUT.fingerprint("r1") == kv_fingerprint(model_revision="r1", **dataclasses.asdict(LAYOUT))
+    fields = {name: value for name, value in dataclasses.asdict(LAYOUT).items() if name != "model_revision"}
+    assert LAYOUT.fingerprint("r1") == kv_fingerprint(model_revision="r1", **fields)
     assert LAYOUT.fingerprint("r1") == KVLayout.from_dict(LAYOUT.to_dict()).fingerprint("r1")
     assert LAYOUT.fingerprint("r1").startswith("kv1-") and len(LAYOUT.fingerprint("r1")) == 4 + 16
 
@@ -53,8 +54,15 @@ def test_fingerprints_differ_exactly_where_the_layout_check_refuses(field: str) 
 
 
 def test_another_revision_of_the_weights_is_another_fingerprint() -> None:
-    # Same shapes, other weights: the layout check passes, the KV would be silently wrong.
+    # Same shapes, other weights: a byte-exact copy would be silently wrong. The layout check refuses it
+    # where both sides name their revision, and lets a side that names none (an older worker) through.
     LAYOUT.check_compatible(dataclasses.replace(LAYOUT))
+    r1, r2 = (dataclasses.replace(LAYOUT, model_revision=r) for r in ("r1", "r2"))
+    with pytest.raises(KVLayoutMismatchError, match="model_revision"):
+        r1.check_compatible(r2)
+    r1.check_compatible(LAYOUT)
+    revised = dataclasses.replace(LAYOUT, model_revision="ревизия-ü")
+    assert KVLayout.from_dict(revised.to_dict()) == KVLayout.from_proto(revised.to_proto()) == revised
     revisions = ["r1", "r2", "", "ревизия-ü", "a\x00b", "' OR 1=1 --"]
     assert len({LAYOUT.fingerprint(r) for r in revisions}) == len(revisions)
 

@@ -361,6 +361,33 @@ def test_kv_computed_with_another_adapter_is_refused_and_reported_as_failed_load
         decode.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("held", "pulled", "refused"), [("dir-a", "v2", True), ("dir-a", "", False), ("", "v2", False)]
+)
+def test_kv_of_another_weights_revision_is_refused_by_the_kv_server(held: str, pulled: str, refused: bool) -> None:
+    """The KV server's own check, whatever the router paired: a decode engine of another revision of the
+    weights (same shapes: a byte-exact copy would be silently wrong) gets nothing and its load fails; a
+    side that names no revision (a worker older than the field) is not compared."""
+    prefill, _ = make_side(free_port(), model_revision=held)
+    decode, _ = make_side(free_port(), fill=0.0, model_revision=pulled)
+    try:
+        handle = make_handle((1,), num_tokens=3, kv_address=prefill.server.address)
+        prefill.begin_step(GrpcKVMetadata(holds=holds_of(handle)))
+        decode.begin_step(GrpcKVMetadata(loads=[LoadSpec(DECODE_ENGINE_ID, handle, (1,), (4,), 3, 0)]))
+        wait_until(lambda: DECODE_ENGINE_ID in decode.puller._ended)
+        decode.get_transfer_results(set())
+        record = decode.take_load_records()[DECODE_ENGINE_ID]
+        assert record.failed == refused
+        if refused:
+            assert decode.take_failed_block_ids() == {4} and "model_revision: 'dir-a' != 'v2'" in record.error
+            assert prefill.stats().bytes_sent_total == 0
+        else:
+            assert prefill.stats().bytes_sent_total > 0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_layout_check_names_every_difference() -> None:
     a = KVLayout("m", "float32", 128, 30, (3, 128, 128))
     b = KVLayout("m", "bfloat16", 16, 30, (3, 16, 128))

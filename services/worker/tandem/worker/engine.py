@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from tandem.common.adapters import AdapterEntry
+from tandem.common.kv_fingerprint import model_revision
 from tandem.v1 import kv_transfer_pb2
 from tandem.worker import vllm_plugin
 from tandem.worker.engine_api import EngineLoad
@@ -146,6 +147,8 @@ def engine_args_kwargs(settings: WorkerSettings, *, engine_id: str) -> dict[str,
             "kv_load_failure_policy": settings.kv.load_failure_policy,
             "kv_connector_extra_config": {
                 "model": eng.served_model_name,
+                # The same revision the worker registers (tandem.worker.registration.kv_identity).
+                "model_revision": model_revision(eng.model_dir, eng.model_revision),
                 "kv_host": settings.kv.host,
                 "kv_port": settings.kv.port,
                 "lease_s": settings.kv.lease_s,

@@ -76,8 +76,10 @@ def shm_advertisement(settings: WorkerSettings) -> dict[str, Any]:
 
 def kv_identity(settings: WorkerSettings, layout: KVLayout) -> tuple[str, str]:
     """(model revision, KV fingerprint) of this worker's engine, from its own KV ``layout`` (read from the
-    engine at start) and the weights' revision (declared in the settings, or read from the model folder)."""
-    revision = model_revision(settings.engine.model_dir, settings.engine.model_revision)
+    engine at start) and the weights' revision: the one the engine's KV server checks (``layout``'s,
+    resolved once when the engine was configured), else declared in the settings or read from the
+    model folder."""
+    revision = layout.model_revision or model_revision(settings.engine.model_dir, settings.engine.model_revision)
     return revision, layout.fingerprint(revision)
 
 

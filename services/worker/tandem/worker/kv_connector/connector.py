@@ -7,6 +7,7 @@ Engine configuration (``kv_transfer_config.kv_connector_extra_config``):
 ``model`` (served name, part of the layout check), ``kv_host`` and
 ``kv_port`` (the KV server of rank 0; rank r listens on ``kv_port + r``),
 ``lease_s`` (how long a prefill engine holds blocks nobody released),
+``model_revision`` (the weights' revision, part of the layout check),
 ``max_chunk_bytes``, ``pull_timeout_s``, ``prefetch_max_bytes`` (staging
 memory for prefetches, 0: none), ``tls`` (a TLSSettings dict) and ``thread_cpus``
 (the CPUs of the KV server's and puller's threads, a list; absent or empty: the
@@ -81,6 +82,7 @@ class GrpcKVConnector(KVConnectorBase_V1):
                 shm_dir=str(extra.get("shm_dir", "")),
                 shm_max_segments=int(extra.get("shm_max_segments", 4)),
                 node_name=str(extra.get("node_name", "")),
+                model_revision=str(extra.get("model_revision", "")),
             )
 
     # -- scheduler role ----------------------------------------------------------

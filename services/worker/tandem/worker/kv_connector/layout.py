@@ -1,10 +1,13 @@
 """What one KV block of one layer looks like in memory.
 
 Two engines can exchange blocks only when model, dtype, block size, number of
-layers, block shape, tensor-parallel size and the block dimension's place in
-the cache tensor are all equal; anything else is
+layers, block shape, tensor-parallel size, the block dimension's place in
+the cache tensor and the weights' revision are all equal; anything else is
 refused with :class:`tandem.common.errors.KVLayoutMismatchError` before a
-single byte moves."""
+single byte moves. The router pairs only workers of one fingerprint (the same
+facts, :mod:`tandem.common.kv_fingerprint`); this check is the KV server's own,
+so a wrong pairing (a router bug, a forged placement) still moves no byte of
+another revision's KV. A revision left empty (an older worker) is not compared."""
 
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ class KVLayout:
     #: Which dimension of a layer's cache tensor indexes blocks (the wire keeps the cache's
     #: dimension order, see :mod:`wire`, so both sides must agree on it).
     block_dim: int = 0
+    #: The weights' revision (:func:`tandem.common.kv_fingerprint.model_revision`); "" when unknown.
+    model_revision: str = ""
 
     @property
     def block_numel(self) -> int:
@@ -58,6 +63,7 @@ class KVLayout:
             "block_shape": list(self.block_shape),
             "tp_size": self.tp_size,
             "block_dim": self.block_dim,
+            "model_revision": self.model_revision,
         }
 
     @classmethod
@@ -70,6 +76,7 @@ class KVLayout:
             block_shape=tuple(int(d) for d in data["block_shape"]),
             tp_size=int(data.get("tp_size", 1)),
             block_dim=int(data.get("block_dim", 0)),
+            model_revision=str(data.get("model_revision", "")),
         )
 
     def to_proto(self) -> common_pb2.KVLayout:
@@ -81,6 +88,7 @@ class KVLayout:
             block_shape=list(self.block_shape),
             tp_size=self.tp_size,
             block_dim=self.block_dim,
+            model_revision=self.model_revision,
         )
 
     @classmethod
@@ -93,6 +101,7 @@ class KVLayout:
             block_shape=tuple(msg.block_shape),
             tp_size=msg.tp_size or 1,
             block_dim=msg.block_dim,
+            model_revision=msg.model_revision,
         )
 
     def check_compatible(self, other: KVLayout) -> None:
@@ -102,6 +111,8 @@ class KVLayout:
             for name in ("model", "dtype", "block_size_tokens", "num_layers", "block_shape", "tp_size", "block_dim")
             if getattr(self, name) != getattr(other, name)
         ]
+        if self.model_revision and other.model_revision and self.model_revision != other.model_revision:
+            diffs.append(f"model_revision: {self.model_revision!r} != {other.model_revision!r}")
         if diffs:
             raise KVLayoutMismatchError(
                 "prefill and decode engines cannot exchange KV blocks (" + "; ".join(diffs) + ")"

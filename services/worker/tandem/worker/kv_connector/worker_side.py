@@ -60,8 +60,10 @@ class WorkerSide:
         shm_dir: str = "",
         shm_max_segments: int = 4,
         node_name: str = "",
+        model_revision: str = "",
     ) -> None:
         self._model = model
+        self._model_revision = model_revision
         self._num_blocks = num_blocks
         self._block_size_tokens = block_size_tokens
         self._tp_size = tp_size
@@ -117,6 +119,7 @@ class WorkerSide:
             block_shape=block_shape,
             tp_size=self._tp_size,
             block_dim=block_dim,
+            model_revision=self._model_revision,
         )
         caches = [cache for _, cache in layers]
         self._layer_index = {name: i for i, (name, _) in enumerate(layers)}
