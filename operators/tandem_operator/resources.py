@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem_operator.spec import GROUP, KIND, VERSION, Pool, PoolSpec, Role, TandemSpec
+from tandem_operator.spec import GROUP, KIND, MODEL_REVISION_ENV, VERSION, Pool, PoolSpec, Role, TandemSpec
 
 WORKER_PORT = 50051
 KV_PORT = 50061
@@ -118,6 +118,8 @@ def _env(spec: TandemSpec, the_pool: Pool) -> list[dict[str, Any]]:
         {"name": "XDG_CACHE_HOME", "value": "/tmp/.cache"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
+    if model.source.revision:
+        env.append({"name": MODEL_REVISION_ENV, "value": model.source.revision})
     if pool.engine_args.kv_cache_bytes is not None:
         env.append({"name": "TANDEM_WORKER_ENGINE__KV_CACHE_BYTES", "value": str(pool.engine_args.kv_cache_bytes)})
     if model.source.lora is not None:

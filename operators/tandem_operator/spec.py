@@ -94,12 +94,19 @@ class LoraSpec(SpecModel):
     max_adapter_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
 
 
+#: The worker's variable for the weights' revision (``ModelSource.revision``, set by the operator).
+MODEL_REVISION_ENV = "TANDEM_WORKER_ENGINE__MODEL_REVISION"
+
+
 class ModelSource(SpecModel):
     """Where a model's weights come from, and its engine-wide settings."""
 
     #: Folder of the model inside the pod (under the ``/models`` mount).
     path: str = Field(default="/models/model", pattern=r"^/models(/.*)?$")
     max_model_len: int = Field(default=2048, ge=16)
+    #: The weights' revision (a commit, a tag): the workers' TANDEM_WORKER_ENGINE__MODEL_REVISION, part
+    #: of their KV fingerprint; "" = a digest of the model folder (tandem.common.kv_fingerprint).
+    revision: str = Field(default="", pattern=r"^([A-Za-z0-9][A-Za-z0-9._/:@+-]{0,127})?$")
     pvc: PvcSource | None = None
     init_container: InitContainerSource | None = None
     lora: LoraSpec | None = None
@@ -323,6 +330,12 @@ class TandemSpec(SpecModel):
         slugs = [m.slug for m in self.served_models()]
         if len(set(slugs)) != len(slugs):
             raise ValueError("two model names make the same pool name; rename one")
+        for pool in self.pools_of():
+            spec = pool.spec
+            if pool.model.source.revision and spec is not None and MODEL_REVISION_ENV in spec.engine_args.extra_env:
+                raise ValueError(
+                    f"{pool.key}: the revision is model.revision's; drop {MODEL_REVISION_ENV} from engineArgs.extraEnv"
+                )
         by_name = {m.name: m for m in self.served_models()}
         adapter_names = [a.name for a in self.adapters]
         if len(set(adapter_names)) != len(adapter_names):

@@ -149,7 +149,7 @@ models form: each model's name, folder and context length. */}}
 {{- $td := .Values.tandemDeployment -}}
 {{- if not $td.models -}}
 {{- range $role := list "prefill" "decode" -}}
-{{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.pools.%s" $role) "pool" (get $td.pools $role)) -}}
+{{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.pools.%s" $role) "pool" (get $td.pools $role) "revision" $.Values.model.revision) -}}
 {{- end -}}
 {{- end -}}
 {{- /* The models form: what the operator would refuse (SpecValid=False) fails the install instead. */ -}}
@@ -160,7 +160,7 @@ models form: each model's name, folder and context length. */}}
 {{- end -}}
 {{- $_ := set $served $m.name (int (($m.lora | default dict).maxAdapters | default 0)) -}}
 {{- range $role := list "prefill" "decode" -}}
-{{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.models[%d].%s" $i $role) "pool" (get $m $role | default dict)) -}}
+{{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.models[%d].%s" $i $role) "pool" (get $m $role | default dict) "revision" $m.revision) -}}
 {{- end -}}
 {{- end -}}
 {{- $adapters := dict -}}
@@ -182,9 +182,9 @@ models form: each model's name, folder and context length. */}}
 {{- end -}}
 {{- end -}}
 
-{{/* A pool's GPUs against the accelerator and its tensor-parallel size, and its rollout bounds (the operator
-checks all but the accelerator too):
-(dict "ctx" $ "where" "tandemDeployment.pools.prefill" "pool" $pool). */}}
+{{/* A pool's GPUs against the accelerator and its tensor-parallel size, its rollout bounds, and a revision
+given twice (the operator checks all but the accelerator too):
+(dict "ctx" $ "where" "tandemDeployment.pools.prefill" "pool" $pool "revision" $model.revision). */}}
 {{- define "tandem.checkPool" -}}
 {{- /* Absent counts are the CRD's defaults (1, 1, 4); 0 is a count, not an absence. */ -}}
 {{- $replicas := ternary (int .pool.replicas) 1 (hasKey .pool "replicas") -}}
@@ -201,6 +201,9 @@ checks all but the accelerator too):
 {{- end -}}
 {{- if and (gt $gpus 0) (gt $tp $gpus) -}}
 {{- fail (printf "%s: engineArgs.tensorParallelSize %d > the %d GPU(s) in resources.limits (one rank per GPU)" .where $tp $gpus) -}}
+{{- end -}}
+{{- if and .revision (hasKey ((.pool.engineArgs | default dict).extraEnv | default dict) "TANDEM_WORKER_ENGINE__MODEL_REVISION") -}}
+{{- fail (printf "%s: the revision is the model's (revision); drop TANDEM_WORKER_ENGINE__MODEL_REVISION from engineArgs.extraEnv" .where) -}}
 {{- end -}}
 {{- $rollout := .pool.rollout | default dict -}}
 {{- if and (hasKey $rollout "maxSurge") (hasKey $rollout "maxUnavailable") (eq (toString $rollout.maxSurge) "0" "0%") (eq (toString $rollout.maxUnavailable) "0" "0%") -}}
