@@ -142,7 +142,7 @@ def test_a_missing_segment_falls_back_to_grpc_as_segment_missing(tmp_path: Path)
         decode.shutdown()
 
 
-def test_segment_maps_refuse_a_short_file_a_foreign_name_and_a_missing_file(tmp_path: Path) -> None:
+def test_segment_maps_refuse_a_short_file_a_foreign_name_a_missing_file_and_a_link(tmp_path: Path) -> None:
     maps = shm.SegmentMaps(str(tmp_path))
     name = shm.SEGMENT_PREFIX + "ab" * 16
     (tmp_path / name).write_bytes(b"x" * 100)
@@ -159,6 +159,15 @@ def test_segment_maps_refuse_a_short_file_a_foreign_name_and_a_missing_file(tmp_
     with pytest.raises(shm.ShmError) as missing:
         maps.view(shm.SEGMENT_PREFIX + "cd" * 16, 1)
     assert missing.value.reason == "segment_missing"
+    # A well-named link to another file (anyone with the directory could plant one), or a folder: refused.
+    secret = tmp_path / "not-a-segment"
+    secret.write_bytes(b"s" * 100)
+    (tmp_path / (shm.SEGMENT_PREFIX + "ef" * 16)).symlink_to(secret)
+    (tmp_path / (shm.SEGMENT_PREFIX + "01" * 16)).mkdir()
+    for planted in ("ef", "01"):
+        with pytest.raises(shm.ShmError) as refused:
+            maps.view(shm.SEGMENT_PREFIX + planted * 16, 1)
+        assert refused.value.reason == "peer_refused"
     maps.close()
 
 

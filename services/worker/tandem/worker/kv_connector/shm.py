@@ -31,6 +31,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -247,13 +248,19 @@ class SegmentMaps:
                 return memoryview(mapped)[:num_bytes]
         path = self._directory / name
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # Never through a link: a name in a shared directory is not proof of who made the file.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError as exc:
             raise ShmError("segment_missing", f"no segment {name} in {self._directory}") from exc
         except PermissionError as exc:
             raise ShmError("permission", f"segment {name} in {self._directory}: {exc.strerror}") from exc
+        except OSError as exc:  # ELOOP: a symbolic link
+            raise ShmError("peer_refused", f"segment {name} in {self._directory}: {exc.strerror}") from exc
         try:
-            size = os.fstat(fd).st_size
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                raise ShmError("peer_refused", f"segment {name} in {self._directory} is not a file")
+            size = status.st_size
             if size < num_bytes:
                 raise ShmError("wrong_size", f"segment {name} has {size} bytes, the pull {num_bytes}")
             mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
