@@ -72,3 +72,17 @@ async def test_a_prefetch_that_fails_or_is_refused_changes_nothing_for_the_clien
         await asyncio.sleep(0.01)
     assert registry.get_sample_value("tandem_gateway_kv_prefetches_total", {"outcome": "refused"}) == 1.0
     assert registry.get_sample_value("tandem_gateway_kv_prefetches_total", {"outcome": "failed"}) == 1.0
+
+
+async def test_an_answer_that_ends_at_the_prefill_drops_the_decode_workers_prefetch(stack: Any) -> None:
+    """The prefill's first token ended the answer (end of sequence, a stop string): no decode follows, so the
+    decode worker is told (Abort) and frees what it staged, instead of holding it for its keep time (the fault
+    suite's generated bodies found ~17 MB staged after their answers)."""
+    stack.prefill.prefill_finish_reason = "stop"
+    response = await stack.client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] == "stop"
+    (prefetch,) = stack.decode.prefetch_requests
+    await asyncio.wait_for(stack.decode.aborted_event.wait(), 5)
+    assert stack.decode.aborted == [prefetch.request_id] and stack.decode.decode_requests == []
+    assert stack.prefill.aborted == []  # its request ended; nothing of it is held
