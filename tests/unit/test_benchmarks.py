@@ -17,18 +17,24 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+def run_bench(script: str, *args: str, timeout_s: float = 300) -> str:
+    """Run ``benchmarks/<script>`` as ``make`` does; its standard output, once it exited 0."""
+    done = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return done.stdout
+
+
+def last_line(stdout: str) -> str:
+    return stdout.strip().splitlines()[-1]
+
+
 def test_bench_kv_transport_runs_and_ends_with_its_line() -> None:
     """Part 1 (two real KV servers, loopback TCP, a bare gRPC stream; one at a time and concurrently),
     one repeat; pulled bytes are checked identical inside the benchmark."""
-    done = subprocess.run(
-        [sys.executable, "benchmarks/kv_transfer.py", "--repeats", "1", "--warmup", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    last = done.stdout.strip().splitlines()[-1]
+    stdout = run_bench("kv_transfer.py", "--repeats", "1", "--warmup", "1")
+    last = last_line(stdout)
     number = r"[0-9]+\.[0-9]+"
     assert re.fullmatch(
         rf"bench-kv: pull_gbps={number} loopback_gbps={number} ratio={number} grpc_ceiling_gbps={number}"
@@ -41,28 +47,20 @@ def test_bench_kv_transport_runs_and_ends_with_its_line() -> None:
 
 def test_bench_router_tls_runs_and_ends_with_its_line() -> None:
     """The real router with its TLS front (Ray Serve, needs Redis on 127.0.0.1:6379), a few calls each way."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/bench_router_tls.py",
-            "--calls",
-            "20",
-            "--block",
-            "10",
-            "--warmup",
-            "2",
-            "--concurrency",
-            "4",
-            "--concurrent-calls",
-            "20",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    stdout = run_bench(
+        "bench_router_tls.py",
+        "--calls",
+        "20",
+        "--block",
+        "10",
+        "--warmup",
+        "2",
+        "--concurrency",
+        "4",
+        "--concurrent-calls",
+        "20",
     )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    last = done.stdout.strip().splitlines()[-1]
+    last = last_line(stdout)
     number = r"[0-9]+\.[0-9]+"
     assert re.fullmatch(
         rf"bench-router-tls: schedule_p50_ms plain={number} tls={number} ratio={number} added_ms=-?{number}"
@@ -74,29 +72,11 @@ def test_bench_router_tls_runs_and_ends_with_its_line() -> None:
 def test_bench_adapters_runs_and_ends_with_its_line() -> None:
     """Adapter-aware placement on SIMULATED workers (real Redis, the real router replica), its three
     runs in their smallest form: a few workers, a few seconds each."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/bench_adapters.py",
-            "--workers",
-            "3",
-            "--adapters",
-            "6",
-            "--rate",
-            "4",
-            "--warmup-s",
-            "1",
-            "--duration-s",
-            "3",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    stdout = run_bench(
+        "bench_adapters.py", "--workers", "3", "--adapters", "6", "--rate", "4", "--warmup-s", "1", "--duration-s", "3"
     )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert "SIMULATED" in done.stdout
-    last = done.stdout.strip().splitlines()[-1]
+    assert "SIMULATED" in stdout
+    last = last_line(stdout)
     match = re.fullmatch(
         r"bench-adapters: loads_per_min_per_worker=(\S+) ttft_p99_ratio_vs_one_adapter=(\S+) hit_rate=(\S+)", last
     )
@@ -110,28 +90,21 @@ def test_bench_chain_runs_and_ends_with_its_line() -> None:
     with short instructions, the gateway SIGKILLed and started again after the first turn: the chains must
     go on after it (restart_survived=yes); the timings and the cached share are not checked (the short
     instructions stay under one KV block's worth of the 90 %)."""
-    done = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/response_chains.py",
-            "--tenants",
-            "2",
-            "--turns",
-            "3",
-            "--restart-after",
-            "1",
-            "--rules",
-            "2",
-            "--kv-cache-gib",
-            "0.25",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    stdout = run_bench(
+        "response_chains.py",
+        "--tenants",
+        "2",
+        "--turns",
+        "3",
+        "--restart-after",
+        "1",
+        "--rules",
+        "2",
+        "--kv-cache-gib",
+        "0.25",
+        timeout_s=600,
     )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    last = done.stdout.strip().splitlines()[-1]
+    last = last_line(stdout)
     match = re.fullmatch(
         r"bench-chain: turn3_ttft_p50_ratio_vs_turn2=(\S+) cached_share_p50=(\S+) restart_survived=(yes|no)", last
     )
