@@ -157,10 +157,16 @@ def gateway_settings(**overrides: Any) -> GatewaySettings:
     return GatewaySettings(**values)
 
 
-@pytest_asyncio.fixture
-async def stack(
-    start_worker: Callable[..., Any], fake_router: FakeRouter, prompt_tokenizer: HfPromptTokenizer
+@contextlib.asynccontextmanager
+async def running_stack(
+    start_worker: Callable[..., Any],
+    fake_router: FakeRouter,
+    prompt_tokenizer: HfPromptTokenizer,
+    settings: GatewaySettings | None = None,
+    **app_options: Any,
 ) -> AsyncIterator[Stack]:
+    """The unit stack: a prefill and a decode worker placed by the fake router, the gateway's app on
+    ``settings`` (default :func:`gateway_settings`), ``app_options`` passed on to ``build_app``."""
     prefill = await start_worker("prefill-0")
     decode = await start_worker("decode-0")
     fake_router.placements.append(placement(prefill, decode))
@@ -168,17 +174,26 @@ async def stack(
     readiness = FakeReadiness()
     hasher = CountingHasher()
     app = build_app(
-        gateway_settings(),
+        settings or gateway_settings(),
         router=fake_router,
         tokenizer=prompt_tokenizer,
         readiness=readiness,
         metrics=metrics,
         prompt_hasher=hasher,
+        **app_options,
     )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
         async with app.router.lifespan_context(app):
             yield Stack(app, fake_router, prefill, decode, metrics, readiness, client, hasher)
+
+
+@pytest_asyncio.fixture
+async def stack(
+    start_worker: Callable[..., Any], fake_router: FakeRouter, prompt_tokenizer: HfPromptTokenizer
+) -> AsyncIterator[Stack]:
+    async with running_stack(start_worker, fake_router, prompt_tokenizer) as unit_stack:
+        yield unit_stack
 
 
 @pytest_asyncio.fixture

@@ -11,19 +11,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import pytest
 import pytest_asyncio
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tandem.gateway.app import build_app
-from tandem.gateway.metrics import GatewayMetrics
 from tandem.gateway.prompt import HfPromptTokenizer
 from tandem.gateway.settings import SMOLLM2_TOOL_TEMPLATE
-from tests.kit.gateway import MODEL, DecodeStep, FakeReadiness, FakeRouter, placement
-from tests.unit.gateway.conftest import CountingHasher, Stack, gateway_settings
+from tests.kit.gateway import MODEL, DecodeStep, FakeRouter
+from tests.unit.gateway.conftest import Stack, gateway_settings, running_stack
 
 pytestmark = [pytest.mark.timeout(30)]  # asyncio_mode is auto
 
@@ -46,25 +43,15 @@ async def stack(
     start_worker: Callable[..., Any], fake_router: FakeRouter, prompt_tokenizer: HfPromptTokenizer
 ) -> AsyncIterator[Stack]:
     """The unit stack, its model served with Tandem's tool chat template (``conftest.stack`` has none)."""
-    prefill = await start_worker("prefill-0")
-    decode = await start_worker("decode-0")
-    fake_router.placements.append(placement(prefill, decode))
-    metrics = GatewayMetrics()
-    hasher = CountingHasher()
     tool_tokenizer = prompt_tokenizer.with_chat_template(SMOLLM2_TOOL_TEMPLATE.read_text(encoding="utf-8"))
-    app = build_app(
+    async with running_stack(
+        start_worker,
+        fake_router,
+        prompt_tokenizer,
         gateway_settings(max_model_len=2048),  # the tools' text is long in the test tokenizer's <unk>s
-        router=fake_router,
-        tokenizer=prompt_tokenizer,
         tool_tokenizers={MODEL: tool_tokenizer},
-        readiness=FakeReadiness(),
-        metrics=metrics,
-        prompt_hasher=hasher,
-    )
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
-        async with app.router.lifespan_context(app):
-            yield Stack(app, fake_router, prefill, decode, metrics, FakeReadiness(), client, hasher)
+    ) as unit_stack:
+        yield unit_stack
 
 
 def script(stack: Stack, text: str, finish: str = "stop") -> None:
