@@ -326,6 +326,25 @@ def test_a_prefetch_that_arrives_after_its_requests_abort_is_refused() -> None:
         pair.close()
 
 
+def test_a_decode_that_loads_nothing_frees_its_prefetch_and_refuses_a_later_one() -> None:
+    """The router expected less of this engine's prefix cache than vLLM found: the decode request's whole
+    prompt is cached here, so it loads nothing and only releases the hold. Its staged prefetch, or one that
+    arrives after, must not wait out prefetch_keep_s (the fault suite's fuzz found 17,694,720 bytes so)."""
+    pair = _pair()
+    try:
+        assert pair.decode.prefetch(pair.order()) == ""
+        pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
+        wait_until(pair.decode.puller._prefetches[REQUEST].done.is_set, timeout_s=10)
+        assert pair.decode.stats().staged_bytes > 0
+        pair.decode.begin_step(GrpcKVMetadata(releases=[pair.handle()]))  # scheduler side: nothing to pull
+        stats = pair.decode.stats()
+        assert stats.staged_bytes == 0 and stats.num_staged_prefetches == 0 and stats.prefetches_wasted_total == 1
+        assert "aborted here" in pair.decode.prefetch(pair.order())
+        assert pair.decode.stats().staged_bytes == 0
+    finally:
+        pair.close()
+
+
 def test_an_abort_ends_a_prefetch_stream_that_waits_for_the_prefill() -> None:
     """The stream is read on the prefetch's own thread (the puller's channels are single-threaded for
     streams); the abort cancels it from another thread, and the thread comes back at once."""

@@ -13,8 +13,9 @@ staging into the paged cache: a local copy on the second token's critical
 path instead of the network. A prefetch that failed, or does not cover the
 blocks the load needs, is dropped and the load pulls as it would without one;
 staging is bounded (``prefetch_max_bytes``) and freed when the load has copied
-it, when the request is aborted here, or ``prefetch_keep_s`` after it was
-started.
+it, when the request is aborted here, when its decode needs no load (its
+prompt was in this engine's prefix cache), or ``prefetch_keep_s`` after it
+was started.
 
 A prefetch names the LoRA adapter its decode will run with (``PrefetchKV``'s
 ``adapter``), and streams with it: the prefill engine's KV server refuses a
@@ -218,6 +219,9 @@ class KVPuller:
         for spec in loads:
             self._pool.submit(self._load_and_release, spec)
         for handle in releases:
+            # Its prompt was in this engine's prefix cache after all (the router expected less of it):
+            # what a prefetch staged for it, or stages later, nobody will use.
+            self.abort(handle.request_id)
             self._pool.submit(self.release_hold, handle)
 
     def take_results(self, *, idle_step: bool) -> tuple[set[str], set[str]]:
@@ -299,7 +303,7 @@ class KVPuller:
         if num_blocks <= 0:
             return "nothing to prefetch"
         if request_id in self._loaded:
-            return "the request's KV is loaded already, or it was aborted here"
+            return "the request's KV is loaded already (or it needed no load), or it was aborted here"
         num_staged_bytes = self._writer.block_bytes * num_blocks * len(self._caches)
         self.drop_prefetch(request_id, wasted=True)
         with self._lock:
@@ -372,7 +376,8 @@ class KVPuller:
                 self._num_staged_bytes -= prefetch.num_staged_bytes
 
     def abort(self, request_id: str) -> bool:
-        """``request_id`` was aborted here: drop its prefetch, and refuse one that arrives later."""
+        """``request_id`` was aborted here, or its decode loads nothing: drop its prefetch, and refuse one
+        that arrives later."""
         with self._lock:
             self._remember_done(request_id)
         return self.drop_prefetch(request_id)
