@@ -86,3 +86,20 @@ async def test_an_answer_that_ends_at_the_prefill_drops_the_decode_workers_prefe
     await asyncio.wait_for(stack.decode.aborted_event.wait(), 5)
     assert stack.decode.aborted == [prefetch.request_id] and stack.decode.decode_requests == []
     assert stack.prefill.aborted == []  # its request ended; nothing of it is held
+
+
+async def test_a_prefill_rescheduled_after_unavailable_drops_the_prefetch_of_the_placement_it_leaves(
+    stack: Any,
+) -> None:
+    """The prefill worker was unavailable: the request is placed again, maybe with another decode worker, so
+    the first placement's decode worker is told to drop what it staged (and the second's at the 503)."""
+    stack.prefill.prefill_error = grpc.StatusCode.UNAVAILABLE
+    response = await stack.client.post("/v1/chat/completions", json=chat_body())
+    assert response.status_code == 503, response.text
+    first, second = stack.decode.prefetch_requests
+    assert first.request_id == second.request_id
+    for _ in range(500):
+        if len(stack.decode.aborted) >= 2:
+            break
+        await asyncio.sleep(0.01)
+    assert stack.decode.aborted == [first.request_id, first.request_id]

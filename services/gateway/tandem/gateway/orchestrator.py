@@ -288,6 +288,7 @@ class Orchestrator:
                     self._metrics.worker_retries_total.labels(role="prefill").inc()
                     self._metrics.migrations_total.labels(role="prefill", reason="unavailable").inc()
                     progress.placement = None
+                    self._drop_prefetch(job, placement)  # the next placement may name another decode worker
                     await self._placer.end_reservation(job.request_id)
                     excluded.append(placement.prefill.worker_id)
                     continue
