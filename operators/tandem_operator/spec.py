@@ -207,6 +207,15 @@ class DecodeTargets(SpecModel):
     waiting_per_replica: float = Field(default=4.0, gt=0)
 
 
+class CapacitySpec(SpecModel):
+    """Per-worker capacity within the SLO, measured by ``tandem-loadtest sweep`` (0: not measured)."""
+
+    #: Uncached prompt tokens per second one prefill worker computes at the knee.
+    prefill_tokens_per_second_per_worker: float = Field(default=0.0, ge=0)
+    #: Output tokens per second one decode worker generates at the knee.
+    decode_tokens_per_second_per_worker: float = Field(default=0.0, ge=0)
+
+
 class AutoscalingSpec(SpecModel):
     enabled: bool = True
     #: The pools' replicas belong to an external autoscaler (HPA, KEDA) targeting the pool Deployments:
@@ -235,6 +244,7 @@ class AutoscalingSpec(SpecModel):
     scale_down_slo_fraction: float = Field(default=0.8, gt=0, le=1)
     prefill: PrefillTargets = PrefillTargets()
     decode: DecodeTargets = DecodeTargets()
+    capacity: CapacitySpec = CapacitySpec()
 
 
 class ImagePullSecret(SpecModel):
