@@ -4,6 +4,7 @@ without holding the Prefill up, and a refused or failed prefetch changes nothing
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import grpc
@@ -34,14 +35,21 @@ async def test_the_decode_worker_is_asked_to_prefetch_from_the_prefill_workers_k
     assert started == 1.0
 
 
-async def test_the_decode_workers_prefix_hit_reaches_the_timings_beside_the_routers_expectation(stack: Any) -> None:
+async def test_the_decode_workers_prefix_hit_reaches_the_timings_beside_the_routers_expectation(
+    stack: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     stack.router.placements[0].num_decode_cached_tokens = 128
     stack.decode.num_decode_cached_tokens = 64  # evicted meanwhile: the hit was smaller than expected
+    caplog.set_level(logging.INFO, logger="tandem.gateway.api.generation")
     response = await stack.client.post("/v1/chat/completions", json=chat_body(), headers={"X-Tandem-Timings": "1"})
     assert response.status_code == 200, response.text
     worker = response.json()["tandem_timings"]["worker"]
     assert worker["num_router_expected_decode_cached_tokens"] == 128
     assert worker["num_decode_cached_tokens"] == 64
+    # The request's log line carries the same figures, for the requests that cannot ask for them (a
+    # /v1/responses or /v1/messages stream sends no timings).
+    (finished,) = [r for r in caplog.records if r.getMessage() == "request finished"]
+    assert vars(finished)["worker"] == worker
 
 
 async def test_no_prefetch_without_a_handoff(stack: Any) -> None:

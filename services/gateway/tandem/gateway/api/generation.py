@@ -256,6 +256,9 @@ class GenerationResponse(Response):
                 "ttft_s": None if self._ttft_s is None else round(self._ttft_s, 6),
                 "e2e_s": round(e2e_s, 6),
                 "stages_ms": {k: round(v * 1000, 3) for k, v in stages.items()},
+                # What the workers reported (a local prefill, the prefix hits against the router's
+                # expectation, the KV transfer, the decode worker's first token): where the time went.
+                "worker": clock.breakdown()["worker"],
                 "cut_off_slow_reader": self._cut_off,
             },
         )
