@@ -1,4 +1,4 @@
-"""Command line: ``tandem-loadtest run | compare | plot``.
+"""Command line: ``tandem-loadtest run | sweep | compare | plot``.
 
 The entry point (console script and ``python -m tandem_loadtest``); parses
 flags once, builds a :class:`~tandem_loadtest.runner.RunConfig`, runs
@@ -15,17 +15,20 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from tandem_loadtest.arrivals import parse_arrival
 from tandem_loadtest.distributions import LengthDist
 from tandem_loadtest.metrics import parse_slos
 from tandem_loadtest.records import RequestRecord
-from tandem_loadtest.runner import RunConfig, RunResult, run_load
+from tandem_loadtest.runner import ProgressFn, RunConfig, RunResult, run_load
+from tandem_loadtest.sweep import StepResult
 from tandem_loadtest.tenants import TenantConfig, parse_mix
 from tandem_loadtest.workloads import WorkloadOptions
 
 
-def _add_run_args(p: argparse.ArgumentParser) -> None:
+def _add_run_args(p: argparse.ArgumentParser, *, sweep: bool = False) -> None:
+    """The flags of ``run``; ``sweep`` has its own load shape and report, the rest the same."""
     g = p.add_argument_group("target")
     g.add_argument("--url", required=True, help="base URL of the OpenAI-compatible server (with or without /v1)")
     g.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
@@ -37,10 +40,13 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
                    help="workload mix of the default tenant when no --tenant is given (default: synthetic)")
 
     g = p.add_argument_group("load")
-    g.add_argument("--arrival", default="poisson:1", metavar="SPEC",
-                   help="poisson:RATE | constant:RATE | burst:SIZE:EVERY_S | ramp:START:END:OVER_S | concurrency:N")
-    g.add_argument("--num-requests", type=int, default=None, help="stop issuing after this many requests")
-    g.add_argument("--duration-s", type=float, default=None, help="stop issuing after this many seconds")
+    if sweep:
+        _add_sweep_load_args(g)
+    else:
+        g.add_argument("--arrival", default="poisson:1", metavar="SPEC",
+                       help="poisson:RATE | constant:RATE | burst:SIZE:EVERY_S | ramp:START:END:OVER_S | concurrency:N")
+        g.add_argument("--num-requests", type=int, default=None, help="stop issuing after this many requests")
+        g.add_argument("--duration-s", type=float, default=None, help="stop issuing after this many seconds")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (open-loop modes)")
     g.add_argument("--cancel-fraction", type=float, default=0.0, help="share of requests the client cancels")
     g.add_argument("--cancel-after-s", type=float, default=1.0, help="delay after sending before cancelling")
@@ -69,7 +75,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompts-endpoint", choices=("chat", "completions"), default="chat")
 
     g = p.add_argument_group("report")
-    g.add_argument("--out", type=Path, default=None, help="report folder (default reports/loadtest-<timestamp>)")
+    g.add_argument("--out", type=Path, default=None,
+                   help=f"report folder (default reports/{'sweep' if sweep else 'loadtest'}-<timestamp>)")
+    if sweep:
+        g.add_argument("--no-plots", action="store_true")
+        g.add_argument("--no-progress", action="store_true")
+        return
     g.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. --goodput ttft:500 tpot:50 e2e:5000")
     g.add_argument("--no-plots", action="store_true")
@@ -80,6 +91,34 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--operator-log", type=Path, default=None, help="read replicas per pool from the operator's log")
 
 
+def _add_sweep_load_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--rates", type=_rates, default=None, metavar="R1,R2,...",
+                   help="offered rates (req/s), one step each, lowest first")
+    g.add_argument("--start-rps", type=float, default=0.5, help="first rate without --rates")
+    g.add_argument("--factor", type=float, default=2.0, help="each rate this times the last, without --rates")
+    g.add_argument("--steps", type=int, default=5, help="number of rates without --rates")
+    g.add_argument("--step-duration-s", type=float, default=30.0, help="seconds of arrivals per step")
+    g.add_argument("--arrival-kind", choices=("poisson", "constant"), default="poisson")
+    g.add_argument("--stop-after-breaches", type=int, default=1,
+                   help="stop after this many steps missed the SLO (0: run every rate)")
+    g.add_argument("--slo", nargs="+", default=None, metavar="METRIC:MS",
+                   help="p90 targets, ttft:MS itl:MS (default: --slo-values)")
+    g.add_argument("--slo-values", type=Path, default=None, metavar="VALUES.yaml",
+                   help="read the targets from a Helm values file's tandemDeployment.slo (the chart's line)")
+    g.add_argument("--prefill-workers", type=int, default=1, help="prefill workers serving during the sweep")
+    g.add_argument("--decode-workers", type=int, default=1, help="decode workers serving during the sweep")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad rates {text!r}: {exc}") from exc
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError("rates must be positive numbers, e.g. 0.5,1,2")
+    return rates
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="tandem-loadtest", fromfile_prefix_chars="@",
                                    description="Load-test an OpenAI-compatible endpoint.")
@@ -88,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
     cmp_ = sub.add_parser("compare", help="print two reports side by side with ratios")
     cmp_.add_argument("a", type=Path)
     cmp_.add_argument("b", type=Path)
+    _add_run_args(sub.add_parser("sweep", fromfile_prefix_chars="@",
+                                 help="raise the offered rate step by step, find the knee, write per-worker capacity"),
+                  sweep=True)
     plot = sub.add_parser("plot", help="(re)draw the plots and summary of a saved report")
     plot.add_argument("report", type=Path)
     return root
@@ -111,6 +153,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     tenants = [TenantConfig.parse(t, default_key=api_key) for t in args.tenant] or [
         TenantConfig("default", api_key, parse_mix(args.workload))
     ]
+    if args.command == "sweep":  # each step replaces the arrivals and the bounds
+        args.arrival, args.num_requests, args.duration_s = "poisson:1", None, args.step_duration_s
     if args.num_requests is None and args.duration_s is None:
         args.num_requests = 100
     return RunConfig(
@@ -202,10 +246,65 @@ def _replicas(args: argparse.Namespace, result: RunResult) -> dict[str, list[lis
     return {}
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from tandem_loadtest.sweep import SloTargets, build_sweep_report, run_sweep, summary_line, write_sweep
+
+    try:
+        if (args.slo is None) == (args.slo_values is None):
+            raise ValueError("give the SLO once: --slo ttft:MS itl:MS or --slo-values VALUES.yaml")
+        slo = SloTargets.parse(args.slo) if args.slo is not None else SloTargets.from_values(args.slo_values)
+        rates = args.rates or [args.start_rps * args.factor**i for i in range(args.steps)]
+        config = config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"tandem-loadtest: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        print(f"tandem-loadtest: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or Path("reports") / time.strftime("sweep-%Y%m%d-%H%M%S")
+    print(f"sweep: {len(rates)} steps of {args.step_duration_s:g} s at {', '.join(f'{r:g}' for r in rates)} req/s; "
+          f"SLO TTFT p90 {slo.ttft_p90_s * 1000:g} ms, ITL p90 {slo.itl_p90_s * 1000:g} ms ({slo.source})",
+          flush=True)
+    bars: list[Any] = []
+
+    def progress_for(i: int, rate: float) -> ProgressFn:
+        bar = tqdm(total=round(rate * args.step_duration_s), unit="req", disable=args.no_progress,
+                   dynamic_ncols=True, desc=f"step {i + 1}/{len(rates)} {rate:g} req/s")
+        bars.append(bar)
+        return lambda record, counts: bar.update(1)
+
+    def on_step(step: StepResult, met: bool) -> None:
+        for bar in bars:
+            bar.close()
+        bars.clear()
+        print(f"  {step.rate_rps:g} req/s: goodput {step.goodput_rps:.2f} req/s, TTFT p50/p90 "
+              f"{_ms(step.ttft_p50_ms)}/{_ms(step.ttft_p90_ms)} ms, ITL p50/p90 {_ms(step.itl_p50_ms)}/"
+              f"{_ms(step.itl_p90_ms)} ms, failed {step.num_failed}/{step.num_requests}: "
+              f"{'meets the SLO' if met else 'misses the SLO'}", flush=True)
+
+    steps = asyncio.run(run_sweep(config, rates, step_duration_s=args.step_duration_s, slo=slo,
+                                  arrival=args.arrival_kind, stop_after_breaches=args.stop_after_breaches,
+                                  on_step=on_step, progress_for=progress_for))
+    report = build_sweep_report(steps, slo, config=config.describe(), step_duration_s=args.step_duration_s,
+                                num_prefill_workers=args.prefill_workers, num_decode_workers=args.decode_workers)
+    paths = write_sweep(report, out, plots=not args.no_plots)
+    print(f"report: {', '.join(str(p) for p in paths)}")
+    print(summary_line(report), flush=True)
+    return 0 if report["knee_rps"] is not None else 1
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.0f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "run":
         return _cmd_run(args)
+    if args.command == "sweep":
+        return _cmd_sweep(args)
     from tandem_loadtest.report import load_report
 
     if args.command == "compare":

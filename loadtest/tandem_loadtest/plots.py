@@ -1,7 +1,8 @@
 """PNG plots of a report: latency CDFs, TTFT over time, throughput over time
-and, when the report has them, replicas per pool over time.
+and, when the report has them, replicas per pool over time; and a sweep's figures against the
+offered rate.
 
-Called by :mod:`tandem_loadtest.report`; calls matplotlib (Agg backend, no display).
+Called by :mod:`tandem_loadtest.report` and :mod:`tandem_loadtest.sweep`; calls matplotlib (Agg backend, no display).
 """
 
 from __future__ import annotations
@@ -170,3 +171,34 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
     if report.get("replicas"):
         paths.append(plot_replicas(report["replicas"], out_dir / "replicas.png"))
     return paths
+
+
+def plot_sweep(report: dict[str, Any], path: Path) -> Path:
+    """Goodput and throughput, TTFT and ITL (p50, p90, the SLO's target) against the offered rate,
+    with the knee marked."""
+    steps = report["steps"]
+    rates = [s["rate_rps"] for s in steps]
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 10), sharex=True)
+    ax1.plot(rates, rates, ls=":", color="grey", label="offered")
+    ax1.plot(rates, [s["throughput_rps"] for s in steps], marker="o", label="completed req/s")
+    ax1.plot(rates, [s["goodput_rps"] for s in steps], marker="o", label="goodput (req/s within the SLO)")
+    ax1.set_ylabel("req/s")
+    for ax, metric, target_s in ((ax2, "ttft", report["slo"]["ttft_p90_s"]), (ax3, "itl", report["slo"]["itl_p90_s"])):
+        for p in ("p50", "p90"):
+            ys = [np.nan if s[f"{metric}_{p}_ms"] is None else s[f"{metric}_{p}_ms"] for s in steps]
+            ax.plot(rates, ys, marker="o", label=f"{metric.upper()} {p}")
+        ax.axhline(target_s * 1000, color="red", ls="--", label=f"SLO p90 {target_s * 1000:g} ms")
+        ax.set_ylabel(f"{metric.upper()} (ms)")
+    for ax in (ax1, ax2, ax3):
+        if report["knee_rps"] is not None:
+            ax.axvline(report["knee_rps"], color="green", alpha=0.5, label=f"knee {report['knee_rps']:g} req/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax3.set_xlabel("offered rate (req/s)")
+    missed = [s["rate_rps"] for s in steps if not s["meets_slo"]]
+    ax1.set_title(f"Sweep: {len(steps)} steps of {report['step_duration_s']:g} s; SLO missed at {missed or 'none'}",
+                  fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,5 +1,6 @@
 """tandem-loadtest against the real local stack: a short mixed multi-tenant
-run whose report must hold sane figures, and agreement of its TTFT and ITL
+run whose report must hold sane figures, a short capacity sweep (knee and
+capacity from the stack's answers), and agreement of its TTFT and ITL
 medians with ``vllm bench serve`` on the same endpoint and prompts."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tandem_loadtest.arrivals import PoissonArrivals
 from tandem_loadtest.distributions import LengthDist
 from tandem_loadtest.report import build_report, write_report
 from tandem_loadtest.runner import RunConfig, run_load
+from tandem_loadtest.sweep import SloTargets, build_sweep_report, run_sweep, write_sweep
 from tandem_loadtest.tenants import TenantConfig
 from tandem_loadtest.workloads import WorkloadOptions
 
@@ -91,6 +93,51 @@ def test_mixed_multi_tenant_run_gives_a_sane_report(stack: LocalStack, tmp_path:
     assert {r.tenant for r in result.records} == {"alice", "bob"}
     md = (tmp_path / "summary.md").read_text()
     assert "| TTFT |" in md and "By tenant:" in md
+
+
+def test_sweep_finds_the_knee_and_capacity_on_the_local_stack(stack: LocalStack, tmp_path: Path) -> None:
+    """Two short steps with a target every step meets (the knee is the higher rate), then the same steps
+    judged against a TTFT target no CPU prefill meets (no knee): the knee and capacity come from the
+    stack's own answers (usage), not from the request parameters alone."""
+    base = RunConfig(
+        base_url=stack.config.gateway_url,
+        model=stack.config.served_model_name,
+        arrival=PoissonArrivals(1.0),
+        tenants=[TenantConfig("sweep", stack.create_tenant_key("sweep"), {"synthetic": 1.0})],
+        workload=WorkloadOptions(input_tokens=LengthDist.parse("uniform:64:192"), output_tokens=LengthDist.parse("8")),
+        num_requests=1,
+        request_timeout_s=120.0,
+        ignore_eos=True,
+        seed=7,
+    )
+    lax = SloTargets(ttft_p90_s=60.0, itl_p90_s=5.0)
+    steps = asyncio.run(run_sweep(base, [0.3, 0.6], step_duration_s=8.0, slo=lax, arrival="constant"))
+    assert [s.rate_rps for s in steps] == [0.3, 0.6]
+    for s in steps:
+        assert s.num_failed == 0 and s.num_ok == s.num_requests >= 2, s
+        assert s.ttft_p50_ms is not None and s.ttft_p90_ms is not None and 0 < s.ttft_p50_ms <= s.ttft_p90_ms
+        assert s.itl_p50_ms is not None and s.itl_p90_ms is not None and 0 < s.itl_p50_ms <= s.itl_p90_ms
+        assert 0 < s.goodput_rps <= s.throughput_rps
+        assert s.mean_output_tokens == 8.0  # ignore_eos: usage says exactly max_tokens
+        # The chat template adds tokens to each drawn prompt; prefix caching may have served some.
+        assert s.mean_prompt_tokens is not None and s.mean_prompt_tokens > 64
+        assert s.mean_uncached_prompt_tokens is not None and 0 < s.mean_uncached_prompt_tokens <= s.mean_prompt_tokens
+    report = build_sweep_report(steps, lax, config=base.describe(), step_duration_s=8.0,
+                                num_prefill_workers=1, num_decode_workers=1)
+    knee = steps[-1]
+    assert report["knee_rps"] == 0.6
+    cap = report["capacity"]
+    assert cap["decode_tokens_per_s_per_worker"] == pytest.approx(0.6 * 8.0)
+    assert cap["prefill_tokens_per_s_per_worker"] == pytest.approx(0.6 * (knee.mean_uncached_prompt_tokens or 0.0))
+    paths = write_sweep(report, tmp_path)
+    assert {p.name for p in paths} == {"sweep.json", "steps.csv", "capacity.json", "sweep.png"}
+    assert json.loads((tmp_path / "capacity.json").read_text())["tandemDeployment"]["autoscaling"]["capacity"] == {
+        "prefillTokensPerSecondPerWorker": int(cap["prefill_tokens_per_s_per_worker"]),
+        "decodeTokensPerSecondPerWorker": int(cap["decode_tokens_per_s_per_worker"]),
+    }
+    strict = SloTargets(ttft_p90_s=0.001, itl_p90_s=5.0)
+    assert build_sweep_report(steps, strict, config={}, step_duration_s=8.0, num_prefill_workers=1,
+                              num_decode_workers=1)["knee_rps"] is None
 
 
 @pytest.mark.timeout(1200)

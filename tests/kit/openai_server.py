@@ -3,6 +3,8 @@
 Behaviour by bearer key: ``sk-429`` gets 429 with Retry-After, ``sk-500`` a
 500; every other request streams ``max_tokens`` content chunks (role chunk
 first, then finish, usage and [DONE]) after ``ttft_s``, one every ``gap_s``.
+``ttft_per_in_flight_s`` adds that much to the TTFT per other request in flight
+(a simulated server that slows as its load rises, for the capacity sweep's tests).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import httpx
 class FakeOpenAIServer:
     ttft_s: float = 0.02
     gap_s: float = 0.005
+    ttft_per_in_flight_s: float = 0.0
     requests: list[tuple[dict[str, str], dict[str, Any]]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -44,7 +47,7 @@ class FakeOpenAIServer:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         finished = False
         try:
-            await asyncio.sleep(self.ttft_s)
+            await asyncio.sleep(self.ttft_s + self.ttft_per_in_flight_s * (self.in_flight - 1))
             if chat:
                 yield _event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             n = int(body["max_tokens"])
