@@ -97,6 +97,12 @@ class WorkerIntake:
                 self._fresh_view.still_unknown(model)
         return workers
 
+    def model_label(self, model: str) -> str:
+        """The model as a metric label only when a live worker serves it: a caller's name adds no label
+        value (so a model whose pools are both at zero is labelled "")."""
+        fleet = self.fleet
+        return model if fleet is not None and fleet.serves(model) else ""
+
     async def refresh(self) -> None:
         """Read the registry (through the view's cache); returns once the list read is the one
         decisions use."""

@@ -328,6 +328,20 @@ def num_candidates(request: ScheduleRequest, workers: Sequence[WorkerRecord], ro
     )
 
 
+def check_request(request: ScheduleRequest) -> None:
+    """Raise InvalidRequestError for a Schedule request no worker list could make valid."""
+    if not request.request_id:
+        raise InvalidRequestError("request_id is required", param="request_id", code="invalid_request")
+    if not request.model:
+        raise InvalidRequestError("model is required", param="model", code="invalid_request")
+    if request.local_prefill_only and request.prefill_done_on_worker_id:
+        raise InvalidRequestError(
+            "local_prefill_only and prefill_done_on_worker_id exclude each other",
+            param="local_prefill_only",
+            code="invalid_request",
+        )
+
+
 def check_servable(request: ScheduleRequest, workers: Sequence[WorkerRecord]) -> None:
     """Raise the error naming what is missing when no worker of some role could ever take ``request``."""
     for role in (ROLE_PREFILL, ROLE_DECODE):

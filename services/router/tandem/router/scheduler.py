@@ -37,8 +37,8 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from tandem.common.errors import InvalidRequestError, NoCapacityError, TandemError
-from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
+from tandem.common.errors import NoCapacityError, TandemError
+from tandem.common.registry import WorkerRecord
 from tandem.router.budget import BudgetConfig
 from tandem.router.fair_share import TenantShares
 from tandem.router.gauges import Gauges
@@ -56,6 +56,7 @@ from tandem.router.placement import (
     PlacementDecision,
     Placer,
     PoolAtZeroError,
+    check_request,
     check_servable,
 )
 from tandem.router.policy import RoutingPolicy, ScheduleRequest
@@ -147,12 +148,9 @@ class Scheduler:
     # -- Schedule ----------------------------------------------------------------
 
     async def schedule(self, request: ScheduleRequest) -> PlacementDecision:
-        """Choose and reserve a (prefill, decode) pair for ``request``.
-
-        Raises InvalidRequestError (bad input, or ``code="model_not_found"``
-        when no live worker serves the model) or NoCapacityError (no worker of
-        some role, or no budget within the queue timeout).
-        """
+        """Choose and reserve a (prefill, decode) pair for ``request``. Raises InvalidRequestError (bad
+        input, or ``code="model_not_found"`` when no live worker serves the model) or NoCapacityError (no
+        worker of some role, or no budget within the queue timeout)."""
         started_s = time.perf_counter()
         outcome = "ok"
         try:
@@ -160,25 +158,19 @@ class Scheduler:
         except TandemError as exc:
             outcome = getattr(exc, "code", None) or type(exc).__name__
             if isinstance(exc, PoolAtZeroError):
-                self._pending_demand.note(exc.role, self._model_label(request.model))
+                self._pending_demand.note(exc.role, self.intake.model_label(request.model))
             raise
         finally:
             self._metrics.observe_schedule(
-                time.perf_counter() - started_s, outcome=outcome, model=self._model_label(request.model)
+                time.perf_counter() - started_s, outcome=outcome, model=self.intake.model_label(request.model)
             )
-
-    def _model_label(self, model: str) -> str:
-        """The model as a label only when a live worker serves it: a caller's name adds no label value
-        (so a model whose pools are both at zero is labelled "")."""
-        fleet = self.intake.fleet
-        return model if fleet is not None and fleet.serves(model) else ""
 
     @property
     def pending_demand(self) -> PendingDemand:
         return self._pending_demand
 
     async def _schedule(self, request: ScheduleRequest) -> PlacementDecision:
-        _check(request)
+        check_request(request)
         self._sweep()
         workers = await self.intake.workers_for(request.model)
         # A repeated Schedule of one request is a retry elsewhere: its earlier
@@ -302,22 +294,4 @@ class Scheduler:
     def queued(self, model: str | None = None) -> dict[str, tuple[int, int]]:
         """Per role, (requests, prompt tokens no worker holds) waiting for that role's budget: of
         ``model``'s requests, or of all (None)."""
-        totals = {ROLE_PREFILL: (0, 0), ROLE_DECODE: (0, 0)}
-        for name, by_role in self._room.queued().items():
-            if model is None or name == model:
-                for role, (n, tokens) in by_role.items():
-                    totals[role] = (totals[role][0] + n, totals[role][1] + tokens)
-        return totals
-
-
-def _check(request: ScheduleRequest) -> None:
-    if not request.request_id:
-        raise InvalidRequestError("request_id is required", param="request_id", code="invalid_request")
-    if not request.model:
-        raise InvalidRequestError("model is required", param="model", code="invalid_request")
-    if request.local_prefill_only and request.prefill_done_on_worker_id:
-        raise InvalidRequestError(
-            "local_prefill_only and prefill_done_on_worker_id exclude each other",
-            param="local_prefill_only",
-            code="invalid_request",
-        )
+        return self._room.queued_by_role(model)

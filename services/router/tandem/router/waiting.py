@@ -259,3 +259,12 @@ class WaitingRoom:
         return {
             model: {role: (n, tokens) for role, (n, tokens) in by_role.items()} for model, by_role in queued.items()
         }
+
+    def queued_by_role(self, model: str | None = None) -> dict[str, tuple[int, int]]:
+        """:meth:`queued` summed over models: per role, of ``model``'s requests, or of all (None)."""
+        totals = {ROLE_PREFILL: (0, 0), ROLE_DECODE: (0, 0)}
+        for name, by_role in self.queued().items():
+            if model is None or name == model:
+                for role, (n, tokens) in by_role.items():
+                    totals[role] = (totals[role][0] + n, totals[role][1] + tokens)
+        return totals
