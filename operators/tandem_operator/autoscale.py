@@ -41,12 +41,29 @@ Only ready replicas count as capacity: the proportional votes (KV usage,
 latency) multiply the *ready* count, and while some replicas are still starting
 the pool never shrinks (their capacity is on its way; the start-up time of the
 pool, however long, is the cooldown after a scale-up).
+
+**Capacity coming.** Replicas requested and not ready yet are credited: while any are starting,
+the pool does not grow further (``scale up held``). Until they are ready, the backlog and the
+latency of the ready ones go on growing whatever their number (the queue fills at the shortfall
+of the *ready* replicas), so votes read then ask for more and more: a constant backlog went
+2 → 4 → 6 → 7 in 60 s with no new pod ready. Their recommendations stay in the history, so the
+pool grows at once after they are ready if the ready pool still asks for more. A pool at zero
+starts as before.
+
+**Ahead of the ramp.** Each load signal (queue, uncached tokens, budget and KV usage, requests
+waiting, and the pool's demand) also votes on where it is heading: its slope over the last
+``max(scale-up window, 3 intervals)`` of recommendations, projected over the pool's start time
+(measured from the history: from the first recommendation made at a size to the one that saw that
+many ready; until measured, the scale-up window plus one interval). These ``*_trend`` votes only
+grow a pool (a falling slope projects nothing), so a new replica is asked for a start time before
+the level alone would ask for it, and is ready when the load arrives.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tandem_operator.spec import AutoscalingSpec, PoolSpec, Role, SloSpec
 
@@ -85,6 +102,12 @@ class Recommendation:
     num_replicas: int
     #: The pool's replica count when it was made.
     at_replicas: int
+    #: Its ready replicas then (None: not known, e.g. a history from before this field).
+    ready: int | None = None
+    #: The signals it was made from (their slopes are the trend votes').
+    signals: PoolSignals | None = None
+    #: The pool's start time (request to ready) last measured, seconds; carried from one to the next.
+    start_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -149,8 +172,85 @@ def _latency_vote(current: int, p90_s: float, slo_s: float, scale_down_fraction:
 LATENCY_VOTES = frozenset({"ttft_p90", "itl_p90"})
 
 
-def votes_for(role: Role, current: int, signals: PoolSignals, policy: AutoscalingSpec, slo: SloSpec) -> dict[str, int]:
-    """Per available signal, how many replicas it asks for."""
+#: The signals whose growth votes (the load, not its symptoms): by role.
+TREND_FIELDS: dict[Role, tuple[str, ...]] = {
+    "prefill": ("queue_depth", "uncached_tokens"),
+    "decode": ("budget_usage", "kv_usage", "waiting"),
+}
+
+
+def slope(samples: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope (per second) of ``(t_s, value)`` samples; None with fewer than two times."""
+    if len({t for t, _ in samples}) < 2:
+        return None
+    n = len(samples)
+    mean_t = sum(t for t, _ in samples) / n
+    mean_v = sum(v for _, v in samples) / n
+    num = sum((t - mean_t) * (v - mean_v) for t, v in samples)
+    den = sum((t - mean_t) ** 2 for t, _ in samples)
+    return num / den
+
+
+def projected(
+    role: Role,
+    signals: PoolSignals,
+    history: tuple[Recommendation, ...],
+    now_s: float,
+    window_s: float,
+    horizon_s: float,
+) -> PoolSignals | None:
+    """``signals`` with each load signal moved along its rising slope over the last ``window_s``
+    (history and now) by ``horizon_s``; None where no load signal rises."""
+    changes: dict[str, Any] = {}
+    for name in TREND_FIELDS[role]:
+        now_value = getattr(signals, name)
+        if now_value is None:
+            continue
+        points = [
+            (r.at_s, v)
+            for r in history
+            if r.signals is not None and now_s - r.at_s <= window_s
+            and (v := getattr(r.signals, name)) is not None
+        ]
+        rate = slope([*points, (now_s, now_value)])
+        if rate is not None and rate > 0:
+            changes[name] = now_value + rate * horizon_s
+    if not changes:
+        return None
+    return replace(signals, **changes)
+
+
+def trend_votes(
+    role: Role, current: int, now: PoolSignals, ahead: PoolSignals, policy: AutoscalingSpec
+) -> dict[str, int]:
+    """The load votes of ``votes_for`` on the projected signals ``ahead``, as ``<signal>_trend``, for
+    the signals that rose (and the demand vote where the requests waiting rose). Latency has none."""
+    votes = votes_for(role, current, ahead, policy, None)
+    rose = {name for name in TREND_FIELDS[role] if getattr(ahead, name) != getattr(now, name)}
+    out = {f"{name}_trend": votes[name] for name in sorted(rose) if name in votes}
+    if "demand" in votes and ("queue_depth" if role == "prefill" else "waiting") in rose:
+        out["demand_trend"] = votes["demand"]
+    return out
+
+
+def measured_start_s(history: tuple[Recommendation, ...], ready: int, now_s: float) -> float | None:
+    """Seconds from the decision that grew the pool to ``ready`` replicas to now, if ``ready`` is
+    more than the last recommendation saw ready (a replica became ready since); else None."""
+    if not history or history[-1].ready is None or ready <= history[-1].ready:
+        return None
+    # The trailing run of recommendations made at ``ready`` replicas or more; the one before it grew the pool.
+    index = len(history)
+    while index > 0 and history[index - 1].at_replicas >= ready:
+        index -= 1
+    if index == len(history) or index == 0:
+        return None  # not grown within the history (e.g. the operator restarted): nothing to time
+    return now_s - history[index - 1].at_s
+
+
+def votes_for(
+    role: Role, current: int, signals: PoolSignals, policy: AutoscalingSpec, slo: SloSpec | None
+) -> dict[str, int]:
+    """Per available signal, how many replicas it asks for (``slo`` None: no latency votes)."""
     votes: dict[str, int] = {}
     if signals.pending_demand is not None and signals.pending_demand > 0:
         # Requests found no worker of this pool: it needs one at least (from zero, the other votes
@@ -165,7 +265,7 @@ def votes_for(role: Role, current: int, signals: PoolSignals, policy: Autoscalin
                 votes["demand"] = demand
         if signals.uncached_tokens is not None:
             votes["uncached_tokens"] = _total_vote(signals.uncached_tokens, targets.uncached_tokens_per_replica)
-        if signals.ttft_p90_s is not None:
+        if signals.ttft_p90_s is not None and slo is not None:
             ttft = _latency_vote(current, signals.ttft_p90_s, slo.ttft_p90_seconds, policy.scale_down_slo_fraction)
             # TTFT is both pools' (a request waits for decode budget before its prefill too): it grows
             # prefill only where prefill is short, requests waiting for its budget or its backlog over
@@ -188,7 +288,7 @@ def votes_for(role: Role, current: int, signals: PoolSignals, policy: Autoscalin
             votes["kv_usage"] = _ratio_vote(current, signals.kv_usage, policy.decode.kv_usage, policy.tolerance)
         if signals.waiting is not None:
             votes["waiting"] = _total_vote(signals.waiting, policy.decode.waiting_per_replica)
-        if signals.itl_p90_s is not None:
+        if signals.itl_p90_s is not None and slo is not None:
             votes["itl_p90"] = _latency_vote(
                 current, signals.itl_p90_s, slo.itl_p90_seconds, policy.scale_down_slo_fraction
             )
@@ -215,8 +315,16 @@ def decide(
     """
     ready = current_replicas if ready_replicas is None else max(0, min(ready_replicas, current_replicas))
     votes = votes_for(role, ready, signals, policy, slo)
+    start_s = measured_start_s(history, ready, now_s)
+    if start_s is None and history:
+        start_s = history[-1].start_s
+    horizon_s = start_s if start_s is not None else policy.scale_up_stabilization_seconds + policy.interval_seconds
+    trend_window_s = max(policy.scale_up_stabilization_seconds, 3 * policy.interval_seconds)
+    ahead = projected(role, signals, history, now_s, trend_window_s, horizon_s) if votes else None
+    if ahead is not None:
+        votes.update(trend_votes(role, ready, signals, ahead, policy))
     if not history:
-        history = (Recommendation(now_s, current_replicas, current_replicas),)
+        history = (Recommendation(now_s, current_replicas, current_replicas, ready, None, start_s),)
     if not votes:
         decision = Decision(role, current_replicas, current_replicas, current_replicas, "no metrics: hold", signals)
         return decision, history
@@ -231,7 +339,7 @@ def decide(
     # Keep the window's worth, plus the newest older one: it proves how long the pool has had its size.
     older = [r for r in history if now_s - r.at_s > keep_s]
     earlier = (*older[-1:], *(r for r in history if now_s - r.at_s <= keep_s))
-    history = (*earlier, Recommendation(now_s, raw_bounded, current_replicas))
+    history = (*earlier, Recommendation(now_s, raw_bounded, current_replicas, ready, signals, start_s))
 
     top_signal = max(votes, key=lambda k: votes[k])
     desired = current_replicas
@@ -240,6 +348,11 @@ def decide(
         # A pool at zero refuses every request it gets: no spike to filter, start it in this interval.
         desired = min(raw_bounded, policy.max_scale_up_step)
         reason = f"scale from zero: {top_signal} asks {raw}"
+    elif raw_bounded > current_replicas and ready < current_replicas:
+        # Capacity coming: what the ready replicas' backlog and latency ask for now they would ask for
+        # whatever the number starting; the recommendation stays in the history for when they are ready.
+        starting = current_replicas - ready
+        reason = f"scale up held: {starting} of {current_replicas} replicas still starting ({top_signal} asks {raw})"
     elif raw_bounded > current_replicas:
         window = [r.num_replicas for r in earlier if now_s - r.at_s < policy.scale_up_stabilization_seconds]
         stable = min([raw_bounded, *window])

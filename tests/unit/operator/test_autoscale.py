@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem_operator.autoscale import Decision, PoolSignals, Recommendation, decide
+from tandem_operator.autoscale import Decision, PoolSignals, Recommendation, decide, measured_start_s, slope
 from tandem_operator.spec import AutoscalingSpec, PoolSpec, Role, SloSpec
 
 POOL = PoolSpec(replicas=2, min_replicas=1, max_replicas=6)
@@ -95,7 +95,8 @@ def test_scale_up_waits_for_its_window() -> None:
 
 
 def test_scale_down_waits_for_its_window_and_a_spike_resets_it() -> None:
-    pol = policy(scale_down_stabilization_seconds=60)
+    # The scale-up window filters the spike (its steep rise would grow the pool on its trend otherwise).
+    pol = policy(scale_down_stabilization_seconds=60, scale_up_stabilization_seconds=30)
     history: tuple[Recommendation, ...] = (Recommendation(0.0, 4, 4),)
     current = 4
     trace = []
@@ -149,3 +150,79 @@ def test_latency_alone_never_shrinks_a_pool() -> None:
     assert once("decode", 1, PoolSignals(itl_p90_s=0.3), pool=ZERO_POOL).desired_replicas == 3
     # With a load signal beside it, the pool shrinks as before.
     assert once("decode", 1, PoolSignals(itl_p90_s=0.05, budget_usage=0.0), pool=ZERO_POOL).desired_replicas == 0
+
+
+def test_replicas_still_starting_are_capacity_coming() -> None:
+    """A backlog that grows while the new replicas start (the queue fills at the ready replicas'
+    shortfall) asks for more at every decision: 2 → 4 → 6 → 7 in 60 s with no new pod ready.
+    Requested replicas count: the pool holds until they are ready, then grows at once if the ready
+    pool still asks for more."""
+    pol = policy(scale_up_stabilization_seconds=20, interval_seconds=10)
+    pool = PoolSpec(replicas=2, min_replicas=1, max_replicas=10)
+    history: tuple[Recommendation, ...] = ()
+    current, trace, reasons = 2, [], []
+    # 2 ready hold 4 requests; the queue grows by 4 every 10 s while nothing new is ready.
+    for t, queue in [(0, 8), (10, 8), (20, 8), (30, 12), (40, 16), (50, 20), (60, 24)]:
+        decision, history = decide(role="prefill", current_replicas=current, ready_replicas=2,
+                                   signals=PoolSignals(queue_depth=queue, in_flight=4), pool=pool, policy=pol,
+                                   slo=SLO, history=history, now_s=float(t))
+        current = decision.desired_replicas
+        trace.append(current)
+        reasons.append(decision.reason)
+    assert trace == [2, 2, 4, 4, 4, 4, 4], trace
+    assert all(r.startswith("scale up held: 2 of 4 replicas still starting") for r in reasons[3:])
+    # The held recommendations stay in the history: once the 4 are ready and still short, no second window.
+    decision, _ = decide(role="prefill", current_replicas=4, ready_replicas=4,
+                         signals=PoolSignals(queue_depth=24, in_flight=8), pool=pool, policy=pol, slo=SLO,
+                         history=history, now_s=70.0)
+    assert decision.desired_replicas == 6 and decision.reason.startswith("scale up")
+    # Without the credit (all replicas ready) the same growing queue would have grown it again.
+    grown, _ = decide(role="prefill", current_replicas=4, ready_replicas=4,
+                      signals=PoolSignals(queue_depth=16, in_flight=8), pool=pool, policy=pol, slo=SLO,
+                      history=history[:5], now_s=40.0)
+    assert grown.desired_replicas > 4
+
+
+def test_slope_and_start_time_from_the_history() -> None:
+    assert slope([(0.0, 1.0), (10.0, 3.0), (20.0, 5.0)]) == 0.2
+    assert slope([(5.0, 1.0)]) is None
+    # Grown 1 → 3 by the decision at t=10 (made at 1 replica); at t=40 a third replica is ready: 30 s.
+    history = (Recommendation(10.0, 3, 1, 1), Recommendation(20.0, 3, 3, 1), Recommendation(30.0, 3, 3, 2))
+    assert measured_start_s(history, 3, 40.0) == 30.0
+    assert measured_start_s(history, 2, 40.0) is None  # nobody became ready since the last decision
+    # The size was never grown within the history (an operator restart): nothing to time.
+    assert measured_start_s((Recommendation(0.0, 3, 3, 1),), 3, 10.0) is None
+
+
+def test_a_rising_load_asks_for_replicas_a_start_time_ahead() -> None:
+    pol = policy(scale_up_stabilization_seconds=0, interval_seconds=10)
+    tokens = 8192.0  # uncached tokens per replica's target
+    history: tuple[Recommendation, ...] = ()
+    votes = []
+    # Uncached tokens in flight rise by half a replica's worth every 10 s; the level asks for 2 all along.
+    for t, level in [(0, 1.0), (10, 1.5), (20, 2.0)]:
+        decision, history = decide(role="prefill", current_replicas=2, signals=PoolSignals(
+            queue_depth=0, uncached_tokens=level * tokens), pool=POOL, policy=pol, slo=SLO, history=history,
+            now_s=float(t))
+        votes.append(decision.votes)
+    assert votes[0] == {"queue_depth": 0, "uncached_tokens": 1}  # no history, no slope
+    # At t=20: 2.0 replicas' worth, growing 0.05 per s, projected over the scale-up window + one interval
+    # (no start time measured yet): 2.0 + 0.05 × 10 = 2.5 → 3, while the level asks 2.
+    assert votes[2]["uncached_tokens"] == 2 and votes[2]["uncached_tokens_trend"] == 3
+    assert decision.desired_replicas == 3 and "uncached_tokens_trend" in decision.reason
+    # A falling load projects nothing: no trend vote, the level decides.
+    falling, _ = decide(role="prefill", current_replicas=2, signals=PoolSignals(
+        queue_depth=0, uncached_tokens=1.0 * tokens), pool=POOL, policy=pol, slo=SLO, history=history, now_s=30.0)
+    assert not any(name.endswith("_trend") for name in falling.votes)
+    # Decode: budget in use rising from 0.5 to 0.7 in 20 s, measured start time 40 s: 0.7 + 0.01 × 40 =
+    # 1.1 of a 0.8 target at 2 replicas → 3, while the level (0.7, within the band) holds 2.
+    history = (Recommendation(0.0, 2, 2, 2, PoolSignals(budget_usage=0.5), 40.0),
+               Recommendation(10.0, 2, 2, 2, PoolSignals(budget_usage=0.6), 40.0))
+    decode, _ = decide(role="decode", current_replicas=2, signals=PoolSignals(budget_usage=0.7), pool=POOL,
+                       policy=pol, slo=SLO, history=history, now_s=20.0)
+    assert decode.votes["budget_usage"] == 2 and decode.votes["budget_usage_trend"] == 3
+    # Requests waiting for decode rising: the demand vote follows the projected wait.
+    history = (Recommendation(0.0, 2, 2, 2, PoolSignals(waiting=0.0, in_flight=4), 10.0),)
+    demand, _ = decide(role="decode", current_replicas=2, signals=PoolSignals(waiting=2.0, in_flight=4), pool=POOL,
+                       policy=pol, slo=SLO, history=history, now_s=10.0)
+    assert demand.votes["demand"] == 3 and demand.votes["demand_trend"] == 4  # ceil(2 × (4 + 4) / 4)
