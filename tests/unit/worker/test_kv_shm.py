@@ -12,7 +12,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +125,51 @@ def test_every_segment_in_use_falls_back_to_grpc_as_peer_refused(tmp_path: Path)
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_more_pulls_at_once_than_segments_wait_for_a_freed_one_instead_of_falling_back(tmp_path: Path) -> None:
+    """A burst of concurrent pulls larger than the pool: each pull releases its hold once loaded (as the
+    puller does), which frees its segment for the next; none of them goes over gRPC, every one lands
+    byte for byte."""
+    prefill, p_caches = make_side(free_port(), shm_dir=str(tmp_path), lease_s=LEASE_S, shm_max_segments=1)
+    decode, d_caches = make_side(free_port(), fill=0.0, shm_dir=str(tmp_path), lease_s=LEASE_S)
+    pulls = {f"burst-{i}": ((2 * i, 2 * i + 1), (2 * i + 1, 2 * i)) for i in range(3)}
+    try:
+        handles = {}
+        holds = {}
+        for rid, (remote, _) in pulls.items():
+            handle = make_handle(remote, num_tokens=len(remote) * BLOCK, kv_address=prefill.server.address)
+            handles[rid] = dataclasses.replace(handle, request_id=rid)
+            holds.update(holds_of(handles[rid], engine_request_id=f"{rid}-p"))
+        prefill.begin_step(GrpcKVMetadata(holds=holds))
+
+        def load_and_release(rid: str) -> Any:
+            remote, local = pulls[rid]
+            record = decode.load(LoadSpec(f"{rid}-d", handles[rid], remote, local, len(remote) * BLOCK, 0))
+            decode.puller.release_hold(handles[rid])
+            return record
+
+        with ThreadPoolExecutor(max_workers=len(pulls)) as pool:
+            records = list(pool.map(load_and_release, pulls))
+        assert [r.error for r in records if r.failed] == []
+        for remote, local in pulls.values():
+            _assert_copied(p_caches, d_caches, remote, local)
+        stats = decode.stats()
+        assert stats.shm_loads_total == len(pulls) and dict(stats.shm_fallbacks_total) == {}
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_an_acquire_waits_for_a_segment_freed_meanwhile_and_gives_up_after_its_wait(tmp_path: Path) -> None:
+    pool = shm.SegmentPool(str(tmp_path), 1, max_owned_s=60)
+    first = pool.acquire(10, "first")
+    assert first is not None
+    assert pool.acquire(10, "second", wait_s=0.05) is None  # nobody frees it
+    threading.Timer(0.05, pool.release_owner, args=("first",)).start()
+    second = pool.acquire(10, "second", wait_s=30)
+    assert second is not None and second.name == first.name and second.owner == "second"
+    pool.close()
 
 
 def test_a_missing_segment_falls_back_to_grpc_as_segment_missing(tmp_path: Path) -> None:

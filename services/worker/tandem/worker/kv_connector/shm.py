@@ -122,31 +122,43 @@ class SegmentPool:
         self._max_owned_s = max_owned_s
         self._segments: list[Segment] = []
         self._lock = threading.Lock()
+        #: Notified when a segment is freed (an acquire waiting for one looks again).
+        self._freed = threading.Condition(self._lock)
 
-    def acquire(self, num_bytes: int, owner: str) -> Segment | None:
+    def acquire(self, num_bytes: int, owner: str, wait_s: float = 0.0) -> Segment | None:
         """A free segment of at least ``num_bytes`` for ``owner`` (created, or replacing a smaller free
-        one); None when every segment is in use or the directory has no room."""
+        one); None when every segment is still in use after ``wait_s`` seconds, or the directory has no room."""
+        deadline = time.monotonic() + wait_s
         with self._lock:
-            now = time.monotonic()
-            for segment in self._segments:
-                if segment.owner and now - segment.owned_since_s > self._max_owned_s:
-                    logger.warning("KV segment of %s was not released within the lease; reused", segment.owner)
-                    segment.owner = ""
-            free = sorted((s for s in self._segments if not s.owner), key=lambda s: s.size_bytes)
-            fitting = next((s for s in free if s.size_bytes >= num_bytes), None)
+            while True:
+                segment, busy = self._acquire_locked(num_bytes, owner)
+                left_s = deadline - time.monotonic()
+                if segment is not None or not busy or left_s <= 0:
+                    return segment
+                self._freed.wait(left_s)
+
+    def _acquire_locked(self, num_bytes: int, owner: str) -> tuple[Segment | None, bool]:
+        """(the segment, or None and whether because every segment is in use); the lock held."""
+        now = time.monotonic()
+        for segment in self._segments:
+            if segment.owner and now - segment.owned_since_s > self._max_owned_s:
+                logger.warning("KV segment of %s was not released within the lease; reused", segment.owner)
+                segment.owner = ""
+        free = sorted((s for s in self._segments if not s.owner), key=lambda s: s.size_bytes)
+        fitting = next((s for s in free if s.size_bytes >= num_bytes), None)
+        if fitting is None:
+            if len(self._segments) >= self._max_segments:
+                if not free:
+                    return None, True
+                smallest = free[0]
+                self._segments.remove(smallest)
+                smallest.close()
+            fitting = self._create(num_bytes)
             if fitting is None:
-                if len(self._segments) >= self._max_segments:
-                    if not free:
-                        return None
-                    smallest = free[0]
-                    self._segments.remove(smallest)
-                    smallest.close()
-                fitting = self._create(num_bytes)
-                if fitting is None:
-                    return None
-                self._segments.append(fitting)
-            fitting.owner, fitting.owned_since_s = owner, now
-            return fitting
+                return None, False
+            self._segments.append(fitting)
+        fitting.owner, fitting.owned_since_s = owner, now
+        return fitting, False
 
     def _create(self, num_bytes: int) -> Segment | None:
         size = max(_SEGMENT_ALIGN_BYTES, -(-num_bytes // _SEGMENT_ALIGN_BYTES) * _SEGMENT_ALIGN_BYTES)
@@ -172,6 +184,7 @@ class SegmentPool:
     def release(self, segment: Segment) -> None:
         with self._lock:
             segment.owner = ""
+            self._freed.notify_all()
 
     def release_owner(self, owner: str) -> int:
         """Free every segment ``owner`` uses; how many there were."""
@@ -179,6 +192,8 @@ class SegmentPool:
             mine = [s for s in self._segments if s.owner == owner]
             for segment in mine:
                 segment.owner = ""
+            if mine:
+                self._freed.notify_all()
             return len(mine)
 
     def names(self) -> set[str]:

@@ -44,6 +44,13 @@ logger = logging.getLogger(__name__)
 
 #: How long a decode engine trusts a peer's ``DataPaths`` answer (and a failed ask).
 PEER_TTL_S: Final = 60.0
+#: How long a pull that finds every segment in use waits for one to be freed before it is refused (and falls
+#: back to gRPC). A segment is freed by its pull's Release, a few ms after its last chunk on this host (four
+#: ~1k-token pulls at once took ~40 ms through shared memory, 2026-12-07), while the gRPC pull it would fall
+#: back to costs about three times the CPU per byte of a loopback stream (``make bench-kv``'s concurrent round):
+#: a burst of more pulls than segments keeps to shared memory instead of loading the cores with gRPC's copies.
+#: A holder that never releases costs a pull this much, once (its segment is reclaimed after the lease).
+SEGMENT_WAIT_S: Final = 0.1
 
 
 class SharedMemory:
@@ -111,12 +118,12 @@ def serve_pull(
 ) -> Iterator[kv_transfer_pb2.ShmChunksReady]:
     """Prefill side of ``PullBlocksShm`` once its checks passed: a segment for ``request_id``, the blocks
     written into it chunk by chunk, each said. Raises :class:`shm.ShmError` (peer_refused) when every
-    segment is in use or none can be made."""
+    segment is still in use after :data:`SEGMENT_WAIT_S` or none can be made."""
     plan = reader.plan(len(block_ids), max_chunk_bytes)
     num_bytes = sum(c.num_blocks for c in plan) * reader.block_bytes
-    segment = memory.acquire(num_bytes, request_id)
+    segment = memory.acquire(num_bytes, request_id, wait_s=SEGMENT_WAIT_S)
     if segment is None:
-        raise shm.ShmError("peer_refused", "every shared-memory segment of this engine is in use")
+        raise shm.ShmError("peer_refused", "every shared-memory segment of this engine is in use (or none fits)")
     complete = False
     view = memoryview(segment.map)
     try:
