@@ -32,6 +32,7 @@ def start_plain_vllm(
     *,
     cpu_threads_bind: str = "0",
     max_model_len: int = 4096,
+    kv_cache_bytes: int = 1 << 30,
     timeout_s: float = 600.0,
     extra_args: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[bytes], float]:
@@ -56,7 +57,7 @@ def start_plain_vllm(
         "--max-model-len",
         str(max_model_len),
         "--kv-cache-memory-bytes",
-        str(1 << 30),
+        str(kv_cache_bytes),
         "--enable-prefix-caching",
         *extra_args,
     ]
