@@ -8,13 +8,16 @@ emoji, CJK, accents and the chat template's own control tokens (which stay text)
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 from openai.types.responses import FunctionToolParam, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from tandem.local.stack import LocalStack
+from tandem.local.stack import LocalStack, StackConfig
 from tests.integration.test_anthropic_messages import QUESTION, TOOL_MAX_TOKENS, WEATHER_SCHEMA
 from tests.integration.test_anthropic_messages import SYSTEM as INSTRUCTIONS
 
@@ -136,9 +139,10 @@ def test_openai_sdk_responses_call_a_required_function(stack: LocalStack) -> Non
     assert answer.output[0].type == "message" and answer.output_text
 
 
-#: Turns of the chain test: enough to see every turn after the first read its prefix from the cache,
-#: few enough to stay well under two minutes with short answers.
-NUM_CHAIN_TURNS = 6
+#: Turns of the chain test, as issue 41's proof asks: each turn adds its question (~25 tokens with the
+#: chat template's markers) and an answer of at most CHAIN_MAX_TOKENS to a context that starts at ~1,550
+#: tokens, so the 20th prompt is ~2,300 tokens, well under the stack's max_model_len (4,096).
+NUM_CHAIN_TURNS = 20
 CHAIN_MAX_TOKENS = 8
 #: An agent's long instructions (~1,500 tokens). The engines cache whole KV blocks only (vLLM's CPU block
 #: is 128 tokens), so a turn can read at most the previous context less its last partial block from the
@@ -149,7 +153,38 @@ AGENT_INSTRUCTIONS = " ".join(
 )
 
 
-def test_openai_sdk_chain_sends_only_new_input_and_hits_the_cache(stack: LocalStack) -> None:
+@pytest.fixture(scope="module")
+def chain_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """A stack at the router's default handoff threshold (DISAGGREGATION__MIN_UNCACHED_TOKENS, 128 tokens),
+    not the session stack's 16, which sends nearly every prompt through the handoff to test that path.
+
+    A chain's previous turn is whole (prompt and answer) only on the decode worker that finished it; a
+    prefill worker holds at most the prompts it prefilled. The router hands a turn off only when the
+    decode worker's uncached tokens reach the threshold plus those the prefill worker would compute again
+    (tandem.router.placement), so at 16 a turn can go to a prefill worker a block behind: on the session
+    stack this chain's 15th turn did (1,792 of 2,037 cached, 0.88), three turns after the chain had gone
+    local. Moving the decode worker's newer blocks to the prefill worker is not done yet."""
+    config = StackConfig.with_free_ports(
+        key_prefix=f"tandem-it-chain-{uuid.uuid4().hex[:8]}",
+        log_dir=Path(tmp_path_factory.mktemp("chain-stack-logs")),
+    )
+    stack = LocalStack(config, progress=lambda msg: print(f"[chain stack] {msg}", flush=True))
+    try:
+        stack.start()
+    except BaseException:
+        for name in ("router", "prefill", "decode", "gateway"):
+            print(f"--- {name} log tail ---\n{stack.tail(name)}")
+        stack.stop()
+        raise
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.mark.timeout(900)  # a stack start of its own (two minutes and more on a loaded host)
+def test_openai_sdk_chain_sends_only_new_input_and_hits_the_cache(chain_stack: LocalStack) -> None:
+    stack = chain_stack
     model = stack.config.served_model_name
     client = _client(stack)
     previous = None
@@ -164,6 +199,8 @@ def test_openai_sdk_chain_sends_only_new_input_and_hits_the_cache(stack: LocalSt
             temperature=0,
         )
         assert response.usage is not None and response.previous_response_id == (previous.id if previous else None)
+        # The whole chain fits: nothing was trimmed to make room (which would change the prompt's prefix).
+        assert response.usage.input_tokens + CHAIN_MAX_TOKENS <= stack.config.max_model_len
         if previous is not None:
             assert previous.usage is not None
             previous_context = previous.usage.input_tokens + previous.usage.output_tokens
