@@ -20,7 +20,9 @@ with the default model's real KV layout on CPU: 30 layers, blocks of
   each timed alone, beside what gRPC alone needs for the same bytes;
 * under concurrent load: four ~1k-token pulls from one prefill side at once,
   against four loopback streams and four bare gRPC streams (over one channel,
-  as the puller keeps one per prefill worker) at once.
+  as the puller keeps one per prefill worker) at once; the same four pulls
+  through shared memory; and the CPU both processes of each way spent per GB
+  moved (read from /proc), which bounds the ratios once every core is busy.
 
 Part 2, engines (``--engines``; real vLLM, real model): the gap between the first
 token (from prefill) and the second (from decode) for a ~2k-token prompt through
@@ -61,17 +63,28 @@ thread; the copies release the GIL) gained nothing when alternated against the i
 (~1k tokens: 28.2 against 27.6 ms p50), nor did two or four channels to the prefill side for four
 concurrent pulls (108.6, 108.6 and 111.1 ms), so neither is in the code.
 
+Why the concurrent gRPC round stays near a third of four loopback streams (2026-12-07, load 5.6 on the
+shared 2-core host; concurrent_ratio 0.36): per GB moved at once, the gRPC pulls cost 719 ms of CPU in their
+two processes, four bare gRPC streams 674, loopback TCP 213, shared memory 208 (at load 8-14: 741, 665,
+228, 154). grpcio copies each message into and out of its own buffers on both sides, beyond the kernel's
+two copies, so with both cores busy the pulls reach about loopback's CPU over theirs; they lose nothing to
+gRPC itself at once (1.05 of the four bare gRPC streams in that run). Alternated in one process, a
+connection of its own per pull (a local subchannel pool) took 210 ms against one channel's 182 for four
+~1k-token pulls, and 16 MiB HTTP/2 frames with 1-8 MiB TCP read chunks 190 against 200 ms (CPU 1000 against
+932 ms/GB): neither is in the code. The same four pulls through shared memory ran at 1.19 of loopback
+(``concurrent_shm_ratio``; 1.97 at load 8-14).
+
 Each size is also pulled through shared memory (a second decode side of the same host and shared
 directory: ``tandem.worker.kv_connector.shm_transport``), beside a plain memcpy of the same bytes
 in this process, in the same rounds.
 
 Ends with ``bench-kv: pull_gbps=… loopback_gbps=… ratio=… grpc_ceiling_gbps=…
-min_ratio_vs_grpc=… concurrent_ratio=… shm_gbps=… memcpy_gbps=… shm_ratio=… second_token_gap_ratio=…
-second_token_gap_ratio_without_prefetch=…`` (ratio: pull ÷
-loopback at ~4k tokens; concurrent_ratio: the same for the concurrent round; the
-gap ratio is ``n/a`` without ``--engines``). Nothing is simulated; the transport part
-does not run an engine's forward pass beside the KV server, so the GIL
-contention of a live engine is not in its figures (part 2 has it).
+min_ratio_vs_grpc=… concurrent_ratio=… shm_gbps=… memcpy_gbps=… shm_ratio=… concurrent_shm_ratio=…
+second_token_gap_ratio=… second_token_gap_ratio_without_prefetch=…`` (ratio: pull ÷
+loopback at ~4k tokens; concurrent_ratio: the same for the concurrent round; concurrent_shm_ratio: the
+concurrent round's shared-memory pulls ÷ the same loopback streams; the gap ratio is ``n/a`` without
+``--engines``). Nothing is simulated; the transport part does not run an engine's forward pass beside
+the KV server, so the GIL contention of a live engine is not in its figures (part 2 has it).
 """
 
 from __future__ import annotations
@@ -85,6 +98,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -258,10 +272,37 @@ class Transport:
     #: memcpy of the same bytes between two buffers of this process.
     shm: list[float] = field(default_factory=list)
     memcpy: list[float] = field(default_factory=list)
+    #: Under concurrent load: CPU seconds both processes of each way spent per round (empty where the
+    #: host has no /proc to read the other process's from).
+    cpu: dict[str, list[float]] = field(default_factory=dict)
 
     def gbps(self, num_bytes: int, way: str) -> float:
         times: list[float] = getattr(self, way)
         return num_bytes / statistics.median(times) / 1e9
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user and system) process ``pid`` has used so far, from /proc (None without it)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _with_cpu(transport: Transport, way: str, server_pid: int, timed: Callable[[], float]) -> float:
+    """``timed()``'s seconds; the CPU this process and process ``server_pid`` spent meanwhile goes into
+    ``transport.cpu[way]``."""
+    client_before, server_before = time.process_time(), _cpu_s(server_pid)
+    seconds = timed()
+    server_after = _cpu_s(server_pid)
+    if server_before is not None and server_after is not None:
+        spent = time.process_time() - client_before + server_after - server_before
+        transport.cpu.setdefault(way, []).append(spent)
+    return seconds
 
 
 def _concurrently(num_streams: int, one: Callable[[int], object]) -> float:
@@ -283,6 +324,13 @@ def _buffer_sizes(largest_bytes: int, concurrent_bytes: int) -> list[int]:
 class _Baseline:
     """A way of moving the same bytes as the pull, timed one stream at a time or several at once
     (:meth:`_receive` moves one stream into buffer ``buffer_index``)."""
+
+    _proc: Any
+
+    @property
+    def pid(self) -> int:
+        """The serving process's."""
+        return int(self._proc.pid)
 
     def _receive(self, num_bytes: int, buffer_index: int) -> None:
         raise NotImplementedError
@@ -397,14 +445,22 @@ def _message_bytes(num_bytes: int, max_chunk_bytes: int, block_bytes: int) -> in
     return wire.blocks_per_chunk(block_bytes, wire.pull_chunk_bytes(num_bytes, max_chunk_bytes)) * block_bytes
 
 
-def _pull_all(decode: Any, specs: list[Any]) -> tuple[float, list[Any]]:
-    """(seconds, load records) of ``specs`` pulled at once, a thread each."""
+def _pull_checked(decode: Any, specs: list[Any], *, via_shm: bool) -> float:
+    """Seconds for ``specs`` pulled at once, a thread each; raises unless every one loaded, and (``via_shm``)
+    every one through shared memory, none falling back to gRPC."""
     records: list[Any] = [None] * len(specs)
+    shm_loads = decode.stats().shm_loads_total
 
     def pull(i: int) -> None:
         records[i] = decode.load(specs[i])
 
-    return _concurrently(len(specs), pull), records
+    seconds = _concurrently(len(specs), pull)
+    failed = [r.error for r in records if r.failed]
+    if failed:
+        raise RuntimeError(f"concurrent pulls failed: {failed}")
+    if via_shm and decode.stats().shm_loads_total != shm_loads + len(specs):
+        raise RuntimeError(f"of {len(specs)} concurrent shared-memory pulls, some went over gRPC")
+    return seconds
 
 
 def measure_transport(
@@ -435,7 +491,7 @@ def measure_transport(
     warmup = max(1, warmup)
     request_ids = [f"bench-{n}-{i}" for n in SIZES_TOKENS for i in range(warmup + timed_rounds(n, repeats))]
     request_ids += [f"bench-c{j}-{i}" for j in range(CONCURRENT_STREAMS) for i in range(warmup + repeats)]
-    request_ids += [f"{rid}-shm" for rid in request_ids if not rid.startswith("bench-c")]
+    request_ids += [f"{rid}-shm" for rid in request_ids]
     shm_dir = _shm_dir()
     proc, conn = _start(_prefill_server, port, dtype_name, max_chunk_bytes, request_ids, shm_dir)
     memcpy = _Memcpy(largest)
@@ -495,6 +551,7 @@ def measure_transport(
             tuple(NUM_CACHE_BLOCKS - 1 - j * size.num_blocks - b for b in remote) for j in range(CONCURRENT_STREAMS)
         ]
         for i in range(warmup + repeats):
+            timed = concurrent if i >= warmup else Transport()
             handles = [
                 KVHandleParams(
                     "prefill",
@@ -511,20 +568,38 @@ def measure_transport(
                 LoadSpec(f"{h.request_id}-0123abcd", h, remote, local, size.num_tokens, 0)
                 for h, local in zip(handles, locals_, strict=True)
             ]
-            pull_s, records = _pull_all(decode, specs)
+            pull_s = _with_cpu(timed, "pull", proc.pid, partial(_pull_checked, decode, specs, via_shm=False))
             for handle in handles:
                 decode.puller.release_hold(handle)
-            failed = [r.error for r in records if r.failed]
-            if failed:
-                raise RuntimeError(f"concurrent pulls failed: {failed}")
             if i == 0:
                 _check_pulled(expected, caches, remote * CONCURRENT_STREAMS, sum(locals_, ()))
-            tcp_s = loopback.concurrent_seconds(concurrent_bytes, CONCURRENT_STREAMS)
-            grpc_s = ceiling.concurrent_seconds(concurrent_bytes, CONCURRENT_STREAMS)
-            if i >= warmup:
-                concurrent.pull.append(pull_s)
-                concurrent.loopback.append(tcp_s)
-                concurrent.grpc.append(grpc_s)
+            # The same through shared memory: a segment each (the pool's default, as many as the pulls).
+            shm_specs = [
+                replace(
+                    s,
+                    engine_request_id=f"{s.handle.request_id}-shm",
+                    handle=replace(s.handle, request_id=f"{s.handle.request_id}-shm"),
+                )
+                for s in specs
+            ]
+            shm_s = _with_cpu(timed, "shm", proc.pid, partial(_pull_checked, shm_decode, shm_specs, via_shm=True))
+            for spec in shm_specs:
+                shm_decode.puller.release_hold(spec.handle)
+            if i == 0:
+                _check_pulled(expected, shm_caches, remote * CONCURRENT_STREAMS, sum(locals_, ()))
+            tcp_s = _with_cpu(
+                timed,
+                "loopback",
+                loopback.pid,
+                lambda: loopback.concurrent_seconds(concurrent_bytes, CONCURRENT_STREAMS),
+            )
+            grpc_s = _with_cpu(
+                timed, "grpc", ceiling.pid, lambda: ceiling.concurrent_seconds(concurrent_bytes, CONCURRENT_STREAMS)
+            )
+            timed.pull.append(pull_s)
+            timed.shm.append(shm_s)
+            timed.loopback.append(tcp_s)
+            timed.grpc.append(grpc_s)
     finally:
         conn.send("stop")
         proc.join(timeout=10)
@@ -785,6 +860,20 @@ def main() -> None:
         f"  (concurrent: {CONCURRENT_STREAMS} pulls into distinct blocks, {CONCURRENT_STREAMS} loopback streams,"
         f" {CONCURRENT_STREAMS} gRPC streams over one channel; GB/s of all bytes over the round's wall time)"
     )
+    shm_concurrent = concurrent.gbps(n, "shm")
+    concurrent_shm_ratio = shm_concurrent / tcp
+    print(
+        f"  the same {CONCURRENT_STREAMS} pulls at once through shared memory:"
+        f" {statistics.median(concurrent.shm) * 1e3:.1f} ms, {shm_concurrent:.2f} GB/s,"
+        f" {concurrent_shm_ratio:.2f} of loopback"
+    )
+    if concurrent.cpu:
+        # With every core busy, the ratio of two ways' throughputs is at most the inverse ratio of their CPU per byte.
+        per_gb = {way: sum(cpu) / len(cpu) / n * 1e9 * 1e3 for way, cpu in concurrent.cpu.items()}
+        print(
+            "  CPU of both processes per GB moved at once: "
+            + ", ".join(f"{way} {per_gb[way]:.0f} ms" for way in ("pull", "shm", "loopback", "grpc") if way in per_gb)
+        )
     print("\nthrough shared memory (a decode side of the same host and directory) against a plain memcpy")
     shm_header = ("prompt", "bytes", "shm ms", "GB/s", "memcpy", "÷memcpy", "÷gRPC pull")
     print(" ".join(f"{h:>{w}}" for h, w in zip(shm_header, (12, 9, 8, 6, 7, 8, 11), strict=True)))
@@ -829,6 +918,7 @@ def main() -> None:
         f" ratio={ratios[largest][0]:.2f} grpc_ceiling_gbps={largest_result.gbps(num_bytes, 'grpc'):.2f}"
         f" min_ratio_vs_grpc={min(r[1] for r in ratios.values()):.2f} concurrent_ratio={concurrent_ratio:.2f}"
         f" shm_gbps={shm_gbps:.2f} memcpy_gbps={memcpy_gbps:.2f} shm_ratio={shm_gbps / memcpy_gbps:.2f}"
+        f" concurrent_shm_ratio={concurrent_shm_ratio:.2f}"
         f" second_token_gap_ratio={gap_ratio} second_token_gap_ratio_without_prefetch={gap_ratio_without_prefetch}"
     )
 
