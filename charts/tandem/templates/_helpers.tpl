@@ -127,13 +127,48 @@ user {{ $p }}-raygcs on #{{ sha256sum (index .passwords "raygcs") }} resetchanne
 {{- end -}}
 
 {{/* The gateway's served models (TANDEM_GATEWAY_MODELS, tandem.gateway.settings.ServedModel) in the
-models form: each model's name, folder and context length. */}}
+models form: each model's name, folder, context length and tool chat template. */}}
 {{- define "tandem.gatewayModels" -}}
 {{- $out := list -}}
-{{- range .Values.tandemDeployment.models -}}
-{{- $out = append $out (dict "name" .name "model_dir" .path "max_model_len" (.maxModelLen | default $.Values.model.maxModelLen | int)) -}}
+{{- range $i, $m := .Values.tandemDeployment.models -}}
+{{- $out = append $out (dict "name" $m.name "model_dir" $m.path "max_model_len" ($m.maxModelLen | default $.Values.model.maxModelLen | int) "tool_chat_template" (include "tandem.toolChatTemplate" (dict "model" $m "index" $i))) -}}
 {{- end -}}
 {{- toJson $out -}}
+{{- end -}}
+
+{{/* A models-form model's tool chat template as the gateway reads it (ServedModel.tool_chat_template):
+"default" (Tandem's, for the SmolLM2 family), "" (tool_choice "auto" refused), a path in the gateway
+container, or a ConfigMap's key at its mount (tandem.toolTemplateMounts). Unset: "default" for a model whose
+name or path names SmolLM2 (the family the shipped template is written for, and the single-model form's
+default model), else "": the chart cannot tell another family's tool format, and a template of the wrong
+family gives wrong prompts where a 400 says what is missing. */}}
+{{- define "tandem.toolChatTemplate" -}}
+{{- $t := .model.toolChatTemplate -}}
+{{- if kindIs "map" $t -}}
+{{- printf "/etc/tandem/tool-templates/%d/%s" .index $t.key -}}
+{{- else if kindIs "string" $t -}}
+{{- $t -}}
+{{- else if regexMatch "(?i)smollm2" (printf "%s %s" .model.name (.model.path | default "")) -}}
+default
+{{- end -}}
+{{- end -}}
+
+{{/* The gateway's mounts and volumes of the ConfigMaps that hold models' tool chat templates
+(models[].toolChatTemplate: {configMap, key}); .part is "mounts" or "volumes". */}}
+{{- define "tandem.toolTemplateMounts" -}}
+{{- range $i, $m := .ctx.Values.tandemDeployment.models -}}
+{{- if kindIs "map" $m.toolChatTemplate }}
+{{- if eq $.part "mounts" }}
+- {name: tool-template-{{ $i }}, mountPath: /etc/tandem/tool-templates/{{ $i }}, readOnly: true}
+{{- else }}
+- name: tool-template-{{ $i }}
+  configMap:
+    name: {{ $m.toolChatTemplate.configMap | quote }}
+    items:
+      - {key: {{ $m.toolChatTemplate.key | quote }}, path: {{ $m.toolChatTemplate.key | quote }}}
+{{- end }}
+{{- end }}
+{{- end -}}
 {{- end -}}
 
 {{- define "tandem.checks" -}}

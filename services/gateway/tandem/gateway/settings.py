@@ -23,6 +23,16 @@ def _default_model_dir() -> Path:
 SMOLLM2_TOOL_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
 
 
+def tool_template_path(value: object) -> object:
+    """A tool chat template setting as written (an environment variable, the chart's JSON): ``""`` is none
+    (``tool_choice: "auto"`` refused), ``"default"`` Tandem's template for the SmolLM2 family, else a path."""
+    if value == "":
+        return None
+    if value == "default":
+        return SMOLLM2_TOOL_TEMPLATE
+    return value
+
+
 class ServedModel(BaseModel):
     """One base model this gateway serves: its name (a request's ``model``, the router's and the workers'
     model), the folder of its tokenizer and chat template, and its context length."""
@@ -36,7 +46,14 @@ class ServedModel(BaseModel):
     #: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; requests with tools and
     #: ``tool_choice: "auto"`` are rendered with it (all others with the model's own template) and their
     #: answers read by tandem.gateway.api.hermes_tools. None: ``auto`` is refused with 400 for this model.
+    #: Read from JSON (TANDEM_GATEWAY_MODELS, the chart's ``models[].toolChatTemplate``): ``"default"`` is
+    #: Tandem's template for the SmolLM2 family (SMOLLM2_TOOL_TEMPLATE), ``""`` is None, else a file's path.
     tool_chat_template: Path | None = None
+
+    @field_validator("tool_chat_template", mode="before")
+    @classmethod
+    def _named_template(cls, value: object) -> object:
+        return tool_template_path(value)
 
 
 class AuthSettings(BaseModel):
@@ -152,7 +169,8 @@ class GatewaySettings(BaseSettings):
     max_model_len: int = Field(4096, ge=2)
     #: The single model's tool chat template (ServedModel.tool_chat_template): by default Tandem's for
     #: SmolLM2-135M-Instruct (ChatML); set it to another model's template, or to an empty value to refuse
-    #: ``tool_choice: "auto"``. With ``models`` set, each model names its own (none by default).
+    #: ``tool_choice: "auto"`` (``default``: Tandem's). With ``models`` set, each model names its own (none by
+    #: default; the chart gives SmolLM2-family models ``default``).
     tool_chat_template: Path | None = SMOLLM2_TOOL_TEMPLATE
     #: Every base model served, as JSON (``TANDEM_GATEWAY_MODELS='[{"name": "a", "model_dir": "/m/a",
     #: "max_model_len": 4096}, ...]'``); the first is the default (an adapter loaded without a base model
@@ -220,7 +238,7 @@ class GatewaySettings(BaseSettings):
     @field_validator("tool_chat_template", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
-        return None if value == "" else value
+        return tool_template_path(value)
 
     @model_validator(mode="after")
     def _served_models(self) -> GatewaySettings:

@@ -1,0 +1,84 @@
+"""Each model of the chart's models form names its tool chat template (issue 41): the gateway's
+TANDEM_GATEWAY_MODELS carries it per model, a ConfigMap named for a model is mounted on the gateway where
+that model's setting points, the default follows the model's family (SmolLM2: the shipped template; any
+other: none, ``tool_choice: "auto"`` refused), and the TandemDeployment never sees the field (the CRD and
+the operator do not know it). The gateway's parse of the rendered value:
+tests/unit/gateway/test_chart_tool_templates.py."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+
+from tests.chart.conftest import render
+from tests.chart.crd_schema import validate_custom_resource
+from tests.chart.test_models_chart import K8S_VERSION
+from tests.chart.tool_templates import MODELS, gateway_container, gateway_env, render_models
+
+
+def test_each_model_gets_its_tool_template_in_the_gateways_models() -> None:
+    served = json.loads(gateway_env(render_models(MODELS))["TANDEM_GATEWAY_MODELS"])
+    assert [m["name"] for m in served] == [m["name"] for m in MODELS]
+    assert [m["tool_chat_template"] for m in served] == [
+        "default",  # unset, SmolLM2 by its path: the shipped template, as in the single-model form
+        "",  # unset, another family: auto refused
+        "/etc/tandem/tool-templates/2/qwen_tools.jinja",  # the ConfigMap's key where it is mounted
+        "default",  # named
+        "",  # named empty, even for SmolLM2
+        "/models/mistral/tools.jinja",  # a path, as written
+    ]
+
+
+def test_a_configmap_template_is_mounted_on_the_gateway_and_nowhere_else() -> None:
+    docs = render_models(MODELS)
+    pod, container = gateway_container(docs)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    templates = sorted(name for name in volumes if name.startswith("tool-template-"))
+    assert templates == ["tool-template-2"], "one volume, for the one model that names a ConfigMap"
+    assert volumes["tool-template-2"]["configMap"] == {
+        "name": "qwen-tools",
+        "items": [{"key": "qwen_tools.jinja", "path": "qwen_tools.jinja"}],
+    }
+    assert mounts["tool-template-2"] == {
+        "name": "tool-template-2",
+        "mountPath": "/etc/tandem/tool-templates/2",
+        "readOnly": True,
+    }
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-gateway")]
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    served = json.loads(gateway_env(docs)["TANDEM_GATEWAY_MODELS"])
+    assert served[2]["tool_chat_template"] == f"{mounts['tool-template-2']['mountPath']}/qwen_tools.jinja"
+
+
+def test_the_tandemdeployment_does_not_carry_the_gateways_field() -> None:
+    (td,) = [d for d in render_models(MODELS) if d["kind"] == "TandemDeployment"]
+    assert [m["name"] for m in td["spec"]["models"]] == [m["name"] for m in MODELS]
+    assert all("toolChatTemplate" not in m for m in td["spec"]["models"])
+    validate_custom_resource(td)
+
+
+def test_the_two_model_example_refuses_auto_for_its_families() -> None:
+    """Llama 3.1 and Qwen2.5 are not the shipped template's family: neither gets it unasked."""
+    served = json.loads(gateway_env(render("examples/values-gpu-two-models.yaml"))["TANDEM_GATEWAY_MODELS"])
+    assert {m["name"]: m["tool_chat_template"] for m in served} == {
+        "Llama-3.1-8B-Instruct": "",
+        "Qwen/Qwen2.5-14B-Instruct": "",
+    }
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "some-name",  # neither default, empty nor a path
+        {"configMap": "qwen-tools"},  # no key
+        {"configMap": "Not_A_Name", "key": "t.jinja"},
+        {"configMap": "qwen-tools", "key": "../etc/passwd"},
+        {"configMap": "qwen-tools", "key": "t.jinja", "subPath": "x"},
+    ],
+)
+def test_the_schema_refuses_a_tool_template_it_cannot_mount(bad: object) -> None:
+    with pytest.raises(AssertionError, match="toolChatTemplate"):
+        render_models([{"name": "m", "path": "/models/m", "toolChatTemplate": bad}])
