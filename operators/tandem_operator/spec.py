@@ -35,7 +35,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, model_validator
 
 from tandem.common.adapters import ADAPTER_NAME
-from tandem_operator.pool_spec import Pools, SpecModel
+from tandem_operator.pool_spec import EngineArgs, Pools, SpecModel
 from tandem_operator.pool_spec import PoolSpec as PoolSpec  # re-exported: its users import it from here
 from tandem_operator.pool_spec import Role as Role
 
@@ -308,6 +308,52 @@ class Pool:
         return _capped(f"{deployment_name}-{self.key}")
 
 
+#: The worker variables of a pool's ``engineArgs.extraEnv`` that decide its KV fingerprint
+#: (:func:`tandem.common.kv_fingerprint.kv_fingerprint`'s model, dtype, tensor-parallel size and revision).
+DTYPE_ENV = "TANDEM_WORKER_ENGINE__DTYPE"
+TP_ENV = "TANDEM_WORKER_ENGINE__TENSOR_PARALLEL_SIZE"
+SERVED_NAME_ENV = "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME"
+#: vLLM's other names of one dtype.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def pairing_conflicts(model: ServedModel) -> list[str]:
+    """What, declared in the spec, makes ``model``'s prefill and decode workers' KV fingerprints differ for
+    certain (``"<setting>: prefill <value>, decode <value>"``; [] when they may pair): the dtype (``engineArgs.dtype``,
+    or ``extraEnv``'s, which the worker reads last; ``auto`` is the model's and the platform's, so it differs
+    from nothing declared), the tensor-parallel size, the served model name (``extraEnv``) and the weights'
+    revision (``model.revision`` is both pools'; ``extraEnv``'s differs from none declared, whose revision is
+    the model folder's ``dir-`` digest). Not compared: the model folder (two folders may hold the same
+    files, and the fingerprint reads their files, not their path), and the block size and image, which no
+    pool sets apart. The chart's ``tandem.checkPairing`` says the same at render time."""
+    prefill, decode = (model.pools.get(role).engine_args for role in ROLES)
+    out = []
+
+    def dtype(args: EngineArgs) -> str:
+        value = str(args.extra_env.get(DTYPE_ENV, args.dtype)).strip().lower()
+        return _DTYPE_ALIASES.get(value, value)
+
+    p, d = dtype(prefill), dtype(decode)
+    if "auto" not in (p, d) and "" not in (p, d) and p != d:
+        out.append(f"engineArgs.dtype: prefill {p}, decode {d}")
+
+    def tp(args: EngineArgs) -> str:
+        return str(args.extra_env.get(TP_ENV, args.tensor_parallel_size)).strip()
+
+    p, d = tp(prefill), tp(decode)
+    if p.isascii() and p.isdigit() and d.isascii() and d.isdigit() and int(p) != int(d):
+        out.append(f"engineArgs.tensorParallelSize: prefill {int(p)}, decode {int(d)}")
+    p, d = (a.extra_env.get(SERVED_NAME_ENV, model.name) for a in (prefill, decode))
+    if p != d:
+        out.append(f"{SERVED_NAME_ENV}: prefill {p}, decode {d}")
+    if not model.source.revision:
+        p, d = (a.extra_env.get(MODEL_REVISION_ENV, "") for a in (prefill, decode))
+        if p != d and not ((p == "" and d.startswith("dir-")) or (d == "" and p.startswith("dir-"))):
+            none = "none (the folder digest)"
+            out.append(f"{MODEL_REVISION_ENV}: prefill {p or none}, decode {d or none}")
+    return out
+
+
 class TandemSpec(SpecModel):
     #: The single-model form (with ``pools``); exactly one of ``model`` and ``models``.
     model: ModelSpec | None = None
@@ -345,6 +391,15 @@ class TandemSpec(SpecModel):
             if pool.model.source.revision and spec is not None and MODEL_REVISION_ENV in spec.engine_args.extra_env:
                 raise ValueError(
                     f"{pool.key}: the revision is model.revision's; drop {MODEL_REVISION_ENV} from engineArgs.extraEnv"
+                )
+        for i, model in enumerate(self.served_models()):
+            differ = pairing_conflicts(model)
+            if differ:
+                where = "pools" if model.slug is None else f"models[{i}] ({model.name})"
+                raise ValueError(
+                    f"{where}: prefill and decode can never pair ({'; '.join(differ)}): their workers' KV "
+                    "fingerprints differ, so the router would run every request as a local prefill; "
+                    "set the same on both pools"
                 )
         by_name = {m.name: m for m in self.served_models()}
         adapter_names = [a.name for a in self.adapters]

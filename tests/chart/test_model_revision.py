@@ -62,8 +62,8 @@ def test_a_revision_given_twice_fails_the_render_and_the_operator_refuses_it(tmp
     )
     with pytest.raises(SpecError, match=f"decode: the revision is model.revision's; drop {MODEL_REVISION_ENV}"):
         parse_spec({**BASE_SPEC, "model": {**BASE_SPEC["model"], "revision": "v2"}, "pools": {"decode": twice}})
-    # Either one alone is fine.
-    parse_spec({**BASE_SPEC, "pools": {"decode": twice}})
+    # Either one alone is fine (extraEnv's on both pools: on one alone they could never pair).
+    parse_spec({**BASE_SPEC, "pools": {"prefill": twice, "decode": twice}})
     parse_spec({**BASE_SPEC, "model": {**BASE_SPEC["model"], "revision": "v2"}})
 
 

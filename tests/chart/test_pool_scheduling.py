@@ -90,8 +90,13 @@ def _values_file(tmp_path: Path, values: dict[str, Any]) -> str:
 
 
 def _gpu_values(prefill: dict[str, Any]) -> dict[str, Any]:
-    gpu = {"resources": {"limits": {"nvidia.com/gpu": 1}}}
-    return {"accelerator": "gpu", "tandemDeployment": {"pools": {"prefill": prefill, "decode": gpu}}}
+    """GPU values with ``prefill`` as the prefill pool; the decode pool has its KV settings (dtype, tensor-parallel
+    size, and GPUs for as many ranks), or the two could never pair and the render fails."""
+    decode: dict[str, Any] = {"resources": {"limits": {"nvidia.com/gpu": 1}}}
+    if "engineArgs" in prefill:
+        gpus = prefill.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 1)
+        decode = {"resources": {"limits": {"nvidia.com/gpu": gpus}}, "engineArgs": prefill["engineArgs"]}
+    return {"accelerator": "gpu", "tandemDeployment": {"pools": {"prefill": prefill, "decode": decode}}}
 
 
 def _pools(docs: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
@@ -140,7 +145,8 @@ def test_every_option_reaches_the_pools_deployment_in_the_single_model_form(tmp_
     docs = render(_values_file(tmp_path, _gpu_values(PREFILL_OPTIONS)))
     pools = _pools(docs)
     _assert_scheduled(pools[f"{FULL}-prefill"])
-    # The other pool keeps the defaults: nothing of the prefill's options, the surge-first rollout.
+    # The other pool keeps the defaults: nothing of the prefill's options, the surge-first rollout (its engine
+    # arguments are the prefill's: pools of one model pair only at one dtype and tensor-parallel size).
     decode = pools[f"{FULL}-decode"]
     pod = decode["spec"]["template"]["spec"]
     assert (
@@ -148,7 +154,7 @@ def test_every_option_reaches_the_pools_deployment_in_the_single_model_form(tmp_
         & pod.keys()
     )
     assert decode["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
-    assert "kv-1" not in {p["name"] for p in pod["containers"][0]["ports"]}
+    assert "kv-1" in {p["name"] for p in pod["containers"][0]["ports"]}
     # Rank 1's KV port is admitted from the other workers (rank r listens on the kv port + r).
     assert {"port": KV_PORT + 1, "endPort": KV_PORT + 1, "protocol": "TCP"} in _kv_rule_ports(docs)
 
@@ -157,6 +163,8 @@ def test_every_option_reaches_the_pools_deployment_in_the_models_form(tmp_path: 
     two = yaml.safe_load((CHART / "examples" / "values-gpu-two-models.yaml").read_text())
     first = two["tandemDeployment"]["models"][0]
     first["prefill"] = {**first["prefill"], **PREFILL_OPTIONS}
+    # The same KV settings for its decode pool, or the two could never pair (the render fails).
+    first["decode"] = {**first["decode"], **{k: PREFILL_OPTIONS[k] for k in ("resources", "engineArgs")}}
     docs = render(_values_file(tmp_path, two))
     pools = _pools(docs)
     (prefill,) = [d for name, d in pools.items() if "llama" in name and name.endswith("-prefill")]

@@ -186,6 +186,7 @@ default
 {{- range $role := list "prefill" "decode" -}}
 {{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.pools.%s" $role) "pool" (get $td.pools $role) "revision" $.Values.model.revision) -}}
 {{- end -}}
+{{- include "tandem.checkPairing" (dict "where" "tandemDeployment.pools" "prefill" $td.pools.prefill "decode" $td.pools.decode "name" $.Values.model.servedModelName "revision" $.Values.model.revision) -}}
 {{- end -}}
 {{- /* The models form: what the operator would refuse (SpecValid=False) fails the install instead. */ -}}
 {{- $served := dict -}}
@@ -197,6 +198,7 @@ default
 {{- range $role := list "prefill" "decode" -}}
 {{- include "tandem.checkPool" (dict "ctx" $ "where" (printf "tandemDeployment.models[%d].%s" $i $role) "pool" (get $m $role | default dict) "revision" $m.revision) -}}
 {{- end -}}
+{{- include "tandem.checkPairing" (dict "where" (printf "tandemDeployment.models[%d] (%s)" $i $m.name) "prefill" $m.prefill "decode" $m.decode "name" $m.name "revision" $m.revision) -}}
 {{- end -}}
 {{- $adapters := dict -}}
 {{- range $i, $a := $td.adapters -}}
@@ -243,6 +245,47 @@ given twice (the operator checks all but the accelerator too):
 {{- $rollout := .pool.rollout | default dict -}}
 {{- if and (hasKey $rollout "maxSurge") (hasKey $rollout "maxUnavailable") (eq (toString $rollout.maxSurge) "0" "0%") (eq (toString $rollout.maxUnavailable) "0" "0%") -}}
 {{- fail (printf "%s: rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (the rollout could never start)" .where) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A model's prefill and decode pools that can never pair: what the spec declares makes their workers' KV
+fingerprints differ (the operator's tandem_operator.spec.pairing_conflicts, the same rule): the dtype
+(engineArgs or extraEnv, "auto" differing from nothing), the tensor-parallel size, the served model name
+(extraEnv) and the revision (extraEnv's, when the model declares none):
+(dict "where" "tandemDeployment.pools" "prefill" $p "decode" $d "name" $servedName "revision" $model.revision). */}}
+{{- define "tandem.checkPairing" -}}
+{{- $dtypes := list -}}
+{{- $tps := list -}}
+{{- $names := list -}}
+{{- $revisions := list -}}
+{{- range $pool := list .prefill .decode -}}
+{{- $args := ($pool | default dict).engineArgs | default dict -}}
+{{- $env := $args.extraEnv | default dict -}}
+{{- $dtype := lower (trim (toString (ternary (get $env "TANDEM_WORKER_ENGINE__DTYPE") ($args.dtype | default "auto") (hasKey $env "TANDEM_WORKER_ENGINE__DTYPE")))) -}}
+{{- $dtypes = append $dtypes (get (dict "half" "float16" "float" "float32") $dtype | default $dtype) -}}
+{{- $tps = append $tps (trim (toString (ternary (get $env "TANDEM_WORKER_ENGINE__TENSOR_PARALLEL_SIZE") ($args.tensorParallelSize | default 1) (hasKey $env "TANDEM_WORKER_ENGINE__TENSOR_PARALLEL_SIZE")))) -}}
+{{- $names = append $names (toString (ternary (get $env "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME") $.name (hasKey $env "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME"))) -}}
+{{- $revisions = append $revisions (toString (get $env "TANDEM_WORKER_ENGINE__MODEL_REVISION")) -}}
+{{- end -}}
+{{- $differ := list -}}
+{{- $p := index $dtypes 0 -}}{{- $d := index $dtypes 1 -}}
+{{- if and (ne $p "auto") (ne $d "auto") (ne $p "") (ne $d "") (ne $p $d) -}}
+{{- $differ = append $differ (printf "engineArgs.dtype: prefill %s, decode %s" $p $d) -}}
+{{- end -}}
+{{- $p = index $tps 0 -}}{{- $d = index $tps 1 -}}
+{{- if and (regexMatch "^[0-9]+$" $p) (regexMatch "^[0-9]+$" $d) (ne (int $p) (int $d)) -}}
+{{- $differ = append $differ (printf "engineArgs.tensorParallelSize: prefill %d, decode %d" (int $p) (int $d)) -}}
+{{- end -}}
+{{- $p = index $names 0 -}}{{- $d = index $names 1 -}}
+{{- if ne $p $d -}}
+{{- $differ = append $differ (printf "TANDEM_WORKER_ENGINE__SERVED_MODEL_NAME: prefill %s, decode %s" $p $d) -}}
+{{- end -}}
+{{- $p = index $revisions 0 -}}{{- $d = index $revisions 1 -}}
+{{- if and (not .revision) (ne $p $d) (not (and (eq $p "") (hasPrefix "dir-" $d))) (not (and (eq $d "") (hasPrefix "dir-" $p))) -}}
+{{- $differ = append $differ (printf "TANDEM_WORKER_ENGINE__MODEL_REVISION: prefill %s, decode %s" ($p | default "none (the folder digest)") ($d | default "none (the folder digest)")) -}}
+{{- end -}}
+{{- if $differ -}}
+{{- fail (printf "%s: prefill and decode can never pair (%s): their workers' KV fingerprints differ, so the router would run every request as a local prefill; set the same on both pools" .where (join "; " $differ)) -}}
 {{- end -}}
 {{- end -}}
 

@@ -27,7 +27,7 @@ TWO: dict[str, Any] = {
         {"name": "smol", "pvc": {"claimName": "models"}, "lora": {"maxAdapters": 2, "maxAdapterRank": 16},
          "decode": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3}},
         {"name": "Qwen/Qwen2.5-7B-Instruct", "path": "/models/qwen", "pvc": {"claimName": "qwen"},
-         "prefill": {"engineArgs": {"tensorParallelSize": 2}}},
+         "prefill": {"engineArgs": {"tensorParallelSize": 2}}, "decode": {"engineArgs": {"tensorParallelSize": 2}}},
     ],
     "adapters": [{"name": "tandem-test-a", "baseModel": "smol", "path": "/models/adapters/a"}],
 }

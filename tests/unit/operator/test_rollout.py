@@ -67,7 +67,10 @@ def json_copy(value: Any) -> Any:
 )
 def test_a_change_of_what_decides_the_kv_fingerprint_is_a_new_revision(path: tuple[str, ...], value: Any) -> None:
     live = deployments(SPEC)
-    changed = deployments(_with(SPEC, path, value), {"prefill": live["prefill"], "decode": live["decode"]})
+    new = _with(SPEC, path, value)
+    if path[:2] == ("pools", "prefill"):  # declared for both pools, as a rollout does (else they never pair)
+        new = _with(new, ("pools", "decode", *path[2:]), value)
+    changed = deployments(new, {"prefill": live["prefill"], "decode": live["decode"]})
     assert revision_changed(changed["prefill"], live["prefill"])
     gates = changed["prefill"]["spec"]["template"]["spec"]["readinessGates"]
     assert gates == [{"conditionType": PAIRED_CONDITION}]

@@ -115,3 +115,40 @@ async def test_a_new_image_rolls_prefill_and_decode_together(cluster: Any) -> No
         assert {"type": "ContainersReady", "status": "True"} in kept  # the kubelet's conditions stay
         assert not _paired(cluster, "prefill-old") and not _paired(cluster, "decode-old")
     assert runner.exit_code == 0, runner.output
+
+
+def _spec_valid(cluster: Any) -> dict[str, Any]:
+    td = _obj(cluster, "tandem.dev/v1alpha1/tandemdeployments", NAME) or {}
+    conditions = _plain((td.get("status") or {}).get("conditions") or [])
+    return next((c for c in conditions if c["type"] == "SpecValid"), {})
+
+
+def _dtype(cluster: Any, role: str) -> str:
+    env = _template(cluster, role)["spec"]["containers"][0]["env"]
+    return str(next(e["value"] for e in env if e["name"] == "TANDEM_WORKER_ENGINE__DTYPE"))
+
+
+async def test_pools_that_can_never_pair_are_refused_and_left_as_they_were(cluster: Any) -> None:
+    """An update that gives prefill and decode other dtypes (pools that could never pair) gets SpecValid=False
+    naming the setting and changes neither pool; the same dtype on both in the next apply rolls both."""
+    with _runner() as runner:
+        await asyncio.sleep(1.0)
+        await cluster.post(TD_PATH, json=td_body(enabled=False))
+        for role in ("prefill", "decode"):
+            await _until(lambda r=role: _obj(cluster, "apps/v1/deployments", f"{NAME}-{r}"), f"{role} pool")
+        before = {role: _template(cluster, role) for role in ("prefill", "decode")}
+        merge = {"Content-Type": "application/merge-patch+json"}
+        pools = {"prefill": {"engineArgs": {"dtype": "bfloat16"}}, "decode": {"engineArgs": {"dtype": "float16"}}}
+        await cluster.patch(f"{TD_PATH}/{NAME}", json={"spec": {"pools": pools}}, headers=merge)
+        refused = await _until(lambda: _spec_valid(cluster).get("status") == "False", "SpecValid=False")
+        message = _spec_valid(cluster)["message"]
+        assert refused and "pools: prefill and decode can never pair" in message
+        assert "engineArgs.dtype: prefill bfloat16, decode float16" in message
+        await asyncio.sleep(1.5)  # timer ticks: nothing changes
+        assert {role: _template(cluster, role) for role in ("prefill", "decode")} == before
+
+        pools["decode"]["engineArgs"]["dtype"] = "bfloat16"
+        await cluster.patch(f"{TD_PATH}/{NAME}", json={"spec": {"pools": pools}}, headers=merge)
+        await _until(lambda: _spec_valid(cluster).get("status") == "True", "SpecValid=True")
+        await _until(lambda: _dtype(cluster, "prefill") == _dtype(cluster, "decode") == "bfloat16", "both rolled")
+    assert runner.exit_code == 0, runner.output
