@@ -16,6 +16,11 @@ Each pool scales on its own signal:
   against targets, requests waiting for decode (in the router for decode
   budget, or in the decode engines' queues) per replica, ITL p90 against its SLO.
 
+**Measured capacity.** Where ``autoscaling.capacity`` gives a pool's per-worker tokens/s (``tandem-loadtest
+sweep``'s knee: within the SLO), the pool's demand in tokens/s (``token_rate``: uncached prompt tokens placed
+on prefill workers, output tokens handed to clients) votes for ``ceil(rate / per-worker)`` replicas, and
+its slope for as many a start time ahead; 0 (not measured) leaves the vote out.
+
 Both pools also vote on **demand**: while requests wait for a pool's budget,
 the pool is full, and it is sized to hold what it holds now plus what waits
 (``ceil(ready × (in_flight + waiting) / in_flight)``), in one decision rather
@@ -42,10 +47,11 @@ latency) multiply the *ready* count, and while some replicas are still starting
 the pool never shrinks (their capacity is on its way; the start-up time of the
 pool, however long, is the cooldown after a scale-up).
 
-**Capacity coming.** Replicas requested and not ready yet are credited: while any are starting,
-the pool does not grow further (``scale up held``). Until they are ready, the backlog and the
-latency of the ready ones go on growing whatever their number (the queue fills at the shortfall
-of the *ready* replicas), so votes read then ask for more and more: a constant backlog went
+**Capacity coming.** Replicas requested and not ready yet are credited: while any this loop asked
+for are starting (for less than two start times), the pool does not grow further (``scale up
+held``). Until they are ready, the backlog and the latency of the ready ones go on growing whatever
+their number (the queue fills at the shortfall of the *ready* replicas), so votes read then ask for
+more and more: a constant backlog went
 2 → 4 → 6 → 7 in 60 s with no new pod ready. Their recommendations stay in the history, so the
 pool grows at once after they are ready if the ready pool still asks for more. A pool at zero
 starts as before.
@@ -88,6 +94,9 @@ class PoolSignals:
     waiting: float | None = None
     #: Inter-token latency, p90 over the last minute, seconds (decode).
     itl_p90_s: float | None = None
+    #: The pool's demand in tokens/s over the last minute: uncached prompt tokens the routers placed on
+    #: prefill workers (prefill), output tokens the gateways handed to clients (decode).
+    token_rate: float | None = None
     #: Requests refused lately because the pool had no worker at all (it is at zero; both pools).
     pending_demand: float | None = None
     #: Sources that did not answer this time (router pods, by name): the signals they feed are ``None``
@@ -174,8 +183,8 @@ LATENCY_VOTES = frozenset({"ttft_p90", "itl_p90"})
 
 #: The signals whose growth votes (the load, not its symptoms): by role.
 TREND_FIELDS: dict[Role, tuple[str, ...]] = {
-    "prefill": ("queue_depth", "uncached_tokens"),
-    "decode": ("budget_usage", "kv_usage", "waiting"),
+    "prefill": ("queue_depth", "uncached_tokens", "token_rate"),
+    "decode": ("budget_usage", "kv_usage", "waiting", "token_rate"),
 }
 
 
@@ -247,6 +256,19 @@ def measured_start_s(history: tuple[Recommendation, ...], ready: int, now_s: flo
     return now_s - history[index - 1].at_s
 
 
+def _capacity_coming(
+    history: tuple[Recommendation, ...], current: int, ready: int, now_s: float, start_s: float
+) -> bool:
+    """Some replicas are starting because this loop grew the pool (a decision within the history was
+    made below ``current``), less than two start times ago. Replicas not ready for another reason (a
+    rollout replacing pods, an operator restart: no such decision) or for far longer than a start
+    (unschedulable, crashing) are no capacity coming, and the pool may grow past them."""
+    if ready >= current:
+        return False
+    grown = [r.at_s for r in history if r.at_replicas < current]
+    return bool(grown) and now_s - grown[-1] < 2 * start_s
+
+
 def votes_for(
     role: Role, current: int, signals: PoolSignals, policy: AutoscalingSpec, slo: SloSpec | None
 ) -> dict[str, int]:
@@ -256,6 +278,14 @@ def votes_for(
         # Requests found no worker of this pool: it needs one at least (from zero, the other votes
         # read an empty pool's zeros); how many more, the pool's own signals tell once it serves.
         votes["pending_demand"] = max(current, 1)
+    per_worker = (
+        policy.capacity.prefill_tokens_per_second_per_worker
+        if role == "prefill"
+        else policy.capacity.decode_tokens_per_second_per_worker
+    )
+    if signals.token_rate is not None and per_worker > 0:
+        # Measured capacity (tandem-loadtest sweep's knee): as many workers as the demand's tokens/s need.
+        votes["token_rate"] = _total_vote(signals.token_rate, per_worker)
     if role == "prefill":
         targets = policy.prefill
         if signals.queue_depth is not None:
@@ -335,7 +365,10 @@ def decide(
         # pool, never shrink it: its 0 is no objection, and with minReplicas 0 it took a loaded pool to zero.
         raw = max(raw, current_replicas)
     raw_bounded = min(max(raw, pool.min_replicas), pool.max_replicas)
-    keep_s = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
+    # The windows, the trend's and two start times (how long started replicas count as capacity coming).
+    keep_s = max(
+        policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds, trend_window_s, 2 * horizon_s
+    )
     # Keep the window's worth, plus the newest older one: it proves how long the pool has had its size.
     older = [r for r in history if now_s - r.at_s > keep_s]
     earlier = (*older[-1:], *(r for r in history if now_s - r.at_s <= keep_s))
@@ -348,7 +381,7 @@ def decide(
         # A pool at zero refuses every request it gets: no spike to filter, start it in this interval.
         desired = min(raw_bounded, policy.max_scale_up_step)
         reason = f"scale from zero: {top_signal} asks {raw}"
-    elif raw_bounded > current_replicas and ready < current_replicas:
+    elif raw_bounded > current_replicas and _capacity_coming(earlier, current_replicas, ready, now_s, horizon_s):
         # Capacity coming: what the ready replicas' backlog and latency ask for now they would ask for
         # whatever the number starting; the recommendation stays in the history for when they are ready.
         starting = current_replicas - ready

@@ -85,6 +85,8 @@ POOL_BUDGET_USED = "ray_tandem_router_pool_budget_used_fraction"
 POOL_IN_FLIGHT = "ray_tandem_router_pool_in_flight_requests"
 #: Requests refused because the pool had no worker (it is at zero), within the router's window.
 PENDING_DEMAND = "ray_tandem_router_pending_demand"
+#: Uncached prompt tokens placed on prefill workers (a counter; absent until the first such placement).
+PREFILL_UNCACHED_TOKENS = "ray_tandem_router_prefill_uncached_tokens_total"
 #: The label of the router's and the gateway's series that names the model (the served model name).
 MODEL_LABEL = "model"
 #: The label Prometheus puts on every series a ServiceMonitor scrapes: the Service's name.
@@ -144,7 +146,12 @@ class QueryScope:
                     "histogram_quantile(0.9, sum by (le) "
                     f"(rate(tandem_gateway_time_to_first_token_seconds_bucket{{{gateway}}}[1m])))"
                 ),
+                "token_rate": f"sum(rate({PREFILL_UNCACHED_TOKENS}{{{ns}}}[1m]))",
             }
+        # The gateway counts output tokens without a model label: only where one model is served.
+        decode_rate = {} if model is not None else {
+            "token_rate": f"sum(rate(tandem_gateway_generated_tokens_total{{{gateway}}}[1m]))"
+        }
         return {
             "pending_demand": pending,
             "budget_usage": f'avg({POOL_BUDGET_USED}{{{ns},role="decode"}})',
@@ -155,6 +162,7 @@ class QueryScope:
                 "histogram_quantile(0.9, sum by (le) "
                 f"(rate(tandem_gateway_inter_token_latency_seconds_bucket{{{gateway}}}[1m])))"
             ),
+            **decode_rate,
         }
 
 

@@ -119,7 +119,7 @@ def test_every_shipped_query_returns_data_from_the_real_stack(stack: LocalStack,
         **{f"recording rule: {q}": q for q in recorded},
         **{f"alert input: {q}": q for q in alert_inputs},
     }
-    assert len(operator) == 9 and len(pending) == 2 and recorded and alert_inputs
+    assert len(operator) == 11 and len(pending) == 2 and recorded and alert_inputs
 
     stop = threading.Event()
     loader = threading.Thread(target=_load, args=(stack, stop), daemon=True)

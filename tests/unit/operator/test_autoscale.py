@@ -181,6 +181,16 @@ def test_replicas_still_starting_are_capacity_coming() -> None:
                       signals=PoolSignals(queue_depth=16, in_flight=8), pool=pool, policy=pol, slo=SLO,
                       history=history[:5], now_s=40.0)
     assert grown.desired_replicas > 4
+    # Replicas not ready without a scale-up of this loop's (a rollout replacing pods) hold nothing back,
+    # nor ones starting for two start times (unschedulable): the pool grows past them.
+    rollout, _ = decide(role="prefill", current_replicas=4, ready_replicas=2,
+                        signals=PoolSignals(queue_depth=24, in_flight=4), pool=pool, policy=pol, slo=SLO,
+                        history=(Recommendation(0.0, 4, 4, 4), Recommendation(10.0, 10, 4, 2)), now_s=20.0)
+    assert rollout.desired_replicas == 6
+    stuck, _ = decide(role="prefill", current_replicas=4, ready_replicas=2,
+                      signals=PoolSignals(queue_depth=24, in_flight=4), pool=pool, policy=pol, slo=SLO,
+                      history=history, now_s=20.0 + 2 * 30.0)
+    assert stuck.desired_replicas == 6
 
 
 def test_slope_and_start_time_from_the_history() -> None:
@@ -210,9 +220,9 @@ def test_a_rising_load_asks_for_replicas_a_start_time_ahead() -> None:
     # (no start time measured yet): 2.0 + 0.05 × 10 = 2.5 → 3, while the level asks 2.
     assert votes[2]["uncached_tokens"] == 2 and votes[2]["uncached_tokens_trend"] == 3
     assert decision.desired_replicas == 3 and "uncached_tokens_trend" in decision.reason
-    # A falling load projects nothing: no trend vote, the level decides.
+    # A falling load (below where it was 30 s ago) projects nothing: no trend vote, the level decides.
     falling, _ = decide(role="prefill", current_replicas=2, signals=PoolSignals(
-        queue_depth=0, uncached_tokens=1.0 * tokens), pool=POOL, policy=pol, slo=SLO, history=history, now_s=30.0)
+        queue_depth=0, uncached_tokens=0.5 * tokens), pool=POOL, policy=pol, slo=SLO, history=history, now_s=30.0)
     assert not any(name.endswith("_trend") for name in falling.votes)
     # Decode: budget in use rising from 0.5 to 0.7 in 20 s, measured start time 40 s: 0.7 + 0.01 × 40 =
     # 1.1 of a 0.8 target at 2 replicas → 3, while the level (0.7, within the band) holds 2.
@@ -226,3 +236,25 @@ def test_a_rising_load_asks_for_replicas_a_start_time_ahead() -> None:
     demand, _ = decide(role="decode", current_replicas=2, signals=PoolSignals(waiting=2.0, in_flight=4), pool=POOL,
                        policy=pol, slo=SLO, history=history, now_s=10.0)
     assert demand.votes["demand"] == 3 and demand.votes["demand_trend"] == 4  # ceil(2 × (4 + 4) / 4)
+
+
+def test_measured_capacity_sizes_each_pool_from_its_tokens_per_second() -> None:
+    measured = AutoscalingSpec.model_validate({
+        "scale_up_stabilization_seconds": 0, "scale_down_stabilization_seconds": 0,
+        "capacity": {"prefill_tokens_per_second_per_worker": 140, "decode_tokens_per_second_per_worker": 16},
+    })
+    # 500 uncached prompt tokens/s at 140 per worker: 4 workers; 40 output tokens/s at 16: 3.
+    prefill = once("prefill", 2, PoolSignals(queue_depth=0, token_rate=500.0), measured, PoolSpec(max_replicas=8))
+    assert prefill.votes["token_rate"] == 4 and prefill.desired_replicas == 4
+    decode = once("decode", 2, PoolSignals(budget_usage=0.5, token_rate=40.0), measured)
+    assert decode.votes["token_rate"] == 3 and decode.desired_replicas == 3
+    # Below one worker's capacity, the vote lets the pool shrink on its other signals.
+    assert once("decode", 3, PoolSignals(budget_usage=0.1, token_rate=5.0), measured).desired_replicas == 2
+    # Not measured (0): no vote, whatever the rate.
+    assert "token_rate" not in once("prefill", 2, PoolSignals(queue_depth=0, token_rate=5000.0)).votes
+    # The rate's growth votes a start time ahead: 300 → 400 tokens/s in 10 s, projected 10 s (window + interval).
+    pol = measured.model_copy(update={"interval_seconds": 10.0})
+    history = (Recommendation(0.0, 3, 3, 3, PoolSignals(queue_depth=0, token_rate=300.0)),)
+    rising, _ = decide(role="prefill", current_replicas=3, signals=PoolSignals(queue_depth=0, token_rate=400.0),
+                       pool=PoolSpec(max_replicas=8), policy=pol, slo=SLO, history=history, now_s=10.0)
+    assert rising.votes["token_rate"] == 3 and rising.votes["token_rate_trend"] == 4  # ceil(500 / 140)

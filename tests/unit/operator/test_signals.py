@@ -16,12 +16,21 @@ def test_instant_values() -> None:
 def test_queries_are_scoped_to_the_namespace_and_pool() -> None:
     queries = QueryScope("ns1", "chat").queries("decode")
     assert 'namespace="ns1"' in queries["kv_usage"] and 'pod=~"chat-decode-[a-z0-9]+-[a-z0-9]+"' in queries["kv_usage"]
-    assert set(queries) == {"pending_demand", "budget_usage", "in_flight", "kv_usage", "waiting", "itl_p90_s"}
+    assert set(queries) == {
+        "pending_demand", "budget_usage", "in_flight", "kv_usage", "waiting", "itl_p90_s", "token_rate"
+    }
+    assert queries["token_rate"] == 'sum(rate(tandem_gateway_generated_tokens_total{namespace="ns1"}[1m]))'
+    # The gateway's output-token counter has no model label: one model's pool cannot be told apart.
+    assert "token_rate" not in QueryScope("ns1", "chat").queries("decode", model="m1")
     assert queries["pending_demand"] == 'sum(ray_tandem_router_pending_demand{namespace="ns1",role="decode"})'
     assert 'role="decode"' in queries["budget_usage"] and 'role="decode"' in queries["in_flight"]
     assert 'waiting_for="decode"' in queries["waiting"]
     prefill = QueryScope("ns1", "chat").queries("prefill")
-    assert set(prefill) == {"pending_demand", "queue_depth", "in_flight", "uncached_tokens", "ttft_p90_s"}
+    assert set(prefill) == {"pending_demand", "queue_depth", "in_flight", "uncached_tokens", "ttft_p90_s", "token_rate"}
+    assert prefill["token_rate"] == (
+        'sum(rate(ray_tandem_router_prefill_uncached_tokens_total{namespace="ns1"}[1m]))'
+    )
+    assert 'model="m1"' in QueryScope("ns1", "chat").queries("prefill", model="m1")["token_rate"]
     assert 'waiting_for="prefill"' in prefill["queue_depth"]
     # No decode quantity in a prefill query, nor the reverse.
     assert not any("decode" in q for q in prefill.values())

@@ -27,6 +27,11 @@ class PlacementCounts(NullRouterMetrics):
     def __init__(self) -> None:
         self.local = 0
         self.disaggregated = 0
+        #: Uncached prompt tokens handed to prefill workers (the prefill pool's demand counter).
+        self.prefill_tokens = 0
+
+    def count_prefill_tokens(self, num_tokens: int, *, model: str) -> None:
+        self.prefill_tokens += num_tokens
 
     def count_placement(self, *, local_prefill: bool, model: str) -> None:
         if local_prefill:
@@ -64,6 +69,7 @@ async def test_a_short_prompt_runs_on_the_decode_worker_alone() -> None:
     assert scheduler.reservations.in_flight_by_worker() == {"d0": 1}
     assert scheduler.reservations.tokens_by_worker() == {"d0": THRESHOLD - 1 + 8}
     assert (metrics.local, metrics.disaggregated) == (1, 0)
+    assert metrics.prefill_tokens == 0  # the decode worker computed it: no prefill demand
 
 
 async def test_at_the_threshold_the_request_goes_through_a_prefill_worker() -> None:
@@ -73,6 +79,7 @@ async def test_at_the_threshold_the_request_goes_through_a_prefill_worker() -> N
     assert placement.prefill is not None and placement.prefill.worker_id == "p0"
     assert scheduler.reservations.in_flight_by_worker() == {"p0": 1, "d0": 1}
     assert (metrics.local, metrics.disaggregated) == (0, 1)
+    assert metrics.prefill_tokens == THRESHOLD  # nothing cached: the whole prompt is prefill's to compute
 
 
 async def test_the_decode_workers_cached_prefix_counts_as_computed() -> None:

@@ -70,6 +70,11 @@ class RouterMetrics(Protocol):
         """A request was placed: on a decode worker alone (``local_prefill``) or on a (prefill, decode) pair."""
         ...
 
+    def count_prefill_tokens(self, num_tokens: int, *, model: str) -> None:
+        """A placement handed ``num_tokens`` uncached prompt tokens to a prefill worker (the prefill pool's
+        demand in tokens/s, which the autoscaler holds against the measured per-worker capacity)."""
+        ...
+
     def count_unpaired(self, *, model: str) -> None:
         """A local prefill was placed because no prefill worker shares the decode worker's KV fingerprint
         (tandem.router.pairing)."""
@@ -88,6 +93,9 @@ class RouterMetrics(Protocol):
 
 class NullRouterMetrics:
     def observe_schedule(self, duration_s: float, *, outcome: str, model: str) -> None:
+        pass
+
+    def count_prefill_tokens(self, num_tokens: int, *, model: str) -> None:
         pass
 
     def set_in_flight(self, worker_id: str, model: str, num_requests: int) -> None:
@@ -201,6 +209,12 @@ class RayRouterMetrics:
             "local_prefill (the decode worker alone, when little of the prompt is uncached there).",
             tag_keys=("path", "model"),
         )
+        self._prefill_tokens = serve_metrics.Counter(
+            "tandem_router_prefill_uncached_tokens",  # exported as ray_tandem_router_prefill_uncached_tokens_total
+            description="Uncached prompt tokens placed on prefill workers (what they must compute; local "
+            "prefills on a decode worker not counted): the prefill pool's demand in tokens/s.",
+            tag_keys=("model",),
+        )
         self._unpaired = serve_metrics.Counter(
             "tandem_router_unpaired_local_prefills",  # exported as ray_tandem_router_unpaired_local_prefills_total
             description="Local prefills placed because no prefill worker shares a KV-layout fingerprint with the "
@@ -251,6 +265,9 @@ class RayRouterMetrics:
     def count_placement(self, *, local_prefill: bool, model: str) -> None:
         path = PATH_LOCAL_PREFILL if local_prefill else PATH_DISAGGREGATED
         self._placements.inc(tags={"path": path, "model": model})
+
+    def count_prefill_tokens(self, num_tokens: int, *, model: str) -> None:
+        self._prefill_tokens.inc(num_tokens, tags={"model": model})
 
     def count_unpaired(self, *, model: str) -> None:
         self._unpaired.inc(tags={"model": model})

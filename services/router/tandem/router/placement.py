@@ -262,6 +262,8 @@ class Placer:
             self._ledger.reserved(reservation, choice.num_uncached_tokens)
         self._gauges.publish(reservation)
         self._metrics.count_placement(local_prefill=choice.local, model=request.model)
+        if choice.prefill is not None and choice.num_uncached_tokens > 0:
+            self._metrics.count_prefill_tokens(choice.num_uncached_tokens, model=request.model)
         if choice.unpaired:
             self._metrics.count_unpaired(model=request.model)
         return self.decision(choice)
