@@ -733,7 +733,8 @@ class LocalStack:
                 os.kill(other, sig)
 
     def stop(self, *, timeout_s: float = 30.0) -> None:
-        """SIGTERM every child (gateway first), then SIGKILL what is left."""
+        """SIGTERM every child (gateway first), then SIGKILL what is left of each, its process group and
+        session included."""
         self.supervisor.stop()
         order = [
             *[n for n in self._children if n.startswith("gateway")],
@@ -744,7 +745,11 @@ class LocalStack:
         ]
         for name in order:
             if name in self._children and self._children[name].proc.poll() is None:
-                self.kill(name, signal.SIGTERM)
+                # The component, not its process group: as in a pod, where only PID 1 gets SIGTERM, each
+                # one stops what it started (the router Serve and its Ray processes). Signalled together,
+                # Ray's processes died under the router's Serve shutdown, which then waited out the
+                # deadline: ~30 s per stack stopped. What is left is killed below.
+                self._children[name].proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for name in order:
             child = self._children.get(name)
