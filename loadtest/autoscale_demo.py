@@ -191,6 +191,23 @@ class Tick:
     signals: dict[Role, PoolSignals]
 
 
+def decision_record(now_s: float, decision: Decision, ready: int) -> dict[str, Any]:
+    """One line of ``decisions.jsonl``: the operator's decision as made, with ``step`` naming the votes
+    that set a change (``prefill 1->2 by uncached_tokens_trend``; "" while the pool holds)."""
+    return {
+        "t_s": round(now_s, 1),
+        "simulated": True,
+        "role": decision.role,
+        "current": decision.current_replicas,
+        "ready": ready,
+        "desired": decision.desired_replicas,
+        "step": decision.step,
+        "votes": decision.votes,
+        "reason": decision.reason,
+        "signals": {k: v for k, v in vars(decision.signals).items() if v is not None and v != ()},
+    }
+
+
 async def control_loop(
     spec: TandemSpec,
     source: PrometheusSource,
@@ -222,24 +239,10 @@ async def control_loop(
                 ready_replicas=len(pool.ready),
             )
             decisions.append((now_s, decision))
-            log.write(
-                json.dumps(
-                    {
-                        "t_s": round(now_s, 1),
-                        "simulated": True,
-                        "role": role,
-                        "current": decision.current_replicas,
-                        "ready": len(pool.ready),
-                        "desired": decision.desired_replicas,
-                        "votes": decision.votes,
-                        "reason": decision.reason,
-                        "signals": {k: v for k, v in vars(signals[role]).items() if v is not None},
-                    }
-                )
-                + "\n"
-            )
+            log.write(json.dumps(decision_record(now_s, decision, len(pool.ready))) + "\n")
             log.flush()
             if decision.changed:
+                print(f"[autoscale-demo] t={now_s:.0f}s {decision.step} ({decision.reason})", flush=True)
                 await actuator.apply(role, decision.desired_replicas)
         ticks.append(
             Tick(

@@ -33,7 +33,10 @@ sat at its current size for the whole scale-down window, every recommendation
 made at that size asking for fewer, and then removes at most one step: after
 each step the pool is watched for a full window again, because taking a
 decode worker away raises the others' batch and their ITL only with a lag.
-Then the step caps and min/max apply.
+Then the step caps and min/max apply. Each change names the votes that set it
+(:attr:`Decision.step`, e.g. ``prefill 1->2 by uncached_tokens_trend``: on the way up every vote
+asking for that many or more, on the way down the largest), in the operator's decision log and
+the demo's.
 A latency above ``scale_down_slo_fraction × SLO`` vetoes any scale-down.
 
 **From and to zero.** A pool with ``minReplicas: 0`` goes to zero as any scale-down does (every
@@ -130,10 +133,35 @@ class Decision:
     signals: PoolSignals
     #: Per signal, the replica count it asks for.
     votes: dict[str, int] = field(default_factory=dict)
+    #: For a change, the votes that set it (:func:`step_drivers`); empty when the count holds.
+    drivers: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:
         return self.desired_replicas != self.current_replicas
+
+    @property
+    def step(self) -> str:
+        """The change in one line, naming what drove it (``prefill 1->2 by uncached_tokens_trend``); "" if none."""
+        if not self.changed:
+            return ""
+        return f"{self.role} {self.current_replicas}->{self.desired_replicas} by {'+'.join(self.drivers)}"
+
+
+def step_drivers(votes: dict[str, int], current: int, desired: int, pool: PoolSpec) -> tuple[str, ...]:
+    """The votes that set a change from ``current`` to ``desired`` replicas, sorted by name. Up: every
+    vote asking for ``desired`` or more (each alone would have grown the pool this far); down: the
+    largest votes (the pool shrinks to what the most demanding signal still asks). A change no vote
+    asks for is the bounds': ``minReplicas`` or ``maxReplicas``."""
+    if desired > current:
+        named = sorted(k for k, v in votes.items() if v >= desired)
+        return tuple(named) if named else ("minReplicas",)
+    if desired < current:
+        if current > pool.max_replicas and desired == pool.max_replicas:
+            return ("maxReplicas",)
+        top = max(votes.values(), default=None)
+        return tuple(sorted(k for k, v in votes.items() if v == top)) if top is not None else ("maxReplicas",)
+    return ()
 
 
 def _ratio_vote(current: int, observed: float, target: float, tolerance: float) -> int:
@@ -414,4 +442,5 @@ def decide(
     desired = min(max(desired, pool.min_replicas), pool.max_replicas)
     if desired != current_replicas and (current_replicas < pool.min_replicas or current_replicas > pool.max_replicas):
         reason = f"clamped into [{pool.min_replicas}, {pool.max_replicas}]"
-    return Decision(role, current_replicas, raw, desired, reason, signals, votes), history
+    drivers = step_drivers(votes, current_replicas, desired, pool)
+    return Decision(role, current_replicas, raw, desired, reason, signals, votes, drivers), history

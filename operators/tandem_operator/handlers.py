@@ -314,13 +314,13 @@ async def autoscale_handler(
                 "model": pool.model.name, "pool": dep_name,
                 "current": decision.current_replicas, "desired": decision.desired_replicas,
                 "raw": decision.raw_replicas, "votes": decision.votes, "reason": decision.reason,
+                "step": decision.step,
                 "signals": {k: v for k, v in vars(signals).items() if v is not None and v != ()},
             }))
             if decision.changed:
                 await kube.patch("apps/v1", "Deployment", namespace, dep_name,
                                  {"spec": {"replicas": decision.desired_replicas}})
-                logger.info("%s pool %s → %s replicas: %s", pool.key, decision.current_replicas,
-                            decision.desired_replicas, decision.reason)
+                logger.info("%s pool %s: %s", pool.key, decision.step, decision.reason)
             previous = (status.get("autoscaling") or {}).get(pool.key) or {}
             entry = decision_status(decision, _now())
             if all(previous.get(k) == entry[k] for k in ("currentReplicas", "desiredReplicas", "reason")):

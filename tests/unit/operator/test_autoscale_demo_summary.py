@@ -59,3 +59,54 @@ def test_the_line_says_the_cold_start_and_decode_returns_to_zero(demo) -> None: 
     assert back.endswith("peak_decode=3 returned_to_min=yes from_zero_s=43.2"), back
     stuck = demo.summary(spec, [tick(0, 0), tick(10, 1)], [], 15.0, 43.24)
     assert "returned_to_min=no" in stuck
+
+
+def test_the_decision_log_names_the_votes_that_set_each_step(demo) -> None:  # type: ignore[no-untyped-def]
+    """decisions.jsonl's ``step`` comes from the operator's own decide(): a backlog rising by half a
+    replica's worth every interval, level asking 2 all along, is grown by its trend; a pool at zero by its
+    pending demand; a quiet pool shrinks by the largest vote; a held pool names no step."""
+    spec = demo.demo_spec("SmolLM2-135M-Instruct")
+    policy = spec.autoscaling.model_copy(update={"scale_up_stabilization_seconds": 0})
+    per_replica = policy.prefill.uncached_tokens_per_replica
+    history: tuple[object, ...] = ()
+    records = []
+    for t, level in [(0, 1.0), (10, 1.5), (20, 2.0)]:
+        decision, history = demo.decide(
+            role="prefill",
+            current_replicas=2,
+            signals=demo.PoolSignals(queue_depth=0, uncached_tokens=level * per_replica),
+            pool=spec.pools.get("prefill"),
+            policy=policy,
+            slo=spec.slo,
+            history=history,
+            now_s=float(t),
+        )
+        records.append(demo.decision_record(float(t), decision, 2))
+    assert [r["step"] for r in records[:2]] == ["", ""]
+    assert records[2]["step"] == "prefill 2->3 by uncached_tokens_trend", records[2]
+    assert records[2]["votes"]["uncached_tokens"] == 2 and records[2]["simulated"] is True
+
+    from_zero, _ = demo.decide(
+        role="decode",
+        current_replicas=0,
+        signals=demo.PoolSignals(pending_demand=1, waiting=0, in_flight=0),
+        pool=spec.pools.get("decode"),
+        policy=policy,
+        slo=spec.slo,
+        history=(),
+        now_s=0.0,
+    )
+    assert demo.decision_record(0.0, from_zero, 0)["step"] == "decode 0->1 by pending_demand"
+
+    quiet_policy = policy.model_copy(update={"scale_down_stabilization_seconds": 0})
+    quiet, _ = demo.decide(
+        role="decode",
+        current_replicas=3,
+        signals=demo.PoolSignals(budget_usage=0.3, waiting=0, in_flight=2, itl_p90_s=0.05),
+        pool=spec.pools.get("decode"),
+        policy=quiet_policy,
+        slo=spec.slo,
+        history=(),
+        now_s=0.0,
+    )
+    assert quiet.desired_replicas == 2 and quiet.step == "decode 3->2 by budget_usage", quiet
