@@ -148,10 +148,6 @@ class QueryScope:
                 ),
                 "token_rate": f"sum(rate({PREFILL_UNCACHED_TOKENS}{{{ns}}}[1m]))",
             }
-        # The gateway counts output tokens without a model label: only where one model is served.
-        decode_rate = {} if model is not None else {
-            "token_rate": f"sum(rate(tandem_gateway_generated_tokens_total{{{gateway}}}[1m]))"
-        }
         return {
             "pending_demand": pending,
             "budget_usage": f'avg({POOL_BUDGET_USED}{{{ns},role="decode"}})',
@@ -162,7 +158,8 @@ class QueryScope:
                 "histogram_quantile(0.9, sum by (le) "
                 f"(rate(tandem_gateway_inter_token_latency_seconds_bucket{{{gateway}}}[1m])))"
             ),
-            **decode_rate,
+            # Output tokens handed to clients: what the decode pool generates (by model in the models form).
+            "token_rate": f"sum(rate(tandem_gateway_generated_tokens_total{{{gateway}}}[1m]))",
         }
 
 

@@ -284,6 +284,15 @@ async def test_latencies_are_per_base_model_and_the_operators_queries_read_them(
     assert counts[("tandem_gateway_time_to_first_token_seconds_count", MODEL_B)] == 1
     assert counts[("tandem_gateway_e2e_request_latency_seconds_count", MODEL_B)] == 1
     assert {model for _, model in counts} == {MODEL, MODEL_B}  # the unknown name made no series
+    generated = {
+        sample.labels["model"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tandem_gateway_generated_tokens_total"
+    }
+    # Each model's output tokens on its own series: the operator's decode token_rate per model reads them.
+    assert set(generated) == {MODEL, MODEL_B} and min(generated.values()) > 0, generated
+    assert generated[MODEL] == 2 * generated[MODEL_B], generated  # two requests of MODEL, one of B, alike
 
     itl = "tandem_gateway_inter_token_latency_seconds"
     ttft = "tandem_gateway_time_to_first_token_seconds"

@@ -20,8 +20,10 @@ def test_queries_are_scoped_to_the_namespace_and_pool() -> None:
         "pending_demand", "budget_usage", "in_flight", "kv_usage", "waiting", "itl_p90_s", "token_rate"
     }
     assert queries["token_rate"] == 'sum(rate(tandem_gateway_generated_tokens_total{namespace="ns1"}[1m]))'
-    # The gateway's output-token counter has no model label: one model's pool cannot be told apart.
-    assert "token_rate" not in QueryScope("ns1", "chat").queries("decode", model="m1")
+    # The gateway's output-token counter has a model label: in the models form each decode pool reads its own.
+    assert QueryScope("ns1", "chat").queries("decode", model="m1")["token_rate"] == (
+        'sum(rate(tandem_gateway_generated_tokens_total{namespace="ns1",model="m1"}[1m]))'
+    )
     assert queries["pending_demand"] == 'sum(ray_tandem_router_pending_demand{namespace="ns1",role="decode"})'
     assert 'role="decode"' in queries["budget_usage"] and 'role="decode"' in queries["in_flight"]
     assert 'waiting_for="decode"' in queries["waiting"]

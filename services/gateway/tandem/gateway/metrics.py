@@ -126,7 +126,8 @@ class GatewayMetrics:
         )
         self.generated_tokens_total = Counter(
             "tandem_gateway_generated_tokens_total",
-            "Completion tokens handed to clients.",
+            "Completion tokens handed to clients, by base model (the decode pool's demand in the operator).",
+            ["model"],
             registry=self.registry,
         )
 
@@ -192,6 +193,10 @@ class GatewayMetrics:
     def model_label(self, model: str) -> str:
         """``model`` when it is a served model, else ""."""
         return model if model in self._models else ""
+
+    def count_generated(self, num_tokens: int, *, model: str) -> None:
+        """``num_tokens`` completion tokens of a request of the base model ``model`` reached the client."""
+        self.generated_tokens_total.labels(model=self.model_label(model)).inc(num_tokens)
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.stage_s.labels(stage=stage).observe(seconds)

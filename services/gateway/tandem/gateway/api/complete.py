@@ -39,7 +39,7 @@ class CompleteResponse(GenerationResponse):
         finished = self._finished
         if finished is None:
             return await send_error(send, internal_error(), self._options.wire)
-        self._metrics.generated_tokens_total.inc(finished.usage.completion_tokens)
+        self._metrics.count_generated(finished.usage.completion_tokens, model=self._job.model)
         self._job.clock.mark("first_byte")
         self._job.clock.mark("done")
         await self._answer_complete(finished)

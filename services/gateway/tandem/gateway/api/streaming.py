@@ -155,7 +155,7 @@ class StreamedResponse(GenerationResponse):
             await self._save_progress()
             await writer.write(encoder.start() + (self._delta(encoder, first.text) if first.text else b""))
             self._job.clock.mark("first_byte")
-            self._metrics.generated_tokens_total.inc()
+            self._metrics.count_generated(1, model=self._job.model)
             return await self._stream_rest(writer, writer_task, encoder, source)
         except SlowReaderError as exc:
             self._cut_off = True
@@ -180,13 +180,13 @@ class StreamedResponse(GenerationResponse):
                         continue
                     now_s = time.monotonic()
                     self._metrics.observe_tokens(now_s - last_token_s, num_unsent_tokens, model=self._job.model)
-                    self._metrics.generated_tokens_total.inc(num_unsent_tokens)
+                    self._metrics.count_generated(num_unsent_tokens, model=self._job.model)
                     last_token_s, num_unsent_tokens = now_s, 0
                     await self._save_progress()
                     await writer.write(self._delta(encoder, event.text))
                 elif isinstance(event, Finished):
                     self._finished = event
-                    self._metrics.generated_tokens_total.inc(num_unsent_tokens)
+                    self._metrics.count_generated(num_unsent_tokens, model=self._job.model)
                     # Tokens that added no text (a stop token) still have log-probabilities to report.
                     unsent = self._delta(encoder, "") if self._num_logprobs_sent < len(self._logprobs) else b""
                     await self._save_progress()
