@@ -41,15 +41,5 @@ def running_stack(tmp_path_factory: pytest.TempPathFactory, label: str, **overri
     config = StackConfig.with_free_ports(
         key_prefix=f"tandem-faults-{label}-{uuid.uuid4().hex[:6]}", log_dir=log_dir, **overrides
     )
-    stack = LocalStack(config, progress=lambda msg: print(f"[{label} stack] {msg}", flush=True))
-    try:
-        stack.start()
-    except BaseException:
-        for name in ["router", *config.worker_ports(), "gateway"]:
-            print(f"--- {name} log tail ---\n{stack.tail(name)}")
-        stack.stop()
-        raise
-    try:
+    with LocalStack(config, progress=lambda msg: print(f"[{label} stack] {msg}", flush=True)) as stack:
         yield stack
-    finally:
-        stack.stop()

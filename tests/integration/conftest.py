@@ -29,13 +29,5 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         # The gateway's defaults: every handoff is prefetched (PrefetchKV while the prefill runs); the
         # pull after the prefill is what a refused or unused prefetch falls back to.
     )
-    stack = LocalStack(config, progress=lambda msg: print(f"[stack] {msg}", flush=True))
-    try:
-        stack.start()
-    except BaseException:
-        for name in ("router", "prefill", "decode", "gateway"):
-            print(f"--- {name} log tail ---\n{stack.tail(name)}")
-        stack.stop()
-        raise
-    yield stack
-    stack.stop()
+    with LocalStack(config, progress=lambda msg: print(f"[stack] {msg}", flush=True)) as stack:
+        yield stack

@@ -278,20 +278,12 @@ def lora_stack(reference: Reference, tmp_path_factory: pytest.TempPathFactory) -
         max_adapters=2,
         max_adapter_rank=max(16, ADAPTER_RANK),
     )
-    stack = LocalStack(config, progress=lambda msg: print(f"[lora-stack] {msg}", flush=True))
     try:
-        stack.start()
-        for name in (A, B):
-            admin(stack, "load", name, str(adapter_path(name)))
-    except BaseException:
-        for name in ("router", "prefill", "decode", "gateway"):
-            print(f"--- {name} log tail ---\n{stack.tail(name)}")
-        stack.stop()
-        raise
-    try:
-        yield stack
+        with LocalStack(config, progress=lambda msg: print(f"[lora-stack] {msg}", flush=True)) as stack:
+            for name in (A, B):
+                admin(stack, "load", name, str(adapter_path(name)))
+            yield stack
     finally:
-        stack.stop()
         client = redis.Redis.from_url(config.redis_url)
         keys = list(client.scan_iter(match=f"{config.key_prefix}:*"))
         if keys:

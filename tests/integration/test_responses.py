@@ -168,18 +168,8 @@ def chain_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack
         key_prefix=f"tandem-it-chain-{uuid.uuid4().hex[:8]}",
         log_dir=Path(tmp_path_factory.mktemp("chain-stack-logs")),
     )
-    stack = LocalStack(config, progress=lambda msg: print(f"[chain stack] {msg}", flush=True))
-    try:
-        stack.start()
-    except BaseException:
-        for name in ("router", "prefill", "decode", "gateway"):
-            print(f"--- {name} log tail ---\n{stack.tail(name)}")
-        stack.stop()
-        raise
-    try:
+    with LocalStack(config, progress=lambda msg: print(f"[chain stack] {msg}", flush=True)) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 @pytest.mark.timeout(900)  # a stack start of its own (two minutes and more on a loaded host)

@@ -451,13 +451,23 @@ class LocalStack:
                 drop_users(self.config.redis_url, self.config.key_prefix, self.config.redis_users_dir)
             self.redis_logins = {}
 
+    def log_tails(self, num_lines: int = 30) -> str:
+        """The last ``num_lines`` of every component's log, each under its name: what a failed start
+        reports (a fixture's ``with LocalStack(...)`` does it itself)."""
+        return "\n".join(f"--- {name} log tail ---\n{self.tail(name, num_lines)}" for name in self._children)
+
     def __enter__(self) -> LocalStack:
         try:
             self.start()
         except BaseException:
+            self._progress("the stack did not start:\n" + self.log_tails())
             self.stop()
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """Stops the stack; when the block failed (a fixture's set-up after the start), the components'
+        log tails are reported first."""
+        if exc_type is not None and issubclass(exc_type, Exception):
+            self._progress("the stack's user failed:\n" + self.log_tails())
         self.stop()
