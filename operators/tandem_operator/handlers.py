@@ -21,7 +21,8 @@ through :class:`.kube.KubeClient` and writes the answer into ``status``.
   outage, an admin's unload of a managed adapter undone); every
   ``autoscaling.intervalSeconds`` each pool's signals (its model's) are read and the decision
   applied to its Deployment's replicas; every decision is logged as one JSON
-  line (``tandem.autoscale``).
+  line (``tandem.autoscale``). While a model's pools roll a new revision, their
+  scale-downs wait (:mod:`.rollout_pause`, condition ``ScaleDownPaused``).
 * timer → every ``PAIRING_INTERVAL_S`` the pools' new pods of a revision being rolled out are marked
   paired once the other role's of the same revision serve (:mod:`.rollout`): prefill and decode roll
   together.
@@ -66,6 +67,8 @@ from tandem_operator.reconcile import (
 )
 from tandem_operator.resources import LABEL_DEPLOYMENT, LABEL_MODEL
 from tandem_operator.rollout import paired_status_patch, pod_state, pods_to_pair, revision_changed
+from tandem_operator.rollout_pause import CONDITION as PAUSED
+from tandem_operator.rollout_pause import hold_scale_down, paused_condition, rolling_models
 from tandem_operator.settings import OperatorSettings
 from tandem_operator.signals import PrometheusSource, QueryScope, RouterService, RouterSource, SignalSource
 from tandem_operator.spec import GROUP, PLURAL, VERSION, Pool, SpecError, TandemSpec, parse_spec
@@ -290,10 +293,13 @@ async def autoscale_handler(
     without_metrics: list[str] = []
     unread: set[str] = set()
     try:
+        deps = {p.key: _owned(await kube.get("apps/v1", "Deployment", namespace, p.name(name)), uid)
+                for p in td.pools_of()}
+        rolling = rolling_models(td.pools_of(), deps)  # scale-downs of a rolling model's pools wait
         for pool in td.pools_of():
             role = pool.role
             dep_name = pool.name(name)
-            dep = _owned(await kube.get("apps/v1", "Deployment", namespace, dep_name), uid)
+            dep = deps[pool.key]
             if dep is None:
                 continue  # not reconciled yet, or the name is taken by something else
             current = int((dep.get("spec") or {}).get("replicas", 0))
@@ -306,6 +312,7 @@ async def autoscale_handler(
                 policy=td.autoscaling, slo=td.slo, history=history, now_s=now_s, ready_replicas=ready,
             )
             memo.history[(namespace, name, pool.key)] = history
+            decision = hold_scale_down(decision, rolling.get(pool.model.name))
             num_with_metrics += bool(decision.votes)
             if not decision.votes:
                 without_metrics.append(pool.key)
@@ -329,6 +336,7 @@ async def autoscale_handler(
     except KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=memo.settings.retry_delay_s) from exc
     _set_metrics_condition(td, status, patch, without_metrics, sorted(unread), int(meta.get("generation") or 0))
+    _set_paused_condition(rolling, status, patch, int(meta.get("generation") or 0), logger)
     if entries:
         entries["metricsAvailable"] = num_with_metrics > 0
         entries["source"] = td.autoscaling.source
@@ -417,6 +425,22 @@ def _set_metrics_condition(
         conditions, type_="MetricsAvailable", status=available,
         reason=reason, message=message, now=_now(), generation=generation,
     )
+
+
+def _set_paused_condition(
+    rolling: dict[str, str], status: Any, patch: kopf.Patch, generation: int, logger: _Logger
+) -> None:
+    """ScaleDownPaused (:mod:`.rollout_pause`) when it changes; logged when a pause starts and ends."""
+    conditions = list(patch.status.get("conditions") or status.get("conditions", []))
+    updated = paused_condition(conditions, rolling, _now(), generation) if _reconciled(conditions) else None
+    if updated is None:
+        return
+    was = any(c.get("type") == PAUSED and c.get("status") == "True" for c in conditions)
+    if rolling and not was:
+        logger.info("autoscaling paused: rollout (scale-downs wait, scale-ups go on): %s", updated[-1]["message"])
+    elif was and not rolling:
+        logger.info("autoscaling resumed: no pool is rolling, scale-downs allowed again")
+    patch.status["conditions"] = updated
 
 
 def _condition_status(conditions: list[dict[str, Any]]) -> tuple[str, str]:

@@ -127,7 +127,7 @@ def _replicas(kmock: Any, role: str) -> int | None:
 
 async def _deployment_controller(kmock: Any) -> None:
     """kmock runs no controllers: stand in for the Deployment controller (every replica becomes
-    ready at once), so the operator sees ready replicas as in a cluster."""
+    ready at once, of the current template), so the operator sees ready replicas as in a cluster."""
     while True:
         for role in ("prefill", "decode"):
             try:
@@ -138,7 +138,7 @@ async def _deployment_controller(kmock: Any) -> None:
                 continue
             replicas = int(obj["spec"]["replicas"])
             if (obj.get("status") or {}).get("readyReplicas") != replicas:
-                obj.patch({"status": {"replicas": replicas, "readyReplicas": replicas}})
+                obj.patch({"status": {"replicas": replicas, "updatedReplicas": replicas, "readyReplicas": replicas}})
         await asyncio.sleep(0.2)
 
 

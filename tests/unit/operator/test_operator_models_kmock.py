@@ -177,7 +177,8 @@ async def test_a_bad_spec_gets_a_condition_and_nothing_else(
 
 
 async def _mark_ready(kmock: Any, names: list[str]) -> None:
-    """kmock runs no Deployment controller: every replica of ``names`` becomes ready at once."""
+    """kmock runs no Deployment controller: every replica of ``names`` becomes ready at once (all of the
+    current template)."""
     while True:
         for name in names:
             try:
@@ -186,7 +187,7 @@ async def _mark_ready(kmock: Any, names: list[str]) -> None:
                 continue
             replicas = int(obj["spec"]["replicas"])
             if not obj.deleted and (obj.get("status") or {}).get("readyReplicas") != replicas:
-                obj.patch({"status": {"replicas": replicas, "readyReplicas": replicas}})
+                obj.patch({"status": {"replicas": replicas, "updatedReplicas": replicas, "readyReplicas": replicas}})
         await asyncio.sleep(0.2)
 
 
