@@ -15,7 +15,9 @@ target's bucket bound) and just over it (89 %):
 The router's ``TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT`` (every Ray container) times
 ``autoscaling.prefill.budgetUsage`` is the CR's ``uncachedTokensPerReplica``, and the autoscaler's
 uncached-tokens vote holds a pool at exactly that share of the router's budget and asks for one more
-replica one token over it.
+replica one token over it. Where ``autoscaling.capacity`` gives the prefill workers' measured tokens/s,
+that budget is what one worker computes within ``router.prefillBudgetTtftShare`` of the TTFT target, read
+back from the capacity and the SLO the CR hands the operator (``router.prefillTokensInFlight`` unused).
 """
 
 from __future__ import annotations
@@ -51,6 +53,14 @@ RENDERINGS = {
         "tandemDeployment.slo.itlP90Seconds=0.05",
         "router.prefillTokensInFlight=6000",
         "tandemDeployment.autoscaling.prefill.budgetUsage=0.75",
+    ),
+    # A measured prefill capacity (tandem-loadtest sweep's capacity.json): the router's budget comes from it
+    # and router.prefillTokensInFlight no longer counts.
+    "measured-capacity": (
+        "tandemDeployment.autoscaling.capacity.prefillTokensPerSecondPerWorker=2750.5",
+        "tandemDeployment.slo.ttftP90Seconds=1",
+        "router.prefillTokensInFlight=6000",
+        "router.prefillBudgetTtftShare=0.4",
     ),
 }
 
@@ -213,7 +223,15 @@ def test_the_router_budget_is_what_the_autoscaler_targets(rendering: str) -> Non
     (budget,) = budgets  # every Ray container admits the same budget
     values = dict(s.split("=", 1) for s in sets)
     usage = float(values.get("tandemDeployment.autoscaling.prefill.budgetUsage", 0.5))
-    assert int(budget) == int(values.get("router.prefillTokensInFlight", 16384))
+    measured = spec.autoscaling.capacity.prefill_tokens_per_second_per_worker
+    if measured:
+        # What one worker computes (the operator's own capacity figure) within the share of its TTFT target.
+        share = float(values["router.prefillBudgetTtftShare"])
+        assert measured == float(values["tandemDeployment.autoscaling.capacity.prefillTokensPerSecondPerWorker"])
+        assert int(budget) == math.floor(measured * spec.slo.ttft_p90_seconds * share) == 1100
+        assert int(budget) != int(values["router.prefillTokensInFlight"])
+    else:
+        assert int(budget) == int(values.get("router.prefillTokensInFlight", 16384))
     target = spec.autoscaling.prefill.uncached_tokens_per_replica
     assert target == int(budget) * usage
 

@@ -370,6 +370,22 @@ forwarded to Serve's gRPC proxy on the pod's loopback; pass (dict "ctx" $ "image
     {{- include "tandem.internalTLSMount" .ctx | nindent 4 }}
 {{- end -}}
 
+{{/* The router's prefill budget per worker (uncached prompt tokens in flight), the one formula: where
+tandemDeployment.autoscaling.capacity.prefillTokensPerSecondPerWorker is measured (tandem-loadtest sweep's
+knee), what one worker computes within router.prefillBudgetTtftShare of tandemDeployment.slo.ttftP90Seconds
+(per-worker tokens/s x TTFT target x share, at least 1); unmeasured (0), router.prefillTokensInFlight. The
+router admits it (TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT) and the operator's per-replica target is
+autoscaling.prefill.budgetUsage of it (tandemdeployment.yaml), so "waiting for budget" means short of
+capacity. Pass the root context. */}}
+{{- define "tandem.prefillBudgetTokens" -}}
+{{- $perWorker := float64 (default 0 .Values.tandemDeployment.autoscaling.capacity.prefillTokensPerSecondPerWorker) }}
+{{- if gt $perWorker 0.0 }}
+{{- max 1 (int (floor (mulf $perWorker .Values.tandemDeployment.slo.ttftP90Seconds .Values.router.prefillBudgetTtftShare))) }}
+{{- else }}
+{{- int .Values.router.prefillTokensInFlight }}
+{{- end }}
+{{- end -}}
+
 {{/* Shared parts of the Ray head and worker containers; pass (dict "ctx" $). */}}
 {{- define "tandem.routerContainerCommon" -}}
 imagePullPolicy: {{ .ctx.Values.images.router.pullPolicy }}
@@ -382,7 +398,7 @@ env:
   - name: TANDEM_ROUTER_DISAGGREGATION__MIN_UNCACHED_TOKENS
     value: {{ .ctx.Values.router.minUncachedTokensToDisaggregate | quote }}
   - name: TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT
-    value: {{ .ctx.Values.router.prefillTokensInFlight | quote }}
+    value: {{ include "tandem.prefillBudgetTokens" .ctx | quote }}
   - name: TANDEM_ROUTER_GRPC_PORT
     value: {{ .ctx.Values.router.grpcPort | quote }}
   - name: HOME
