@@ -169,7 +169,7 @@ def test_prefetched_blocks_are_byte_identical_and_none_is_read_before_its_layer_
         # one block (4 tokens) in its own prefix cache, so prefetches blocks 1..4.
         assert pair.decode.prefetch(pair.order(5)) == ""
         time.sleep(0.2)
-        prefetch = pair.decode.puller._prefetches[REQUEST]
+        prefetch = pair.decode.puller.prefetcher.prefetches[REQUEST]
         assert (prefetch.first_block_index, prefetch.num_blocks) == (1, 4) and not prefetch.done.is_set()
         pair.step(num_computed=BLOCK, num_after=NUM_PROMPT_TOKENS)  # block 0 was cached on the prefill side
         wait_until(prefetch.done.is_set, timeout_s=10)
@@ -199,7 +199,7 @@ def test_a_stream_follows_a_chunked_prefill_step_by_step() -> None:
     pair = _pair()
     try:
         assert pair.decode.prefetch(pair.order()) == ""
-        prefetch = pair.decode.puller._prefetches[REQUEST]
+        prefetch = pair.decode.puller.prefetcher.prefetches[REQUEST]
         # First step: blocks 0..2 of every layer are computed, and reach staging while the prefill
         # goes on; blocks 3..4 are not there yet.
         pair.step(num_computed=0, num_after=12)
@@ -254,7 +254,7 @@ def test_a_prefill_that_ends_without_a_hold_ends_the_stream_and_frees_the_stagin
     pair = _pair()
     try:
         assert pair.decode.prefetch(pair.order()) == ""
-        prefetch = pair.decode.puller._prefetches[REQUEST]
+        prefetch = pair.decode.puller.prefetcher.prefetches[REQUEST]
         pair.prefill.begin_step(
             GrpcKVMetadata(
                 progress=[
@@ -279,7 +279,7 @@ def test_a_load_the_prefetch_does_not_cover_pulls_instead() -> None:
     try:
         assert pair.decode.prefetch(pair.order(8)) == ""
         pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
-        wait_until(pair.decode.puller._prefetches[REQUEST].done.is_set, timeout_s=10)
+        wait_until(pair.decode.puller.prefetcher.prefetches[REQUEST].done.is_set, timeout_s=10)
         pair.announce()
         local = (6, 7, 8, 9)
         pair.load(local, first_block_index=1)
@@ -334,7 +334,7 @@ def test_a_decode_that_loads_nothing_frees_its_prefetch_and_refuses_a_later_one(
     try:
         assert pair.decode.prefetch(pair.order()) == ""
         pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
-        wait_until(pair.decode.puller._prefetches[REQUEST].done.is_set, timeout_s=10)
+        wait_until(pair.decode.puller.prefetcher.prefetches[REQUEST].done.is_set, timeout_s=10)
         assert pair.decode.stats().staged_bytes > 0
         pair.decode.begin_step(GrpcKVMetadata(releases=[pair.handle()]))  # scheduler side: nothing to pull
         stats = pair.decode.stats()
@@ -351,7 +351,7 @@ def test_an_abort_ends_a_prefetch_stream_that_waits_for_the_prefill() -> None:
     pair = _pair()
     try:
         assert pair.decode.prefetch(pair.order()) == ""
-        prefetch = pair.decode.puller._prefetches[REQUEST]
+        prefetch = pair.decode.puller.prefetcher.prefetches[REQUEST]
         pair.step(num_computed=0, num_after=4)  # one block of the prompt computed: the stream waits for more
         wait_until(lambda: prefetch.call is not None, timeout_s=10)
         time.sleep(0.2)
@@ -368,10 +368,10 @@ def test_an_abort_ends_a_prefetch_stream_that_waits_for_the_prefill() -> None:
 def test_a_prefetch_nobody_uses_is_dropped_after_its_keep_time_even_on_an_idle_engine() -> None:
     pair = _pair()
     try:
-        pair.decode.puller._prefetch_keep_s = 0.2
+        pair.decode.puller.prefetcher.keep_s = 0.2
         assert pair.decode.prefetch(pair.order()) == ""
         pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS)
-        wait_until(pair.decode.puller._prefetches[REQUEST].done.is_set, timeout_s=10)
+        wait_until(pair.decode.puller.prefetcher.prefetches[REQUEST].done.is_set, timeout_s=10)
         assert pair.decode.stats().staged_bytes > 0
         time.sleep(0.3)
         # No engine step ran since: reading the counters (the heartbeat does) drops it.
@@ -506,7 +506,7 @@ def test_layers_saved_in_a_forward_are_streamable_when_vllm_runs_the_steps_hooks
     saved_before: list[int] = []
     try:
         assert pair.decode.prefetch(pair.order()) == ""
-        prefetch = pair.decode.puller._prefetches[REQUEST]
+        prefetch = pair.decode.puller.prefetcher.prefetches[REQUEST]
         meta = GrpcKVMetadata(
             progress=[
                 PrefillProgress(
@@ -558,7 +558,7 @@ def test_an_order_crosses_vllms_collective_rpc_as_a_dict_and_the_extension_start
         _, _, method, (rpc, _, args, _) = MsgpackDecoder().decode(MsgpackEncoder().encode(call))
         assert (method, rpc) == ("collective_rpc", "tandem_kv_prefetch") and type(args[0]) is dict
         assert KVWorkerExtension().tandem_kv_prefetch(*args) == ""
-        prefetch = pair.decode.puller._prefetches[order.request_id]
+        prefetch = pair.decode.puller.prefetcher.prefetches[order.request_id]
         assert prefetch.order == order and (prefetch.first_block_index, prefetch.num_blocks) == (1, 4)
     finally:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
@@ -665,7 +665,7 @@ ADAPTER_B = "tandem-test-b@4"
 def _prefetched_whole(pair: Pair, adapter: str) -> Any:
     """A prefetch for ``adapter`` of a prompt the prefill computes whole with ``adapter``, once it ended."""
     assert pair.decode.prefetch(pair.order(adapter=adapter)) == ""
-    prefetch = pair.decode.puller._prefetches[REQUEST]
+    prefetch = pair.decode.puller.prefetcher.prefetches[REQUEST]
     pair.step(num_computed=0, num_after=NUM_PROMPT_TOKENS, adapter=adapter)
     wait_until(prefetch.done.is_set, timeout_s=10)
     return prefetch
@@ -697,7 +697,7 @@ def test_the_kv_server_refuses_to_stream_another_adapters_prompt_as_it_refuses_a
     pair = _pair()
     try:
         assert pair.decode.prefetch(pair.order(adapter=prefetched_for)) == ""
-        prefetch = pair.decode.puller._prefetches[REQUEST]
+        prefetch = pair.decode.puller.prefetcher.prefetches[REQUEST]
         pair.step(num_computed=0, num_after=12, adapter=ADAPTER_A)  # still prefilling: no hold yet
         wait_until(prefetch.done.is_set, timeout_s=10)
         assert "computed with adapter 'tandem-test-a@3'" in prefetch.error, prefetch.error

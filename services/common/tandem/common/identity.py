@@ -65,6 +65,7 @@ ALLOWED_ROLES: Mapping[str, frozenset[str]] = {
     # The data paths a KV server offers, and the pull through shared memory (the same KV as PullBlockBytes).
     "/tandem.v1.KVTransfer/DataPaths": _DECODE,
     "/tandem.v1.KVTransfer/PullBlocksShm": _DECODE,
+    "/tandem.v1.KVTransfer/StreamBlocksShm": _DECODE,
     "/tandem.v1.KVTransfer/GetStats": _ANY_ROLE,
     # tandem.v1.Router (through the router's TLS front): placements are the gateway's.
     "/tandem.v1.Router/Schedule": _GATEWAY,

@@ -87,8 +87,13 @@ class KVCollector(Collector):
             c.add_metric([], float(s.shm_loads_total))
             yield c
             c = CounterMetricFamily(
+                "tandem_kv_shm_prefetches", "KV prefetches streamed through shared memory (same host), all written"
+            )
+            c.add_metric([], float(s.shm_prefetches_total))
+            yield c
+            c = CounterMetricFamily(
                 "tandem_kv_shm_fallbacks",
-                "Pulls through shared memory that fell back to gRPC, by reason",
+                "Pulls and prefetches through shared memory that fell back to gRPC, by reason",
                 labels=["reason"],
             )
             for reason in FALLBACK_REASONS:

@@ -25,7 +25,8 @@ prefill.
 
 It serves ``tandem.v1.KVTransfer`` on its own threads (the methods are
 :mod:`kv_servicer`'s): ``PullBlockBytes`` and ``StreamBlockBytes`` (raw bytes,
-see :mod:`wire`), ``PullBlocksShm`` and ``DataPaths`` (:mod:`shm_transport`),
+see :mod:`wire`), ``PullBlocksShm`` and ``DataPaths`` (:mod:`shm_transport`), ``StreamBlocksShm``
+(:mod:`shm_stream`),
 ``Release``, and ``Describe``/``GetStats`` for people and tools. With internal TLS on, only a
 decode worker's certificate may call the first four (GetStats: any role; see
 :data:`tandem.common.identity.ALLOWED_ROLES`)."""
@@ -170,8 +171,10 @@ class KVServer:
         self._caches, self._block_dim, self.layout = caches, block_dim, layout
         self._reader = wire.BlockReader(caches, block_dim)
         self._on_device = bool(caches) and caches[0].device.type == "cuda"
+        # A stream through shared memory keeps its thread until its decode has loaded (it holds a segment
+        # meanwhile): one more thread per segment, so that those never hold up pulls and releases.
         self._pool = futures.ThreadPoolExecutor(
-            max_workers=8,
+            max_workers=8 + (self.shm.pool.max_segments if self.shm is not None else 0),
             thread_name_prefix="tandem-kv-serve",
             initializer=move_this_thread,
             initargs=(self._thread_cpus,),
@@ -186,6 +189,15 @@ class KVServer:
                 raise RuntimeError(f"KV transfer server cannot bind {self._bind}")
             server.start()
         self._server = server
+
+    @property
+    def caches(self) -> list[torch.Tensor]:
+        """This rank's cache tensors, in layer order."""
+        return self._caches
+
+    @property
+    def block_dim(self) -> int:
+        return self._block_dim
 
     @property
     def address(self) -> str:

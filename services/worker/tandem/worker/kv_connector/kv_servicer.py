@@ -3,7 +3,8 @@ methods, run on the KV server's threads. Each checks what the caller asks for (l
 adapter, held blocks) and hands the reading to the server: ``PullBlockBytes`` and ``StreamBlockBytes``
 answer raw bytes (:mod:`wire`, hence the generic handlers without a response serializer),
 ``PullBlocksShm`` writes the same bytes into shared memory (:mod:`shm_transport`, through the same
-checks), ``Release`` ends a hold, ``Describe`` and ``GetStats`` answer people and tools."""
+checks), as ``StreamBlocksShm`` does a running prefill's (:mod:`shm_stream`), ``Release`` ends a hold,
+``Describe`` and ``GetStats`` answer people and tools."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import grpc
 from tandem.common import failpoints, kv_capability
 from tandem.common.errors import KVLayoutMismatchError
 from tandem.v1 import common_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
-from tandem.worker.kv_connector import shm_transport, wire
+from tandem.worker.kv_connector import shm, shm_stream, shm_transport, wire
 from tandem.worker.kv_connector.layout import KVLayout
 
 if TYPE_CHECKING:
@@ -97,11 +98,34 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         self, request: kv_transfer_pb2.StreamBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         kv = self._kv
+        hold = self._streamed_prompt(request, context)
+        if hold is None:
+            return
+        reader = kv.reader()
+        max_chunk_blocks = max(1, (request.max_chunk_bytes or 4 * 1024 * 1024) // max(1, reader.block_bytes))
+        first, num_blocks = request.first_block_index, request.num_blocks
+        total = 0
+        for pieces in self._progress(hold, request, context, max_chunk_blocks):
+            ids = hold.block_ids[first : first + num_blocks]
+            data = reader.read(ids, wire.Chunk(tuple(pieces)), prefix=wire.stream_header(pieces))
+            # Read, then looked at: a prompt that ended meanwhile may have had its blocks rewritten.
+            self._abort_gone(hold, request.request_id, context)
+            total += sum(p.num_blocks for p in pieces) * reader.block_bytes
+            yield data
+        if total == num_blocks * reader.num_layers * reader.block_bytes:  # not a caller that gave up
+            kv.count_sent(total, num_blocks, streamed=True)
+
+    def _streamed_prompt(
+        self, request: kv_transfer_pb2.StreamBlocksRequest, context: grpc.ServicerContext
+    ) -> Hold | None:
+        """The prompt a stream asks for, once it is scheduled and its layout, capability, adapter, length and
+        block range are checked (either path); None when the caller gave up first."""
+        kv = self._kv
         assert kv.layout is not None
         self._check_layout(request.expected_layout, context)
         hold = kv.find_prompt(request.request_id, context.is_active)
         if hold is None:
-            return
+            return None
         self._abort_gone(hold, request.request_id, context)
         if not kv_capability.matches(hold.capability, request.capability):
             context.abort(grpc.StatusCode.NOT_FOUND, f"no prompt {request.request_id} is being prefilled or held")
@@ -122,24 +146,25 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 f"blocks {first}..{first + num_blocks - 1} are not all in a prompt of {num_prompt_tokens} tokens",
             )
         failpoints.hit("kv_server.before_stream")
-        reader = kv.reader()
-        max_chunk_blocks = max(1, (request.max_chunk_bytes or 4 * 1024 * 1024) // max(1, reader.block_bytes))
-        sent = [0] * reader.num_layers
-        total = 0
+        return hold
+
+    def _progress(
+        self,
+        hold: Hold,
+        request: kv_transfer_pb2.StreamBlocksRequest,
+        context: grpc.ServicerContext,
+        max_chunk_blocks: int,
+    ) -> Iterator[list[wire.Piece]]:
+        """The stream's pieces (:func:`wire.ready_pieces`) as their layers are saved, each as soon as it is;
+        ABORTED when the prompt ends without a hold; ends early when the caller gives up."""
+        num_blocks = request.num_blocks
+        sent = [0] * self._kv.reader().num_layers
         while any(n < num_blocks for n in sent):
-            ready = kv.wait_progress(hold, sent, (first, num_blocks), context.is_active)
+            ready = self._kv.wait_progress(hold, sent, (request.first_block_index, num_blocks), context.is_active)
             if ready is None:
                 self._abort_gone(hold, request.request_id, context)
                 return
-            pieces = wire.ready_pieces(sent, ready, max_chunk_blocks)
-            ids = hold.block_ids[first : first + num_blocks]
-            data = reader.read(ids, wire.Chunk(tuple(pieces)), prefix=wire.stream_header(pieces))
-            # Read, then looked at: a prompt that ended meanwhile may have had its blocks rewritten.
-            if hold.gone:
-                self._abort_gone(hold, request.request_id, context)
-            total += sum(p.num_blocks for p in pieces) * reader.block_bytes
-            yield data
-        kv.count_sent(total, num_blocks, streamed=True)
+            yield wire.ready_pieces(sent, ready, max_chunk_blocks)
 
     @staticmethod
     def _check_adapter(hold: Hold, request_id: str, adapter: str, context: grpc.ServicerContext) -> None:
@@ -169,6 +194,37 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     ) -> Iterator[kv_transfer_pb2.ShmChunksReady]:
         kv = self._kv
         return shm_transport.serve(kv.shm, request, context, self._held_blocks, kv.reader(), kv.count_sent)
+
+    def StreamBlocksShm(
+        self, request: kv_transfer_pb2.ShmStreamRequest, context: grpc.ServicerContext
+    ) -> Iterator[kv_transfer_pb2.ShmPiecesReady]:
+        kv = self._kv
+        memory = kv.shm
+        if memory is None or request.shm_dir_token != memory.dir_token:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no shared memory with this engine")
+        assert memory is not None
+        stream = request.stream
+        hold = self._streamed_prompt(stream, context)
+        if hold is None:
+            return
+        reader = kv.reader()
+        # Every piece ready is written at once: no message carries the bytes, so no chunk size bounds them.
+        progress = self._progress(hold, stream, context, reader.num_layers * stream.num_blocks)
+        try:
+            yield from shm_stream.serve(
+                memory.pool,
+                kv.caches,
+                kv.block_dim,
+                reader.block_bytes,
+                stream,
+                progress,
+                lambda: hold.block_ids,
+                lambda: self._abort_gone(hold, stream.request_id, context),
+                context,
+                lambda num_bytes: kv.count_sent(num_bytes, stream.num_blocks, streamed=True),
+            )
+        except shm.ShmError as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     def Release(
         self, request: kv_transfer_pb2.ReleaseBlocksRequest, context: grpc.ServicerContext

@@ -3,31 +3,15 @@ blocks into this engine's paged cache, on a small thread pool so that the
 engine loop never waits on the network. Owns every pull and its figures;
 holds nothing on the prefill side (holds are :mod:`kv_server`'s).
 
-A prefetch is a pull started before the decode request exists (the gateway
-asks for it when the request is placed, ``PrefetchKV``): it streams the
-prompt's blocks from the prefill engine while that engine still computes them
-(``StreamBlockBytes``, each chunk as its layers are saved) into a staging
-buffer by block position. When the decode request's load comes, it waits for
-the prefetch to finish (usually it has) and copies the blocks it needs from
-staging into the paged cache: a local copy on the second token's critical
-path instead of the network. A prefetch that failed, or does not cover the
-blocks the load needs, is dropped and the load pulls as it would without one;
-staging is bounded (``prefetch_max_bytes``) and freed when the load has copied
-it, when the request is aborted here, when its decode needs no load (its
-prompt was in this engine's prefix cache), or ``prefetch_keep_s`` after it
-was started.
+A load first looks for the request's prefetch (:mod:`prefetch`: its KV,
+streamed while the prefill ran, copied from staging), else pulls: through
+shared memory where the peer offers it on this host (:mod:`shm_transport`),
+else, or when that fails, over gRPC.
 
-A prefetch names the LoRA adapter its decode will run with (``PrefetchKV``'s
-``adapter``), and streams with it: the prefill engine's KV server refuses a
-prompt it computes with another adapter, as it refuses such a pull. A load
-whose handle names another adapter than its prefetch does not use what was
-staged (counted wasted) and pulls, so staged KV of adapter A never serves a
-decode of adapter B or of the base model.
-
-The prefetch and the load name the prompt's KV by the same id, the gateway's
-request id: ``PrefetchKV`` carries it, and the load's handle carries it from
-the ``Decode`` (:mod:`params`). vLLM's id of the decode request
-(``LoadSpec.engine_request_id``) only names the load towards vLLM's scheduler.
+vLLM's id of the decode request (``LoadSpec.engine_request_id``) only names
+the load towards vLLM's scheduler; towards the prefill engine and the
+prefetches the request is named by the gateway's request id, which the load's
+handle carries.
 
 Two kinds of freeing happen here, under two names: *dropping a prefetch* frees
 this engine's staging (:meth:`KVPuller.drop_prefetch`), and *releasing a hold*
@@ -39,10 +23,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent import futures
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import grpc
@@ -50,7 +33,6 @@ import grpc.experimental
 import torch
 from google.protobuf.message import Message
 
-from tandem.common import kv_capability
 from tandem.common.tls import RECONNECT_BACKOFF_OPTIONS, CredentialFiles, TLSSettings
 from tandem.common.tls import channel as tls_channel
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -59,6 +41,7 @@ from tandem.worker.kv_connector.cpus import move_this_thread
 from tandem.worker.kv_connector.layout import KVLayout
 from tandem.worker.kv_connector.metadata import IDLE_STEP_WAIT_S, LoadSpec
 from tandem.worker.kv_connector.params import KVHandleParams, LoadRecord, PrefetchOrder
+from tandem.worker.kv_connector.prefetch import Prefetcher
 from tandem.worker.kv_connector.shm_transport import ShmPuller
 
 logger = logging.getLogger(__name__)
@@ -77,15 +60,6 @@ CLIENT_OPTIONS: Final[list[tuple[str, Any]]] = [
 ]
 
 
-#: Prefetches streaming at once (each holds a thread while its prefill runs); more are refused.
-MAX_PREFETCHES_IN_FLIGHT = 8
-#: Requests whose load pulled without a prefetch, or that were aborted here, remembered so that a
-#: PrefetchKV arriving after its Decode's load or after its Abort (the gateway sends PrefetchKV in the
-#: background: a request refused by its prefill worker is aborted here, and the Abort can overtake it)
-#: is refused instead of staging KV nobody will use until prefetch_keep_s.
-_NUM_LOADED_REMEMBERED = 1024
-
-
 @dataclass
 class PullCounters:
     bytes_received: int = 0
@@ -96,43 +70,6 @@ class PullCounters:
     prefetches_started: int = 0
     prefetches_used: int = 0
     prefetches_wasted: int = 0
-
-
-@dataclass
-class _Prefetch:
-    """One prompt's blocks [first_block_index, first_block_index + num_blocks), streamed as ``order`` says
-    into ``staging`` (one tensor per layer, the cache's shape with ``num_blocks`` blocks). A load uses the
-    staged blocks only if its handle names the order's prompt: the same engine, request, capability, adapter
-    ("" for the base model) and number of tokens."""
-
-    order: PrefetchOrder
-    first_block_index: int
-    num_blocks: int
-    staging: list[torch.Tensor] | None
-    num_staged_bytes: int
-    expires_s: float
-    done: threading.Event = field(default_factory=threading.Event)
-    call: grpc.Call | None = None
-    error: str = ""
-    num_bytes: int = 0
-    seconds: float = 0.0
-
-    def covers(self, first_block_index: int, num_blocks: int) -> bool:
-        return (
-            self.first_block_index <= first_block_index
-            and first_block_index + num_blocks <= self.first_block_index + self.num_blocks
-        )
-
-
-def _same_prompt(prefetch: _Prefetch, handle: KVHandleParams) -> bool:
-    """Whether ``prefetch`` streamed the KV ``handle`` names: the same prefill engine, request and
-    capability."""
-    order = prefetch.order
-    return (
-        order.kv_address == handle.kv_address
-        and order.request_id == handle.request_id
-        and kv_capability.matches(order.capability, handle.capability)
-    )
 
 
 class KVPuller:
@@ -151,15 +88,9 @@ class KVPuller:
         shm: ShmPuller | None = None,
     ) -> None:
         self._tp_rank = tp_rank
-        #: Pulls from a peer of the same host and shared directory go through shared memory (None: off).
+        #: Pulls and prefetches from a peer of the same host and shared directory go through shared memory
+        #: (None: off).
         self.shm = shm
-        self._prefetch_max_bytes = prefetch_max_bytes
-        self._prefetch_keep_s = prefetch_keep_s
-        #: By request id (the gateway's, which the load's handle carries too).
-        self._prefetches: dict[str, _Prefetch] = {}
-        self._num_staged_bytes = 0
-        self._num_prefetching = 0
-        self._loaded: OrderedDict[str, None] = OrderedDict()
         self._max_chunk_bytes = max_chunk_bytes
         self._pull_timeout_s = pull_timeout_s
         self._tls = tls
@@ -182,27 +113,31 @@ class KVPuller:
         self._pool = futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="tandem-kv-pull", initializer=move_this_thread, initargs=(thread_cpus,)
         )
-        self._prefetch_pool = futures.ThreadPoolExecutor(
-            max_workers=MAX_PREFETCHES_IN_FLIGHT,
-            thread_name_prefix="tandem-kv-prefetch",
-            initializer=move_this_thread,
-            initargs=(thread_cpus,),
-        )
         self._channels: dict[str, grpc.Channel] = {}
         self._channels_lock = threading.Lock()
         #: After the certificate files change, pulls dial new channels (the old ones close once theirs end).
         self._files = CredentialFiles(tls)
+        #: The prefetches of this rank and their staging.
+        self.prefetcher = Prefetcher(
+            counters=self.counters,
+            raw_stream=self._raw_stream,
+            channel_to=self._channel_to,
+            max_chunk_bytes=max_chunk_bytes,
+            pull_timeout_s=pull_timeout_s,
+            max_bytes=prefetch_max_bytes,
+            keep_s=prefetch_keep_s,
+            thread_cpus=thread_cpus,
+            shm=shm,
+        )
 
     def start(self, caches: list[torch.Tensor], block_dim: int, layout: KVLayout) -> None:
         self._caches, self._block_dim, self._layout = caches, block_dim, layout
         self._writer = wire.BlockWriter(caches, block_dim)
+        self.prefetcher.start(caches, block_dim, layout)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._prefetch_pool.shutdown(wait=False, cancel_futures=True)
-        for prefetch in list(self._prefetches.values()):
-            if prefetch.call is not None:
-                prefetch.call.cancel()
+        self.prefetcher.shutdown()
         for channel in self._channels.values():
             channel.close()
 
@@ -211,8 +146,8 @@ class KVPuller:
     def submit(self, loads: Iterable[LoadSpec], releases: Iterable[KVHandleParams]) -> None:
         """Start this step's loads (each releases its hold once done), and release the holds of
         ``releases`` (decode requests that load nothing)."""
-        if self._prefetches:
-            self._expire_prefetches()
+        if self.prefetcher.prefetches:
+            self.prefetcher.expire()
         loads = list(loads)
         with self._lock:
             self._num_in_flight += len(loads)
@@ -283,187 +218,24 @@ class KVPuller:
                 self._channels[address] = channel
         return channel
 
-    # -- prefetches (the worker service through the engine; prefetch threads) ------
+    # -- prefetches (the worker service through the engine): see :mod:`prefetch` ------
 
     def prefetch(self, order: PrefetchOrder) -> str:
-        """Start streaming ``order``'s prompt KV, computed with its adapter ("" for the base model), from the
-        prefill engine at its ``kv_address`` (with the prompt's capability) into staging, skipping the whole
-        blocks of its ``num_decode_cached_tokens`` (the prefix hit the router expects of this engine).
-        Returns "" when started, else why not (the decode then pulls as usual)."""
-        request_id, num_prompt_tokens = order.request_id, order.num_prompt_tokens
-        layout = self._layout
-        if layout is None:
-            return "the KV caches are not registered yet"
-        if self._prefetch_max_bytes <= 0:
-            return "prefetching is off (kv.prefetch_max_bytes is 0)"
-        block_size = layout.block_size_tokens
-        num_prompt_blocks = -(-num_prompt_tokens // block_size)
-        first = min(order.num_decode_cached_tokens, num_prompt_tokens) // block_size
-        num_blocks = num_prompt_blocks - first
-        if num_blocks <= 0:
-            return "nothing to prefetch"
-        if request_id in self._loaded:
-            return "the request's KV is loaded already (or it needed no load), or it was aborted here"
-        num_staged_bytes = self._writer.block_bytes * num_blocks * len(self._caches)
-        self.drop_prefetch(request_id, wasted=True)
-        with self._lock:
-            if self._num_prefetching >= MAX_PREFETCHES_IN_FLIGHT:
-                return f"{MAX_PREFETCHES_IN_FLIGHT} prefetches are streaming already"
-            if self._num_staged_bytes + num_staged_bytes > self._prefetch_max_bytes:
-                return (
-                    f"staging is full ({self._num_staged_bytes} + {num_staged_bytes} bytes "
-                    f"> kv.prefetch_max_bytes {self._prefetch_max_bytes})"
-                )
-            self._num_staged_bytes += num_staged_bytes
-            self._num_prefetching += 1
-            self.counters.prefetches_started += 1
-        shape = list(self._caches[0].shape)
-        shape[self._block_dim] = num_blocks
-        staging = [torch.empty(shape, dtype=cache.dtype, device=cache.device) for cache in self._caches]
-        prefetch = _Prefetch(
-            order=order,
-            first_block_index=first,
-            num_blocks=num_blocks,
-            staging=staging,
-            num_staged_bytes=num_staged_bytes,
-            expires_s=time.monotonic() + self._prefetch_keep_s,
-        )
-        with self._lock:
-            self._prefetches[request_id] = prefetch
-        self._prefetch_pool.submit(self._stream_into_staging, prefetch)
-        return ""
-
-    def _stream_into_staging(self, prefetch: _Prefetch) -> None:
-        assert self._layout is not None
-        order = prefetch.order
-        started = time.perf_counter()
-        try:
-            call = self._raw_stream(
-                order.kv_address,
-                wire.STREAM_METHOD,
-                kv_transfer_pb2.StreamBlocksRequest(
-                    request_id=order.request_id,
-                    first_block_index=prefetch.first_block_index,
-                    num_blocks=prefetch.num_blocks,
-                    expected_layout=self._layout.to_proto(),
-                    max_chunk_bytes=self._max_chunk_bytes,
-                    num_prompt_tokens=order.num_prompt_tokens,
-                    capability=order.capability,
-                    adapter=order.adapter,
-                ),
-            )
-            prefetch.call = call
-            staging = prefetch.staging
-            if staging is None:  # dropped before it started
-                call.cancel()
-                raise RuntimeError("dropped")
-            prefetch.num_bytes = wire.write_stream(staging, self._block_dim, prefetch.num_blocks, call)
-        except Exception as exc:
-            message = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-            prefetch.error = str(message)[:500] or type(exc).__name__
-            logger.info("KV prefetch of %s from %s: %s", order.request_id, order.kv_address, prefetch.error)
-            self._free_staging(prefetch)
-        finally:
-            prefetch.seconds = time.perf_counter() - started
-            with self._lock:
-                self._num_prefetching -= 1
-            prefetch.done.set()
-
-    def _free_staging(self, prefetch: _Prefetch) -> None:
-        with self._lock:
-            if prefetch.staging is not None:
-                prefetch.staging = None
-                self._num_staged_bytes -= prefetch.num_staged_bytes
+        """Start streaming ``order``'s prompt KV into staging; "" when started, else why not."""
+        return self.prefetcher.prefetch(order)
 
     def abort(self, request_id: str) -> bool:
         """``request_id`` was aborted here, or its decode loads nothing: drop its prefetch, and refuse one
         that arrives later."""
-        with self._lock:
-            self._remember_done(request_id)
-        return self.drop_prefetch(request_id)
-
-    def _remember_done(self, request_id: str) -> None:
-        self._loaded[request_id] = None
-        while len(self._loaded) > _NUM_LOADED_REMEMBERED:
-            self._loaded.popitem(last=False)
+        return self.prefetcher.abort(request_id)
 
     def drop_prefetch(self, request_id: str, *, wasted: bool = True) -> bool:
-        """Forget ``request_id``'s prefetch (the request was aborted here, or is prefetched again):
-        its stream is cancelled and its staging freed. True if there was one."""
-        with self._lock:
-            prefetch = self._prefetches.pop(request_id, None)
-            if prefetch is not None and wasted:
-                self.counters.prefetches_wasted += 1
-        if prefetch is None:
-            return False
-        if prefetch.call is not None:
-            prefetch.call.cancel()
-        self._free_staging(prefetch)
-        return True
-
-    def _expire_prefetches(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            expired = [(r, p) for r, p in self._prefetches.items() if p.expires_s <= now]
-        for request_id, prefetch in expired:
-            if not prefetch.error:  # a failed one was said already, and holds no staging
-                logger.warning("KV prefetch of %s was not used in time; dropped", request_id)
-            self.drop_prefetch(request_id)
+        """Forget ``request_id``'s prefetch: its stream is cancelled and its staging freed."""
+        return self.prefetcher.drop(request_id, wasted=wasted)
 
     def staged(self) -> tuple[int, int]:
-        """(prefetches holding staging, their bytes) now. Drops the expired ones first: an idle engine
-        steps no more, but its counters are still read (the heartbeat, GetLoad, GetStats)."""
-        if self._prefetches:
-            self._expire_prefetches()
-        with self._lock:
-            return sum(1 for p in self._prefetches.values() if p.staging is not None), self._num_staged_bytes
-
-    def _take_prefetch(self, spec: LoadSpec) -> _Prefetch | None:
-        with self._lock:
-            return self._prefetches.pop(spec.handle.request_id, None)
-
-    def _load_from_prefetch(self, spec: LoadSpec, prefetch: _Prefetch) -> tuple[int, float] | None:
-        """Copy ``spec``'s blocks from the prefetch's staging into the paged cache; (the bytes copied,
-        seconds waited for the prefetch's stream to end), or None (the prefetch failed or does not cover
-        them: the caller pulls)."""
-        waited_from = time.perf_counter()
-        usable = prefetch.done.wait(self._pull_timeout_s) and not prefetch.error
-        waited_s = time.perf_counter() - waited_from
-        staging = prefetch.staging
-        why = prefetch.error or "not finished in time"
-        if usable and staging is not None:
-            if not _same_prompt(prefetch, spec.handle):
-                # Staged from another engine, request or capability than the handle names: not this
-                # prompt's KV (a PrefetchKV forged by another caller, or a stale one).
-                usable, why = False, "the prefetch is not of the prompt the handle names"
-            elif prefetch.order.adapter != spec.handle.adapter:
-                # Staged for another adapter's decode (or the base model's): other weights' KV.
-                usable = False
-                why = (
-                    f"prefetched for adapter {prefetch.order.adapter or '(base model)'!r}, the load runs with "
-                    f"{spec.handle.adapter or '(base model)'!r}"
-                )
-            elif prefetch.order.num_prompt_tokens != spec.handle.num_tokens:
-                usable = False
-                why = f"prefetched {prefetch.order.num_prompt_tokens} tokens, the handle has {spec.handle.num_tokens}"
-            elif not prefetch.covers(spec.first_block_index, len(spec.local_block_ids)):
-                usable, why = False, "the blocks to load were not prefetched (a prefix cache miss)"
-        try:
-            if not usable or staging is None:
-                logger.info("KV prefetch of %s not used: %s", spec.handle.request_id, why)
-                return None
-            offset = spec.first_block_index - prefetch.first_block_index
-            positions = range(offset, offset + len(spec.local_block_ids))
-            return wire.copy_blocks(staging, positions, self._caches, spec.local_block_ids, self._block_dim), waited_s
-        finally:
-            with self._lock:
-                if usable and staging is not None:
-                    self.counters.prefetches_used += 1
-                else:
-                    self.counters.prefetches_wasted += 1
-            if prefetch.call is not None and not prefetch.done.is_set():
-                prefetch.call.cancel()
-            self._free_staging(prefetch)
+        """(prefetches holding staging, their bytes) now, the expired ones dropped first."""
+        return self.prefetcher.staged()
 
     def _load_and_release(self, spec: LoadSpec) -> None:
         try:
@@ -479,13 +251,13 @@ class KVPuller:
         started = time.perf_counter()
         num_bytes = 0
         error = ""
-        prefetch = self._take_prefetch(spec) if self._prefetches else None
-        copied = self._load_from_prefetch(spec, prefetch) if prefetch is not None else None
+        prefetcher = self.prefetcher
+        prefetch = prefetcher.take(spec.handle.request_id) if prefetcher.prefetches else None
+        copied = prefetcher.load_from(spec, prefetch) if prefetch is not None else None
         if copied is not None:
             num_bytes, waited_s = copied
             return self._finish_load(spec, started, num_bytes, "", prefetched=True, prefetch_wait_s=waited_s)
-        with self._lock:
-            self._remember_done(spec.handle.request_id)
+        prefetcher.remember_done(spec.handle.request_id)
         chunk_bytes = wire.pull_chunk_bytes(
             self._writer.block_bytes * len(spec.remote_block_ids) * len(self._caches), self._max_chunk_bytes
         )

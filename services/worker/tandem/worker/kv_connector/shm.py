@@ -118,8 +118,9 @@ class SegmentPool:
 
     def __init__(self, directory: str, max_segments: int, max_owned_s: float) -> None:
         self._directory = Path(directory)
-        self._max_segments = max_segments
-        self._max_owned_s = max_owned_s
+        self.max_segments = max_segments
+        #: The longest one owner keeps a segment (the KV lease).
+        self.max_owned_s = max_owned_s
         self._segments: list[Segment] = []
         self._lock = threading.Lock()
         #: Notified when a segment is freed (an acquire waiting for one looks again).
@@ -141,13 +142,13 @@ class SegmentPool:
         """(the segment, or None and whether because every segment is in use); the lock held."""
         now = time.monotonic()
         for segment in self._segments:
-            if segment.owner and now - segment.owned_since_s > self._max_owned_s:
+            if segment.owner and now - segment.owned_since_s > self.max_owned_s:
                 logger.warning("KV segment of %s was not released within the lease; reused", segment.owner)
                 segment.owner = ""
         free = sorted((s for s in self._segments if not s.owner), key=lambda s: s.size_bytes)
         fitting = next((s for s in free if s.size_bytes >= num_bytes), None)
         if fitting is None:
-            if len(self._segments) >= self._max_segments:
+            if len(self._segments) >= self.max_segments:
                 if not free:
                     return None, True
                 smallest = free[0]

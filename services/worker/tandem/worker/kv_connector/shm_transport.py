@@ -146,13 +146,18 @@ class ShmPuller:
     """Decode side: picks the path per peer and pulls by shared memory, counting its fallbacks."""
 
     def __init__(self, memory: SharedMemory) -> None:
-        self._memory = memory
+        self.memory = memory
         self._peers: dict[str, tuple[float, bool]] = {}
         self._lock = threading.Lock()
         self.num_loads = 0
+        #: Prefetches streamed through shared memory (:mod:`shm_stream`), every piece written.
+        self.num_prefetches = 0
+        #: Pulls and prefetches that fell back to gRPC, by reason.
         self.fallbacks: Counter[str] = Counter()
 
-    def _shares_with(self, channel: grpc.Channel, address: str) -> bool:
+    def shares_with(self, channel: grpc.Channel, address: str) -> bool:
+        """Whether the peer at ``address`` hands KV to this engine through shared memory (asked once per
+        :data:`PEER_TTL_S`)."""
         now = time.monotonic()
         with self._lock:
             known = self._peers.get(address)
@@ -162,7 +167,7 @@ class ShmPuller:
             reply = kv_transfer_pb2_grpc.KVTransferStub(channel).DataPaths(
                 kv_transfer_pb2.DataPathsRequest(), timeout=5.0
             )
-            shares = self._memory.shares(reply)
+            shares = self.memory.shares(reply)
         except grpc.RpcError as exc:  # an older peer (UNIMPLEMENTED), or unreachable: gRPC, as ever
             logger.info("KV data paths of %s unknown (%s): pulling over gRPC", address, exc.code())
             shares = False
@@ -181,31 +186,36 @@ class ShmPuller:
     ) -> int | None:
         """Pull ``request``'s blocks into ``local_block_ids`` through shared memory when the peer at
         ``address`` shares it; the bytes written, or None: pull over gRPC (a fallback is counted)."""
-        if not self._shares_with(channel, address):
+        if not self.shares_with(channel, address):
             return None
         try:
             num_bytes = self._pull(channel, request, writer, local_block_ids, timeout_s)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise  # no time left for a fallback: the load fails as a hung gRPC pull would
-            self._fall_back(address, request, shm.ShmError("failed", f"{exc.code().name}: {exc.details()}"))
+            self.fall_back(address, request.request_id, shm.ShmError("failed", f"{exc.code().name}: {exc.details()}"))
             return None
         except shm.ShmError as exc:
-            self._fall_back(address, request, exc)
+            self.fall_back(address, request.request_id, exc)
             return None
         except Exception as exc:  # any other failure (a mapping refused, ...) falls back too
-            self._fall_back(address, request, shm.ShmError("failed", f"{type(exc).__name__}: {exc}"))
+            self.fall_back(address, request.request_id, shm.ShmError("failed", f"{type(exc).__name__}: {exc}"))
             return None
         with self._lock:
             self.num_loads += 1
         return num_bytes
 
-    def _fall_back(self, address: str, request: kv_transfer_pb2.PullBlocksRequest, exc: shm.ShmError) -> None:
+    def fall_back(self, address: str, request_id: str, exc: shm.ShmError, what: str = "pull") -> None:
+        """Count ``request_id``'s ``what`` (pull, prefetch) through shared memory falling back to gRPC."""
         with self._lock:
             self.fallbacks[exc.reason] += 1
             if exc.reason != "failed":  # ask again before the next pull: the peer may have changed
                 self._peers.pop(address, None)
-        logger.warning("KV pull of %s by shared memory fell back to gRPC (%s): %s", request.request_id, exc.reason, exc)
+        logger.warning("KV %s of %s by shared memory fell back to gRPC (%s): %s", what, request_id, exc.reason, exc)
+
+    def count_prefetch(self) -> None:
+        with self._lock:
+            self.num_prefetches += 1
 
     def _pull(
         self,
@@ -218,7 +228,7 @@ class ShmPuller:
         plan = wire.chunk_plan(writer.num_layers, len(local_block_ids), writer.block_bytes, request.max_chunk_bytes)
         sizes = [c.num_blocks * writer.block_bytes for c in plan]
         call = kv_transfer_pb2_grpc.KVTransferStub(channel).PullBlocksShm(
-            kv_transfer_pb2.ShmPullRequest(pull=request, shm_dir_token=self._memory.dir_token), timeout=timeout_s
+            kv_transfer_pb2.ShmPullRequest(pull=request, shm_dir_token=self.memory.dir_token), timeout=timeout_s
         )
         try:
             try:
@@ -231,7 +241,7 @@ class ShmPuller:
                 raise shm.ShmError("failed", "the shared-memory stream ended at once") from exc
             if first.num_bytes != sum(sizes):
                 raise shm.ShmError("wrong_size", f"the peer wrote {first.num_bytes} bytes, the pull is {sum(sizes)}")
-            view = self._memory.maps.view(first.segment, first.num_bytes)
+            view = self.memory.maps.view(first.segment, first.num_bytes)
             try:
                 num_bytes = writer.write_chunks(
                     local_block_ids, request.max_chunk_bytes, _ready_chunks(call, view, sizes)

@@ -279,34 +279,68 @@ def stream_header(pieces: Sequence[Piece]) -> bytes:
     )
 
 
+def parse_stream_header(data: bytes | memoryview, *, exact: bool = False) -> tuple[list[Piece], int]:
+    """The pieces a stream message's header names, and where their bytes start; ``exact``: the header is
+    the whole message (a stream through shared memory says its pieces without their bytes). Raises
+    ``ValueError`` when it is cut short or, with ``exact``, followed by anything."""
+    try:
+        (count,) = _STREAM_COUNT.unpack_from(data, 0)
+        pieces = [
+            Piece(*_STREAM_PIECE.unpack_from(data, _STREAM_COUNT.size + i * _STREAM_PIECE.size)) for i in range(count)
+        ]
+    except struct.error as exc:
+        raise ValueError(f"a stream message's header is cut short ({len(data)} bytes)") from exc
+    offset = _STREAM_COUNT.size + count * _STREAM_PIECE.size
+    if exact and len(data) != offset:
+        raise ValueError(f"a stream message of {count} pieces has {len(data)} bytes")
+    return pieces, offset
+
+
+class StreamOrder:
+    """The stream's order, checked piece by piece: each layer's blocks ``0..num_blocks-1`` exactly once,
+    in order."""
+
+    def __init__(self, num_layers: int, num_blocks: int) -> None:
+        self._num_blocks = num_blocks
+        self.received = [0] * num_layers
+
+    def take(self, piece: Piece) -> None:
+        """Raises ``ValueError`` unless ``piece`` comes next in its layer and ends within the blocks."""
+        layer, first, num = piece.layer_index, piece.first, piece.num_blocks
+        if layer >= len(self.received) or first != self.received[layer] or first + num > self._num_blocks:
+            raise ValueError(f"piece (layer {layer}, blocks {first}..{first + num - 1}) out of order")
+        self.received[layer] += num
+
+    @property
+    def num_received(self) -> int:
+        return sum(self.received)
+
+    @property
+    def complete(self) -> bool:
+        return all(n == self._num_blocks for n in self.received)
+
+
 def write_stream(layers: Sequence[torch.Tensor], block_dim: int, num_blocks: int, messages: Iterable[bytes]) -> int:
     """Copy a stream's messages into blocks ``0..num_blocks-1`` of every layer of ``layers`` (staging).
     Returns the bytes written; raises ``ValueError`` when a message is malformed, a piece is out of
     order, or the stream ends before every block of every layer came (exactly once)."""
     all_words = [_as_words(cache) for cache in layers]
     block_bytes = _block_bytes(all_words[0], block_dim)
-    received = [0] * len(all_words)
+    order = StreamOrder(len(all_words), num_blocks)
     num_bytes = 0
     for data in messages:
-        try:
-            (count,) = _STREAM_COUNT.unpack_from(data, 0)
-            header = [
-                _STREAM_PIECE.unpack_from(data, _STREAM_COUNT.size + i * _STREAM_PIECE.size) for i in range(count)
-            ]
-        except struct.error as exc:
-            raise ValueError(f"a stream message's header is cut short ({len(data)} bytes)") from exc
-        offset = _STREAM_COUNT.size + count * _STREAM_PIECE.size
-        if len(data) != offset + block_bytes * sum(n for _, _, n in header):
-            raise ValueError(f"a stream message of {count} pieces has {len(data)} bytes")
-        for layer, first, num in header:
-            if layer >= len(all_words) or first != received[layer] or first + num > num_blocks:
-                raise ValueError(f"piece (layer {layer}, blocks {first}..{first + num - 1}) out of order")
-            _write_piece(all_words[layer], block_dim, range(first, first + num), data, offset)
-            received[layer] += num
-            offset += num * block_bytes
-        num_bytes += offset - _STREAM_COUNT.size - count * _STREAM_PIECE.size
-    if any(n != num_blocks for n in received):
-        raise ValueError(f"the stream ended with {sum(received)} of {num_blocks * len(all_words)} blocks")
+        pieces, offset = parse_stream_header(data)
+        header_bytes = offset
+        if len(data) != offset + block_bytes * sum(p.num_blocks for p in pieces):
+            raise ValueError(f"a stream message of {len(pieces)} pieces has {len(data)} bytes")
+        for piece in pieces:
+            order.take(piece)
+            positions = range(piece.first, piece.first + piece.num_blocks)
+            _write_piece(all_words[piece.layer_index], block_dim, positions, data, offset)
+            offset += piece.num_blocks * block_bytes
+        num_bytes += offset - header_bytes
+    if not order.complete:
+        raise ValueError(f"the stream ended with {order.num_received} of {num_blocks * len(all_words)} blocks")
     return num_bytes
 
 
@@ -432,3 +466,26 @@ def _write_piece(
     device_values = host.to(words.device)
     for run in runs(ids):
         words[_cut(block_dim, run.block, run.length)].copy_(device_values[_cut(block_dim, run.offset, run.length)])
+
+
+def block_bytes_of(cache: torch.Tensor, block_dim: int) -> int:
+    """The bytes of one block of one layer of ``cache``."""
+    return _block_bytes(_as_words(cache), block_dim)
+
+
+def staging_views(
+    buffer: memoryview, like: torch.Tensor, num_layers: int, block_dim: int, num_blocks: int
+) -> list[torch.Tensor]:
+    """A prefetch's staging laid over ``buffer`` (a shared-memory segment): layer after layer, each a tensor
+    of ``like``'s shape and dtype with its block dimension cut to ``num_blocks``, in C order. The one layout
+    both sides of a stream through shared memory agree on (their layouts are checked alike first)."""
+    shape = list(like.shape)
+    shape[block_dim] = num_blocks
+    count = like.numel() // like.shape[block_dim] * num_blocks
+    layer_bytes = count * like.element_size()
+    if len(buffer) < num_layers * layer_bytes:
+        raise ValueError(f"a staging of {num_layers * layer_bytes} bytes in a buffer of {len(buffer)}")
+    return [
+        torch.frombuffer(buffer, dtype=like.dtype, count=count, offset=layer * layer_bytes).view(shape)
+        for layer in range(num_layers)
+    ]

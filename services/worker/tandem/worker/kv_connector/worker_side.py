@@ -209,6 +209,7 @@ class WorkerSide:
         msg.num_staged_prefetches, msg.staged_bytes = num_staged, staged_bytes
         if self.puller.shm is not None:
             msg.shm_loads_total = self.puller.shm.num_loads
+            msg.shm_prefetches_total = self.puller.shm.num_prefetches
             msg.shm_fallbacks_total.update(self.puller.shm.fallbacks)
         if self.layout is not None:
             msg.layout.CopyFrom(self.layout.to_proto())
