@@ -6,6 +6,15 @@
 forgets a gauge that is not set for a couple of export intervals, and the autoscaler must see a
 quiet pool's zeros, not "no data". Writes to :class:`tandem.router.metrics.RouterMetrics` only.
 
+A prefill worker's tokens in flight (the prefill pool's backlog, the autoscaler's ``uncached_tokens``)
+count as its budget counts them: a reservation lives until Release, through the request's decode, but
+once older than a heartbeat it counts only as far as the worker still reports prompt tokens in flight
+(:func:`tandem.router.kernels.budget_state`); each replica publishes its share of that load (in
+proportion to the tokens it reserved there), so the replicas' gauges add up to what the admission
+counts. Counted until Release, short chats with long answers read as several times the prefill work
+there was, and grew the prefill pool while one worker was 60 % busy (make autoscale-demo --scenario
+short-chats). A decode worker's count is every reservation: decode holds the KV until Release.
+
 Every series is tagged with its model (a worker's, or a waiting request's): the operator's
 per-model pools select them by it, and its single-model form sums or averages them unselected (one
 model: the same figures as before the tag). A model whose last worker left (and whose queue is
@@ -45,9 +54,13 @@ class Gauges:
         self._worker_labels: dict[str, tuple[str, str]] = {}
         # Models whose pool and queue gauges the last refresh() set: one that leaves gets its zeros once.
         self._published_models: set[str] = set()
+        # The prefill workers' last records (their reports correct the gauge as they correct the budget).
+        self._prefill_records: dict[str, WorkerRecord] = {}
 
     def note_role(self, worker: WorkerRecord) -> None:
         self._worker_labels[worker.worker_id] = (worker.role, worker.model)
+        if worker.role == ROLE_PREFILL:
+            self._prefill_records[worker.worker_id] = worker
 
     def publish(self, reservation: Reservation | None) -> None:
         """Set the gauges of ``reservation``'s workers (after it was made or ended)."""
@@ -61,11 +74,14 @@ class Gauges:
         for worker in workers:
             self._worker_labels.setdefault(worker.worker_id, (worker.role, worker.model))
             self._published_worker_ids.add(worker.worker_id)
+            if worker.role == ROLE_PREFILL:
+                self._prefill_records[worker.worker_id] = worker
         for worker_id in list(self._published_worker_ids):
             self._set(worker_id)
         live = {w.worker_id for w in workers} | self._published_worker_ids
         for worker_id in [w for w in self._worker_labels if w not in live]:
             del self._worker_labels[worker_id]  # a worker gone for good (a pod replaced has a new id)
+            self._prefill_records.pop(worker_id, None)
         pools = self.pools(workers)
         models = {model for model, _ in pools} | {model for model, by_role in queued.items() if any(by_role.values())}
         for model in sorted(models | self._published_models):
@@ -98,11 +114,22 @@ class Gauges:
             )
         return pools
 
+    def _budget_tokens(self, worker_id: str) -> int:
+        """This replica's budget tokens on ``worker_id``; on a prefill worker, its share of the load the
+        budget counts (see the module docstring)."""
+        own = self._reservations.num_tokens_in_flight(worker_id)
+        record = self._prefill_records.get(worker_id)
+        if record is None or own <= 0:
+            return own
+        load = BudgetView(self._reservations, self._budget, self._ledger).load_tokens(record)
+        others = self._ledger.others_tokens(worker_id) if self._ledger is not None else 0
+        return round(load * own / (own + max(0, others)))
+
     def _set(self, worker_id: str) -> None:
         num_in_flight = self._reservations.num_in_flight(worker_id)
         role, model = self._worker_labels.get(worker_id, (ROLE_PREFILL, ""))
         self._metrics.set_in_flight(worker_id, model, num_in_flight)
-        self._metrics.set_tokens_in_flight(worker_id, role, model, self._reservations.num_tokens_in_flight(worker_id))
+        self._metrics.set_tokens_in_flight(worker_id, role, model, self._budget_tokens(worker_id))
         if num_in_flight:
             self._published_worker_ids.add(worker_id)
         else:

@@ -152,8 +152,9 @@ class RayRouterMetrics:
         self._tokens_in_flight = {
             "prefill": serve_metrics.Gauge(
                 "tandem_router_prefill_tokens_in_flight",
-                description="Uncached prompt tokens this replica has placed on each prefill worker and not "
-                "yet released (the prefill pool's backlog).",
+                description="Uncached prompt tokens this replica has placed on each prefill worker that it still "
+                "computes, as the prefill budget counts them (the prefill pool's backlog; a finished prefill "
+                "leaves it before its request's Release).",
                 tag_keys=("worker_id", "model"),
             ),
             "decode": serve_metrics.Gauge(
