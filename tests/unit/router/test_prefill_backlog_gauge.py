@@ -14,8 +14,11 @@ from __future__ import annotations
 import dataclasses
 
 from tandem.common.registry import WorkerLoad, WorkerRecord
+from tandem.router.budget import BudgetConfig
+from tandem.router.gauges import Gauges
 from tandem.router.metrics import NullRouterMetrics
 from tandem.router.policy import ScheduleRequest
+from tandem.router.reservations import ReservationTable
 from tests.kit.router import make_scheduler
 from tests.kit.workers import TWO_WORKERS
 
@@ -70,3 +73,33 @@ async def test_a_finished_prefill_leaves_the_prefill_backlog_while_its_decode_ru
     assert metrics.tokens == {("p0", "prefill"): 0, ("d0", "decode"): 460}
     scheduler.end_reservation("chat-ü東")
     assert metrics.tokens == {("p0", "prefill"): 0, ("d0", "decode"): 0}
+
+
+class OtherReplica:
+    """SIMULATED: another router replica's reservations as this one's ledger mirrors them (all old)."""
+
+    def __init__(self, tokens: dict[str, int]) -> None:
+        self.tokens = tokens
+
+    def others_tokens(self, worker_id: str) -> int:
+        return self.tokens.get(worker_id, 0)
+
+    def others_young_tokens(self, worker_id: str) -> int:
+        return 0
+
+
+def test_two_replicas_gauges_add_up_to_what_the_budget_counts() -> None:
+    """Each replica publishes its share of the corrected load, so the operator's sum over replicas is the
+    admission's count: two old 60-token reservations (one per replica) on p0, which reports one prompt of
+    60 still computing, read 30 + 30 = 60, not 120."""
+    clock = Clock()
+    reservations = ReservationTable(lease_s=600, clock=clock, young_s=2.0)
+    reservations.reserve("mine-ü", ("p0", "d0"), {"p0": 60, "d0": 100})
+    clock.now_s += 3.0  # older than a heartbeat
+    metrics = TokenMetrics()
+    gauges = Gauges(metrics, reservations, BudgetConfig(prefill_tokens_in_flight=1000), OtherReplica({"p0": 60}))  # type: ignore[arg-type]
+    gauges.refresh(_workers(prefill_reports=60, decode_reports=100), {})
+    assert metrics.tokens[("p0", "prefill")] == 30  # its half of min(120 reserved, 60 reported)
+    assert metrics.tokens[("d0", "decode")] == 100
+    gauges.refresh(_workers(prefill_reports=120, decode_reports=100), {})  # both still computing
+    assert metrics.tokens[("p0", "prefill")] == 60
