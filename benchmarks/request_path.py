@@ -14,12 +14,18 @@ through the gateway vs the same model served by plain vLLM
    (Poisson, the same seeded sequence for both); phases alternate between the
    two systems (Tandem, colocated, Tandem, colocated) so that drifting noise
    falls on both. Decode ITL p50/p99, TTFT p50/p90 and goodput (requests whose
-   TTFT and every inter-token gap meet the SLO stated below) for each, short
-   chats apart, and their ratios. The load comes from ``tandem_loadtest``.
+   TTFT and every inter-token gap meet the SLO stated below) for each; short
+   chats and long prompts apart (TTFT p50 of each, the short chats' ITL p99),
+   and their ratios; and how the router placed Tandem's requests (handed off,
+   prefilled on the decode worker because short, or because the prefill
+   worker was busy: ``local_prefill burst``, read from the router's own
+   ``ray_tandem_router_*`` counters). The load comes from ``tandem_loadtest``.
 
 Ends with ``bench-path: ttft_p50_ratio=… itl_p99_ratio_vs_colocated=…
-goodput_ratio_vs_colocated=…`` (the first from part 1, the others from
-part 2: Tandem ÷ colocated). Real engines, real model; nothing simulated."""
+goodput_ratio_vs_colocated=… … long_ttft_p50_ratio_vs_colocated=…
+short_ttft_p50_ratio_vs_colocated=… short_itl_p99_ratio_vs_colocated=…`` (the
+first from part 1, the others from part 2: Tandem ÷ colocated). Real engines,
+real model; nothing simulated."""
 
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import re
 import statistics
 import time
 import uuid
@@ -165,11 +172,40 @@ def _ms(summary: dict[str, Any], metric: str, pct_name: str) -> float:
     return float(value) if value is not None else float("nan")
 
 
+#: The router's placement counters the mixed phase reports (Ray's export adds ``ray_`` and ``_total``).
+PLACEMENT_SERIES = (
+    "ray_tandem_router_placements_total",
+    "ray_tandem_router_burst_local_prefills_total",
+)
+
+
+def router_counters(metrics_url: str) -> dict[str, float]:
+    """The router's placement counters now, summed over their other labels: ``placements/<path>`` and
+    ``burst_local_prefills`` (a series the router does not export yet reads 0)."""
+    try:
+        text = httpx.get(metrics_url, timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in PLACEMENT_SERIES:
+            continue
+        key = name.removeprefix("ray_tandem_router_").removesuffix("_total")
+        path = re.search(r'path="([^"]*)"', rest)
+        if path:
+            key += "/" + path.group(1)
+        counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def compare_under_load(
     stack: LocalStack, replica_ports: list[int], *, rate_rps: float, phase_s: float, rounds: int
 ) -> dict[str, float]:
     """Part 2: Tandem and the colocated replicas under the same mixed load, phases alternating."""
     config = stack.config
+    metrics_url = f"http://127.0.0.1:{config.router_metrics_port}/metrics"
+    placed: dict[str, float] = {}
     api_key = stack.auth_headers["Authorization"].removeprefix("Bearer ")
     records: dict[str, list[RequestRecord]] = {"tandem": [], "colocated": []}
     seconds: dict[str, float] = {"tandem": 0.0, "colocated": 0.0}
@@ -177,6 +213,7 @@ def compare_under_load(
     for round_index in range(rounds):
         for name in ("tandem", "colocated"):
             print(f"[bench] mixed load, round {round_index + 1}/{rounds}: {name} for {phase_s:.0f} s", flush=True)
+            before = router_counters(metrics_url) if name == "tandem" else {}
             got, took_s = mixed_phase(
                 config.gateway_url if name == "tandem" else replicas_url,
                 config.served_model_name,
@@ -188,30 +225,58 @@ def compare_under_load(
             )
             records[name].extend(got)
             seconds[name] += took_s
+            if name == "tandem":
+                for key, value in router_counters(metrics_url).items():
+                    placed[key] = placed.get(key, 0.0) + value - before.get(key, 0.0)
     print(
         f"\nmixed load: Poisson {rate_rps:g} req/s for {rounds} x {phase_s:.0f} s per system; one request in five "
         "~2,000 tokens in / 16 out, the rest 32 in / 64 out; greedy, ignore_eos"
     )
     print("  tandem: 1 prefill + 1 decode worker; colocated: 2 plain vLLM replicas, round-robin; one core each")
     print(f"  goodput SLO: TTFT <= {SLO_MS['ttft']:.0f} ms and every inter-token gap <= {SLO_MS['itl']:.0f} ms")
-    header = ("", "ok/sent", "TTFT p50", "TTFT p90", "ITL p50", "ITL p99", "good", "short TTFT p50", "short ITL p99")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (10, 8, 9, 9, 8, 8, 6, 15, 14), strict=True)))
+    header = (
+        "",
+        "ok/sent",
+        "TTFT p50",
+        "TTFT p90",
+        "ITL p50",
+        "ITL p99",
+        "good",
+        "short TTFT p50",
+        "short ITL p99",
+        "long TTFT p50",
+        "long TTFT p90",
+    )
+    widths = (10, 8, 9, 9, 8, 8, 6, 15, 14, 14, 14)
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     summaries: dict[str, dict[str, Any]] = {}
+    shorts: dict[str, dict[str, Any]] = {}
+    longs: dict[str, dict[str, Any]] = {}
     for name, recs in records.items():
         whole = summaries[name] = summarize(recs, seconds[name], SLO_MS)
-        short = summarize([r for r in recs if r.label.endswith("/short")], seconds[name], SLO_MS)
+        short = shorts[name] = summarize([r for r in recs if r.label.endswith("/short")], seconds[name], SLO_MS)
+        long = longs[name] = summarize([r for r in recs if r.label.endswith("/long")], seconds[name], SLO_MS)
         print(
             f"{name:>10} {whole['num_ok']:>3}/{whole['num_requests']:<4} {_ms(whole, 'ttft_ms', 'p50'):>8.0f}ms"
             f" {_ms(whole, 'ttft_ms', 'p90'):>7.0f}ms {_ms(whole, 'itl_ms', 'p50'):>6.0f}ms"
             f" {_ms(whole, 'itl_ms', 'p99'):>6.0f}ms {whole['goodput']['good_fraction'] or 0:>6.0%}"
             f" {_ms(short, 'ttft_ms', 'p50'):>13.0f}ms {_ms(short, 'itl_ms', 'p99'):>12.0f}ms"
+            f" {_ms(long, 'ttft_ms', 'p50'):>12.0f}ms {_ms(long, 'ttft_ms', 'p90'):>12.0f}ms"
+            f"  ({long['num_ok']} long)"
         )
+    print(
+        "tandem placements during its phases: "
+        + ("  ".join(f"{k} {v:.0f}" for k, v in sorted(placed.items())) or "(router metrics not read)")
+    )
     t, c = summaries["tandem"], summaries["colocated"]
     ratios = {
         "ttft_p50": _ms(t, "ttft_ms", "p50") / _ms(c, "ttft_ms", "p50"),
         "itl_p50": _ms(t, "itl_ms", "p50") / _ms(c, "itl_ms", "p50"),
         "itl_p99": _ms(t, "itl_ms", "p99") / _ms(c, "itl_ms", "p99"),
         "goodput": t["goodput"]["request_goodput_rps"] / max(1e-9, c["goodput"]["request_goodput_rps"]),
+        "long_ttft_p50": _ms(longs["tandem"], "ttft_ms", "p50") / _ms(longs["colocated"], "ttft_ms", "p50"),
+        "short_ttft_p50": _ms(shorts["tandem"], "ttft_ms", "p50") / _ms(shorts["colocated"], "ttft_ms", "p50"),
+        "short_itl_p99": _ms(shorts["tandem"], "itl_ms", "p99") / _ms(shorts["colocated"], "itl_ms", "p99"),
     }
     print("ratio tandem/colocated: " + "  ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     return ratios
@@ -235,7 +300,10 @@ def main() -> None:
 
     run_dir = Path(".run/bench-path")
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = StackConfig.with_free_ports(key_prefix=f"tandem-bench-{uuid.uuid4().hex[:6]}", log_dir=run_dir)
+    # A fixed metrics port: the mixed phase reads the router's placement counters.
+    config = StackConfig.with_free_ports(
+        key_prefix=f"tandem-bench-{uuid.uuid4().hex[:6]}", log_dir=run_dir, router_metrics_port=free_port()
+    )
     stack = LocalStack(config, progress=lambda m: print(f"[bench] {m}", flush=True))
     vllm_proc = None
     replicas: list[Any] = []
@@ -338,7 +406,10 @@ def main() -> None:
         print(
             f"bench-path: ttft_p50_ratio={r_ttft:.2f} itl_p99_ratio_vs_colocated={loaded['itl_p99']:.2f} "
             f"goodput_ratio_vs_colocated={loaded['goodput']:.2f} itl_p50_ratio={r_itl:.2f} "
-            f"kv_gbps={kv_bytes / kv_s / 1e9 if kv_s else 0:.2f}"
+            f"kv_gbps={kv_bytes / kv_s / 1e9 if kv_s else 0:.2f} "
+            f"long_ttft_p50_ratio_vs_colocated={loaded['long_ttft_p50']:.2f} "
+            f"short_ttft_p50_ratio_vs_colocated={loaded['short_ttft_p50']:.2f} "
+            f"short_itl_p99_ratio_vs_colocated={loaded['short_itl_p99']:.2f}"
         )
     finally:
         for proc in [vllm_proc, *replicas]:
