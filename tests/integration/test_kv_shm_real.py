@@ -1,7 +1,9 @@
 """The KV pull through shared memory between real engines: a real decode engine loads a real prefill
 engine's KV through /dev/shm (both workers of this host), and answers exactly as when the same
 prompt's KV crosses over gRPC (the shared-memory path refused by a failpoint on the prefill worker,
-so the decode worker falls back, counted with its reason).
+so the decode worker falls back, counted with its reason); and a prefetched request (``PrefetchKV``
+before the prefill, as the gateway orders it) streams its KV through shared memory while the prefill
+runs and answers as one whose KV crossed over gRPC.
 
 The two workers alone (no router, no gateway: nothing here is about placement), driven over their own
 gRPC API as the gateway drives them (its mTLS role): a prefill that keeps its KV, then the decode
@@ -18,12 +20,13 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from tandem.common import kv_capability
 from tandem.common.registry import WorkerRegistry
 from tandem.common.tls import aio_channel
 from tandem.local.stack import LocalStack, StackConfig
-from tandem.v1 import worker_pb2_grpc
+from tandem.v1 import worker_pb2, worker_pb2_grpc
 from tandem.worker.kv_connector import shm
-from tests.integration.lora_workers import Workers, p_to_d
+from tests.integration.lora_workers import Workers, decode_request, p_to_d, sampling
 from tests.probes import gauge, kv_stats, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -136,3 +139,73 @@ def test_a_real_decode_engine_answers_the_same_from_shared_memory_as_over_grpc(
         ),
         timeout_s=45,
     )
+
+
+async def _salted(stack: LocalStack, prompt: list[int], salt: str, *, prefetch: bool) -> tuple[list[int], str, bool]:
+    """(token ids, text, whether the load came from a prefetch) of ``prompt`` under cache salt ``salt`` (a
+    salt of its own: neither worker's prefix cache serves it), prefetched as the gateway orders it (PrefetchKV
+    before the Prefill) or pulled after the prefill."""
+    c = stack.config
+    tls = stack.tls("gateway")
+    ports = c.worker_ports()
+    request_id, capability = uuid.uuid4().hex, kv_capability.mint()
+    async with (
+        aio_channel(f"{c.host}:{ports['prefill'].port}", tls) as prefill_channel,
+        aio_channel(f"{c.host}:{ports['decode'].port}", tls) as decode_channel,
+    ):
+        prefill, decode = worker_pb2_grpc.WorkerStub(prefill_channel), worker_pb2_grpc.WorkerStub(decode_channel)
+        if prefetch:
+            ordered = await decode.PrefetchKV(
+                worker_pb2.PrefetchKVRequest(
+                    request_id=request_id,
+                    kv_address=f"{c.host}:{ports['prefill'].kv_port}",
+                    num_prompt_tokens=len(prompt),
+                    kv_capability=capability,
+                )
+            )
+            assert ordered.accepted, ordered
+        pre = await prefill.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling=sampling(),
+                keep_kv=True,
+                kv_capability=capability,
+                cache_salt=salt,
+            )
+        )
+        assert pre.HasField("kv_handle") and pre.num_cached_tokens == 0, pre
+        request = decode_request(prompt, pre, "", request_id, capability)
+        request.cache_salt = salt
+        tokens, text, prefetched = [pre.first_token_id], pre.first_text, False
+        async for chunk in decode.Decode(request):
+            tokens += list(chunk.token_ids)
+            text += chunk.text
+            if chunk.finish_reason:
+                assert chunk.stats.num_kv_tokens_loaded > 0, chunk.stats
+                prefetched = chunk.stats.kv_prefetched
+    return tokens, text, prefetched
+
+
+def test_a_prefetched_request_streams_its_kv_through_shared_memory_and_answers_as_over_grpc(
+    shm_stack: tuple[LocalStack, Path],
+) -> None:
+    stack, failpoints = shm_stack
+    tokenizer = AutoTokenizer.from_pretrained(str(stack.config.model_dir))
+    prompt = tokenizer.encode(f"三: {TEXT * 5}")
+    before = kv_stats(stack, "decode")
+    prefetched = asyncio.run(_salted(stack, prompt, "salt-shm-🧪", prefetch=True))
+    middle = kv_stats(stack, "decode")
+    assert prefetched[2], "the load did not come from the prefetch"
+    assert middle.shm_prefetches_total - before.shm_prefetches_total == 1
+    assert dict(middle.shm_fallbacks_total) == dict(before.shm_fallbacks_total)
+    # The same prompt under another salt, its KV over gRPC (shared memory refused): the same answer.
+    armed = failpoints / "kv_shm.serve"
+    armed.write_text("error the test refuses shared memory")
+    try:
+        pulled = asyncio.run(_salted(stack, prompt, "salt-grpc-\u202e", prefetch=False))
+    finally:
+        armed.unlink(missing_ok=True)
+    assert not pulled[2] and pulled[:2] == prefetched[:2] and prefetched[1] != ""
+    # The decode worker's /metrics count it (as the service last read the engine's counters).
+    assert wait_until(lambda: gauge(stack, "decode", "tandem_kv_shm_prefetches_total") >= 1, timeout_s=45)

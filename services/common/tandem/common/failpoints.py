@@ -29,6 +29,9 @@ KNOWN = {
     "kv_server.before_pull": "prefill worker's KV server, after the held blocks were found, before sending them",
     "kv_shm.serve": "prefill worker's KV server, a pull through shared memory checked, before its segment is "
     "taken (``error``: the decode worker falls back to gRPC)",
+    "kv_server.before_stream": "prefill worker's KV server, a prefetch's stream of a running prefill checked (over "
+    "gRPC or through shared memory), before its first piece (``error`` on the shared-memory stream: the decode "
+    "worker falls back to the gRPC stream, which hits it too)",
     "engine.step": "every engine step of a worker, in its model-runner process, before the forward pass "
     "(``sleep``: a stuck step; ``error``: a step that raises and kills the engine)",
 }
