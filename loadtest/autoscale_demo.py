@@ -22,6 +22,11 @@ Writes ``reports/autoscale-demo/`` (``autoscale.png``, ``decisions.jsonl``, the 
 reports) and ends with one line:
 ``autoscale: reversals=... slo_breach_fraction=... peak_prefill=... peak_decode=... returned_to_min=yes|no
 from_zero_s=...``.
+
+``--scenario short-chats,long-prompts`` (each on a stack of its own, into ``reports/autoscale-demo-<name>/``)
+loads one pool only (tandem_loadtest.autoscale_scenarios); each adds ``autoscale-scenario: <name> (SIMULATED
+workers) prefill_steps_up=... decode_steps_up=... <pool>_within_one_step=yes|no steps=...``: the pool the
+scenario does not load may grow one step at most.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from tandem_loadtest.autoscale_scenarios import SCENARIOS, Scenario, steps_up
 from tandem_loadtest.cli import main as loadtest_main
 from tandem_operator.autoscale import Decision, PoolSignals, Recommendation, decide
 from tandem_operator.signals import PrometheusSource, QueryScope
@@ -57,10 +63,8 @@ DEPLOYMENT = "tandem"
 REPORT_DIR = Path("reports") / "autoscale-demo"
 #: A simulated worker is ready this long after the actuator starts it (a CPU engine loads in ~30 s).
 STARTUP_S = 20.0
-#: Decode KV blocks per simulated decode worker: with 128-token blocks, the router's decode budget
-#: (90 % of them, 691 tokens) holds two of the demo's requests (~260 tokens reserved each), so the
-#: decode pool fills as the load grows.
-DECODE_KV_BLOCKS = 6
+#: The load shapes (``--scenario``): tandem_loadtest.autoscale_scenarios says what each shows.
+DEFAULT_SCENARIO = SCENARIOS["ramp"]
 #: The router's prefill budget per worker, in uncached prompt tokens: two of the demo's prompts (~244
 #: tokens), what a simulated CPU prefill worker (one prompt at a time, ~1.7 s each) gets through
 #: within the TTFT SLO. Beyond it requests wait in the router's queue, where the autoscaler sees them;
@@ -71,30 +75,19 @@ PREFILL_BUDGET_TOKENS = 600
 #: gateway's deadline for that Schedule call, above it.
 ROUTER_QUEUE_TIMEOUT_S = 30
 GATEWAY_ROUTER_TIMEOUT_S = 40
-#: The load: 10x ramp up, a plateau, the ramp down, then quiet (seconds, requests per second).
-LOW_RPS, HIGH_RPS = 0.15, 1.5
-#: The tail is long enough for the pools to step down to their minimum (decode's is 0), one step per
-#: scale-down window.
-RAMP_S, PLATEAU_S, TAIL_S = 120.0, 120.0, 420.0
 #: The first request's deadline, retries included (a cold start takes the metrics' delays, an interval
 #: and ``STARTUP_S``).
 FROM_ZERO_DEADLINE_S = 180.0
-PROMPT_TOKENS, OUTPUT_TOKENS = 200, 16
 
 
-def offered_rps(t_s: float) -> float:
-    """The load the three phases offer at ``t_s`` after the load started (0 after the ramp down)."""
-    if t_s < RAMP_S:
-        return LOW_RPS + (HIGH_RPS - LOW_RPS) * t_s / RAMP_S
-    if t_s < RAMP_S + PLATEAU_S:
-        return HIGH_RPS
-    if t_s < 2 * RAMP_S + PLATEAU_S:
-        return HIGH_RPS - (HIGH_RPS - LOW_RPS) * (t_s - RAMP_S - PLATEAU_S) / RAMP_S
-    return 0.0
+def offered_rps(t_s: float, scenario: Scenario = DEFAULT_SCENARIO) -> float:
+    """The load ``scenario`` offers at ``t_s`` after the load started (0 after the ramp down)."""
+    return scenario.offered_rps(t_s)
 
 
-def demo_spec(served_model_name: str) -> TandemSpec:
+def demo_spec(served_model_name: str, scenario: Scenario = DEFAULT_SCENARIO) -> TandemSpec:
     """The TandemDeployment the loop acts for; targets sized for the simulated CPU workers."""
+    decode = scenario.decode_min_replicas
     return parse_spec(
         {
             "model": {"servedModelName": served_model_name, "pvc": {"claimName": "none"}},
@@ -102,7 +95,7 @@ def demo_spec(served_model_name: str) -> TandemSpec:
             "redis": {"url": "redis://unused:6379/0"},
             "pools": {
                 "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 6},
-                "decode": {"replicas": 0, "minReplicas": 0, "maxReplicas": 6},
+                "decode": {"replicas": decode, "minReplicas": decode, "maxReplicas": 6},
             },
             "slo": {"ttftP90Seconds": 5.0, "itlP90Seconds": 0.2},
             "autoscaling": {
@@ -132,8 +125,11 @@ class LocalActuator:
     """Applies the operator's decisions to the local stack: starts SIMULATED workers (ready after
     ``STARTUP_S``) and drains them away, as the pool Deployments' pods come and go in a cluster."""
 
-    def __init__(self, cluster: SimulatedCluster, model: str, latency: SimulatedLatencyModel) -> None:
+    def __init__(
+        self, cluster: SimulatedCluster, model: str, latency: SimulatedLatencyModel, decode_kv_blocks: int
+    ) -> None:
         self._cluster = cluster
+        self._decode_kv_blocks = decode_kv_blocks
         self._model = model
         self._latency = latency
         self.pools: dict[Role, Pool] = {role: Pool() for role in ROLES}
@@ -145,7 +141,7 @@ class LocalActuator:
             worker_id=f"simulated-{role}-{next(self._serial)}",
             role=role,
             model=self._model,
-            num_kv_blocks=DECODE_KV_BLOCKS if role == "decode" else 2048,
+            num_kv_blocks=self._decode_kv_blocks if role == "decode" else 2048,
             latency=self._latency,
         )
 
@@ -256,8 +252,9 @@ async def control_loop(
             await asyncio.wait_for(stop.wait(), spec.autoscaling.interval_seconds)
 
 
-def run_load(stack: LocalStack, out: Path) -> None:
-    """The three phases, one ``tandem-loadtest run`` each (ramp up 10x, plateau, ramp down)."""
+def run_load(stack: LocalStack, out: Path, scenario: Scenario = DEFAULT_SCENARIO) -> None:
+    """The three phases, one ``tandem-loadtest run`` each (ramp up, plateau, ramp down)."""
+    sc = scenario
     common = [
         "run",
         "--url",
@@ -269,9 +266,9 @@ def run_load(stack: LocalStack, out: Path) -> None:
         "--workload",
         "synthetic",
         "--input-tokens",
-        str(PROMPT_TOKENS),
+        str(sc.prompt_tokens),
         "--output-tokens",
-        str(OUTPUT_TOKENS),
+        str(sc.output_tokens),
         "--ignore-eos",
         "--request-timeout-s",
         "120",
@@ -281,9 +278,9 @@ def run_load(stack: LocalStack, out: Path) -> None:
         "64",
     ]
     phases = [
-        ("1-ramp-up", f"ramp:{LOW_RPS}:{HIGH_RPS}:{RAMP_S:g}", RAMP_S),
-        ("2-plateau", f"poisson:{HIGH_RPS}", PLATEAU_S),
-        ("3-ramp-down", f"ramp:{HIGH_RPS}:{LOW_RPS}:{RAMP_S:g}", RAMP_S),
+        ("1-ramp-up", f"ramp:{sc.low_rps}:{sc.high_rps}:{sc.ramp_s:g}", sc.ramp_s),
+        ("2-plateau", f"poisson:{sc.high_rps}", sc.plateau_s),
+        ("3-ramp-down", f"ramp:{sc.high_rps}:{sc.low_rps}:{sc.ramp_s:g}", sc.ramp_s),
     ]
     for name, arrival, duration_s in phases:
         loadtest_main([*common, "--arrival", arrival, "--duration-s", f"{duration_s:g}", "--out", str(out / name)])
@@ -304,7 +301,7 @@ async def first_request_from_zero(stack: LocalStack) -> float:
     body = {
         "model": stack.config.served_model_name,
         "messages": [{"role": "user", "content": "Hello from zero, ünïcode 東京"}],
-        "max_tokens": OUTPUT_TOKENS,
+        "max_tokens": DEFAULT_SCENARIO.output_tokens,
     }
     headers = {"Authorization": f"Bearer {stack.api_key}"} if stack.api_key else {}
     started_s = time.monotonic()
@@ -348,6 +345,21 @@ def summary(
     )
 
 
+def scenario_summary(scenario: Scenario, decisions: list[tuple[float, Decision]]) -> str:
+    """The pool-specific scenarios' verdict: how many times each pool grew, whether the pool the
+    scenario does not load (``one_step_pool``) grew at most one step, and every step with its votes."""
+    changes = [d for _, d in decisions if d.changed]
+    ups: dict[str, int] = {
+        role: steps_up([(d.role, d.current_replicas, d.desired_replicas) for d in changes], role) for role in ROLES
+    }
+    held = ups.get(scenario.one_step_pool, 0) <= 1
+    return (
+        f"autoscale-scenario: {scenario.name} (SIMULATED workers) prefill_steps_up={ups['prefill']} "
+        f"decode_steps_up={ups['decode']} {scenario.one_step_pool}_within_one_step={'yes' if held else 'no'} "
+        f"steps={'; '.join(d.step for d in changes) or '-'}"
+    )
+
+
 def load_summary(load_dir: Path) -> str:
     """What the clients got over the three phases (from ``tandem-loadtest``'s reports): a request the
     router refused, or that timed out, has no TTFT, so the breach fraction alone would hide it."""
@@ -366,7 +378,9 @@ def load_summary(load_dir: Path) -> str:
     return f"autoscale-load: requests={total} ok={ok} failed={total - ok} " + " ".join(parts)
 
 
-def plot(spec: TandemSpec, ticks: list[Tick], load_started_s: float, path: Path) -> None:
+def plot(
+    spec: TandemSpec, ticks: list[Tick], load_started_s: float, path: Path, scenario: Scenario = DEFAULT_SCENARIO
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -374,7 +388,9 @@ def plot(spec: TandemSpec, ticks: list[Tick], load_started_s: float, path: Path)
 
     t = [x.t_s for x in ticks]
     fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
-    axes[0].plot(t, [offered_rps(x - load_started_s) if x >= load_started_s else 0.0 for x in t], color="black")
+    axes[0].plot(
+        t, [offered_rps(x - load_started_s, scenario) if x >= load_started_s else 0.0 for x in t], color="black"
+    )
     axes[0].set_ylabel("offered req/s")
     colors: dict[Role, str] = {"prefill": "tab:blue", "decode": "tab:orange"}
     for role, color in colors.items():
@@ -391,13 +407,13 @@ def plot(spec: TandemSpec, ticks: list[Tick], load_started_s: float, path: Path)
         ax.set_ylabel(label)
         ax.legend(loc="upper right", fontsize=8)
     axes[3].set_xlabel("seconds (the operator's decision loop; SIMULATED workers, real router and gateway)")
-    fig.suptitle("make autoscale-demo: operator decisions under a 10x ramp")
+    fig.suptitle(f"make autoscale-demo --scenario {scenario.name}: operator decisions (SIMULATED workers)")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
-async def demo(out: Path) -> str:
+async def demo(out: Path, scenario: Scenario = DEFAULT_SCENARIO) -> str:
     out.mkdir(parents=True, exist_ok=True)
     config = StackConfig.with_free_ports(
         key_prefix=f"tandem-autoscale-{uuid.uuid4().hex[:8]}",
@@ -415,13 +431,15 @@ async def demo(out: Path) -> str:
     stack = LocalStack(config, progress=lambda msg: print(f"[autoscale-demo] {msg}", flush=True))
     prometheus = LocalPrometheus(out / "prometheus", stack_targets(config, NAMESPACE, DEPLOYMENT))
     cluster = SimulatedCluster([], redis_url=config.redis_url, key_prefix=config.key_prefix)
-    spec = demo_spec(config.served_model_name)
-    actuator = LocalActuator(cluster, config.served_model_name, SimulatedLatencyModel.from_json())
+    spec = demo_spec(config.served_model_name, scenario)
+    actuator = LocalActuator(
+        cluster, config.served_model_name, SimulatedLatencyModel.from_json(), scenario.decode_kv_blocks
+    )
     ticks: list[Tick] = []
     decisions: list[tuple[float, Decision]] = []
     stop = asyncio.Event()
     try:
-        # Prefill's first worker; decode starts at zero (the gateway is ready without it).
+        # Prefill's first worker; decode starts at zero in ``ramp`` (the gateway is ready without it).
         await cluster.start()
         for role in ROLES:
             if spec.pools.get(role).replicas:
@@ -434,17 +452,20 @@ async def demo(out: Path) -> str:
             with (out / "decisions.jsonl").open("w") as log:
                 loop = asyncio.create_task(control_loop(spec, source, actuator, started_s, ticks, decisions, log, stop))
                 await asyncio.sleep(20)  # a quiet start: the loop holds at the minimum (decode at zero)
-                from_zero_s = await first_request_from_zero(stack)
-                print(f"[autoscale-demo] first request at zero answered after {from_zero_s:.1f} s", flush=True)
+                from_zero_s = None
+                if scenario.decode_min_replicas == 0:
+                    from_zero_s = await first_request_from_zero(stack)
+                    print(f"[autoscale-demo] first request at zero answered after {from_zero_s:.1f} s", flush=True)
                 load_started_s = time.monotonic() - started_s
-                await asyncio.to_thread(run_load, stack, out / "load")
+                await asyncio.to_thread(run_load, stack, out / "load", scenario)
                 load_end_s = time.monotonic() - started_s
-                await asyncio.sleep(TAIL_S)  # quiet again: back down, one step per window
+                await asyncio.sleep(scenario.tail_s)  # quiet again: back down, one step per window
                 stop.set()
                 await loop
-        plot(spec, ticks, load_started_s, out / "autoscale.png")
+        plot(spec, ticks, load_started_s, out / "autoscale.png", scenario)
         print(f"[autoscale-demo] {load_summary(out / 'load')}", flush=True)
-        return summary(spec, ticks, decisions, load_end_s, from_zero_s)
+        line = summary(spec, ticks, decisions, load_end_s, from_zero_s)
+        return line if not scenario.one_step_pool else f"{line}\n{scenario_summary(scenario, decisions)}"
     finally:
         stop.set()
         await actuator.aclose()
@@ -455,11 +476,22 @@ async def demo(out: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="make autoscale-demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPORT_DIR)
+    parser.add_argument("--out", type=Path, default=None, help=f"default {REPORT_DIR}[-<scenario>]")
+    parser.add_argument(
+        "--scenario",
+        default="ramp",
+        help=f"comma-separated, run one after the other: {', '.join(SCENARIOS)} (tandem_loadtest.autoscale_scenarios)",
+    )
     args = parser.parse_args()
-    line = asyncio.run(demo(args.out))
-    print(f"[autoscale-demo] wrote {args.out / 'autoscale.png'} and {args.out / 'decisions.jsonl'}")
-    print(line)
+    lines = []
+    for name in args.scenario.split(","):
+        scenario = SCENARIOS[name]
+        out = args.out or (REPORT_DIR if name == "ramp" else REPORT_DIR.with_name(f"autoscale-demo-{name}"))
+        if len(args.scenario.split(",")) > 1 and args.out:
+            out = args.out / name
+        lines.append(asyncio.run(demo(out, scenario)))
+        print(f"[autoscale-demo] wrote {out / 'autoscale.png'} and {out / 'decisions.jsonl'}")
+    print("\n".join(lines))
     return 0
 
 

@@ -18,5 +18,6 @@ test: prometheus
 .PHONY: autoscale-demo
 
 # The operator's loop (real signal path and decisions, SIMULATED workers) under a 10x ramp; ~10 min.
+# AUTOSCALE_DEMO_ARGS="--scenario short-chats,long-prompts": one pool's load each (~6 min each).
 autoscale-demo: setup redis loadtest-setup k8s-setup prometheus  ## the operator's autoscaling loop on this machine under a 10x ramp: reports/autoscale-demo/ (PNG, decision log)
-	$(PY) loadtest/autoscale_demo.py
+	$(PY) loadtest/autoscale_demo.py $(AUTOSCALE_DEMO_ARGS)

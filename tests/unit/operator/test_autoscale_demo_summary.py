@@ -110,3 +110,29 @@ def test_the_decision_log_names_the_votes_that_set_each_step(demo) -> None:  # t
         now_s=0.0,
     )
     assert quiet.desired_replicas == 2 and quiet.step == "decode 3->2 by budget_usage", quiet
+
+
+def test_the_scenario_line_counts_each_pools_steps_up(demo) -> None:  # type: ignore[no-untyped-def]
+    """--scenario short-chats fails where prefill grew twice, whatever decode did."""
+    scenario = demo.SCENARIOS["short-chats"]
+    assert scenario.one_step_pool == "prefill" and demo.SCENARIOS["long-prompts"].one_step_pool == "decode"
+    quiet = demo.PoolSignals()
+
+    def step(role: str, current: int, desired: int, by: str) -> tuple[float, object]:
+        return 0.0, demo.Decision(role, current, desired, desired, "scale", quiet, {by: desired}, (by,))
+
+    once = [
+        step("prefill", 1, 2, "queue_depth"),
+        step("decode", 1, 3, "budget_usage"),
+        step("decode", 3, 4, "kv_usage"),
+    ]
+    line = demo.scenario_summary(scenario, once)
+    assert "prefill_steps_up=1 decode_steps_up=2 prefill_within_one_step=yes" in line, line
+    assert line.endswith("steps=prefill 1->2 by queue_depth; decode 1->3 by budget_usage; decode 3->4 by kv_usage")
+    twice = [*once, step("prefill", 2, 3, "uncached_tokens_trend")]
+    assert "prefill_within_one_step=no" in demo.scenario_summary(scenario, twice)
+    # The load shape: ramp, plateau, ramp down, then nothing.
+    assert (
+        scenario.offered_rps(0) == scenario.low_rps and scenario.offered_rps(scenario.ramp_s + 1) == scenario.high_rps
+    )
+    assert scenario.offered_rps(2 * scenario.ramp_s + scenario.plateau_s + 1) == 0.0

@@ -1,0 +1,56 @@
+"""Each pool on its own signal (issue 42 item 2): make autoscale-demo's two one-pool scenarios.
+
+Real: Redis, the router (Ray Serve), the gateway, Prometheus scraping them, the operator's PromQL and
+decide(), tandem-loadtest. SIMULATED: the workers (tandem.local.simulated_worker, the demo's actuator),
+whose decode KV cache is a real CPU decode worker's here. A ramp of short chats with longer answers must
+not grow the prefill pool beyond one step; a ramp of long prompts with short answers must not grow the
+decode pool beyond one step. ~6 min each (the scenarios' own 90 s ramp, 60 s plateau and ramp down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# A scenario is ~6 min here: the stack's start (~1.5 min on a loaded host), 20 s quiet, 4 min of load, the tail.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
+DEMO = Path(__file__).resolve().parents[2] / "loadtest" / "autoscale_demo.py"
+
+
+def _demo() -> Any:
+    if "autoscale_demo" in sys.modules:
+        return sys.modules["autoscale_demo"]
+    spec = importlib.util.spec_from_file_location("autoscale_demo", DEMO)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["short-chats", "long-prompts"])
+def test_a_one_pool_ramp_grows_the_other_pool_one_step_at_most(name: str, tmp_path: Path) -> None:
+    if shutil.which("prometheus") is None:
+        pytest.skip("needs Debian's prometheus (make prometheus)")
+    demo = _demo()
+    scenario = demo.SCENARIOS[name]
+    lines = asyncio.run(demo.demo(tmp_path, scenario))
+    print(lines, flush=True)
+    verdict = lines.splitlines()[-1]
+    assert verdict.startswith(f"autoscale-scenario: {name} (SIMULATED workers)"), lines
+    other = scenario.one_step_pool
+    records = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    steps_up = [r["step"] for r in records if r["role"] == other and r["desired"] > r["current"]]
+    assert len(steps_up) <= 1, f"{other} grew {len(steps_up)} times: {steps_up}"
+    assert f"{other}_within_one_step=yes" in verdict, verdict
+    # The clients were served all along (a refused request has no latency to breach the SLO with).
+    summaries = [json.loads(p.read_text())["summary"] for p in sorted((tmp_path / "load").glob("*/report.json"))]
+    assert len(summaries) == 3 and all(s["num_ok"] == s["num_requests"] > 0 for s in summaries), summaries
