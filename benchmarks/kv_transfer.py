@@ -76,11 +76,16 @@ connection of its own per pull (a local subchannel pool) took 210 ms against one
 
 Each size is also pulled through shared memory (a second decode side of the same host and shared
 directory: ``tandem.worker.kv_connector.shm_transport``), beside a plain memcpy of the same bytes
-in this process, in the same rounds.
+in this process, in the same rounds. In the largest size's rounds each decode side also prefetches a
+held prompt of that size and loads it (``PrefetchKV`` to the load's end: the stream into staging,
+then the load's copy from staging into the paged cache), the first over gRPC (``StreamBlockBytes``),
+the second through shared memory (``StreamBlocksShm``, the segment kept as the staging:
+``tandem.worker.kv_connector.shm_stream``): ``prefetch_grpc_gbps`` and ``prefetch_shm_gbps``.
 
 Ends with ``bench-kv: pull_gbps=… loopback_gbps=… ratio=… grpc_ceiling_gbps=…
 min_ratio_vs_grpc=… concurrent_ratio=… shm_gbps=… memcpy_gbps=… shm_ratio=… concurrent_shm_ratio=…
-second_token_gap_ratio=… second_token_gap_ratio_without_prefetch=…`` (ratio: pull ÷
+prefetch_shm_gbps=… prefetch_grpc_gbps=… second_token_gap_ratio=… second_token_gap_ratio_without_prefetch=…``
+(ratio: pull ÷
 loopback at ~4k tokens; concurrent_ratio: the same for the concurrent round; concurrent_shm_ratio: the
 concurrent round's shared-memory pulls ÷ the same loopback streams; the gap ratio is ``n/a`` without
 ``--engines``). Nothing is simulated; the transport part does not run an engine's forward pass beside
@@ -162,6 +167,8 @@ def _side(port: int, max_chunk_bytes: int, shm_dir: str = "") -> Any:
         pull_timeout_s=120,
         lease_s=600,
         shm_dir=shm_dir,
+        # One ~4k-token prompt staged at a time (the prefetch rounds): ~190 MB in float32.
+        prefetch_max_bytes=256 << 20,
     )
 
 
@@ -272,6 +279,13 @@ class Transport:
     #: memcpy of the same bytes between two buffers of this process.
     shm: list[float] = field(default_factory=list)
     memcpy: list[float] = field(default_factory=list)
+    #: The largest size only: a PrefetchKV of the held prompt to its load's end (the stream into staging,
+    #: then the load's copy from staging into the paged cache), over gRPC and through shared memory, and of
+    #: each, the load's copy from staging alone.
+    prefetch_grpc: list[float] = field(default_factory=list)
+    prefetch_shm: list[float] = field(default_factory=list)
+    prefetch_copy_grpc: list[float] = field(default_factory=list)
+    prefetch_copy_shm: list[float] = field(default_factory=list)
     #: Under concurrent load: CPU seconds both processes of each way spent per round (empty where the
     #: host has no /proc to read the other process's from).
     cpu: dict[str, list[float]] = field(default_factory=dict)
@@ -463,6 +477,27 @@ def _pull_checked(decode: Any, specs: list[Any], *, via_shm: bool) -> float:
     return seconds
 
 
+def _prefetched_load(decode: Any, port: int, rid: str, remote: tuple[int, ...], local: tuple[int, ...]) -> Any:
+    """(seconds from a PrefetchKV of held prompt ``rid`` to its load's end, the load's record); raises unless
+    the load came from the prefetch."""
+    from tandem.worker.kv_connector.metadata import LoadSpec
+    from tandem.worker.kv_connector.params import KVHandleParams, PrefetchOrder
+
+    address = f"127.0.0.1:{port}"
+    num_tokens = len(remote) * BLOCK_TOKENS
+    handle = KVHandleParams("prefill", address, rid, remote, num_tokens, time.time() + 600, CAPABILITY)
+    started = time.perf_counter()
+    refused = decode.prefetch(PrefetchOrder(rid, address, num_tokens, 0, CAPABILITY, ""))
+    if refused:
+        raise RuntimeError(f"prefetch of {rid} refused: {refused}")
+    record = decode.load(LoadSpec(f"{rid}-0123abcf", handle, remote, local, num_tokens, 0))
+    seconds = time.perf_counter() - started
+    decode.puller.release_hold(handle)
+    if record.failed or not record.prefetched:
+        raise RuntimeError(f"prefetched load of {rid}: {record.error or 'not from the prefetch'}")
+    return seconds, record
+
+
 def measure_transport(
     dtype_name: str, max_chunk_bytes: int, repeats: int, warmup: int
 ) -> tuple[dict[int, Transport], Transport]:
@@ -491,6 +526,7 @@ def measure_transport(
     warmup = max(1, warmup)
     request_ids = [f"bench-{n}-{i}" for n in SIZES_TOKENS for i in range(warmup + timed_rounds(n, repeats))]
     request_ids += [f"bench-c{j}-{i}" for j in range(CONCURRENT_STREAMS) for i in range(warmup + repeats)]
+    request_ids += [f"bench-pf-{i}" for i in range(warmup + timed_rounds(max(SIZES_TOKENS), repeats))]
     request_ids += [f"{rid}-shm" for rid in request_ids]
     shm_dir = _shm_dir()
     proc, conn = _start(_prefill_server, port, dtype_name, max_chunk_bytes, request_ids, shm_dir)
@@ -537,6 +573,21 @@ def measure_transport(
                     _check_pulled(expected, shm_caches, remote, local)
                 tcp_s, grpc_s = loopback.seconds(num_bytes), ceiling.seconds(num_bytes)
                 memcpy_s = memcpy.seconds(num_bytes)
+                if num_tokens == max(SIZES_TOKENS):
+                    # The prefetch's two paths, side by side: over gRPC, and through shared memory.
+                    pf_s, pf_record = _prefetched_load(decode, port, f"bench-pf-{i}", remote, local)
+                    prefetches_before = shm_decode.stats().shm_prefetches_total
+                    pf_shm_s, pf_shm_record = _prefetched_load(shm_decode, port, f"bench-pf-{i}-shm", remote, local)
+                    if shm_decode.stats().shm_prefetches_total != prefetches_before + 1:
+                        raise RuntimeError("the prefetch of the shared-memory decode side went over gRPC")
+                    if i == 0:
+                        _check_pulled(expected, caches, remote, local)
+                        _check_pulled(expected, shm_caches, remote, local)
+                    if i >= warmup:
+                        transport.prefetch_grpc.append(pf_s)
+                        transport.prefetch_shm.append(pf_shm_s)
+                        transport.prefetch_copy_grpc.append(pf_record.seconds - pf_record.prefetch_wait_s)
+                        transport.prefetch_copy_shm.append(pf_shm_record.seconds - pf_shm_record.prefetch_wait_s)
                 if i >= warmup:
                     transport.pull.append(record.seconds)
                     transport.loopback.append(tcp_s)
@@ -885,6 +936,15 @@ def main() -> None:
             f" {copy:>7.2f} {shm / copy:>8.2f} {shm / pull:>11.2f}"
         )
     num_bytes = Size(largest).num_bytes(element_size)
+    largest_result = results[largest]
+    print(f"\nprefetch of the {largest}-token prompt (a PrefetchKV of a held prompt to its load's end):")
+    for way, label in (("grpc", "over gRPC (StreamBlockBytes)"), ("shm", "through shared memory (StreamBlocksShm)")):
+        total_s = statistics.median(getattr(largest_result, f"prefetch_{way}"))
+        copy_s = statistics.median(getattr(largest_result, f"prefetch_copy_{way}"))
+        print(
+            f"  {label:44} {total_s * 1e3:8.1f} ms ({num_bytes / total_s / 1e9:5.2f} GB/s),"
+            f" the load's copy from staging {copy_s * 1e3:.1f} ms"
+        )
     pull_s = statistics.median(results[largest].pull)
     print(f"\nwhere the {largest}-token pull's {pull_s * 1e3:.0f} ms go (each copy timed alone):")
     for name, seconds in steps.items():
@@ -910,7 +970,6 @@ def main() -> None:
         )
         gap_ratio = f"{statistics.median(gaps.tandem) / itl_p50:.2f}"
         gap_ratio_without_prefetch = f"{statistics.median(gaps.without_prefetch) / itl_p50:.2f}"
-    largest_result = results[largest]
     shm_gbps, memcpy_gbps = largest_result.gbps(num_bytes, "shm"), largest_result.gbps(num_bytes, "memcpy")
     print(
         f"bench-kv: pull_gbps={largest_result.gbps(num_bytes, 'pull'):.2f}"
@@ -919,6 +978,8 @@ def main() -> None:
         f" min_ratio_vs_grpc={min(r[1] for r in ratios.values()):.2f} concurrent_ratio={concurrent_ratio:.2f}"
         f" shm_gbps={shm_gbps:.2f} memcpy_gbps={memcpy_gbps:.2f} shm_ratio={shm_gbps / memcpy_gbps:.2f}"
         f" concurrent_shm_ratio={concurrent_shm_ratio:.2f}"
+        f" prefetch_shm_gbps={largest_result.gbps(num_bytes, 'prefetch_shm'):.2f}"
+        f" prefetch_grpc_gbps={largest_result.gbps(num_bytes, 'prefetch_grpc'):.2f}"
         f" second_token_gap_ratio={gap_ratio} second_token_gap_ratio_without_prefetch={gap_ratio_without_prefetch}"
     )
 
