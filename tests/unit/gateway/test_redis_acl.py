@@ -9,6 +9,7 @@ needs write rights on it: the gateway could not have run with a user that only r
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -105,7 +106,26 @@ async def test_the_gateway_serves_bills_and_remembers_under_its_own_redis_user(
                     assert [m["id"] for m in models.json()["data"]] == [MODEL, "acme-lora"]
                     unloaded = await client.delete("/v1/admin/adapters/acme-lora", headers=admin_auth)
                     assert unloaded.status_code == 200, unloaded.text
+                    # Background responses: the lease, the record's conditional replaces, a cancel.
+                    for cancel in (False, True):
+                        decode.decode_step_delay_s = 0.5 if cancel else 0.0
+                        body = {"model": MODEL, "input": "¿todo bien? 🙂", "max_output_tokens": 4, "background": True}
+                        created = await client.post("/v1/responses", json=body, headers=auth)
+                        assert created.status_code == 200, created.text
+                        rid = created.json()["id"]
+                        wanted = "in_progress" if cancel else "completed"
+                        for _ in range(400):
+                            got = await client.get(f"/v1/responses/{rid}", headers=auth)
+                            if got.json()["status"] == wanted:
+                                break
+                            await asyncio.sleep(0.02)
+                        assert got.json()["status"] == wanted, got.text
+                        if cancel:
+                            cancelled = await client.post(f"/v1/responses/{rid}/cancel", headers=auth)
+                            assert cancelled.json()["status"] == "cancelled", cancelled.text
                     await app.state.services.orchestrator.drain()
+                    while app.state.services.drain.num_in_flight:
+                        await asyncio.sleep(0.02)
 
             totals = usage.json()["total"]
             assert totals["requests"] == 3, totals  # two served here, the dead replica's orphan

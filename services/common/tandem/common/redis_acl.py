@@ -16,8 +16,8 @@ receives prompts. With them:
 user       may
 =========  =====================================================================
 gateway    read API keys and tenants; read worker registrations; read and write
-           quotas, usage, conversations and the tenants' storage accounts
-           (``<prefix>:gw:{quota,usage,conv,stored}:*``); read and write the
+           quotas, usage, conversations, the tenants' storage accounts and
+           background responses' leases (``<prefix>:gw:{quota,usage,conv,stored,bg}:*``); read and write the
            adapter catalog (``<prefix>:adapters``, ``<prefix>:adapters:version``:
            requests resolve adapters through it, the admin API loads them)
 router     read worker registrations; its ledger (``<prefix>:router:*``) and its
@@ -117,6 +117,8 @@ def _gateway(p: str) -> tuple[str, ...]:
         "+sadd", "+srem", "+smembers", "+scard",
         "+zadd", "+zrem", "+zcard", "+zcount", "+zrangebyscore", "+zremrangebyscore", "+zremrangebyrank",
         "+lrange", "+rpush", "+ltrim", "+lpop",
+        # the conversation scripts' whole-exchange trim; a background response's conditional replace
+        "+llen", "+lindex", "+rpop",
         "+multi", "+exec", "+discard",
     )  # fmt: skip
     keys = (
@@ -126,6 +128,8 @@ def _gateway(p: str) -> tuple[str, ...]:
         f"~{p}:gw:usage:*",
         f"~{p}:gw:conv:*",
         f"~{p}:gw:stored:*",
+        # background responses' leases and cancel flags (tandem.gateway.api.background_responses)
+        f"~{p}:gw:bg:*",
     )
     # The adapter catalog: resolving requests' models, and the admin API's adapter endpoints.
     return (*commands, *keys, *_registry_read_keys(p), _catalog_selector(p))

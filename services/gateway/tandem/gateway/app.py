@@ -28,6 +28,7 @@ from tandem.gateway import playground
 from tandem.gateway.adapter_admin import AdapterAdmin
 from tandem.gateway.adapters import ModelResolver
 from tandem.gateway.api import openapi, routes
+from tandem.gateway.api.background_responses import BackgroundResponses
 from tandem.gateway.api.errors import ApiError, internal_error
 from tandem.gateway.api.generation import StreamLimits
 from tandem.gateway.api.prepare import MAX_BYTES_PER_TOKEN
@@ -166,6 +167,15 @@ def build_app(
     served_models = tuple(m.name for m in settings.models)
     default = served[served_models[0]]
     metrics.serve_models(served_models)
+    conversations = ConversationStore(
+        client,
+        key_prefix=prefix,
+        ttl_s=tenancy.conversation_ttl_s,
+        max_messages=tenancy.max_conversation_messages,
+        max_conversations=tenancy.max_conversations_per_tenant,
+        default_max_stored_bytes=tenancy.default_max_stored_bytes_per_tenant,
+    )
+    background = BackgroundResponses(client, conversations, key_prefix=prefix, lease_s=tenancy.background_lease_s)
     services = GatewayServices(
         limits=default.limits,
         tokenizer=default.tokenizer,
@@ -180,14 +190,7 @@ def build_app(
             client, key_prefix=prefix, limit_per_minute=settings.auth.max_rejected_requests_per_minute
         ),
         usage=usage,
-        conversations=ConversationStore(
-            client,
-            key_prefix=prefix,
-            ttl_s=tenancy.conversation_ttl_s,
-            max_messages=tenancy.max_conversation_messages,
-            max_conversations=tenancy.max_conversations_per_tenant,
-            default_max_stored_bytes=tenancy.default_max_stored_bytes_per_tenant,
-        ),
+        conversations=conversations,
         storage_quota=StorageQuota(tenancy.default_max_stored_bytes_per_tenant),
         drain=drain,
         stream_limits=StreamLimits(
@@ -197,6 +200,7 @@ def build_app(
         ),
         models=ModelResolver(served_models, catalog, cache_s=settings.adapter_catalog_cache_s),
         adapter_admin=AdapterAdmin(catalog, served_models),
+        background=background,
         served=served,
         admin_key=settings.auth.admin_key.get_secret_value() if settings.auth.admin_key is not None else None,
         usage_progress_interval_s=tenancy.usage_progress_interval_s,
@@ -207,6 +211,7 @@ def build_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         sweeper.start()
         yield
+        await background.aclose()
         await orchestrator.drain()
         await sweeper.stop()
         await workers.aclose()

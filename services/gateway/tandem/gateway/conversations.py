@@ -128,10 +128,8 @@ end
 #: alone is still over the limit (an answer longer than the preparation's estimate, or two requests on
 #: one conversation at once), its own oldest turns go, whole exchanges (what is kept starts with a user
 #: turn). The account never ends above the limit.
-_APPEND = (
-    "#!lua\n"
-    + tenant_salt_guard_lua(key="ARGV[9]", salt="ARGV[8]", refused="-1")
-    + """local key, index, account = KEYS[1], KEYS[2], KEYS[3]
+_APPEND_BODY = (
+    """local key, index, account = KEYS[1], KEYS[2], KEYS[3]
 local conv_prefix = ARGV[7]
 """
     + _CONVERSATION_LUA
@@ -188,6 +186,34 @@ stored_keep(account, ttl_s)
 return {num_evicted, num_forgotten, total}
 """
 )
+_APPEND = "#!lua\n" + tenant_salt_guard_lua(key="ARGV[9]", salt="ARGV[8]", refused="-1") + _APPEND_BODY
+
+#: The statuses of a background response still being generated (tandem.gateway.api.background_responses).
+ACTIVE_STATUSES = ("queued", "in_progress")
+#: The append, replacing the conversation's last turn, only while that turn is a stored response whose
+#: status is one of :data:`ACTIVE_STATUSES` (else -2, nothing written): a background response's record is
+#: moved on by whoever gets there first (its generating gateway: in progress, then its answer; a cancel on
+#: any replica; a reader past the generating gateway's lease: failed), and never out of a final status.
+_REPLACE_ACTIVE = (
+    "#!lua\n"
+    + tenant_salt_guard_lua(key="ARGV[9]", salt="ARGV[8]", refused="-1")
+    + """local last = redis.call('LINDEX', KEYS[1], -1)
+if not last then
+  return -2
+end
+local record = cjson.decode(last)['response']
+local status = type(record) == 'table' and record['status'] or nil
+if status ~= '"""
+    + ACTIVE_STATUSES[0]
+    + """' and status ~= '"""
+    + ACTIVE_STATUSES[1]
+    + """' then
+  return -2
+end
+redis.call('RPOP', KEYS[1])
+"""
+    + _APPEND_BODY
+)
 
 #: Forgets the tenant's expired conversations and reads its account. KEYS: the tenant's index, its
 #: account. ARGV: TTL (s), the tenant's conversation key prefix. Returns {total bytes, conversations}.
@@ -241,7 +267,7 @@ def turn_bytes(raw: str | bytes) -> int:
     return len(raw.encode() if isinstance(raw, str) else raw) + ENTRY_OVERHEAD_BYTES
 
 
-def _dumps(message: Message) -> str:
+def _dumps(message: Message | dict[str, Any]) -> str:
     return json.dumps(message, ensure_ascii=False)
 
 
@@ -264,6 +290,7 @@ class ConversationStore:
         self._max_conversations = max_conversations
         self._default_max_stored_bytes = default_max_stored_bytes
         self._append: Any = client.register_script(_APPEND)
+        self._replace_active: Any = client.register_script(_REPLACE_ACTIVE)
         self._settle: Any = client.register_script(_SETTLE)
         self._delete: Any = client.register_script(_DELETE)
         self._key_prefix = key_prefix
@@ -313,6 +340,50 @@ class ConversationStore:
         keeps only what can go into a prompt. The tenant's stored bytes stay within ``max_stored_bytes``
         (default: the store's): its least recently used other conversations go first, then, if this
         one alone is over, its own oldest turns."""
+        result = await self._write(
+            tenant_id,
+            conversation_id,
+            messages,
+            num_dropped_history=num_dropped_history,
+            tenant_salt=tenant_salt,
+            max_stored_bytes=max_stored_bytes,
+            replace_active=False,
+        )
+        assert result is not None
+        return result
+
+    async def replace_active(
+        self,
+        tenant_id: str,
+        conversation_id: str,
+        turn: Message | dict[str, Any],
+        *,
+        tenant_salt: str = "",
+        max_stored_bytes: int | None = None,
+    ) -> AppendResult | None:
+        """Replace the last turn with ``turn``, as :meth:`append` writes (the bounds, the account), only
+        while that turn is a stored response whose status is in :data:`ACTIVE_STATUSES`; None (nothing
+        written) when it is not, or when there is no such conversation."""
+        return await self._write(
+            tenant_id,
+            conversation_id,
+            [turn],
+            tenant_salt=tenant_salt,
+            max_stored_bytes=max_stored_bytes,
+            replace_active=True,
+        )
+
+    async def _write(
+        self,
+        tenant_id: str,
+        conversation_id: str,
+        messages: Sequence[Message | dict[str, Any]],
+        *,
+        num_dropped_history: int = 0,
+        tenant_salt: str = "",
+        max_stored_bytes: int | None = None,
+        replace_active: bool,
+    ) -> AppendResult | None:
         if not messages:
             return AppendResult()
         limit = self._default_max_stored_bytes if max_stored_bytes is None else max_stored_bytes
@@ -334,9 +405,11 @@ class ConversationStore:
             account_key(self._key_prefix, tenant_id),
         ]
         with redis_errors("conversation write"):
-            reply = await self._append(keys=keys, args=args)
+            reply = await (self._replace_active if replace_active else self._append)(keys=keys, args=args)
         if reply == -1:  # the tenant was deleted (or created again) since the request was admitted
             return AppendResult()
+        if reply == -2:  # replace_active: the last turn is no longer an active response's
+            return None
         result = AppendResult(*(int(x) for x in reply))
         if result.num_forgotten_turns:
             logger.warning(

@@ -105,6 +105,10 @@ class TenancySettings(BaseModel):
     #: Tokens a stream may send beyond what its open record holds before it waits for the record (what a
     #: gateway killed during a Redis stall can leave unbilled, per request).
     usage_max_unsaved_tokens: int = Field(256, ge=0)
+    #: A background response (``/v1/responses`` with ``background: true``) whose generating gateway has not
+    #: renewed its lease for this long reads as failed; the lease is renewed, and a cancel from another
+    #: replica seen, every quarter of it (tandem.gateway.api.background_responses).
+    background_lease_s: float = Field(10.0, ge=0.2)
 
 
 class StreamSettings(BaseModel):

@@ -146,7 +146,15 @@ def build_document() -> dict[str, Any]:
             "/v1/completions": post("Text completion (OpenAI-compatible)", "CompletionRequest"),
             "/v1/responses": post("Response (OpenAI Responses API)", "ResponsesRequest"),
             "/v1/responses/{response_id}": {
-                **get("A stored response of the caller's tenant", 401, 404, 503, parameters=[response_id]),
+                **get(
+                    "A stored response of the caller's tenant, in whatever status it is in (a background one: "
+                    "queued, in_progress, completed, incomplete, cancelled, or failed, also once the gateway "
+                    "generating it stopped and its lease ended)",
+                    401,
+                    404,
+                    503,
+                    parameters=[response_id],
+                ),
                 "delete": {
                     "summary": "Delete a stored response",
                     "parameters": [response_id],
@@ -155,7 +163,9 @@ def build_document() -> dict[str, Any]:
             },
             "/v1/responses/{response_id}/cancel": {
                 "post": {
-                    "summary": "Cancel a background response (none are made: 400, or 404 for an unknown id)",
+                    "summary": "Cancel a background response (from any gateway replica): a queued or in-progress "
+                    "one is aborted and answered cancelled, a finished one as it is; 400 for one not created "
+                    "with background true",
                     "parameters": [response_id],
                     "responses": _responses(400, 401, 404, 503),
                 }

@@ -27,7 +27,7 @@ from tandem.common.errors import InvalidRequestError, PermanentError
 from tandem.common.ids import new_request_id
 from tandem.gateway.adapters import ModelResolver, ResolvedModel
 from tandem.gateway.api.errors import ModelNotFoundError, RequestTooLargeError
-from tandem.gateway.api.response_chains import ChainParser, ChainRequest, chain_to_store, history_of, read_response
+from tandem.gateway.api.response_chains import ChainParser, ChainRequest, chain_to_store, history_of, read_chain
 from tandem.gateway.api.responses_wire import stored_response_bytes
 from tandem.gateway.api.services import GatewayServices, ModelLimits, ServedModelServices
 from tandem.gateway.api.tools import AUTO_REFUSED, ToolSpec, arguments_text_size, tools_text_size
@@ -184,7 +184,7 @@ async def _prepare(
             stored = await services.conversations.read(tenant.id, body.conversation_id)
             history = stored.messages
         elif chain is not None and chain.previous_id is not None:
-            stored = await read_response(services.conversations, tenant.id, chain.previous_id, "previous_response_id")
+            stored = await read_chain(services.conversations, tenant.id, chain.previous_id)
             history = history_of(stored)
         messages = [_template_message(m) for m in body.messages]
         assembled = await assemble_chat(

@@ -48,6 +48,8 @@ class ChainRequest:
     #: The request's ``instructions``, which the response repeats (the chat request holds them only as its first
     #: system message, which a system or developer input item would be too).
     instructions: str | None = None
+    #: Answer at once and generate on (tandem.gateway.api.background_responses).
+    background: bool = False
 
 
 #: A dialect's reading of the store fields of its body (the body is already checked by its parser).
@@ -70,6 +72,25 @@ async def read_response(
     stored = await store.read(tenant_id, response_id)
     if not stored.messages or RESPONSE_KEY not in stored.messages[-1]:
         raise not_found(response_id, param)
+    return stored
+
+
+#: The statuses of a stored response that a chain can continue (a background one still generating, cancelled
+#: or failed has no answer to continue from).
+CONTINUABLE_STATUSES = ("completed", "incomplete")
+
+
+async def read_chain(store: ConversationStore, tenant_id: str, response_id: str) -> StoredConversation:
+    """The stored response ``previous_response_id`` names, which must hold an answer (400 otherwise)."""
+    stored = await read_response(store, tenant_id, response_id, "previous_response_id")
+    status = response_of(stored).get("status")
+    if status not in CONTINUABLE_STATUSES:
+        raise InvalidRequestError(
+            f"previous_response_id: response {response_id[:120]!r} is {status}; only a completed or incomplete "
+            "response can be continued.",
+            param="previous_response_id",
+            code="invalid_value",
+        )
     return stored
 
 

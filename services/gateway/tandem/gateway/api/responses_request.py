@@ -22,8 +22,9 @@ conversation sent to ``/v1/chat/completions`` make the same prompt tokens and sa
   ``json_object`` is chat's ``response_format``.
 * ``store`` (default ``true``) keeps the response, and ``previous_response_id`` continues a stored one:
   the chain's turns come before the new input (:mod:`~tandem.gateway.api.response_chains`, read by
-  :func:`parse_chain`). Refused with a 400 naming the parameter, rather than ignored:
-  ``background``, ``reasoning`` with an effort (the served models do not reason), built-in tools
+  :func:`parse_chain`); ``background: true`` (with ``store``, without ``stream``) answers at once and
+  generates on (:mod:`~tandem.gateway.api.background_responses`). Refused with a 400 naming the
+  parameter, rather than ignored: ``reasoning`` with an effort (the served models do not reason), built-in tools
   (``web_search``, ``file_search``, …), ``include`` values, ``conversation``, ``prompt`` templates,
   content parts other than text (images, files, audio) and items other than the three above.
   ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key`` and ``truncation: "disabled"``
@@ -53,7 +54,6 @@ from tandem.gateway.conversations import RESPONSE_ID_PREFIX
 
 #: Request fields that ask for something this gateway does not do, with the values that ask for nothing.
 _REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "background": ("Background responses are not supported.", (False,)),
     "conversation": ("Conversations are not supported by /v1/responses.", ()),
     "prompt": ("Prompt templates are not supported.", ()),
     "include": ("No include values are supported.", ([],)),
@@ -139,6 +139,8 @@ class ResponsesRequest(_Lenient):
     reasoning: Reasoning | None = None
     stream: StrictBool = False
     store: StrictBool = True
+    #: Answer at once with the response queued; the generation runs on (tandem.gateway.api.background_responses).
+    background: StrictBool = False
     previous_response_id: StrictStr | None = Field(None, min_length=1, max_length=128)
     #: Accepted, never read nor logged.
     metadata: dict[str, StrictStr] | None = None
@@ -155,6 +157,17 @@ def parse_responses(raw: bytes) -> ChatCompletionRequest:
         request = ResponsesRequest.model_validate(data)
     except ValidationError as exc:
         raise to_invalid_request(exc) from exc
+    if request.background and not request.store:
+        raise InvalidRequestError(
+            "background can only be used when `store` is true", param="background", code="invalid_value"
+        )
+    if request.background and request.stream:
+        raise InvalidRequestError(
+            "stream: a background response cannot be streamed by this gateway (its stream could not be resumed "
+            "from another replica); create it with stream false and poll GET /v1/responses/{id}.",
+            param="stream",
+            code="unsupported_value",
+        )
     if request.reasoning is not None and request.reasoning.effort not in (None, "none"):
         raise InvalidRequestError(
             f"reasoning.effort: the model {request.model[:80]!r} does not reason; leave reasoning out.",
@@ -312,6 +325,7 @@ def parse_chain(raw: bytes) -> ChainRequest:
         previous_id=data.get("previous_response_id"),
         store=data.get("store") is not False,
         instructions=instructions if isinstance(instructions, str) else None,
+        background=data.get("background") is True,
     )
 
 

@@ -92,6 +92,7 @@ def echo_of(body: ChatCompletionRequest, chain: ChainRequest | None) -> dict[str
         "text": {"format": fmt},
         "store": chain is not None and chain.store,
         "previous_response_id": chain.previous_id if chain is not None else None,
+        "background": chain is not None and chain.background,
     }
 
 

@@ -26,12 +26,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from tandem.common.errors import BackendUnavailableError, InvalidRequestError, TandemError
-from tandem.gateway.adapters import ResolvedModel
-from tandem.gateway.api import admin_adapters, stored_responses
+from tandem.gateway.api import admin_adapters, models_list, stored_responses
 from tandem.gateway.api.anthropic_messages import DIALECT as ANTHROPIC_DIALECT
 from tandem.gateway.api.anthropic_messages import check_version
 from tandem.gateway.api.anthropic_tool_wire import AnthropicToolWire
 from tandem.gateway.api.anthropic_wire import ANTHROPIC_WIRE
+from tandem.gateway.api.background_responses import with_status
 from tandem.gateway.api.complete import CompleteResponse
 from tandem.gateway.api.errors import api_error_from
 from tandem.gateway.api.generation import (
@@ -41,11 +41,12 @@ from tandem.gateway.api.generation import (
     RequestTiming,
     ResponseOptions,
 )
-from tandem.gateway.api.prepare import Dialect, Endpoint, PreparedRequest, may_use, prepare, resolve_model
+from tandem.gateway.api.prepare import Dialect, Endpoint, PreparedRequest, prepare
 from tandem.gateway.api.response_chains import answer_turn
 from tandem.gateway.api.responses_auto import AutoResponsesWire
 from tandem.gateway.api.responses_request import DIALECT as RESPONSES_DIALECT
 from tandem.gateway.api.responses_wire import echo_of, responses_wire
+from tandem.gateway.api.responses_wire import response as response_object
 from tandem.gateway.api.services import GatewayServices
 from tandem.gateway.api.streaming import StreamedResponse
 from tandem.gateway.api.tool_wire import OpenAIToolWire
@@ -197,10 +198,15 @@ def _generation_handler(
                 except BackendUnavailableError as exc:
                     logger.warning("conversation not saved: %s", exc, extra={"request_id": prepared.request_id})
 
+        background = prepared.chain is not None and prepared.chain.background
+        limit_bytes = services.storage_quota.limit_bytes(tenant)
+
         async def store_answer(outcome: Outcome) -> None:
             chain = prepared.stored_chain
             assert chain is not None and outcome.finished is not None
             response = wire_now.full_response(meta, outcome.text, outcome.finished, ())
+            if background:  # its record is there, queued or in progress (tandem.gateway.api.background_responses)
+                return await services.background.store_answer(tenant.id, tenant_salt, limit_bytes, response)
             appended = await services.conversations.append(
                 tenant.id,
                 chain.id,
@@ -210,18 +216,28 @@ def _generation_handler(
             )
             _count_forgotten(services, "response", appended.num_forgotten_turns)
 
-        return _generation_response(
-            services,
-            request,
-            prepared,
-            path,
-            admission,
-            on_finish,
-            progress.advance if opened else None,
-            wire_now,
-            meta,
-            store_answer if prepared.stored_chain is not None else None,
+        on_progress = progress.advance if opened else None
+        if not background:
+            return _generation_response(
+                services, request, prepared, path, admission, on_finish, on_progress, wire_now, meta,
+                store_answer if prepared.stored_chain is not None else None,
+            )  # fmt: skip
+        assert prepared.stored_chain is not None and isinstance(prepared.body, ChatCompletionRequest)
+        queued = with_status(response_object(meta, echo_of(prepared.body, prepared.chain), [], None), "queued")
+        on_progress = services.background.in_progress_hook(tenant.id, tenant_salt, queued, on_progress)
+        generation = _generation_response(
+            services, request, prepared, path, admission, on_finish, on_progress, wire_now, meta, store_answer
         )
+        try:
+            turns = prepared.stored_chain.new_turns
+            return await services.background.start(
+                tenant.id, tenant_salt, limit_bytes, turns, queued, generation, admission.headers
+            )
+        except BackendUnavailableError:  # nothing generated: the admission goes back, as for any 503
+            progress.close()
+            model = prepared.body.model
+            await _settle(services, admission, model, prepared.model.base_model, Outcome(503), tenant_salt)
+            raise
 
     return _openai_errors(path, handle, wire)
 
@@ -425,42 +441,8 @@ admin_usage = _openai_errors("/v1/admin/usage", _admin_usage)
 admin_list_adapters = _openai_errors("/v1/admin/adapters", admin_adapters.list_adapters)
 admin_load_adapter = _openai_errors("/v1/admin/adapters", admin_adapters.load_adapter)
 admin_unload_adapter = _openai_errors("/v1/admin/adapters/{name}", admin_adapters.unload_adapter)
-
-
-def _model_card(services: GatewayServices, model: ResolvedModel) -> dict[str, object]:
-    """vLLM's model card (``show_available_models``): an adapter's has ``parent``, its base model. vLLM
-    puts a model's path in ``root``; Tandem puts the model's name there, for the paths are the
-    deployment's own business."""
-    return {
-        "id": model.requested,
-        "object": "model",
-        "created": services.started_unix_s,
-        "owned_by": "tandem",
-        "root": model.requested,
-        "parent": model.base_model if model.adapter else None,
-        "max_model_len": services.for_model(model.base_model).limits.max_model_len,
-    }
-
-
-async def _list_models(request: Request) -> Response:
-    """The served models and the loaded adapters that the caller's tenant may use."""
-    services = _services(request)
-    principal = await services.authenticator.authenticate(request_authorization(request.headers))
-    models = [ResolvedModel(m, m) for m in services.models.served_models]
-    models += [ResolvedModel.of_entry(e) for _, e in sorted((await services.models.adapters()).items())]
-    cards = [_model_card(services, m) for m in models if may_use(principal.tenant, m)]
-    return JSONResponse({"object": "list", "data": cards})
-
-
-async def _get_model(request: Request) -> Response:
-    services = _services(request)
-    principal = await services.authenticator.authenticate(request_authorization(request.headers))
-    model = await resolve_model(request.path_params["model"], services.models, principal.tenant)
-    return JSONResponse(_model_card(services, model))
-
-
-list_models = _openai_errors("/v1/models", _list_models)
-get_model = _openai_errors("/v1/models/{model}", _get_model)
+list_models = _openai_errors("/v1/models", models_list.list_models)
+get_model = _openai_errors("/v1/models/{model}", models_list.get_model)
 
 
 async def healthz(request: Request) -> Response:

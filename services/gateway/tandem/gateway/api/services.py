@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tandem.gateway.adapter_admin import AdapterAdmin
 from tandem.gateway.adapters import ModelResolver
+from tandem.gateway.api.background_responses import BackgroundResponses
 from tandem.gateway.api.generation import StreamLimits
 from tandem.gateway.conversations import ConversationStore
 from tandem.gateway.drain import Drain
@@ -67,6 +68,8 @@ class GatewayServices:
     models: ModelResolver
     #: Loads and unloads adapters (the admin API).
     adapter_admin: AdapterAdmin
+    #: Background responses of the Responses API: their leases, cancels and running generations.
+    background: BackgroundResponses
     #: Each served base model's limits and tokenizer, by name (tandem.gateway.settings.ServedModel); a model
     #: missing here (a test's app with one model) uses ``limits`` and ``tokenizer``, the default model's.
     served: Mapping[str, ServedModelServices] = field(default_factory=dict)

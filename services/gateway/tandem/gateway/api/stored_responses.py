@@ -2,7 +2,8 @@
 caller's tenant only (another tenant's id is 404, as one that never was).
 
 Wrapped by :mod:`~tandem.gateway.api.routes` (errors in OpenAI's shape); reads and deletes through
-:mod:`~tandem.gateway.api.response_chains` and the conversation store.
+:mod:`~tandem.gateway.api.response_chains` and the conversation store; a background response's status and
+its cancel are :mod:`~tandem.gateway.api.background_responses`'.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tandem.common.errors import InvalidRequestError
-from tandem.gateway.api.response_chains import read_response, response_of
+from tandem.gateway.api.response_chains import read_response
 from tandem.gateway.api.services import GatewayServices
 from tandem.gateway.conversations import StoredConversation
 from tandem.gateway.tenancy.auth import request_authorization
@@ -27,8 +27,9 @@ async def _stored(request: Request) -> tuple[GatewayServices, str, str, StoredCo
 
 
 async def get_response(request: Request) -> Response:
-    *_, stored = await _stored(request)
-    return JSONResponse(response_of(stored))
+    """The response as it is now: a background one in whatever status it is in (background_responses)."""
+    services, tenant_id, _, stored = await _stored(request)
+    return JSONResponse(await services.background.current(tenant_id, stored))
 
 
 async def delete_response(request: Request) -> Response:
@@ -38,9 +39,6 @@ async def delete_response(request: Request) -> Response:
 
 
 async def cancel_response(request: Request) -> Response:
-    # Only a background response can be cancelled (OpenAI's rule), and this gateway makes none: a stored
-    # response is complete by the time it can be read.
-    await _stored(request)
-    raise InvalidRequestError(
-        "Only responses created with background set to true can be cancelled.", param=None, code="invalid_value"
-    )
+    """Cancel a background response (400 for one that was not); a finished one is answered as it is."""
+    services, tenant_id, _, stored = await _stored(request)
+    return JSONResponse(await services.background.cancel(tenant_id, stored))

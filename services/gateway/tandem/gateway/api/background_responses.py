@@ -1,0 +1,286 @@
+"""Background responses of the Responses API (``background: true``): the create answers at once with the
+response ``queued``, the generation runs on this gateway, and the stored record moves on as it goes.
+
+Called by the ``/v1/responses`` route (:meth:`BackgroundResponses.start`, once the request is prepared and
+admitted) and by the ``GET`` and ``cancel`` routes of :mod:`~tandem.gateway.api.stored_responses`
+(:meth:`BackgroundResponses.current`, :meth:`BackgroundResponses.cancel`). Calls the conversation store
+(:meth:`~tandem.gateway.conversations.ConversationStore.replace_active`) and Redis for the leases.
+
+The record is the stored response itself (:mod:`~tandem.gateway.api.response_chains`): the chain's turns
+and a last turn holding the response object, under the tenant's namespace and byte budget, readable
+through any replica. Its status moves only forward, each step a conditional replace that Redis does
+atomically (from ``queued`` or ``in_progress`` only, so the first writer of a final status wins)::
+
+    queued ──first token──▶ in_progress ──answer──▶ completed | incomplete
+       │                        │
+       ├──── cancel (any replica) ─────────────────▶ cancelled
+       ├──── an error before or during generation ─▶ failed
+       └──── the generating gateway's lease ended ─▶ failed   (written by the reader that sees it)
+
+* **The generation** is the one pipeline's own non-streamed response
+  (:class:`~tandem.gateway.api.complete.CompleteResponse`) run in a task with an ASGI ``receive`` that
+  reports a client disconnect when the response is cancelled, so a cancel takes the same path as a client
+  that goes away: the gRPC calls are cancelled, the workers abort the request and free its KV, the router
+  releases its budget, and usage is billed once with the tokens generated (as an aborted request).
+* **Cancel from any replica.** The generating gateway renews a lease key every :attr:`heartbeat_s` and,
+  in the same round trip, reads a cancel key that a cancel on any replica sets (a cancel on the generating
+  replica also wakes it at once). Polled, not Redis pub/sub: the lease needs the round trip anyway, a
+  published message is lost while the subscriber reconnects (a Redis blip would lose a cancel), and one
+  subscription per generating gateway would hold a connection of its own; a cancel is seen within one
+  heartbeat (``lease_s / 4``), well under a generation's seconds.
+* **A gateway that dies mid-generation** stops renewing its lease; once the lease (``lease_s``) ends, a
+  ``GET`` or ``cancel`` of an active record writes it ``failed`` (``server_error``) and answers that.
+* Streaming a background response (``stream: true``) is refused with 400: resuming a stream from another
+  replica (``starting_after``) would need the events stored as they go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import redis.asyncio as aioredis
+from starlette.responses import JSONResponse, Response
+from starlette.types import Message
+
+from tandem.common.errors import BackendUnavailableError, InvalidRequestError, TandemError
+from tandem.gateway.api.generation import GenerationResponse
+from tandem.gateway.api.response_chains import RESPONSE_KEY, answer_turn, response_of
+from tandem.gateway.conversations import ACTIVE_STATUSES, ConversationStore, StoredConversation
+from tandem.gateway.redis_client import redis_errors
+
+logger = logging.getLogger(__name__)
+
+#: What a reader writes into an active record whose generating gateway's lease ended.
+LEASE_ENDED_MESSAGE = "The gateway generating this response stopped before it finished; create it again."
+
+
+def with_status(response: dict[str, Any], status: str, error: dict[str, str] | None = None) -> dict[str, Any]:
+    """The response object moved to ``status`` (its output and usage as they were: none before the answer)."""
+    return {**response, "status": status, "error": error}
+
+
+def failed_error(status_code: int, body: bytes) -> dict[str, str]:
+    """The ``error`` of a response whose generation ended with the HTTP error ``status_code``, ``body``
+    (OpenAI's error shape): its message, and the Responses API's code for it."""
+    message = "The response could not be generated."
+    with contextlib.suppress(ValueError, TypeError, KeyError):
+        message = str(json.loads(body)["error"]["message"])
+    return {"code": "rate_limit_exceeded" if status_code == 429 else "server_error", "message": message}
+
+
+class BackgroundResponses:
+    """The leases, cancel flags and running tasks of background responses (one per gateway)."""
+
+    def __init__(
+        self, client: aioredis.Redis, conversations: ConversationStore, *, key_prefix: str, lease_s: float
+    ) -> None:
+        self._redis = client
+        self._conversations = conversations
+        self._p = f"{key_prefix}:gw:bg"
+        self.lease_s = lease_s
+        self.heartbeat_s = lease_s / 4
+        #: The background responses this gateway generates: response id → set when it is cancelled.
+        self._cancels: dict[str, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _lease_key(self, tenant_id: str, response_id: str) -> str:
+        return f"{self._p}:lease:{tenant_id}:{response_id}"
+
+    def _cancel_key(self, tenant_id: str, response_id: str) -> str:
+        return f"{self._p}:cancel:{tenant_id}:{response_id}"
+
+    async def start(
+        self,
+        tenant_id: str,
+        tenant_salt: str,
+        max_stored_bytes: int,
+        turns: tuple[dict[str, Any], ...],
+        queued: dict[str, Any],
+        generation: GenerationResponse,
+        headers: dict[str, str],
+    ) -> Response:
+        """Store the ``queued`` record (after ``turns``, the chain it answers), start ``generation`` in a
+        task of this gateway and answer the record. The lease is taken first, so that no reader ever sees
+        an active record without one. Raises BackendUnavailableError when Redis cannot take the record
+        (the caller gives the admission back: nothing was generated)."""
+        response_id = queued["id"]
+        with redis_errors("background lease"):
+            await self._redis.set(self._lease_key(tenant_id, response_id), "1", px=int(self.lease_s * 1000))
+        await self._conversations.append(
+            tenant_id,
+            response_id,
+            [*turns, answer_turn(queued)],
+            tenant_salt=tenant_salt,
+            max_stored_bytes=max_stored_bytes,
+        )
+        cancelled = self._cancels[response_id] = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(
+            self._run(tenant_id, tenant_salt, max_stored_bytes, queued, generation, cancelled)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return JSONResponse(queued, headers={**headers, "X-Request-Id": response_id})
+
+    def in_progress_hook(self, tenant_id: str, tenant_salt: str, queued: dict[str, Any], inner: Any) -> Any:
+        """The generation's progress hook: the record moves to ``in_progress`` at the first token (one
+        write, off the token path), then ``inner`` (the usage record's, or None) as before."""
+        started = False
+
+        async def hook(num_tokens: int) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                self._spawn(self._move(tenant_id, tenant_salt, with_status(queued, "in_progress")))
+            if inner is not None:
+                await inner(num_tokens)
+
+        return hook
+
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _move(
+        self, tenant_id: str, tenant_salt: str, response: dict[str, Any], max_stored_bytes: int | None = None
+    ) -> bool:
+        """Replace an active record's response object with ``response``; False when it was no longer active."""
+        try:
+            result = await self._conversations.replace_active(
+                tenant_id,
+                response["id"],
+                answer_turn(response),
+                tenant_salt=tenant_salt,
+                max_stored_bytes=max_stored_bytes,
+            )
+        except BackendUnavailableError as exc:
+            logger.warning("background response not updated: %s", exc, extra={"request_id": response["id"]})
+            return False
+        return result is not None
+
+    async def store_answer(
+        self, tenant_id: str, tenant_salt: str, max_stored_bytes: int, response: dict[str, Any]
+    ) -> None:
+        """The finished answer (its turn and response object) replaces the active record; nothing when the
+        record was cancelled or failed meanwhile (the first final status stays)."""
+        moved = await self._move(tenant_id, tenant_salt, {**response, "background": True}, max_stored_bytes)
+        if not moved:
+            logger.info("background answer not stored: no longer active", extra={"request_id": response["id"]})
+
+    async def _run(
+        self,
+        tenant_id: str,
+        tenant_salt: str,
+        max_stored_bytes: int,
+        queued: dict[str, Any],
+        generation: GenerationResponse,
+        cancelled: asyncio.Event,
+    ) -> None:
+        response_id = queued["id"]
+        status_code = 500
+        body = b""
+
+        async def receive() -> Message:
+            await cancelled.wait()  # a cancel is a client that went away: the same abort and release
+            return {"type": "http.disconnect"}
+
+        async def send(message: Message) -> None:
+            nonlocal status_code, body
+            if message["type"] == "http.response.start":
+                status_code = message["status"]
+            elif message["type"] == "http.response.body":
+                body += message.get("body", b"")
+
+        heartbeat = asyncio.create_task(self._heartbeat(tenant_id, response_id, cancelled))
+        try:
+            await generation({"type": "http", "method": "POST", "path": "/v1/responses"}, receive, send)
+        except Exception:
+            logger.exception("background generation failed", extra={"request_id": response_id})
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+            self._cancels.pop(response_id, None)
+        if status_code != 200 and not cancelled.is_set():
+            failed = with_status(queued, "failed", failed_error(status_code, body))
+            await self._move(tenant_id, tenant_salt, failed, max_stored_bytes)
+        with contextlib.suppress(TandemError):
+            with redis_errors("background lease"):
+                await self._redis.delete(
+                    self._lease_key(tenant_id, response_id), self._cancel_key(tenant_id, response_id)
+                )
+
+    async def _heartbeat(self, tenant_id: str, response_id: str, cancelled: asyncio.Event) -> None:
+        """Renew the lease and read the cancel flag every :attr:`heartbeat_s`, until the task ends."""
+        lease, flag = self._lease_key(tenant_id, response_id), self._cancel_key(tenant_id, response_id)
+        while not cancelled.is_set():
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                with redis_errors("background lease"):
+                    async with self._redis.pipeline(transaction=False) as pipe:
+                        pipe.set(lease, "1", px=int(self.lease_s * 1000))
+                        pipe.exists(flag)
+                        _, flagged = await pipe.execute()
+            except BackendUnavailableError as exc:  # the lease may end meanwhile: readers then see failed
+                logger.warning("background lease not renewed: %s", exc, extra={"request_id": response_id})
+                continue
+            if flagged:
+                cancelled.set()
+
+    async def current(self, tenant_id: str, stored: StoredConversation) -> dict[str, Any]:
+        """A stored response as it is now: an active one whose generating gateway's lease ended is written
+        ``failed`` first (by whichever reader sees it)."""
+        response = response_of(stored)
+        if response.get("status") not in ACTIVE_STATUSES:
+            return response
+        with redis_errors("background lease"):
+            alive = await self._redis.exists(self._lease_key(tenant_id, response["id"]))
+        if alive:
+            return response
+        failed = with_status(response, "failed", {"code": "server_error", "message": LEASE_ENDED_MESSAGE})
+        if await self._move(tenant_id, "", failed):
+            return failed
+        return await self._reread(tenant_id, response["id"])
+
+    async def cancel(self, tenant_id: str, stored: StoredConversation) -> dict[str, Any]:
+        """Cancel a background response: an active one is written ``cancelled`` and its generation (on
+        this replica or another) aborted; a finished one is answered as it is (cancelling is idempotent).
+        400 for a response that was not created in the background."""
+        response = await self.current(tenant_id, stored)
+        if response.get("background") is not True:
+            raise InvalidRequestError(
+                "Only responses created with background set to true can be cancelled.",
+                param=None,
+                code="invalid_value",
+            )
+        if response["status"] not in ACTIVE_STATUSES:
+            return response
+        response_id = response["id"]
+        with redis_errors("background cancel"):
+            await self._redis.set(self._cancel_key(tenant_id, response_id), "1", px=int(self.lease_s * 4000))
+        cancelled = with_status(response, "cancelled")
+        moved = await self._move(tenant_id, "", cancelled)
+        local = self._cancels.get(response_id)
+        if local is not None:  # generated here: abort now rather than at the next heartbeat
+            local.set()
+        return cancelled if moved else await self._reread(tenant_id, response_id)
+
+    async def _reread(self, tenant_id: str, response_id: str) -> dict[str, Any]:
+        """The record once another writer moved it first (it is final then)."""
+        stored = await self._conversations.read(tenant_id, response_id)
+        if not stored.messages or RESPONSE_KEY not in stored.messages[-1]:
+            raise InvalidRequestError(
+                f"Response with id {response_id[:120]!r} not found.", param=None, code="response_not_found"
+            )
+        return response_of(stored)
+
+    async def aclose(self) -> None:
+        """At shutdown, after the drain: wait for the background generations still running (the drain's
+        expiry has ended them with an error, which their records say)."""
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
