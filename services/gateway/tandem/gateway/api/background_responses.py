@@ -126,7 +126,9 @@ class BackgroundResponses:
         task.add_done_callback(self._tasks.discard)
         return JSONResponse(queued, headers={**headers, "X-Request-Id": response_id})
 
-    def in_progress_hook(self, tenant_id: str, tenant_salt: str, queued: dict[str, Any], inner: Any) -> Any:
+    def in_progress_hook(
+        self, tenant_id: str, tenant_salt: str, max_stored_bytes: int, queued: dict[str, Any], inner: Any
+    ) -> Any:
         """The generation's progress hook: the record moves to ``in_progress`` at the first token (one
         write, off the token path), then ``inner`` (the usage record's, or None) as before."""
         started = False
@@ -135,7 +137,8 @@ class BackgroundResponses:
             nonlocal started
             if not started:
                 started = True
-                self._spawn(self._move(tenant_id, tenant_salt, with_status(queued, "in_progress")))
+                in_progress = with_status(queued, "in_progress")
+                self._spawn(self._move(tenant_id, tenant_salt, in_progress, max_stored_bytes))
             if inner is not None:
                 await inner(num_tokens)
 
@@ -232,7 +235,7 @@ class BackgroundResponses:
             if flagged:
                 cancelled.set()
 
-    async def current(self, tenant_id: str, stored: StoredConversation) -> dict[str, Any]:
+    async def current(self, tenant_id: str, max_stored_bytes: int, stored: StoredConversation) -> dict[str, Any]:
         """A stored response as it is now: an active one whose generating gateway's lease ended is written
         ``failed`` first (by whichever reader sees it)."""
         response = response_of(stored)
@@ -243,15 +246,15 @@ class BackgroundResponses:
         if alive:
             return response
         failed = with_status(response, "failed", {"code": "server_error", "message": LEASE_ENDED_MESSAGE})
-        if await self._move(tenant_id, "", failed):
+        if await self._move(tenant_id, "", failed, max_stored_bytes):
             return failed
         return await self._reread(tenant_id, response["id"])
 
-    async def cancel(self, tenant_id: str, stored: StoredConversation) -> dict[str, Any]:
+    async def cancel(self, tenant_id: str, max_stored_bytes: int, stored: StoredConversation) -> dict[str, Any]:
         """Cancel a background response: an active one is written ``cancelled`` and its generation (on
         this replica or another) aborted; a finished one is answered as it is (cancelling is idempotent).
         400 for a response that was not created in the background."""
-        response = await self.current(tenant_id, stored)
+        response = await self.current(tenant_id, max_stored_bytes, stored)
         if response.get("background") is not True:
             raise InvalidRequestError(
                 "Only responses created with background set to true can be cancelled.",
@@ -264,7 +267,7 @@ class BackgroundResponses:
         with redis_errors("background cancel"):
             await self._redis.set(self._cancel_key(tenant_id, response_id), "1", px=int(self.lease_s * 4000))
         cancelled = with_status(response, "cancelled")
-        moved = await self._move(tenant_id, "", cancelled)
+        moved = await self._move(tenant_id, "", cancelled, max_stored_bytes)
         local = self._cancels.get(response_id)
         if local is not None:  # generated here: abort now rather than at the next heartbeat
             local.set()

@@ -224,7 +224,7 @@ def _generation_handler(
             )  # fmt: skip
         assert prepared.stored_chain is not None and isinstance(prepared.body, ChatCompletionRequest)
         queued = with_status(response_object(meta, echo_of(prepared.body, prepared.chain), [], None), "queued")
-        on_progress = services.background.in_progress_hook(tenant.id, tenant_salt, queued, on_progress)
+        on_progress = services.background.in_progress_hook(tenant.id, tenant_salt, limit_bytes, queued, on_progress)
         generation = _generation_response(
             services, request, prepared, path, admission, on_finish, on_progress, wire_now, meta, store_answer
         )

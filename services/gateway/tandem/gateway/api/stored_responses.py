@@ -15,30 +15,33 @@ from tandem.gateway.api.response_chains import read_response
 from tandem.gateway.api.services import GatewayServices
 from tandem.gateway.conversations import StoredConversation
 from tandem.gateway.tenancy.auth import request_authorization
+from tandem.gateway.tenancy.models import Tenant
 
 
-async def _stored(request: Request) -> tuple[GatewayServices, str, str, StoredConversation]:
-    """The caller's stored response named by the path (404 for none, or another tenant's)."""
+async def _stored(request: Request) -> tuple[GatewayServices, Tenant, str, StoredConversation]:
+    """The caller's tenant and its stored response named by the path (404 for none, or another tenant's)."""
     services: GatewayServices = request.app.state.services
     principal = await services.authenticator.authenticate(request_authorization(request.headers))
     response_id = request.path_params["response_id"]
     stored = await read_response(services.conversations, principal.tenant.id, response_id)
-    return services, principal.tenant.id, response_id, stored
+    return services, principal.tenant, response_id, stored
 
 
 async def get_response(request: Request) -> Response:
     """The response as it is now: a background one in whatever status it is in (background_responses)."""
-    services, tenant_id, _, stored = await _stored(request)
-    return JSONResponse(await services.background.current(tenant_id, stored))
+    services, tenant, _, stored = await _stored(request)
+    limit_bytes = services.storage_quota.limit_bytes(tenant)
+    return JSONResponse(await services.background.current(tenant.id, limit_bytes, stored))
 
 
 async def delete_response(request: Request) -> Response:
-    services, tenant_id, response_id, _ = await _stored(request)
-    await services.conversations.delete(tenant_id, response_id)
+    services, tenant, response_id, _ = await _stored(request)
+    await services.conversations.delete(tenant.id, response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 async def cancel_response(request: Request) -> Response:
     """Cancel a background response (400 for one that was not); a finished one is answered as it is."""
-    services, tenant_id, _, stored = await _stored(request)
-    return JSONResponse(await services.background.cancel(tenant_id, stored))
+    services, tenant, _, stored = await _stored(request)
+    limit_bytes = services.storage_quota.limit_bytes(tenant)
+    return JSONResponse(await services.background.cancel(tenant.id, limit_bytes, stored))
