@@ -439,6 +439,39 @@ async def test_metrics_reach_rays_prometheus_endpoint(
             await others.close()
 
 
+async def test_a_burst_runs_on_the_decode_worker_and_the_real_export_counts_it(
+    router: RouterProcess, client: RouterClient
+) -> None:
+    """The router's defaults (burst local prefills on, tandem.router.burst): a long prompt whose one
+    prefill worker has another long prompt ahead of it runs on the decode worker alone, says so in its
+    reason, and Ray's export counts it as ray_tandem_router_burst_local_prefills_total{model}."""
+    model = "model-burst"  # ASCII: a non-ASCII served model name fails in Ray's metric tags (see the report)
+    fake = FakeWorkers(router.key_prefix, pool(model, num_prefill=1, num_decode=1))
+    await fake.start()
+    try:
+        ahead = await client.schedule("req-burst-ahead", model, num_prompt_tokens=2000, max_tokens=16)
+        assert not ahead.local_prefill and ahead.prefill.worker_id == f"{model}-p0"
+        # 2,000 tokens ahead on p0 against 0.25 x (1 + 1) x 2,000 on d0.
+        burst = await client.schedule("req-burst 'x'; DROP", model, num_prompt_tokens=2000, max_tokens=16)
+        assert burst.local_prefill and not burst.HasField("prefill"), burst.reason
+        assert "local_prefill burst wait=2000 extra=1000" in burst.reason
+        name = "ray_tandem_router_burst_local_prefills_total"
+        text = await _scrape_until(router, lambda text: _model_values(text, name, model) == [1.0])
+        assert _model_values(text, name, model) == [1.0]
+        local = [
+            line
+            for line in text.splitlines()
+            if line.startswith("ray_tandem_router_placements_total{")
+            and f'model="{model}"' in line
+            and 'path="local_prefill"' in line
+        ]
+        assert local and local[0].endswith(" 1.0"), local
+    finally:
+        for request_id in ("req-burst-ahead", "req-burst 'x'; DROP"):
+            await client.release(request_id)
+        await fake.close()
+
+
 async def test_the_replicas_ledger_publishes_on_serves_event_loop(router: RouterProcess) -> None:
     """The replica shares its state on the ledger channel (tandem.router.pubsub's raw connection,
     inside Serve's event loop, which is uvloop): its heartbeat arrives every snapshot round."""

@@ -47,7 +47,8 @@ async def test_build_replica_hands_each_settings_group_to_its_part() -> None:
         policy="least_loaded",
         budget={"prefill_tokens_in_flight": 100},
         queue={"timeout_s": 0.05, "poll_interval_s": 0.01},
-        disaggregation={"min_uncached_tokens": 50},
+        # Bursts off reach the placer too: "over" waits for prefill budget instead of running on d0 alone.
+        disaggregation={"min_uncached_tokens": 50, "burst_local_prefill": False},
     )
     scheduler = replica.scheduler
     assert replica.ledger is None and replica.subscriber is None and scheduler.index is replica.index

@@ -80,6 +80,11 @@ class RouterMetrics(Protocol):
         (tandem.router.pairing)."""
         ...
 
+    def count_burst(self, *, model: str) -> None:
+        """A long prompt was placed as a local prefill because its prefill worker was backed up
+        (tandem.router.burst)."""
+        ...
+
     def count_handoff(self, outcome: str) -> None:
         """A placement for another replica's waiter: ``placed`` here, ``adopted`` or ``refused`` by the
         waiter's replica, ``expired`` unanswered (see tandem.router.ledger, hand-offs)."""
@@ -123,6 +128,9 @@ class NullRouterMetrics:
         pass
 
     def count_unpaired(self, *, model: str) -> None:
+        pass
+
+    def count_burst(self, *, model: str) -> None:
         pass
 
     def count_handoff(self, outcome: str) -> None:
@@ -222,6 +230,13 @@ class RayRouterMetrics:
             "decode workers that had budget (a rollout between revisions; lasting: prefill and decode differ).",
             tag_keys=("model",),
         )
+        self._bursts = serve_metrics.Counter(
+            "tandem_router_burst_local_prefills",  # exported as ray_tandem_router_burst_local_prefills_total
+            description="Local prefills placed because the prefill worker was backed up: the decode worker "
+            "computes a long prompt itself (tandem.router.burst's formula); also counted as local_prefill in "
+            "tandem_router_placements.",
+            tag_keys=("model",),
+        )
         self._handoffs = serve_metrics.Counter(
             "tandem_router_handoffs",  # exported as ray_tandem_router_handoffs_total
             description="Placements made for another replica's waiting request, by outcome: placed (here), "
@@ -272,6 +287,9 @@ class RayRouterMetrics:
 
     def count_unpaired(self, *, model: str) -> None:
         self._unpaired.inc(tags={"model": model})
+
+    def count_burst(self, *, model: str) -> None:
+        self._bursts.inc(tags={"model": model})
 
     def count_handoff(self, outcome: str) -> None:
         self._handoffs.inc(tags={"outcome": outcome})

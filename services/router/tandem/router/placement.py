@@ -7,6 +7,14 @@ second form of it: it is the router's working state while placing one request (t
 unchanged, plus what placing it has learned so far: its block hashes per engine configuration,
 computed once, and what its last try lacked). Another replica that places a waiter of this one
 rebuilds it from the ledger (:mod:`tandem.router.handoff`).
+
+Where a request goes (:meth:`Placer.decide`): a decode worker first (the policy, among those with a
+paired prefill worker); the decode worker prefills the prompt alone when little of it is uncached
+there (``DISAGGREGATION__MIN_UNCACHED_TOKENS``, the handoff's price in prompt tokens), or when the
+prefill worker it would be handed to is backed up: a burst, weighed by the one formula of
+:mod:`tandem.router.burst` (the prefill worker's tokens ahead against the decode worker's own backlog
+and the stall its other streams take); otherwise the policy picks a prefill worker and the KV is
+handed off.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from tandem.common.block_hash import BlockHasher
 from tandem.common.errors import InvalidRequestError, NoCapacityError, TandemError
 from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerRecord
 from tandem.router.adapter_slots import AdapterOverlay
+from tandem.router.burst import BurstCost, BurstLedger, burst_cost
 from tandem.router.fair_share import TenantShares
 from tandem.router.fleet import CachedPrefix, FleetTable
 from tandem.router.gauges import Gauges
@@ -31,6 +40,7 @@ from tandem.router.ledger import Ledger
 from tandem.router.metrics import RouterMetrics
 from tandem.router.pairing import Pairing
 from tandem.router.policy import RoutingPolicy, ScheduleRequest, ScoredWorker
+from tandem.router.pool import PoolArrays
 from tandem.router.reservations import ReservationTable
 
 #: How long a caller told "no capacity" should wait before trying again.
@@ -101,6 +111,9 @@ class Choice:
     tokens: dict[str, int]
     #: A local prefill because no prefill worker shares the decode worker's KV fingerprint.
     unpaired: bool = False
+    #: A local prefill because the prefill worker was backed up (:mod:`tandem.router.burst`): the formula's
+    #: two sides; None otherwise.
+    burst: BurstCost | None = None
 
 
 class NoBudget(Exception):
@@ -126,6 +139,7 @@ class Placer:
         gauges: Gauges,
         metrics: RouterMetrics,
         min_uncached_tokens_to_disaggregate: int,
+        burst_stall_weight: float | None = None,
     ) -> None:
         self.policy = policy
         self._intake = intake
@@ -137,6 +151,9 @@ class Placer:
         self._metrics = metrics
         #: Below this many prompt tokens missing from the decode worker's cache, it prefills alone (0: never).
         self._min_uncached_tokens_to_disaggregate = min_uncached_tokens_to_disaggregate
+        #: Local prefills in bursts (:mod:`tandem.router.burst`): the stall weight of its formula; None: off.
+        self._burst_stall_weight = burst_stall_weight if min_uncached_tokens_to_disaggregate > 0 else None
+        self._bursts = BurstLedger(reservations)
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
         #: Adapters this replica placed lately, as loaded on their workers before the records say so.
         self.adapters = AdapterOverlay(clock=reservations.now_s)
@@ -202,6 +219,7 @@ class Placer:
         )
         prefill: ScoredWorker | None = None
         prefill_worker: WorkerRecord | None = None
+        burst: BurstCost | None = None
         if decode_only:
             # The prefill ran already (a dead decode worker's replacement): its worker holds the KV and
             # is named back; nothing more is computed there, so no prefill budget is booked.
@@ -211,14 +229,19 @@ class Placer:
         elif not local:
             paired = pairing.prefill_for(decode.worker)
             prefill = None if prefill_pool is None else self.policy.choose_in(paired, prefill_pool)
-            if prefill is None:
-                _no_worker(request, workers, ROLE_PREFILL)
-            assert prefill_pool is not None
-            num_prefill_cached = int(prefill_pool.cached_tokens[prefill.position])
-            if self._recomputes_too_much(num_tokens, num_decode_cached, num_prefill_cached):
+            burst = self._burst(paired, prefill_pool, prefill, decode_pool, decode, num_tokens - num_decode_cached)
+            if burst is not None and burst.local:
                 local, prefill = True, None
+            elif prefill is None:
+                _no_worker(request, workers, ROLE_PREFILL)
             else:
-                prefill_worker = prefill.worker
+                burst = None
+                assert prefill_pool is not None
+                num_prefill_cached = int(prefill_pool.cached_tokens[prefill.position])
+                if self._recomputes_too_much(num_tokens, num_decode_cached, num_prefill_cached):
+                    local, prefill = True, None
+                else:
+                    prefill_worker = prefill.worker
         tokens = {decode.worker.worker_id: num_tokens + request.max_tokens}
         num_cached = 0
         num_uncached = 0
@@ -230,7 +253,37 @@ class Placer:
             num_uncached = max(0, num_tokens - num_decode_cached)
         return Choice(
             request, prefill, decode, prefill_worker, local, num_cached, num_decode_cached, num_uncached, tokens,
-            unpaired=unpaired,
+            unpaired=unpaired, burst=burst if local else None,
+        )
+
+    def _burst(
+        self,
+        paired: ScheduleRequest,
+        prefill_pool: PoolArrays | None,
+        prefill: ScoredWorker | None,
+        decode_pool: PoolArrays,
+        decode: ScoredWorker,
+        num_decode_uncached: int,
+    ) -> BurstCost | None:
+        """:mod:`tandem.router.burst`'s formula for handing the request to ``prefill`` (None: no prefill
+        worker has budget left; then the least loaded usable one is what it would wait for) against its
+        decode worker computing it now; None when bursts are off, the prompt's length is not known, or no
+        prefill worker could take it at all."""
+        if self._burst_stall_weight is None or paired.num_tokens <= 0 or prefill_pool is None or not len(prefill_pool):
+            return None
+        if prefill is not None:
+            wait = float(prefill_pool.load_tokens[prefill.position])
+        else:
+            usable = _usable(paired, prefill_pool)
+            if not usable.any():
+                return None
+            wait = float(prefill_pool.load_tokens[usable].min())
+        return burst_cost(
+            wait_tokens=wait,
+            ahead_on_decode=self._bursts.ahead_on(decode.worker.worker_id),
+            num_decode_streams=float(decode_pool.num_in_flight[decode.position]),
+            uncached_on_decode=num_decode_uncached,
+            stall_weight=self._burst_stall_weight,
         )
 
     def _recomputes_too_much(self, num_tokens: int, num_decode_cached: int, num_prefill_cached: int) -> bool:
@@ -266,6 +319,9 @@ class Placer:
             self._metrics.count_prefill_tokens(choice.num_uncached_tokens, model=request.model)
         if choice.unpaired:
             self._metrics.count_unpaired(model=request.model)
+        if choice.burst is not None:
+            self._bursts.placed(request.request_id, choice.decode.worker.worker_id, choice.num_uncached_tokens)
+            self._metrics.count_burst(model=request.model)
         return self.decision(choice)
 
     def decision(self, choice: Choice) -> PlacementDecision:
@@ -308,6 +364,12 @@ class Placer:
         )
         if prefill is None and choice.prefill_worker is not None:
             return f"{self.policy.name} decode_only prefill_done_on={choice.prefill_worker.worker_id} {decode_part}"
+        if prefill is None and choice.burst is not None:
+            burst = choice.burst
+            return (
+                f"{self.policy.name} local_prefill burst wait={burst.wait_tokens} extra={burst.extra_tokens} "
+                f"{decode_part}"
+            )
         if prefill is None:
             unpaired = " unpaired" if choice.unpaired else ""
             return f"{self.policy.name} local_prefill{unpaired} {decode_part}"
@@ -315,6 +377,18 @@ class Placer:
             f"{self.policy.name} prefill={prefill.worker.worker_id}:{prefill.score:.3f} "
             f"{decode_part} cached={choice.num_cached_tokens}"
         )
+
+
+def _usable(request: ScheduleRequest, pool: PoolArrays) -> npt.NDArray[np.bool_]:
+    """Workers of ``pool`` that could take ``request`` given budget (not excluded; LoRA for an adapter)."""
+    usable = np.ones(len(pool), np.bool_)
+    for worker_id in request.exclude_worker_ids:
+        position = pool.position(worker_id)
+        if position is not None:
+            usable[position] = False
+    if request.adapter:
+        usable &= pool.adapter_columns(request.adapter).capable
+    return usable
 
 
 def num_candidates(request: ScheduleRequest, workers: Sequence[WorkerRecord], role: str) -> int:

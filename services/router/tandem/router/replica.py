@@ -151,5 +151,8 @@ def build_replica(
         ledger=shared,
         queue=queue,
         min_uncached_tokens_to_disaggregate=config.disaggregation.min_uncached_tokens,
+        burst_stall_weight=(
+            config.disaggregation.burst_stall_weight if config.disaggregation.burst_local_prefill else None
+        ),
     )
     return Replica(scheduler, index, subscriber, shared, registry)

@@ -83,6 +83,7 @@ class Scheduler:
         ledger: Ledger | None = None,
         queue: QueueSettings | None = None,
         min_uncached_tokens_to_disaggregate: int = 0,
+        burst_stall_weight: float | None = None,
     ) -> None:
         self._reservations = reservations
         self._metrics: RouterMetrics = metrics or NullRouterMetrics()
@@ -112,6 +113,7 @@ class Scheduler:
             self._gauges,
             self._metrics,
             min_uncached_tokens_to_disaggregate,
+            burst_stall_weight,
         )
         self._room = WaitingRoom(
             queue_config, self._placer, self.intake, self._shares, ledger, self._metrics, self._epoch, self._sweep

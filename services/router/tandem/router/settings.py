@@ -12,6 +12,7 @@ from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
+from tandem.router.burst import DEFAULT_STALL_WEIGHT
 from tandem.router.ledger import DEFAULT_MAX_MESSAGE_AGE_S, DEFAULT_MAX_REPLICAS
 from tandem.router.policy import DEFAULT_POLICY, CacheAwareWeights
 
@@ -37,6 +38,14 @@ class DisaggregationSettings(BaseModel):
     #: worker itself, with no handoff. 0 sends every request through a prefill worker. The default
     #: comes from ``make bench-local-prefill`` (benchmarks/local_prefill.py; see services/router/README.md).
     min_uncached_tokens: int = Field(DEFAULT_MIN_UNCACHED_TOKENS_TO_DISAGGREGATE, ge=0)
+    #: In a burst, a request over that threshold also runs on its decode worker alone when the prefill
+    #: worker it would be handed to has more prompt tokens ahead of it than the decode worker's own
+    #: backlog and its other streams' stall (tandem.router.burst, one formula). False: never (and with
+    #: ``min_uncached_tokens`` 0, never either).
+    burst_local_prefill: bool = True
+    #: How much one other stream's stall on the decode worker counts against the request's wait for the
+    #: prefill worker (tandem.router.burst); 0: any wait sends a long prompt to a decode worker with budget.
+    burst_stall_weight: float = Field(DEFAULT_STALL_WEIGHT, ge=0)
 
 
 class QueueSettings(BaseModel):
