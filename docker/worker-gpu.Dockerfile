@@ -2,6 +2,8 @@
 # Tandem worker on NVIDIA GPUs: vllm 0.32.0 on a CUDA runtime base.
 #   docker build -f docker/worker-gpu.Dockerfile -t tandem-worker-gpu .
 # Ubuntu 22.04 ships python3.11 (24.04 has 3.12 only).
+# vllm 0.32.0's PyPI wheels bring torch 2.13.0+cu130 and the CUDA 13 user-space libraries as nvidia-* wheels
+# (docs/images.md): torch does not use the base's CUDA runtime, and the node needs a CUDA 13.0 driver (R580+).
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
 
 FROM ${CUDA_IMAGE} AS build
