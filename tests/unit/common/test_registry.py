@@ -17,7 +17,14 @@ import pytest
 import redis.asyncio as aioredis
 
 from tandem.common.errors import BackendUnavailableError, RetryableError
-from tandem.common.registry import ROLE_DECODE, ROLE_PREFILL, WorkerLoad, WorkerRecord, WorkerRegistry
+from tandem.common.registry import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    InvalidWorkerRecordError,
+    WorkerLoad,
+    WorkerRecord,
+    WorkerRegistry,
+)
 from tests.kit.net import free_port
 from tests.kit.redis import delete_prefix
 
@@ -201,7 +208,7 @@ async def test_raw_records_read_in_batches_are_the_whole_list_and_expired_ones_d
     the worker set, whichever batch it falls in."""
     registry = make_registry()
     for i in range(7):
-        await registry.heartbeat(make_record(f"w{i}", model="mødel-模型-🚀"))
+        await registry.heartbeat(make_record(f"w{i}", model_revision="révision-模型-🚀"))  # non-ASCII bytes stored
     await redis_client.delete(f"{key_prefix}:worker:w4")  # its TTL ran out
 
     batched = await registry.list_raw_records(batch_size=3)  # w4 is in the second batch
@@ -211,3 +218,51 @@ async def test_raw_records_read_in_batches_are_the_whole_list_and_expired_ones_d
         assert await registry.list_raw_records(batch_size=batch_size) == batched
     for i in (0, 1, 2, 3, 5, 6):
         await registry.unregister(f"w{i}")
+
+
+def _forged(**changes: Any) -> bytes:
+    return json.dumps({**dataclasses.asdict(make_record("forged")), **changes}).encode()
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b'{"worker_id": "x", "role": ', "does not parse"),
+        (b"[1, 2]", "does not parse"),
+        (b'{"role": "decode"}', "does not parse"),  # no worker_id
+        (_forged(num_kv_blocks="many"), "does not parse"),
+        (_forged(model=7), "does not parse"),
+        (_forged(load={"kv_usage": "full"}), "does not parse"),
+        (_forged(model="模型 🚀 café"), "does not match"),
+        (_forged(model='m",namespace="other'), "does not match"),  # a PromQL selector breaking out
+        (_forged(model=""), "does not match"),
+        (_forged(model="<|im_start|>system"), "does not match"),
+        (_forged(worker_id="w 1"), "does not match"),
+        (_forged(worker_id="x" * 200), "does not match"),
+        (_forged(role="admin"), "role"),
+        (_forged(num_kv_blocks=-5), "negative num_kv_blocks"),
+        (_forged(load={"num_running_requests": -1}), "negative num_running_requests"),
+        (_forged(load={"kv_usage": -0.5}), "not a share"),  # (JSON has no NaN or infinity)
+    ],
+)
+def test_a_record_no_worker_would_write_is_refused(raw: bytes, reason: str) -> None:
+    with pytest.raises(InvalidWorkerRecordError, match=reason):
+        WorkerRecord.from_json(raw)
+
+
+def test_a_real_record_round_trips_through_the_checks() -> None:
+    record = make_record("decode-0a1b2c", ROLE_DECODE, model="org/Llama-3.1-8B:rev.2", adapters=("a1",))
+    assert WorkerRecord.from_json(record.to_json()) == record
+
+
+async def test_a_forged_record_does_not_hide_the_real_ones(
+    make_registry: RegistryFactory, redis_client: aioredis.Redis, key_prefix: str
+) -> None:
+    registry = make_registry()
+    await registry.heartbeat(make_record("p0"))
+    await registry.heartbeat(make_record("d0", ROLE_DECODE))
+    for worker_id, raw in {"f-model": _forged(model="モデル"), "f-json": b"{"}.items():
+        await redis_client.set(f"{key_prefix}:worker:{worker_id}", raw, px=5000)
+        await redis_client.zadd(f"{key_prefix}:workers", {worker_id: 0})
+
+    assert [r.worker_id for r in await registry.list_workers()] == ["d0", "p0"]

@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
 
 from tandem.common.errors import BackendUnavailableError
-from tandem.common.registry import WorkerRegistry
+from tandem.common.registry import WorkerRecord, WorkerRegistry
 from tandem.router.worker_view import CachedWorkerView
 from tests.kit.clock import FakeClock
 from tests.kit.redis import acl_users
@@ -169,3 +170,37 @@ async def test_a_worker_that_unregisters_leaves_the_view_within_the_removal_chec
         finally:
             await worker_side.aclose()
             await router_side.aclose()
+
+
+class ForgedRegistry(RawRegistry):
+    """The registry's real records plus ones an insider with the workers' Redis user wrote."""
+
+    def __init__(self, workers: list[WorkerRecord], forged: list[bytes]) -> None:
+        super().__init__(workers)
+        self.forged = forged
+
+    async def list_raw_records(self, *, batch_size: int = 0) -> list[bytes]:
+        return [*self.forged, *await super().list_raw_records(batch_size=batch_size)]
+
+
+async def test_a_forged_record_is_skipped_and_the_real_ones_are_served() -> None:
+    """One bad record used to fail the whole refresh (the old list served for good), and a non-ASCII model
+    reached the router's Ray metric tags (every Schedule failed). Now each is skipped and counted."""
+    real = make_pool(2, 1)
+    template = json.loads(real[0].to_json())
+    forged = [
+        json.dumps({**template, "worker_id": "forged-model", "model": "模型 🚀 café"}).encode(),
+        b'{"worker_id": "forged-json", "role": ',
+        json.dumps({**template, "worker_id": "forged-type", "num_kv_blocks": "many"}).encode(),
+        json.dumps({**template, "worker_id": "forged-role", "role": "admin"}).encode(),
+    ]
+    clock, registry = FakeClock(), ForgedRegistry(real, forged)
+    view = CachedWorkerView(registry, refresh_interval_s=0.5, max_stale_s=5.0, clock=clock, refresh_in_background=True)
+    assert len(await view.workers()) == 3  # the first read (the fake's parsed list) waits for the registry
+    registry.workers = make_pool(3, 1)  # a worker joins; the background refresh reads the records as stored
+    clock.advance(0.6)
+    await view.workers()
+    await asyncio.sleep(0.05)
+    listed = await view.workers()
+    assert [w.worker_id for w in listed] == sorted(w.worker_id for w in registry.workers)
+    assert view.num_rejected == len(forged)

@@ -12,16 +12,30 @@ expiry in Unix ms by the worker's clock, informational) and one string
 record key's Redis TTL alone: Redis's clock is the only one that counts, so a
 worker and a router whose clocks disagree still see each other. The sorted set
 is an index; readers prune members whose record has expired.
+
+**A record is checked where it is read** (:meth:`WorkerRecord.from_json`): its JSON against the
+record's types (msgspec; fields this version does not know are skipped), then what the readers put
+into metric labels, PromQL selectors and arithmetic (a role of :data:`ROLES`, a worker id and a model
+name of :data:`WORKER_ID` / :data:`MODEL_NAME`, counts and sizes not negative, loads finite). Anything
+that can write the registry (a worker's Redis user, or an insider with it) could otherwise stop every
+reader: one record with a non-ASCII model made every router Schedule fail (Ray's metric tags are
+ASCII), one that did not parse failed the whole list's refresh, so the router kept an old list for
+good. A record that fails is skipped and logged by its readers (:meth:`WorkerRegistry.list_workers`,
+the router's ``tandem.router.worker_view``); the others are served as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -31,6 +45,17 @@ from tandem.common.errors import BackendUnavailableError
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
 ROLES = (ROLE_PREFILL, ROLE_DECODE)
+#: A served model's name (the engine's served_model_name, the gateway's ``model``, a ``model`` metric label
+#: and PromQL selector value): ASCII, no quote, backslash or space. The operator's CRD allows the same.
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./:-]{0,127}$")
+#: A worker id (``<role>-<hex>`` from the worker; tests and simulated fleets use other plain names).
+WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidWorkerRecordError(ValueError):
+    """A registry record that does not parse or breaks a rule of :meth:`WorkerRecord.from_json`."""
 
 
 @dataclass(frozen=True)
@@ -97,18 +122,57 @@ class WorkerRecord:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WorkerRecord:
-        """Fields this version does not know are skipped (a newer worker may send more)."""
-        data: dict[str, Any] = json.loads(raw)
-        load = WorkerLoad(**{k: v for k, v in (data.get("load") or {}).items() if k in _LOAD_FIELDS})
-        fields = {k: v for k, v in data.items() if k in _RECORD_FIELDS}
-        for name in ("adapters", "kv_data_paths"):
-            if name in fields:
-                fields[name] = tuple(fields[name])
-        return cls(**fields, load=load)
+        """The record in ``raw``, checked (module docstring); fields this version does not know are skipped
+        (a newer worker may send more). Raises :class:`InvalidWorkerRecordError`."""
+        try:
+            record = _RECORD_DECODER.decode(raw)
+        except msgspec.DecodeError as exc:  # (ValidationError derives from it)
+            raise InvalidWorkerRecordError(f"worker record does not parse: {exc}") from None
+        record.check()
+        return record
+
+    def check(self) -> None:
+        """Raise :class:`InvalidWorkerRecordError` for what a reader cannot serve (module docstring)."""
+        if not WORKER_ID.match(self.worker_id):
+            raise InvalidWorkerRecordError(f"worker id {self.worker_id[:40]!r} does not match {WORKER_ID.pattern}")
+        if self.role not in ROLES:
+            raise InvalidWorkerRecordError(f"worker {self.worker_id}: role {self.role[:20]!r} is not one of {ROLES}")
+        if not MODEL_NAME.match(self.model):
+            raise InvalidWorkerRecordError(
+                f"worker {self.worker_id}: model {self.model[:40]!r} does not match {MODEL_NAME.pattern}"
+            )
+        counts = {name: getattr(self, name) for name in _RECORD_COUNTS}
+        counts.update({name: getattr(self.load, name) for name in _LOAD_COUNTS})
+        negative = sorted(name for name, value in counts.items() if value < 0)
+        if negative:
+            raise InvalidWorkerRecordError(f"worker {self.worker_id}: negative {', '.join(negative)}")
+        if not (math.isfinite(self.load.kv_usage) and self.load.kv_usage >= 0):
+            raise InvalidWorkerRecordError(f"worker {self.worker_id}: kv_usage {self.load.kv_usage} is not a share")
 
 
-_RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerRecord)) - {"load"}
-_LOAD_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerLoad))
+_RECORD_DECODER = msgspec.json.Decoder(WorkerRecord)
+_RECORD_COUNTS = tuple(f.name for f in dataclasses.fields(WorkerRecord) if f.type in ("int", int))
+_LOAD_COUNTS = tuple(f.name for f in dataclasses.fields(WorkerLoad) if f.type in ("int", int))
+
+
+#: A reader that skips bad records logs it at most this often (it reads the list every second or so).
+REJECT_LOG_INTERVAL_S = 60.0
+_reject_logged_s: dict[str, float] = {}
+
+
+def parse_records(raws: list[bytes], *, source: str) -> list[WorkerRecord]:
+    """The records of ``raws`` that pass :meth:`WorkerRecord.from_json`; one that does not is skipped, so
+    one bad record never hides the others, and logged (by ``source``, the reader) once a minute."""
+    records = []
+    for raw in raws:
+        try:
+            records.append(WorkerRecord.from_json(raw))
+        except InvalidWorkerRecordError as exc:
+            now_s = time.monotonic()
+            if now_s - _reject_logged_s.get(source, -REJECT_LOG_INTERVAL_S) >= REJECT_LOG_INTERVAL_S:
+                _reject_logged_s[source] = now_s
+                logger.warning("%s: skipping a worker record (logged once a minute): %s", source, exc)
+    return records
 
 
 class WorkerRegistry:
@@ -191,7 +255,7 @@ class WorkerRegistry:
 
     async def list_workers(self, *, role: str | None = None, model: str | None = None) -> list[WorkerRecord]:
         """Live workers, optionally filtered by role and model, sorted by id."""
-        records = [WorkerRecord.from_json(raw) for raw in await self.list_raw_records()]
+        records = parse_records(await self.list_raw_records(), source="worker registry")
         return sorted(
             (r for r in records
              if (role is None or r.role == role) and (model is None or r.model == model)),

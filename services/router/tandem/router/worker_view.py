@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from tandem.common.errors import BackendUnavailableError
-from tandem.common.registry import WorkerRecord
+from tandem.common.registry import InvalidWorkerRecordError, WorkerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class WorkerSource(Protocol):
 #: A background refresh yields to the event loop after parsing for this long (a Schedule that
 #: arrives meanwhile waits at most about that), and reads the records this many per MGET.
 _PARSE_SLICE_S = 0.0002
+#: A record that fails its checks is skipped at every read; it is logged at most this often.
+REJECT_LOG_INTERVAL_S = 60.0
 _READ_BATCH = 64
 #: Reads for :meth:`CachedWorkerView.workers_now` start at least this far apart.
 MIN_FORCED_READ_INTERVAL_S = 0.05
@@ -93,6 +95,9 @@ class CachedWorkerView:
         self._removals_check: asyncio.Task[None] | None = None
         # raw record JSON -> its parsed record, from the last read (unchanged records are not parsed again)
         self._parsed: dict[bytes, WorkerRecord] = {}
+        self._reject_logged_s = -REJECT_LOG_INTERVAL_S
+        #: Records skipped so far because they failed their checks (tandem.common.registry).
+        self.num_rejected = 0
         self._refresh_interval_s = refresh_interval_s
         self._max_stale_s = max_stale_s
         self._clock = clock
@@ -219,7 +224,17 @@ class CachedWorkerView:
         workers: list[WorkerRecord] = []
         slice_end_s = time.perf_counter() + _PARSE_SLICE_S
         for raw in raws:
-            record = self._parsed.get(raw) or WorkerRecord.from_json(raw)
+            record = self._parsed.get(raw)
+            if record is None:
+                try:
+                    record = WorkerRecord.from_json(raw)
+                except InvalidWorkerRecordError as exc:
+                    # One bad record (a worker's Redis user can write any) must not hide the others.
+                    self.num_rejected += 1
+                    if self._clock() - self._reject_logged_s >= REJECT_LOG_INTERVAL_S:
+                        self._reject_logged_s = self._clock()
+                        logger.warning("skipping a worker record (logged once a minute): %s", exc)
+                    continue
             parsed[raw] = record
             workers.append(record)
             if time.perf_counter() > slice_end_s:

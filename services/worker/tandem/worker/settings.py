@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tandem.common.registry import MODEL_NAME
 from tandem.common.settings import RedisSettings, RegistrySettings
 from tandem.common.tls import TLSSettings
 from tandem.worker.kv_connector.cpus import parse_cpu_list
@@ -26,7 +27,8 @@ class EngineSettings(BaseModel):
     #: A Hugging Face model folder (safetensors + config + tokenizer).
     model_dir: Path = Field(default_factory=default_model_dir)
     #: The model name clients use.
-    served_model_name: str = "SmolLM2-135M-Instruct"
+    #: Registered with every heartbeat; readers skip a record whose name breaks MODEL_NAME (tandem.common.registry).
+    served_model_name: str = Field("SmolLM2-135M-Instruct", pattern=MODEL_NAME.pattern)
     #: Which weights ``model_dir`` holds (a Hugging Face commit, a tag); part of the KV fingerprint. "": a
     #: digest of the folder's config and weight file sizes (tandem.common.kv_fingerprint.model_revision).
     model_revision: str = Field("", max_length=128)
