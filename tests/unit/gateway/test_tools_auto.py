@@ -18,8 +18,9 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from tandem.gateway.prompt import HfPromptTokenizer
-from tandem.gateway.settings import SMOLLM2_TOOL_TEMPLATE
+from tandem.gateway.settings import LLAMA31_JSON_TOOL_TEMPLATE, SMOLLM2_TOOL_TEMPLATE
 from tests.kit.gateway import MODEL, DecodeStep, FakeRouter
+from tests.kit.net import serving
 from tests.unit.gateway.conftest import Stack, gateway_settings, running_stack
 
 pytestmark = [pytest.mark.timeout(30)]  # asyncio_mode is auto
@@ -171,3 +172,54 @@ async def test_messages_auto_answers_text_and_tool_use(stack: Stack, live_url: s
         text, tool_use = message.content
         assert text.type == "text" and text.text == "Ich schaue nach.\n"
         assert tool_use.type == "tool_use" and tool_use.name == "get_weather" and tool_use.input == ARGUMENTS
+
+
+# -- a model whose tool chat template is the Llama 3.1 JSON one --------------------------------------------------
+
+LLAMA_CALL = json.dumps({"name": "get_weather", "parameters": ARGUMENTS}, ensure_ascii=False)
+
+
+@pytest_asyncio.fixture
+async def llama_stack(
+    start_worker: Callable[..., Any], fake_router: FakeRouter, prompt_tokenizer: HfPromptTokenizer
+) -> AsyncIterator[Stack]:
+    """The unit stack's model named with the ``llama3.1-json`` template (SIMULATED: the test tokenizer renders
+    it; no Llama tokenizer is here): its answers are read in the Llama JSON form, not the Hermes one."""
+    settings = gateway_settings(max_model_len=2048, tool_chat_template="llama3.1-json")
+    (model,) = settings.models
+    assert model.tool_call_format == "llama3_json"
+    tool_tokenizer = prompt_tokenizer.with_chat_template(LLAMA31_JSON_TOOL_TEMPLATE.read_text(encoding="utf-8"))
+    async with running_stack(
+        start_worker, fake_router, prompt_tokenizer, settings, tool_tokenizers={MODEL: tool_tokenizer}
+    ) as unit_stack:
+        yield unit_stack
+
+
+async def test_a_llama_models_json_call_comes_back_whole_and_streamed(llama_stack: Stack) -> None:
+    script(llama_stack, LLAMA_CALL)
+    response = await llama_stack.client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGUMENTS
+    async with (
+        serving(llama_stack.app) as port,
+        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0) as client,
+        client.chat.completions.stream(
+            model=MODEL, messages=USER, tools=[WEATHER], tool_choice="auto", max_tokens=16
+        ) as stream,
+    ):
+        streamed = await stream.get_final_completion()
+    (again,) = streamed.choices
+    assert again.finish_reason == "tool_calls" and again.message.tool_calls is not None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in again.message.tool_calls] == [
+        ("get_weather", ARGUMENTS)
+    ]
+
+
+async def test_a_llama_model_reads_a_hermes_block_as_text(llama_stack: Stack) -> None:
+    script(llama_stack, TEXT_AND_CALL)
+    response = await llama_stack.client.post("/v1/chat/completions", json=chat())
+    (choice,) = response.json()["choices"]
+    assert choice["message"] == {"role": "assistant", "content": TEXT_AND_CALL} and choice["finish_reason"] == "stop"

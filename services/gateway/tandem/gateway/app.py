@@ -99,7 +99,7 @@ def _served_models(
         if model_tokenizer is None:
             raise ValueError(f"no tokenizer for the served model {model.name!r}")
         served[model.name] = ServedModelServices(
-            _model_limits(settings, model), model_tokenizer, tool_tokenizers.get(model.name)
+            _model_limits(settings, model), model_tokenizer, tool_tokenizers.get(model.name), model.tool_call_format
         )
     return served
 

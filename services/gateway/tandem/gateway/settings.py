@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tandem.common.settings import RedisSettings, RegistrySettings
 from tandem.common.tls import TLSSettings
+from tandem.gateway.api.tools import ToolCallFormat
 from tandem.gateway.storage_quota import DEFAULT_MAX_STORED_BYTES
 
 
@@ -19,18 +20,42 @@ def _default_model_dir() -> Path:
     return Path.home() / ".cache" / "tandem" / "models" / "SmolLM2-135M-Instruct"
 
 
+_TEMPLATES = Path(__file__).parent / "templates"
 #: Tandem's tool chat template for the default model (SmolLM2-135M-Instruct, ChatML; Hermes-style calls).
-SMOLLM2_TOOL_TEMPLATE = Path(__file__).parent / "templates" / "smollm2_tools.jinja"
+SMOLLM2_TOOL_TEMPLATE = _TEMPLATES / "smollm2_tools.jinja"
+#: The Qwen2.5 Instruct family's own tool chat template (Hermes-style calls).
+QWEN25_TOOL_TEMPLATE = _TEMPLATES / "qwen2_5_tools.jinja"
+#: vLLM's Llama 3.1 template with JSON tool calls (``{"name": ..., "parameters": {...}}``, vLLM's llama3_json).
+LLAMA31_JSON_TOOL_TEMPLATE = _TEMPLATES / "llama3_1_json_tools.jinja"
+
+#: The tool chat templates Tandem ships, by the name a setting gives them (the chart's
+#: ``toolChatTemplate``, which picks one by the model's family when unset: charts/tandem/templates/_helpers.tpl),
+#: and the tool-call format each template asks the model to answer in (tandem.gateway.api.hermes_tools).
+NAMED_TOOL_TEMPLATES: dict[str, tuple[Path, ToolCallFormat]] = {
+    "default": (SMOLLM2_TOOL_TEMPLATE, "hermes"),
+    "qwen2.5": (QWEN25_TOOL_TEMPLATE, "hermes"),
+    "llama3.1-json": (LLAMA31_JSON_TOOL_TEMPLATE, "llama3_json"),
+}
 
 
 def tool_template_path(value: object) -> object:
     """A tool chat template setting as written (an environment variable, the chart's JSON): ``""`` is none
-    (``tool_choice: "auto"`` refused), ``"default"`` Tandem's template for the SmolLM2 family, else a path."""
+    (``tool_choice: "auto"`` refused), a name of :data:`NAMED_TOOL_TEMPLATES` (``"default"``: Tandem's
+    template for the SmolLM2 family) that shipped template, else a path."""
     if value == "":
         return None
-    if value == "default":
-        return SMOLLM2_TOOL_TEMPLATE
+    if isinstance(value, str) and value in NAMED_TOOL_TEMPLATES:
+        return NAMED_TOOL_TEMPLATES[value][0]
     return value
+
+
+def tool_call_format(template: Path | None) -> ToolCallFormat:
+    """The tool-call format a model answers in with ``template``: the named template's, else Hermes-style
+    (the format of every template Tandem ships but the Llama JSON one)."""
+    for path, call_format in NAMED_TOOL_TEMPLATES.values():
+        if template == path:
+            return call_format
+    return "hermes"
 
 
 class ServedModel(BaseModel):
@@ -42,13 +67,22 @@ class ServedModel(BaseModel):
     model_dir: Path
     #: Prompt plus generated tokens may not exceed this.
     max_model_len: int = Field(4096, ge=2)
-    #: A chat template (a Jinja file) that presents tools and lets the model answer with Hermes-style
-    #: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; requests with tools and
-    #: ``tool_choice: "auto"`` are rendered with it (all others with the model's own template) and their
-    #: answers read by tandem.gateway.api.hermes_tools. None: ``auto`` is refused with 400 for this model.
-    #: Read from JSON (TANDEM_GATEWAY_MODELS, the chart's ``models[].toolChatTemplate``): ``"default"`` is
-    #: Tandem's template for the SmolLM2 family (SMOLLM2_TOOL_TEMPLATE), ``""`` is None, else a file's path.
+    #: A chat template (a Jinja file) that presents tools and lets the model answer with tool calls in the
+    #: format of tool_call_format; requests with tools and ``tool_choice: "auto"`` are rendered with it (all
+    #: others with the model's own template) and their answers read by tandem.gateway.api.hermes_tools.
+    #: None: ``auto`` is refused with 400 for this model. Read from JSON (TANDEM_GATEWAY_MODELS, the chart's
+    #: ``models[].toolChatTemplate``): a name of NAMED_TOOL_TEMPLATES (``"default"``: Tandem's template for
+    #: the SmolLM2 family; ``"qwen2.5"``; ``"llama3.1-json"``) is that shipped file, ``""`` is None, else a
+    #: file's path.
     tool_chat_template: Path | None = None
+    #: The format of the model's tool calls (``hermes``: ``<tool_call>{...}</tool_call>`` blocks;
+    #: ``llama3_json``: the whole answer is ``{"name": ..., "parameters": {...}}``, as vLLM's llama3_json
+    #: parser reads it). Unset: the named template's format, else ``hermes``.
+    tool_call_parser: ToolCallFormat | None = None
+
+    @property
+    def tool_call_format(self) -> ToolCallFormat:
+        return self.tool_call_parser or tool_call_format(self.tool_chat_template)
 
     @field_validator("tool_chat_template", mode="before")
     @classmethod
@@ -172,9 +206,9 @@ class GatewaySettings(BaseSettings):
     #: Prompt plus generated tokens may not exceed this.
     max_model_len: int = Field(4096, ge=2)
     #: The single model's tool chat template (ServedModel.tool_chat_template): by default Tandem's for
-    #: SmolLM2-135M-Instruct (ChatML); set it to another model's template, or to an empty value to refuse
-    #: ``tool_choice: "auto"`` (``default``: Tandem's). With ``models`` set, each model names its own (none by
-    #: default; the chart gives SmolLM2-family models ``default``).
+    #: SmolLM2-135M-Instruct (ChatML); set it to another model's template (a name of NAMED_TOOL_TEMPLATES or
+    #: a path), or to an empty value to refuse ``tool_choice: "auto"`` (``default``: Tandem's). With
+    #: ``models`` set, each model names its own (none by default). The chart picks one by the model's family.
     tool_chat_template: Path | None = SMOLLM2_TOOL_TEMPLATE
     #: Every base model served, as JSON (``TANDEM_GATEWAY_MODELS='[{"name": "a", "model_dir": "/m/a",
     #: "max_model_len": 4096}, ...]'``); the first is the default (an adapter loaded without a base model

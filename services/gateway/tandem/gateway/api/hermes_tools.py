@@ -32,6 +32,18 @@ same texts. Where this module differs from vLLM, on purpose:
   is only calls).
 
 ``finish_reason`` is ``"tool_calls"`` when the answer made a call, as vLLM's server answers.
+
+**The Llama JSON form** (``ToolSpec.call_format == "llama3_json"``: Llama 3.1 with Tandem's copy of vLLM's
+``tool_chat_template_llama3.1_json.jinja``) is read by the same reader: the whole answer, after any leading
+whitespace and an optional ``<|python_tag|>``, is one or more JSON objects ``{"name": ..., "parameters":
+{...}}`` (``"arguments"`` also accepted, and preferred when both are there, as vLLM's
+``Llama3JsonToolParser``) separated by ``;``. Each object is checked by the same rule as a Hermes block (a
+declared tool, an object of arguments; with ``parallel_tool_calls`` false, objects after the first stay
+text). An answer that begins with ``{`` or ``<|python_tag|>`` is held whole until it ends, then is calls
+only if every object is a valid call and nothing but separators lies between them; otherwise it is all
+text. Where this differs from vLLM, on purpose: an answer that begins with other text is text (vLLM's
+streaming reader says so too, while its whole-answer reader also takes JSON objects found later in the
+text, so its two readings of one answer can differ).
 """
 
 from __future__ import annotations
@@ -45,6 +57,8 @@ from tandem.gateway.api.tools import ToolSpec
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
+#: What Llama 3.1 may write before its JSON calls (a special token: absent when the worker drops those).
+PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True)
@@ -96,9 +110,14 @@ class HermesReader:
     _num_searched: int = 0
     _closed: bool = False
 
+    #: Llama JSON form only: whether the answer was found to be calls (held whole), text, or not yet known.
+    _json_answer: bool | None = None
+
     def feed(self, delta: str) -> list[Event]:
         assert not self._closed, "the answer was closed"
         self._pending += delta
+        if self.spec.call_format == "llama3_json":
+            return self._feed_json()
         events: list[Event] = []
         while True:
             if self._in_call:
@@ -130,7 +149,9 @@ class HermesReader:
         assert not self._closed, "the answer was closed"
         self._closed = True
         pending, self._pending = self._pending, ""
-        if self._in_call:
+        if self._json_answer:
+            events = self._json_calls(pending)
+        elif self._in_call:
             self._in_call = False
             events = self._block(pending, pending[len(CALL_START) :])
         else:
@@ -139,6 +160,61 @@ class HermesReader:
             held, self._held_whitespace = self._held_whitespace, ""
             self.content += held
             events.append(Text(held))
+        return events
+
+    def _feed_json(self) -> list[Event]:
+        """The Llama JSON form: decide from the answer's first characters whether it is calls (hold it
+        whole until :meth:`close`) or text (stream it as it comes)."""
+        if self._json_answer is None:
+            start = self._pending.lstrip()
+            if not start or (len(start) < len(PYTHON_TAG) and PYTHON_TAG.startswith(start)):
+                return []  # not yet known
+            self._json_answer = start.startswith(("{", PYTHON_TAG))
+        if self._json_answer:
+            return []
+        pending, self._pending = self._pending, ""
+        return self._text(pending)
+
+    def _json_calls(self, answer: str) -> list[Event]:
+        """A whole Llama JSON answer: its calls, or all of it as text when any part is not a valid call."""
+        body = answer.lstrip()
+        body = body.removeprefix(PYTHON_TAG)
+        decoder = json.JSONDecoder()
+        # (start, end) of each object in ``answer``; the parse fails on anything but objects and separators.
+        spans: list[tuple[int, int]] = []
+        at = len(answer) - len(body)
+        while True:
+            at += len(answer[at:]) - len(answer[at:].lstrip())
+            if at == len(answer):
+                break
+            if spans:
+                if answer[at] != ";":
+                    return self._text(answer)
+                at += 1
+                at += len(answer[at:]) - len(answer[at:].lstrip())
+            try:
+                _, end = decoder.raw_decode(answer, at)
+            except (ValueError, RecursionError):
+                return self._text(answer)
+            spans.append((at, end))
+            at = end
+        calls = [self._call(answer[start:end], "parameters") for start, end in spans[:1]]
+        if not spans or calls[0] is None:
+            return self._text(answer)
+        for start, end in spans[1:]:
+            if not self.spec.parallel_tool_calls:
+                break
+            call = self._call(answer[start:end], "parameters")
+            if call is None:
+                return self._text(answer)
+            calls.append(call)
+        events: list[Event] = []
+        for call in calls:
+            assert call is not None
+            self.calls.append(call)
+            events.append(Call(len(self.calls) - 1, call))
+        if len(calls) < len(spans):  # parallel_tool_calls false: what follows the first call stays text
+            events.extend(self._text(answer[spans[0][1] :].lstrip()))
         return events
 
     def _text(self, text: str) -> list[Event]:
@@ -158,7 +234,9 @@ class HermesReader:
         self.calls.append(call)
         return [Call(len(self.calls) - 1, call)]
 
-    def _call(self, body: str) -> ToolCall | None:
+    def _call(self, body: str, arguments_alias: str | None = None) -> ToolCall | None:
+        """``body`` as a call of a declared tool, or None. ``arguments_alias``: another key the arguments may
+        be under (Llama's ``parameters``), read when ``arguments`` is absent."""
         if self.calls and not self.spec.parallel_tool_calls:
             return None
         try:
@@ -167,7 +245,8 @@ class HermesReader:
             return None
         if not isinstance(value, dict):
             return None
-        name, arguments = value.get("name"), value.get("arguments")
+        key = "arguments" if arguments_alias is None or "arguments" in value else arguments_alias
+        name, arguments = value.get("name"), value.get(key)
         if not isinstance(name, str) or not isinstance(arguments, dict):
             return None
         if not any(tool.name == name for tool in self.spec.tools):

@@ -18,7 +18,7 @@ failure is a TandemError that the handler turns into an OpenAI error.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from starlette.requests import Request
@@ -154,6 +154,9 @@ async def _prepare(
     limits, tokenizer = served.limits, served.tokenizer
     tools = body.tool_spec() if isinstance(body, ChatCompletionRequest) else None
     chat_tokenizer = _chat_tokenizer(served, tools, dialect)
+    if tools is not None and tools.mode == "auto":
+        # The answer is read in the format the model's tool chat template asks for.
+        tools = replace(tools, call_format=served.tool_call_format)
     if endpoint == "completions" and not tenant.may_send_raw_prompts():
         raise PermissionDeniedError(
             "This API key's tenant has a prompt policy (a system prompt, or no client system messages) that "

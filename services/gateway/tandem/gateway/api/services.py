@@ -10,6 +10,7 @@ from tandem.gateway.adapter_admin import AdapterAdmin
 from tandem.gateway.adapters import ModelResolver
 from tandem.gateway.api.background_responses import BackgroundResponses
 from tandem.gateway.api.generation import StreamLimits
+from tandem.gateway.api.tools import ToolCallFormat
 from tandem.gateway.conversations import ConversationStore
 from tandem.gateway.drain import Drain
 from tandem.gateway.metrics import GatewayMetrics
@@ -42,6 +43,8 @@ class ServedModelServices:
     #: The tokenizer with the model's tool chat template, for requests with tools and ``tool_choice: "auto"``;
     #: None: the model has none, and ``auto`` is refused (tandem.gateway.api.tools.AUTO_REFUSED).
     tool_tokenizer: PromptTokenizer | None = None
+    #: The format of the model's tool calls with that template (tandem.gateway.api.hermes_tools reads it).
+    tool_call_format: ToolCallFormat = "hermes"
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,10 @@ through structured outputs, so they work across prefill and decode exactly as
   model decides for itself whether to call, in its own syntax. It needs a chat
   template that presents the tools and a parser for that syntax: a served model
   configured with a tool chat template (``ServedModel.tool_chat_template``; Tandem
-  ships a Hermes-style one for the default model) is rendered with it and its answer
-  read by :mod:`tandem.gateway.api.hermes_tools`; for any other model
+  ships a Hermes-style one for the default model, and the Qwen2.5 and Llama 3.1
+  families' own) is rendered with it and its answer read by
+  :mod:`tandem.gateway.api.hermes_tools` in the model's format
+  (:data:`ToolCallFormat`); for any other model
   :mod:`tandem.gateway.api.prepare` refuses ``auto`` with 400 (:data:`AUTO_REFUSED`),
   naming the choices that work.
 """
@@ -51,6 +53,11 @@ MAX_NUM_TOOL_CALLS = 128
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 ToolMode = Literal["none", "auto", "required", "named"]
+#: How a model writes a tool call in its own words (``tool_choice: "auto"``, :mod:`tandem.gateway.api.hermes_tools`):
+#: ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the text (SmolLM2 with
+#: Tandem's template, Qwen2.5); ``llama3_json``: the whole answer is ``{"name": ..., "parameters": {...}}``
+#: objects separated by ``;``, after an optional ``<|python_tag|>`` (Llama 3.1 with vLLM's JSON template).
+ToolCallFormat = Literal["hermes", "llama3_json"]
 
 #: Chat's refusal of ``"auto"`` for a model without a tool chat template (each API words its own).
 AUTO_REFUSED = (
@@ -139,6 +146,8 @@ class ToolSpec:
     name: str | None = None
     #: False: at most one call (``"required"`` only; a named choice is one call by construction).
     parallel_tool_calls: bool = True
+    #: The served model's tool-call format (``"auto"`` only; set once the model is known).
+    call_format: ToolCallFormat = "hermes"
 
     @property
     def constrains(self) -> bool:
