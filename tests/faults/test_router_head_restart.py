@@ -243,6 +243,11 @@ async def heartbeating(key_prefix: str) -> AsyncIterator[list[WorkerRecord]]:
         for record in records:
             await registry.unregister(record.worker_id)
         await registry.aclose()
+        client = redis.Redis.from_url(REGISTRY_URL)  # the unregistering wrote after router_process cleaned up
+        keys = list(client.scan_iter(f"{key_prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
 
 
 async def _schedule(address: str, request_id: str) -> tuple[str, str]:
