@@ -1,7 +1,8 @@
 """Each model of the chart's models form names its tool chat template (issue 41): the gateway's
 TANDEM_GATEWAY_MODELS carries it per model, a ConfigMap named for a model is mounted on the gateway where
-that model's setting points, the default follows the model's family (SmolLM2: the shipped template; any
-other: none, ``tool_choice: "auto"`` refused), and the TandemDeployment never sees the field (the CRD and
+that model's setting points, the default follows the model's family in both chart forms (SmolLM2: the
+shipped "default"; Llama 3.1: "llama3.1-json"; Qwen2.5: "qwen2.5"; any other: none, ``tool_choice: "auto"``
+refused), and the TandemDeployment never sees the field (the CRD and
 the operator do not know it). The gateway's parse of the rendered value:
 tests/unit/gateway/test_chart_tool_templates.py."""
 
@@ -15,7 +16,7 @@ import pytest
 from tests.chart.conftest import render
 from tests.chart.crd_schema import validate_custom_resource
 from tests.chart.test_models_chart import K8S_VERSION
-from tests.chart.tool_templates import MODELS, gateway_container, gateway_env, render_models
+from tests.chart.tool_templates import MODELS, gateway_container, gateway_env, render_models, render_single
 
 
 def test_each_model_gets_its_tool_template_in_the_gateways_models() -> None:
@@ -23,11 +24,16 @@ def test_each_model_gets_its_tool_template_in_the_gateways_models() -> None:
     assert [m["name"] for m in served] == [m["name"] for m in MODELS]
     assert [m["tool_chat_template"] for m in served] == [
         "default",  # unset, SmolLM2 by its path: the shipped template, as in the single-model form
-        "",  # unset, another family: auto refused
+        "llama3.1-json",  # unset, Llama 3.1 by its name: its family's
         "/etc/tandem/tool-templates/2/qwen_tools.jinja",  # the ConfigMap's key where it is mounted
         "default",  # named
         "",  # named empty, even for SmolLM2
         "/models/mistral/tools.jinja",  # a path, as written
+        "qwen2.5",  # unset, Qwen2.5 by its path
+        "",  # unset, a family Tandem ships no template for: auto refused
+        "",  # unset, Qwen2.5-Math: not the Qwen2.5 chat format's tools
+        "qwen2.5",  # named
+        "llama3.1-json",  # named
     ]
 
 
@@ -60,19 +66,47 @@ def test_the_tandemdeployment_does_not_carry_the_gateways_field() -> None:
     validate_custom_resource(td)
 
 
-def test_the_two_model_example_refuses_auto_for_its_families() -> None:
-    """Llama 3.1 and Qwen2.5 are not the shipped template's family: neither gets it unasked."""
+def test_the_two_model_example_gives_each_family_its_template() -> None:
+    """Llama 3.1 and Qwen2.5 get their own families' templates, not the SmolLM2 one."""
     served = json.loads(gateway_env(render("examples/values-gpu-two-models.yaml"))["TANDEM_GATEWAY_MODELS"])
     assert {m["name"]: m["tool_chat_template"] for m in served} == {
-        "Llama-3.1-8B-Instruct": "",
-        "Qwen/Qwen2.5-14B-Instruct": "",
+        "Llama-3.1-8B-Instruct": "llama3.1-json",
+        "Qwen/Qwen2.5-14B-Instruct": "qwen2.5",
     }
+
+
+def test_the_single_model_form_picks_the_template_by_family() -> None:
+    """The single-model form names the gateway's template too (it used to leave the gateway's SmolLM2
+    default to any model): by family when unset, as written when set."""
+    assert gateway_env(render(None))["TANDEM_GATEWAY_TOOL_CHAT_TEMPLATE"] == "default"  # SmolLM2-135M-Instruct
+    assert gateway_env(render("examples/values-gpu.yaml"))["TANDEM_GATEWAY_TOOL_CHAT_TEMPLATE"] == "llama3.1-json"
+    cases = [
+        ({"servedModelName": "Meta-Llama-3.1-70B-Instruct", "path": "/models/m"}, "llama3.1-json"),
+        ({"servedModelName": "chat", "path": "/models/Qwen2.5-0.5B-Instruct"}, "qwen2.5"),
+        ({"servedModelName": "Llama-3.2-1B-Instruct", "path": "/models/m"}, ""),  # not 3.1
+        ({"servedModelName": "my-model", "path": "/models/model"}, ""),
+        ({"servedModelName": "Llama-3.1-8B-Instruct", "path": "/models/m", "toolChatTemplate": ""}, ""),
+        ({"servedModelName": "mine", "path": "/models/m", "toolChatTemplate": "qwen2.5"}, "qwen2.5"),
+        (
+            {"servedModelName": "mine", "path": "/models/m", "toolChatTemplate": "/models/m/t.jinja"},
+            "/models/m/t.jinja",
+        ),
+    ]
+    for model, expected in cases:
+        assert gateway_env(render_single(model))["TANDEM_GATEWAY_TOOL_CHAT_TEMPLATE"] == expected, model
+
+
+@pytest.mark.parametrize("bad", ["qwen2", "llama3.1", {"configMap": "qwen-tools", "key": "t.jinja"}])
+def test_the_schema_refuses_what_the_single_model_form_cannot_name(bad: object) -> None:
+    with pytest.raises(AssertionError, match="toolChatTemplate"):
+        render_single({"toolChatTemplate": bad})
 
 
 @pytest.mark.parametrize(
     "bad",
     [
-        "some-name",  # neither default, empty nor a path
+        "some-name",  # neither a shipped template's name, empty nor a path
+        "qwen2.5-coder",
         {"configMap": "qwen-tools"},  # no key
         {"configMap": "Not_A_Name", "key": "t.jinja"},
         {"configMap": "qwen-tools", "key": "../etc/passwd"},

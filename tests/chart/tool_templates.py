@@ -14,7 +14,9 @@ import yaml
 from tests.chart.conftest import CHART, RELEASE, run_helm
 
 #: One model per way of naming a tool template: unset on a SmolLM2 model (the shipped one), unset on
-#: another family (none), a ConfigMap's key, "default" named explicitly, "" on a SmolLM2 model, a path.
+#: Llama 3.1 (its family's), a ConfigMap's key, "default" named explicitly, "" on a SmolLM2 model, a path,
+#: unset on Qwen2.5 told by its path only, unset on a family Tandem has no template for, unset on a Qwen2.5
+#: model whose tool format differs (Math), and the family templates named on models of other names.
 MODELS: list[dict[str, Any]] = [
     {"name": "smol", "path": "/models/SmolLM2-135M-Instruct"},
     {"name": "Llama-3.1-8B-Instruct", "path": "/models/Llama-3.1-8B-Instruct"},
@@ -26,12 +28,27 @@ MODELS: list[dict[str, Any]] = [
     {"name": "other", "path": "/models/other", "toolChatTemplate": "default"},
     {"name": "SmolLM2-360M-Instruct", "path": "/models/smol-360m", "toolChatTemplate": ""},
     {"name": "mistral", "path": "/models/mistral", "toolChatTemplate": "/models/mistral/tools.jinja"},
+    {"name": "chat", "path": "/models/Qwen2.5-7B-Instruct"},
+    {"name": "Mistral-7B-Instruct-v0.3", "path": "/models/mistral-7b"},
+    {"name": "Qwen/Qwen2.5-Math-7B-Instruct", "path": "/models/qwen-math"},
+    {"name": "tuned-a", "path": "/models/a", "toolChatTemplate": "qwen2.5"},
+    {"name": "tuned-b", "path": "/models/b", "toolChatTemplate": "llama3.1-json"},
 ]
 
 
 def render_models(models: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``helm template`` of the models form with ``models`` (each on the claim ``models``)."""
     values = {"tandemDeployment": {"models": [{**m, "pvc": {"claimName": "models"}} for m in models]}}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        yaml.safe_dump(values, f)
+        f.flush()
+        out = run_helm("template", RELEASE, str(CHART), "--namespace", "tandem", "-f", f.name).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def render_single(model: dict[str, Any]) -> list[dict[str, Any]]:
+    """``helm template`` of the single-model form with these ``model`` values."""
+    values = {"model": model}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         yaml.safe_dump(values, f)
         f.flush()

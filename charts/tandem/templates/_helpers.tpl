@@ -136,20 +136,28 @@ models form: each model's name, folder, context length and tool chat template. *
 {{- toJson $out -}}
 {{- end -}}
 
-{{/* A models-form model's tool chat template as the gateway reads it (ServedModel.tool_chat_template):
-"default" (Tandem's, for the SmolLM2 family), "" (tool_choice "auto" refused), a path in the gateway
-container, or a ConfigMap's key at its mount (tandem.toolTemplateMounts). Unset: "default" for a model whose
-name or path names SmolLM2 (the family the shipped template is written for, and the single-model form's
-default model), else "": the chart cannot tell another family's tool format, and a template of the wrong
-family gives wrong prompts where a 400 says what is missing. */}}
+{{/* A model's tool chat template as the gateway reads it (ServedModel.tool_chat_template, and
+TANDEM_GATEWAY_TOOL_CHAT_TEMPLATE in the single-model form): a name of a template Tandem ships ("default":
+the SmolLM2 family's; "qwen2.5"; "llama3.1-json"), "" (tool_choice "auto" refused), a path in the gateway
+container, or a ConfigMap's key at its mount (tandem.toolTemplateMounts, models form only). .model has name,
+path and toolChatTemplate. Unset: the template of the model's family, told from its name and path (the one
+mapping of family to template; tandem.gateway.settings.NAMED_TOOL_TEMPLATES maps each name to its file and
+tool-call format): SmolLM2 -> "default", Llama 3.1 -> "llama3.1-json", Qwen2.5 (not its Math, VL or Coder
+models, whose tool formats differ) -> "qwen2.5", any other family "": a template of the wrong family gives
+prompts the model was not trained on, where a 400 says what is missing. */}}
 {{- define "tandem.toolChatTemplate" -}}
 {{- $t := .model.toolChatTemplate -}}
+{{- $names := printf "%s %s" (.model.name | default "") (.model.path | default "") -}}
 {{- if kindIs "map" $t -}}
 {{- printf "/etc/tandem/tool-templates/%d/%s" .index $t.key -}}
 {{- else if kindIs "string" $t -}}
 {{- $t -}}
-{{- else if regexMatch "(?i)smollm2" (printf "%s %s" .model.name (.model.path | default "")) -}}
+{{- else if regexMatch "(?i)smollm2" $names -}}
 default
+{{- else if regexMatch "(?i)llama[-_ ]?3\\.1([^0-9]|$)" $names -}}
+llama3.1-json
+{{- else if and (regexMatch "(?i)qwen2\\.5" $names) (not (regexMatch "(?i)qwen2\\.5-(math|vl|coder)" $names)) -}}
+qwen2.5
 {{- end -}}
 {{- end -}}
 
