@@ -21,3 +21,9 @@ test: prometheus
 # AUTOSCALE_DEMO_ARGS="--scenario short-chats,long-prompts": one pool's load each (~6 min each).
 autoscale-demo: setup redis loadtest-setup k8s-setup prometheus  ## the operator's autoscaling loop on this machine under a 10x ramp: reports/autoscale-demo/ (PNG, decision log)
 	$(PY) loadtest/autoscale_demo.py $(AUTOSCALE_DEMO_ARGS)
+
+.PHONY: autoscale-scenarios
+
+# The two one-pool ramps as a test (tests/integration/test_autoscale_scenarios.py); ~12 min, so not in `make test`.
+autoscale-scenarios: setup redis loadtest-setup k8s-setup prometheus  ## short chats grow prefill one step at most, long prompts decode one step at most (SIMULATED workers)
+	TANDEM_AUTOSCALE_SCENARIOS=1 $(PY) -m pytest tests/integration/test_autoscale_scenarios.py --durations=5
