@@ -107,7 +107,10 @@ async def schedule_with_retries(client: RouterClient, request_id: str, errors: C
     for attempt in range(8):
         try:
             placement = await client.schedule(request_id, MODEL, prompt_token_ids=[1] * 300, max_tokens=16)
-            return placement.prefill.worker_id
+            # The worker that computes the prompt: the decode worker itself for a local prefill (these requests
+            # are never released, so the prefill workers back up and the router runs some on a decode worker
+            # with room: tandem.router.burst).
+            return placement.prefill.worker_id or placement.decode.worker_id
         except RetryableError as exc:
             errors[type(exc).__name__] += 1
             await asyncio.sleep(min(2.0, 0.25 * 2**attempt))

@@ -10,6 +10,7 @@ reservations left by one test do not steer another.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 import uuid
@@ -92,6 +93,14 @@ class FakeWorkers:
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             await self._beat()
+
+    def computing(self, worker_id: str, num_prompt_tokens: int) -> None:
+        """From the next heartbeat, the worker reports ``num_prompt_tokens`` in flight, as a prefill worker
+        computing a prompt does (the router's prefill budget and backlog gauge trust that report for a
+        reservation older than a heartbeat: tandem.router.gauges)."""
+        record = self.records[worker_id]
+        load = dataclasses.replace(record.load, num_prompt_tokens_in_flight=num_prompt_tokens)
+        self.records[worker_id] = dataclasses.replace(record, load=load)
 
     def stop_heartbeat(self, worker_id: str) -> None:
         """The worker hangs or dies: no unregister, its record just stops being refreshed."""
@@ -349,6 +358,11 @@ async def test_metrics_reach_rays_prometheus_endpoint(
         await client.release(short.request_id)
         other = await client.schedule("req-metrics-other", other_model, num_prompt_tokens=500, max_tokens=20)
         other_short = await client.schedule("req-metrics-other-short", other_model, num_prompt_tokens=12)
+        # Their prefill workers are computing the two prompts (no engine here finishes them). Without that
+        # report the backlog gauge drops a reservation a heartbeat after placement (6f6ca7f), and the clean-clone
+        # CI's scrape, later than a heartbeat, read 0 of 300.
+        workers.computing(placement.prefill.worker_id, 300)
+        others.computing(other.prefill.worker_id, 500)
         text = await _scrape_until(
             router,
             lambda text: (
