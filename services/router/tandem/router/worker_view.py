@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from tandem.common.errors import BackendUnavailableError
-from tandem.common.registry import InvalidWorkerRecordError, WorkerRecord
+from tandem.common.registry import REJECT_LOG_INTERVAL_S, InvalidWorkerRecordError, WorkerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,6 @@ class WorkerSource(Protocol):
 #: A background refresh yields to the event loop after parsing for this long (a Schedule that
 #: arrives meanwhile waits at most about that), and reads the records this many per MGET.
 _PARSE_SLICE_S = 0.0002
-#: A record that fails its checks is skipped at every read; it is logged at most this often.
-REJECT_LOG_INTERVAL_S = 60.0
 _READ_BATCH = 64
 #: Reads for :meth:`CachedWorkerView.workers_now` start at least this far apart.
 MIN_FORCED_READ_INTERVAL_S = 0.05
