@@ -106,11 +106,19 @@ def test_llama_answers_read_into_content_and_calls(
     assert streamed(text, list(range(len(text)))) == (content or "", calls)
 
 
-def test_parallel_tool_calls_false_keeps_only_the_first_llama_call() -> None:
-    text = call("get_time", {}) + "; " + call("get_weather", {"city": "Oslo"})
-    content, calls = whole(text, replace(SPEC, parallel_tool_calls=False))
+@pytest.mark.parametrize("separator", ["; ", ";", " ;\n  ", ";\t"])
+def test_parallel_tool_calls_false_keeps_only_the_first_llama_call(separator: str) -> None:
+    """The objects after the first stay text from the second one on: no ``; `` left in front of them."""
+    rest = call("get_weather", HOSTILE_ARGUMENTS) + "; " + call("get_weather", {"city": "Zürich 東京 🦜"})
+    text = call("get_time", {}) + separator + rest
+    spec = replace(SPEC, parallel_tool_calls=False)
+    content, calls = whole(text, spec)
     assert calls == [("get_time", "{}")]
-    assert content == "; " + call("get_weather", {"city": "Oslo"})
+    assert content == rest
+    reader = HermesReader(spec)
+    events = [e for piece in text for e in reader.feed(piece)] + reader.close()
+    assert "".join(e.text for e in events if isinstance(e, Text)) == rest
+    assert [(e.call.name, e.call.arguments) for e in events if isinstance(e, Call)] == calls
 
 
 def test_the_hermes_form_does_not_read_a_llama_answer_nor_the_reverse() -> None:

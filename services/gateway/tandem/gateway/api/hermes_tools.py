@@ -39,11 +39,12 @@ whitespace and an optional ``<|python_tag|>``, is one or more JSON objects ``{"n
 {...}}`` (``"arguments"`` also accepted, and preferred when both are there, as vLLM's
 ``Llama3JsonToolParser``) separated by ``;``. Each object is checked by the same rule as a Hermes block (a
 declared tool, an object of arguments; with ``parallel_tool_calls`` false, objects after the first stay
-text). An answer that begins with ``{`` or ``<|python_tag|>`` is held whole until it ends, then is calls
-only if every object is a valid call and nothing but separators lies between them; otherwise it is all
-text. Where this differs from vLLM, on purpose: an answer that begins with other text is text (vLLM's
-streaming reader says so too, while its whole-answer reader also takes JSON objects found later in the
-text, so its two readings of one answer can differ).
+text, from the second object on, without the ``;`` before it). An answer that begins with ``{`` or
+``<|python_tag|>`` is held whole until it ends, then is calls only if every object is a valid call and
+nothing but separators lies between them; otherwise it is all text. Where this differs from vLLM, on
+purpose: an answer that begins with other text is text (vLLM's streaming reader says so too, while its
+whole-answer reader also takes JSON objects found later in the text, so its two readings of one answer can
+differ).
 """
 
 from __future__ import annotations
@@ -213,8 +214,9 @@ class HermesReader:
             assert call is not None
             self.calls.append(call)
             events.append(Call(len(self.calls) - 1, call))
-        if len(calls) < len(spans):  # parallel_tool_calls false: what follows the first call stays text
-            events.extend(self._text(answer[spans[0][1] :].lstrip()))
+        if len(calls) < len(spans):  # parallel_tool_calls false: the objects after the first stay text,
+            # from the second one on (the separator between the call and them is neither).
+            events.extend(self._text(answer[spans[1][0] :]))
         return events
 
     def _text(self, text: str) -> list[Event]:
