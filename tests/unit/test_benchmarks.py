@@ -39,7 +39,8 @@ def test_bench_kv_transport_runs_and_ends_with_its_line() -> None:
     assert re.fullmatch(
         rf"bench-kv: pull_gbps={number} loopback_gbps={number} ratio={number} grpc_ceiling_gbps={number}"
         rf" min_ratio_vs_grpc={number} concurrent_ratio={number} shm_gbps={number} memcpy_gbps={number}"
-        rf" shm_ratio={number} concurrent_shm_ratio={number} second_token_gap_ratio=n/a"
+        rf" shm_ratio={number} concurrent_shm_ratio={number} prefetch_shm_gbps={number}"
+        rf" prefetch_grpc_gbps={number} second_token_gap_ratio=n/a"
         r" second_token_gap_ratio_without_prefetch=n/a",
         last,
     ), last
