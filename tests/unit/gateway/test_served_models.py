@@ -7,6 +7,7 @@ work. Real engines: tests/integration/test_two_models.py."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from tandem_operator.signals import QueryScope
 
-from tandem.common.registry import WorkerRecord
+from tandem.common.registry import MODEL_NAME, WorkerRecord
 from tandem.gateway.app import build_app
 from tandem.gateway.prefix_hashes import PromptHasher
 from tandem.gateway.prompt import HfPromptTokenizer
@@ -211,12 +212,12 @@ def test_the_single_model_environment_is_one_served_model(monkeypatch: pytest.Mo
 def test_models_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
         "TANDEM_GATEWAY_MODELS",
-        '[{"name": "a", "model_dir": "/m/a", "max_model_len": 1024}, {"name": "b 日本", "model_dir": "/m/b"}]',
+        '[{"name": "a", "model_dir": "/m/a", "max_model_len": 1024}, {"name": "org/b-2.1_q4:x", "model_dir": "/m/b"}]',
     )
     settings = GatewaySettings()
     assert [(m.name, str(m.model_dir), m.max_model_len) for m in settings.models] == [
         ("a", "/m/a", 1024),
-        ("b 日本", "/m/b", 4096),
+        ("org/b-2.1_q4:x", "/m/b", 4096),
     ]
     # The single-model settings name the default (first) model.
     assert (settings.served_model_name, settings.model_dir, settings.max_model_len) == ("a", Path("/m/a"), 1024)
@@ -236,6 +237,42 @@ def test_bad_models_are_refused(monkeypatch: pytest.MonkeyPatch, models: str) ->
     monkeypatch.setenv("TANDEM_GATEWAY_MODELS", models)
     with pytest.raises(ValueError):
         GatewaySettings()
+
+
+#: Names no worker can register (tandem.common.registry.MODEL_NAME): other scripts, an emoji, accents, the
+#: chat template's control tokens, a space, a quote, a trailing newline, a leading dot, 129 characters.
+UNREGISTRABLE = [
+    "b 日本",
+    "模型",
+    "café-7b",
+    "llama🦙",
+    "<|im_start|>system",
+    'm"x',
+    "m\n",
+    ".hidden",
+    "a" * 129,
+]
+
+
+@pytest.mark.parametrize("name", UNREGISTRABLE)
+def test_a_name_workers_cannot_register_is_refused_at_start(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Every form that names a served model: an entry of TANDEM_GATEWAY_MODELS (any entry, not only the
+    first) and the single-model TANDEM_GATEWAY_SERVED_MODEL_NAME; the error names the rule."""
+    monkeypatch.setenv(
+        "TANDEM_GATEWAY_MODELS", json.dumps([{"name": "a", "model_dir": "/m/a"}, {"name": name, "model_dir": "/m/b"}])
+    )
+    with pytest.raises(ValueError, match="not one workers can register") as refused:
+        GatewaySettings()
+    assert "models.1.name" in str(refused.value)
+    monkeypatch.delenv("TANDEM_GATEWAY_MODELS")
+    monkeypatch.setenv("TANDEM_GATEWAY_SERVED_MODEL_NAME", name)
+    with pytest.raises(ValueError, match="not one workers can register") as refused:
+        GatewaySettings()
+    assert "TANDEM_GATEWAY_SERVED_MODEL_NAME" in str(refused.value)
+    assert MODEL_NAME.pattern in str(refused.value)
+    # With the list set, the single-model name is ignored, as documented (docs/models.md).
+    monkeypatch.setenv("TANDEM_GATEWAY_MODELS", json.dumps([{"name": "a", "model_dir": "/m/a"}]))
+    assert [m.name for m in GatewaySettings().models] == ["a"]
 
 
 def test_a_served_model_without_a_tokenizer_is_refused(tokenizer_dir: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tandem.common.registry import MODEL_NAME
 from tandem.common.settings import RedisSettings, RegistrySettings
 from tandem.common.tls import TLSSettings
 from tandem.gateway.api.tools import ToolCallFormat
@@ -58,11 +59,23 @@ def tool_call_format(template: Path | None) -> ToolCallFormat:
     return "hermes"
 
 
+def served_model_name(value: str) -> str:
+    """``value`` if it is a name workers can register (:data:`tandem.common.registry.MODEL_NAME`, the CRD's
+    and the chart's rule), else ValueError: a gateway serving any other name would never find a worker."""
+    if not MODEL_NAME.fullmatch(value):
+        raise ValueError(
+            f"model name {value[:60]!r} is not one workers can register: it must match {MODEL_NAME.pattern}"
+            " (ASCII letters, digits and _ . / : -, starting with a letter or digit, at most 128 characters)"
+        )
+    return value
+
+
 class ServedModel(BaseModel):
     """One base model this gateway serves: its name (a request's ``model``, the router's and the workers'
     model), the folder of its tokenizer and chat template, and its context length."""
 
-    name: str = Field(min_length=1, max_length=200)
+    #: Must match tandem.common.registry.MODEL_NAME, as the workers' registered model does.
+    name: str
     #: Hugging Face model folder; only its tokenizer and chat template are loaded.
     model_dir: Path
     #: Prompt plus generated tokens may not exceed this.
@@ -83,6 +96,11 @@ class ServedModel(BaseModel):
     @property
     def tool_call_format(self) -> ToolCallFormat:
         return self.tool_call_parser or tool_call_format(self.tool_chat_template)
+
+    @field_validator("name")
+    @classmethod
+    def _registrable_name(cls, value: str) -> str:
+        return served_model_name(value)
 
     @field_validator("tool_chat_template", mode="before")
     @classmethod
@@ -195,7 +213,8 @@ class GatewaySettings(BaseSettings):
     #: Serve ``/metrics`` on this port alone, and not on ``port`` (Kubernetes: the NetworkPolicy lets only
     #: Prometheus reach it, while clients reach ``port``). None: ``/metrics`` beside the API on ``port``.
     metrics_port: int | None = Field(None, ge=0, le=65535)
-    #: Model name clients pass in ``model`` and see in ``/v1/models``.
+    #: Model name clients pass in ``model`` and see in ``/v1/models``; it must match
+    #: tandem.common.registry.MODEL_NAME (ASCII), as the workers' registered model does (unless ``models`` is set).
     served_model_name: str = "SmolLM2-135M-Instruct"
     #: A request naming a LoRA adapter (its ``model``) is resolved through the adapter catalog in Redis as
     #: read at most this long ago (tandem.gateway.adapters): an adapter unloaded with ``tandem-admin adapter
@@ -281,6 +300,10 @@ class GatewaySettings(BaseSettings):
     @model_validator(mode="after")
     def _served_models(self) -> GatewaySettings:
         if not self.models:
+            try:
+                served_model_name(self.served_model_name)
+            except ValueError as exc:
+                raise ValueError(f"served_model_name (TANDEM_GATEWAY_SERVED_MODEL_NAME): {exc}") from None
             self.models = [
                 ServedModel(
                     name=self.served_model_name,
