@@ -4,7 +4,8 @@ The gateway calls :meth:`RouterClient.schedule` before Prefill and
 :meth:`RouterClient.release` when a request ends (any way). Each call goes to
 Serve's gRPC proxy with the ``application`` metadata that selects the router
 app, and with the request id as Serve's ``session_id`` so that Schedule and
-Release of one request reach the same router replica. gRPC failures come back
+Release of one request reach the same router replica (percent-encoded where it is not plain ASCII:
+:func:`metadata_value`). gRPC failures come back
 as tandem.common.errors (see :func:`tandem.common.router_wire.error_from_status`).
 With TLS settings enabled the call goes over mutual TLS to the router's TLS
 front (``tandem.router.tls_front``), which forwards it to the proxy; after the
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from types import TracebackType
+from urllib.parse import quote
 
 import grpc
 import grpc.aio
@@ -36,6 +38,14 @@ from tandem.v1 import router_pb2, router_pb2_grpc
 
 #: A channel replaced after a certificate rotation is closed this long after, so that calls on it end.
 _RETIRED_CHANNEL_GRACE_S = 30.0
+
+
+def metadata_value(request_id: str) -> str:
+    """``request_id`` as a gRPC metadata value, which may hold printable ASCII only (grpc refuses anything
+    else client-side, before the call): percent-encoded (UTF-8) past RFC 3986's unreserved characters, so the
+    gateway's own ids (``chatcmpl-`` and hex) go as they are, and one id always gives the same value (Schedule
+    and Release reach the same replica). The request's messages carry the id itself."""
+    return quote(request_id, safe="")
 
 
 class RouterClient:
@@ -72,10 +82,11 @@ class RouterClient:
         return self._address
 
     def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
+        session = metadata_value(request_id)
         return (
             (METADATA_APPLICATION, self._application),
-            (METADATA_SESSION_ID, request_id),
-            (METADATA_REQUEST_ID, request_id),
+            (METADATA_SESSION_ID, session),
+            (METADATA_REQUEST_ID, session),
         )
 
     async def schedule(
