@@ -15,6 +15,7 @@ atomically (from ``queued`` or ``in_progress`` only, so the first writer of a fi
        │                        │
        ├──── cancel (any replica) ─────────────────▶ cancelled
        ├──── an error before or during generation ─▶ failed
+       ├──── the answer could not be stored ───────▶ failed   (written by the generating gateway, if it can)
        └──── the generating gateway's lease ended ─▶ failed   (written by the reader that sees it)
 
 * **The generation** is the one pipeline's own non-streamed response
@@ -29,7 +30,9 @@ atomically (from ``queued`` or ``in_progress`` only, so the first writer of a fi
   subscription per generating gateway would hold a connection of its own; a cancel is seen within one
   heartbeat (``lease_s / 4``), well under a generation's seconds.
 * **A gateway that dies mid-generation** stops renewing its lease; once the lease (``lease_s``) ends, a
-  ``GET`` or ``cancel`` of an active record writes it ``failed`` (``server_error``) and answers that.
+  ``GET`` or ``cancel`` of an active record writes it ``failed`` (``server_error``) and answers that. So
+  does a record whose generating gateway could write neither its answer nor the failure to store it (Redis
+  down): the reader cannot tell the two apart, and its message (:data:`LEASE_ENDED_MESSAGE`) names both.
 * Streaming a background response (``stream: true``) is refused with 400: resuming a stream from another
   replica (``starting_after``) would need the events stored as they go.
 """
@@ -55,8 +58,13 @@ from tandem.gateway.redis_client import redis_errors
 
 logger = logging.getLogger(__name__)
 
-#: What a reader writes into an active record whose generating gateway's lease ended.
-LEASE_ENDED_MESSAGE = "The gateway generating this response stopped before it finished; create it again."
+#: What a reader writes into an active record whose generating gateway's lease ended. The reader cannot tell
+#: why: the gateway stopped, or it was alive but could not write the record's final status (Redis down then).
+LEASE_ENDED_MESSAGE = (
+    "The gateway generating this response stopped before it finished, or could not store its result; create it again."
+)
+#: What the generating gateway writes when its answer was generated but could not be stored.
+NOT_STORED_MESSAGE = "The answer was generated but could not be stored; create it again."
 
 
 def with_status(response: dict[str, Any], status: str, error: dict[str, str] | None = None) -> dict[str, Any]:
@@ -152,28 +160,44 @@ class BackgroundResponses:
     async def _move(
         self, tenant_id: str, tenant_salt: str, response: dict[str, Any], max_stored_bytes: int | None = None
     ) -> bool:
-        """Replace an active record's response object with ``response``; False when it was no longer active."""
+        """Replace an active record's response object with ``response``; False when it was no longer active,
+        or when Redis could not take the write (logged)."""
         try:
-            result = await self._conversations.replace_active(
-                tenant_id,
-                response["id"],
-                answer_turn(response),
-                tenant_salt=tenant_salt,
-                max_stored_bytes=max_stored_bytes,
-            )
+            return await self._replace(tenant_id, tenant_salt, response, max_stored_bytes)
         except BackendUnavailableError as exc:
             logger.warning("background response not updated: %s", exc, extra={"request_id": response["id"]})
             return False
+
+    async def _replace(
+        self, tenant_id: str, tenant_salt: str, response: dict[str, Any], max_stored_bytes: int | None
+    ) -> bool:
+        """:meth:`_move` that raises BackendUnavailableError when Redis cannot take the write."""
+        result = await self._conversations.replace_active(
+            tenant_id,
+            response["id"],
+            answer_turn(response),
+            tenant_salt=tenant_salt,
+            max_stored_bytes=max_stored_bytes,
+        )
         return result is not None
 
     async def store_answer(
         self, tenant_id: str, tenant_salt: str, max_stored_bytes: int, response: dict[str, Any]
     ) -> None:
         """The finished answer (its turn and response object) replaces the active record; nothing when the
-        record was cancelled or failed meanwhile (the first final status stays)."""
-        moved = await self._move(tenant_id, tenant_salt, {**response, "background": True}, max_stored_bytes)
-        if not moved:
-            logger.info("background answer not stored: no longer active", extra={"request_id": response["id"]})
+        record was cancelled or failed meanwhile (the first final status stays). When Redis cannot take the
+        answer, the record is written ``failed`` saying so, if Redis takes that; else it stays active until
+        its lease ends, and then reads ``failed`` with :data:`LEASE_ENDED_MESSAGE`."""
+        answer = {**response, "background": True}
+        try:
+            if not await self._replace(tenant_id, tenant_salt, answer, max_stored_bytes):
+                logger.info("background answer not stored: no longer active", extra={"request_id": response["id"]})
+            return
+        except BackendUnavailableError as exc:
+            logger.warning("background answer not stored: %s", exc, extra={"request_id": response["id"]})
+        error = {"code": "server_error", "message": NOT_STORED_MESSAGE}
+        unanswered = {**answer, "output": [], "usage": None, "incomplete_details": None}  # as any failed record
+        await self._move(tenant_id, tenant_salt, with_status(unanswered, "failed", error), max_stored_bytes)
 
     async def _run(
         self,
