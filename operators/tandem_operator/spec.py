@@ -121,7 +121,8 @@ class ModelSource(SpecModel):
 class ModelSpec(ModelSource):
     """The single-model form's ``spec.model``."""
 
-    served_model_name: str = Field(min_length=1)
+    #: The same rule as a models-form name (MODEL_NAME): it is a worker's registered model and a PromQL value.
+    served_model_name: str = Field(pattern=MODEL_NAME.pattern)
 
 
 class RedisRef(SpecModel):

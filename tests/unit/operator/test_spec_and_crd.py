@@ -121,3 +121,21 @@ def test_crd_schema_rejects_what_the_model_rejects() -> None:
     with pytest.raises(jsonschema.ValidationError):
         validate_custom_resource({"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemDeployment",
                                   "metadata": {"name": "x"}, "spec": bad})
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["模型", "café-7b", "llama🦙", "<|im_start|>system", 'm"} or vector(1) #', "m x", "m\n", ".m", "a" * 129, ""],
+)
+def test_the_single_models_name_follows_the_models_forms_rule(name: str) -> None:
+    """``model.servedModelName`` is a worker's registered model and a value in the operator's PromQL, as a
+    ``models[].name`` is: the same rule (MODEL_NAME) in the model and the CRD."""
+    bad = {**VALID, "model": {**VALID["model"], "servedModelName": name}}
+    with pytest.raises(SpecError, match="servedModelName"):
+        parse_spec(bad)
+    if not name.endswith("\n"):  # Python's re lets ``$`` match before a last newline; the API server's Go regexp
+        with pytest.raises(jsonschema.ValidationError):  # does not (helm's refusal of it: tests/chart)
+            validate_custom_resource({"apiVersion": "tandem.dev/v1alpha1", "kind": "TandemDeployment",
+                                      "metadata": {"name": "x"}, "spec": bad})
+    good = {**VALID, "model": {**VALID["model"], "servedModelName": "Qwen/Qwen2.5-14B-Instruct:q4_1"}}
+    assert parse_spec(good).served_models()[0].name == "Qwen/Qwen2.5-14B-Instruct:q4_1"
