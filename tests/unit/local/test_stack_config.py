@@ -10,8 +10,11 @@ def test_free_ports_cover_every_worker_and_are_distinct() -> None:
     config = StackConfig.with_free_ports(num_prefill_workers=3)
     workers = config.worker_ports()
     assert list(workers) == ["prefill", "prefill-1", "prefill-2", "decode"]
-    ports = [p for w in workers.values() for p in (w.port, w.kv_port, w.metrics_port, w.kv_events_port,
-                                                    w.kv_events_replay_port)]
+    ports = [
+        p
+        for w in workers.values()
+        for p in (w.port, w.kv_port, w.metrics_port, w.kv_events_port, w.kv_events_replay_port)
+    ]
     assert len(set(ports)) == len(ports)
 
 
@@ -61,3 +64,11 @@ def test_the_router_gets_a_ledger_secret_kept_in_the_cache_folder(tmp_path) -> N
     assert path.stat().st_mode & 0o777 == 0o600
     ensure_ledger_secret(path)
     assert path.read_bytes() == secret  # kept across starts, as the chart keeps its Secret
+
+
+def test_a_stack_with_a_shared_memory_directory_gives_it_to_every_worker(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    shm_dir = tmp_path / "shm ü 東京"
+    stack = LocalStack(StackConfig.with_free_ports(num_prefill_workers=2, num_decode_workers=2, kv_shm_dir=shm_dir))
+    assert {stack._worker_env(n)["TANDEM_WORKER_KV__SHM_DIR"] for n in stack.config.worker_ports()} == {str(shm_dir)}
+    # None (the default): the workers' own default, /dev/shm, as before.
+    assert "TANDEM_WORKER_KV__SHM_DIR" not in LocalStack(StackConfig.with_free_ports())._worker_env("prefill")

@@ -234,6 +234,8 @@ class LocalStack:
         if c.internal_tls:
             ensure_pki(c.pki_dir)
             self._progress(f"internal gRPC over mutual TLS, one certificate per role ({c.pki_dir})")
+        if c.kv_shm_dir is not None:
+            c.kv_shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._progress("starting redis")
         self._ensure_redis()
         self._ensure_redis_users()

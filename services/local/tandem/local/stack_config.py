@@ -161,6 +161,10 @@ class StackConfig:
     max_model_len: int = 4096
     kv_cache_bytes: int = 1 << 30
     kv_lease_s: float = 60.0
+    #: The workers' shared-memory directory for the KV handoff (TANDEM_WORKER_KV__SHM_DIR), one for all of the
+    #: stack's workers as a node's workers share the chart's volume; made at start. None: the workers' default
+    #: (/dev/shm, shared with every other stack of the host).
+    kv_shm_dir: Path | None = None
     #: LoRA adapters each worker's engine holds at once (TANDEM_WORKER_ADAPTERS__MAX_ADAPTERS, vLLM's
     #: max_loras); 0: LoRA off on every worker, as the workers' default (requests naming an adapter are refused).
     max_adapters: int = 0

@@ -62,6 +62,8 @@ def worker_env(config: StackConfig, name: str, *, login: RedisLogin | None, tls:
             "TANDEM_WORKER_REGISTRY__KEY_PREFIX": c.key_prefix,
         }
     )
+    if c.kv_shm_dir is not None:
+        env["TANDEM_WORKER_KV__SHM_DIR"] = str(c.kv_shm_dir)
     if c.max_adapters:
         env["TANDEM_WORKER_ADAPTERS__MAX_ADAPTERS"] = str(c.max_adapters)
         env["TANDEM_WORKER_ADAPTERS__MAX_ADAPTER_RANK"] = str(c.max_adapter_rank)
