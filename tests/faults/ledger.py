@@ -45,11 +45,12 @@ class FaultRecord:
         """What the client observed, in a few words ("HTTP 413 invalid_request_error", "SSE error event")."""
         self.client_saw[what] += num
 
-    def leaked(self, kind: str, amount: float) -> None:
-        """Record a leak measurement (0 means nothing leaked); a non-zero amount fails the promise."""
+    def leaked(self, kind: str, amount: float, what: str = "") -> None:
+        """Record a leak measurement (0 means nothing leaked); a non-zero amount fails the promise, its
+        message naming ``what`` leaked (the files, the keys) where the caller knows."""
         self.leaks[kind] = self.leaks.get(kind, 0) + amount
         if amount:
-            raise AssertionError(f"{self.name}: leaked {amount} {kind}")
+            raise AssertionError(f"{self.name}: leaked {amount} {kind}" + (f": {what}" if what else ""))
 
     def to_json(self) -> dict[str, object]:
         return {
