@@ -80,7 +80,7 @@ class Rollout(SpecModel):
     def _bounds(self) -> Rollout:
         for name, value in (("maxSurge", self.max_surge), ("maxUnavailable", self.max_unavailable)):
             bad_count = isinstance(value, int) and value < 0
-            if bad_count or (isinstance(value, str) and not _COUNT_OR_PERCENT.match(value)):
+            if bad_count or (isinstance(value, str) and not _COUNT_OR_PERCENT.fullmatch(value)):
                 raise ValueError(f"rollout.{name} {value!r}: a count >= 0 or a percentage such as '25%'")
         if self.max_surge in (0, "0%") and self.max_unavailable in (0, "0%"):
             raise ValueError("rollout: maxSurge and maxUnavailable cannot both be 0 (the rollout could never start)")

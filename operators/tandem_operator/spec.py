@@ -256,7 +256,7 @@ def model_slug(name: str) -> str:
     """``name`` as a DNS label for object names and label values: the name itself when it already is one
     (and short enough), else lowercased, other characters as ``-``, cut, and a hash of the name appended
     (so two names never share a slug by being cleaned alike)."""
-    if len(name) <= MAX_SLUG_LEN and _DNS_SAFE.match(name):
+    if len(name) <= MAX_SLUG_LEN and _DNS_SAFE.fullmatch(name):
         return name
     digest = hashlib.sha256(name.encode()).hexdigest()[:8]
     cleaned = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", name.lower())).strip("-")

@@ -237,6 +237,8 @@ def _forged(**changes: Any) -> bytes:
         (_forged(model='m",namespace="other'), "does not match"),  # a PromQL selector breaking out
         (_forged(model=""), "does not match"),
         (_forged(model="<|im_start|>system"), "does not match"),
+        (_forged(model="smollm2\n"), "does not match"),  # re's "$" matches before a final newline
+        (_forged(worker_id="w1\n"), "does not match"),
         (_forged(worker_id="w 1"), "does not match"),
         (_forged(worker_id="x" * 200), "does not match"),
         (_forged(role="admin"), "role"),

@@ -41,7 +41,7 @@ def engine_name(name: str, version: int) -> str:
 def split_engine_name(engine: str) -> tuple[str, int]:
     """``(name, version)`` of an engine name; ValueError when it is not one."""
     name, sep, version = engine.rpartition(_SEPARATOR)
-    if not sep or not ADAPTER_NAME.match(name) or not version.isdigit():
+    if not sep or not ADAPTER_NAME.fullmatch(name) or not version.isdigit():
         raise ValueError(f"not an adapter engine name: {engine!r}")
     return name, int(version)
 
@@ -91,7 +91,7 @@ class AdapterCatalog:
 
     async def put(self, name: str, *, base_model: str, path: str, now_unix_s: float) -> AdapterEntry:
         """Load (or reload) ``name``: a new version, whatever was there before."""
-        if not ADAPTER_NAME.match(name):
+        if not ADAPTER_NAME.fullmatch(name):
             raise ValueError(f"adapter name {name!r} must match {ADAPTER_NAME.pattern}")
         try:
             version = int(await self._redis.incr(self._version_key))

@@ -211,7 +211,7 @@ _RULES = {
 
 def check_prefix(key_prefix: str) -> str:
     """``key_prefix`` when it can go into ACL patterns and user names as is; ValueError otherwise."""
-    if not _PREFIX.match(key_prefix):
+    if not _PREFIX.fullmatch(key_prefix):
         raise ValueError(f"key prefix {key_prefix!r}: use 1-64 of A-Z a-z 0-9 _ . - (it goes into Redis ACL rules)")
     return key_prefix
 

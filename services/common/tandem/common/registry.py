@@ -133,11 +133,11 @@ class WorkerRecord:
 
     def check(self) -> None:
         """Raise :class:`InvalidWorkerRecordError` for what a reader cannot serve (module docstring)."""
-        if not WORKER_ID.match(self.worker_id):
+        if not WORKER_ID.fullmatch(self.worker_id):
             raise InvalidWorkerRecordError(f"worker id {self.worker_id[:40]!r} does not match {WORKER_ID.pattern}")
         if self.role not in ROLES:
             raise InvalidWorkerRecordError(f"worker {self.worker_id}: role {self.role[:20]!r} is not one of {ROLES}")
-        if not MODEL_NAME.match(self.model):
+        if not MODEL_NAME.fullmatch(self.model):
             raise InvalidWorkerRecordError(
                 f"worker {self.worker_id}: model {self.model[:40]!r} does not match {MODEL_NAME.pattern}"
             )

@@ -57,7 +57,7 @@ def entry_view(entry: AdapterEntry) -> dict[str, Any]:
 
 
 def check_name(name: str, served_models: tuple[str, ...]) -> None:
-    if not isinstance(name, str) or not ADAPTER_NAME.match(name):
+    if not isinstance(name, str) or not ADAPTER_NAME.fullmatch(name):
         raise InvalidRequestError(
             "name: an adapter name is 1 to 128 characters of A-Z a-z 0-9 _ . : - and starts with a letter or a digit.",
             param="name",

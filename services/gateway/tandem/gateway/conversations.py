@@ -53,7 +53,7 @@ ANSWER_BYTES_PER_TOKEN = 4
 
 
 def check_conversation_id(conversation_id: str) -> None:
-    if not CONVERSATION_ID_PATTERN.match(conversation_id):
+    if not CONVERSATION_ID_PATTERN.fullmatch(conversation_id):
         raise InvalidRequestError(
             "conversation_id: use 1-128 characters of A-Z a-z 0-9 _ . : -",
             param="conversation_id",

@@ -125,7 +125,7 @@ class _Catalog:
 
 def usable(entry: AdapterEntry) -> bool:
     """An entry the engine can be asked to load (``LoRARequest`` wants an id >= 1 and a path)."""
-    return bool(entry.path) and entry.version >= 1 and bool(ADAPTER_NAME.match(entry.name))
+    return bool(entry.path) and entry.version >= 1 and bool(ADAPTER_NAME.fullmatch(entry.name))
 
 
 class AdapterResidency:

@@ -67,7 +67,7 @@ async def read_response(
 ) -> StoredConversation:
     """The stored conversation of a response; 404 ``response_not_found`` when there is none for this tenant
     (``param``: the request field that named it)."""
-    if not _RESPONSE_ID.match(response_id):
+    if not _RESPONSE_ID.fullmatch(response_id):
         raise not_found(response_id, param)
     stored = await store.read(tenant_id, response_id)
     if not stored.messages or RESPONSE_KEY not in stored.messages[-1]:

@@ -78,7 +78,7 @@ class TenantPolicy(BaseModel):
     @classmethod
     def _adapter_names(cls, names: list[str]) -> list[str]:
         for name in names:
-            if not ADAPTER_NAME.match(name):
+            if not ADAPTER_NAME.fullmatch(name):
                 raise ValueError(f"allowed adapter {name!r}: not an adapter name (1-128 of A-Z a-z 0-9 _ . : -)")
         return names
 
@@ -151,4 +151,4 @@ class ApiKeyRecord(BaseModel):
 
 
 def valid_tenant_id(tenant_id: str) -> bool:
-    return bool(TENANT_ID_PATTERN.match(tenant_id))
+    return bool(TENANT_ID_PATTERN.fullmatch(tenant_id))
