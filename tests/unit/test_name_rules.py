@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pydantic
 import pytest
+from tandem_operator import pool_spec, spec
 
 from tandem.common import adapters, redis_acl
 from tandem.common.errors import InvalidRequestError
 from tandem.gateway import adapter_admin, conversations
 from tandem.gateway.api import response_chains
 from tandem.gateway.tenancy.models import valid_tenant_id
-from tandem_operator import pool_spec, spec
+
 
 def test_a_tenant_id_with_a_final_newline_is_not_valid() -> None:
     assert valid_tenant_id("acme")
