@@ -102,9 +102,11 @@ def orphans(directory: Path) -> list[Orphan]:
 
 def left_behind(directory: Path, lease_s: float) -> list[Orphan]:
     """The dead workers' segments of ``directory`` still there past their lease: waits while any orphan is
-    within its lease (one a sweeper may still remove), so a check after a kill costs at most the lease."""
+    within its lease (one a sweeper may still remove), so a check after a kill costs at most the lease (and
+    gives up then: a file that keeps looking fresh with nobody mapping it is left behind too)."""
+    deadline = time.monotonic() + lease_s + SLACK_S
     while True:
         found = orphans(directory)
-        if all(o.age_s > lease_s + SLACK_S for o in found):
+        if all(o.age_s > lease_s + SLACK_S for o in found) or time.monotonic() > deadline:
             return found
         time.sleep(0.5)

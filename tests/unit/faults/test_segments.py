@@ -90,3 +90,22 @@ def test_the_check_waits_for_a_sweep_within_the_lease_and_names_what_outlived_it
     out = capsys.readouterr().out
     assert str(stale) in out and "no live process maps it" in out
     assert out.splitlines()[-1] == "faults: 1 tried, 1 broken promises, 1 leaked"
+
+
+def test_the_check_gives_up_after_the_lease_on_a_file_kept_fresh_by_no_owner(shm_dir: Path) -> None:
+    fresh = _segment(shm_dir, "e" * 32)
+    stop = threading.Event()
+
+    def touch() -> None:
+        while not stop.wait(0.1):
+            os.utime(fresh)
+
+    toucher = threading.Thread(target=touch)
+    toucher.start()
+    try:
+        started = time.monotonic()
+        assert [o.path for o in segments.left_behind(shm_dir, lease_s=0.2)] == [fresh]
+        assert time.monotonic() - started < 0.2 + segments.SLACK_S + 2
+    finally:
+        stop.set()
+        toucher.join()
