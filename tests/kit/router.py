@@ -7,6 +7,7 @@ around it, standing in for the deployment in tests of its clients
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ import redis
 from tandem.common.errors import TandemError
 from tandem.common.registry import WorkerRecord
 from tandem.common.router_wire import status_for_error
+from tandem.router.gauges import FLUSH_S
 from tandem.v1 import router_pb2, router_pb2_grpc
 from tests.kit.net import free_port
 from tests.kit.workers import StaticView
@@ -69,6 +71,11 @@ def make_replica(
         follow_kv_events=follow_kv_events,
         clock=clock,
     )
+
+
+async def gauges_flushed() -> None:
+    """Wait until gauges noted by a placement or a release are set (they go FLUSH_S later, together)."""
+    await asyncio.sleep(2 * FLUSH_S)
 
 
 def make_scheduler(workers: list[WorkerRecord] | None = None, **overrides: Any) -> Scheduler:

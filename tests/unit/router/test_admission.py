@@ -11,7 +11,7 @@ from tandem.router.admission import AdmissionQueue, QueueFullError
 from tandem.router.metrics import NullRouterMetrics
 from tandem.router.policy import ScheduleRequest
 from tandem.router.scheduler import Scheduler
-from tests.kit.router import make_scheduler
+from tests.kit.router import gauges_flushed, make_scheduler
 
 
 class QueueMetrics(NullRouterMetrics):
@@ -170,9 +170,11 @@ def _pool_scheduler(**budget: float) -> tuple[Scheduler, PoolMetrics]:
 async def test_each_pools_tokens_in_flight_are_reported_apart() -> None:
     scheduler, metrics = _pool_scheduler(prefill_tokens_in_flight=100)
     await scheduler.schedule(req("a", tokens=60))
+    await gauges_flushed()
     # Prefill holds the uncached prompt; decode holds prompt plus max_tokens: neither counts as the other.
     assert metrics.tokens == {("p0", "prefill"): 60, ("d0", "decode"): 64}
     scheduler.end_reservation("a")
+    await gauges_flushed()
     assert metrics.tokens == {("p0", "prefill"): 0, ("d0", "decode"): 0}
 
 

@@ -19,7 +19,7 @@ from tandem.router.gauges import Gauges
 from tandem.router.metrics import NullRouterMetrics
 from tandem.router.policy import ScheduleRequest
 from tandem.router.reservations import ReservationTable
-from tests.kit.router import make_scheduler
+from tests.kit.router import gauges_flushed, make_scheduler
 from tests.kit.workers import TWO_WORKERS
 
 
@@ -55,6 +55,7 @@ async def test_a_finished_prefill_leaves_the_prefill_backlog_while_its_decode_ru
     await scheduler.refresh_workers()
     request = ScheduleRequest(request_id="chat-ü東", model="m", num_prompt_tokens=60, max_tokens=400)
     await scheduler.schedule(request)
+    await gauges_flushed()
     assert metrics.tokens == {("p0", "prefill"): 60, ("d0", "decode"): 460}  # just placed: counted in full
 
     # Still prefilling (the worker reports the prompt) after a heartbeat: still the prefill pool's backlog.
@@ -72,6 +73,7 @@ async def test_a_finished_prefill_leaves_the_prefill_backlog_while_its_decode_ru
     scheduler.tick()
     assert metrics.tokens == {("p0", "prefill"): 0, ("d0", "decode"): 460}
     scheduler.end_reservation("chat-ü東")
+    await gauges_flushed()
     assert metrics.tokens == {("p0", "prefill"): 0, ("d0", "decode"): 0}
 
 

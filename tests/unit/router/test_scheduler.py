@@ -11,7 +11,7 @@ from tandem.router.placement import POOL_AT_ZERO_RETRY_AFTER_S
 from tandem.router.policy import ScheduleRequest
 from tandem.router.worker_view import CachedWorkerView
 from tests.kit.clock import FakeClock
-from tests.kit.router import make_scheduler
+from tests.kit.router import gauges_flushed, make_scheduler
 from tests.kit.workers import FakeRegistry, make_pool, make_worker
 
 pytestmark = pytest.mark.asyncio
@@ -56,6 +56,7 @@ async def test_placement_has_one_worker_of_each_role_and_a_lease() -> None:
     assert placement.reason.startswith("least_loaded prefill=")
     assert h.scheduler.reservations.num_in_flight(placement.prefill.worker_id) == 1
     assert h.metrics.outcomes == ["ok"]
+    await gauges_flushed()
     assert h.metrics.in_flight == {placement.prefill.worker_id: 1, placement.decode.worker_id: 1}
 
 
@@ -72,6 +73,7 @@ async def test_release_frees_the_pair_for_the_next_request() -> None:
     assert h.scheduler.end_reservation("r1") is True
     assert h.scheduler.end_reservation("r1") is False
     assert h.scheduler.reservations.in_flight_by_worker() == {}
+    await gauges_flushed()
     assert h.metrics.in_flight[first.prefill.worker_id] == 0
 
 
