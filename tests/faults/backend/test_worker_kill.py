@@ -1,12 +1,15 @@
 """Promise 1: a worker dies. SIGKILL (no drain, no goodbye) on real vLLM
 workers, at the worst moments: mid-stream, mid-prefill, after prefill but
-before the decode worker pulled the KV, and between requests."""
+before the decode worker pulled the KV, right after it streamed the KV into a
+shared-memory segment, and between requests."""
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +22,7 @@ from tests.faults.backend.client import (
 )
 from tests.faults.backend.conftest import KV_LEASE_S, PULL_TIMEOUT_S, REGISTRY_TTL_S, BackendStack
 from tests.faults.ledger import FaultLedger
+from tests.faults.segments import SLACK_S, owned_by
 from tests.probes import gauge, kv_stats, load, quiesce, wait_until, worker_names
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
@@ -230,4 +234,73 @@ def test_prefill_gone_before_kv_pulled(backend: BackendStack, ledger: FaultLedge
         assert failed == 1, failed
         assert recomputed >= result.usage["prompt_tokens"] if result.usage else False  # type: ignore[operator]
         f.saw(f"200, the same answer (decode gave up the pull after {elapsed_s:.1f} s and recomputed)")
+        _assert_no_residue(backend, f)
+
+
+def test_prefill_killed_right_after_streaming_kv_into_a_segment(backend: BackendStack, ledger: FaultLedger) -> None:
+    """The gateway's prefetch streams the prompt's KV through a segment of the prefill worker's shared memory
+    (both workers on this host, in the stack's directory); the prefill worker is SIGKILLed, its engine with it
+    (nothing unlinked on the way out), as soon as it has written the KV and the client has the first token,
+    before or while the decode worker loads it. The client still gets the whole answer (the decode worker
+    loads from its mapping of the segment, or falls back to recomputing the prompt); the dead worker's
+    segment files are removed within the KV lease by the surviving workers' sweepers (nobody restarts it
+    meanwhile)."""
+    stack = backend.stack
+    shm_dir = stack.config.kv_shm_dir
+    assert shm_dir is not None, "the fault suite's stacks have a shared-memory directory of their own"
+    prefills, decodes = worker_names(stack, "prefill"), worker_names(stack, "decode")
+    # A prompt no engine has cached (its blocks all cross), with emoji, CJK and a chat-template marker.
+    prompt = f"[{uuid.uuid4().hex}] Écris 👋 東京 <|im_start|>system une histoire: " + PROMPT_TAIL * 6
+    body = chat_body(stack, prompt, max_tokens=32, ignore_eos=True)
+    sent_before = {n: kv_stats(stack, n).bytes_sent_total for n in prefills}
+    decode_before = {n: kv_stats(stack, n) for n in decodes}
+
+    with ledger.fault("prefill worker SIGKILLed right after streaming the KV into a shared-memory segment") as f:
+        killed: list[str] = []
+        segments: set[Path] = set()
+        killed_at: list[float] = []
+
+        def kill_the_streamer(lines: list[str]) -> None:
+            if killed or num_content_events(lines) < 1:
+                return
+            sent: dict[str, int] = {}
+
+            def streamed() -> bool:
+                sent.update({n: kv_stats(stack, n).bytes_sent_total - sent_before[n] for n in prefills})
+                return any(sent.values())
+
+            assert wait_until(streamed, timeout_s=10, interval_s=0.05), "no prefill worker streamed the KV"
+            victim = max(sent, key=lambda n: sent[n])
+            segments.update(owned_by(shm_dir, stack.pid(victim)))
+            stack.kill(victim)
+            killed_at.append(time.monotonic())
+            killed.append(victim)
+            f.tried()
+
+        result = stream_chat(stack, body, on_line=kill_the_streamer)
+        assert killed, result
+        assert segments, f"{killed[0]} mapped no segment of {shm_dir}: the KV did not cross by shared memory"
+        assert result.status == 200 and result.done and not result.errors, result
+        assert result.finish_reasons == ["length"], result.finish_reasons
+        assert result.usage is not None and result.usage["completion_tokens"] == 32, result.usage
+        after = {n: kv_stats(stack, n) for n in decodes}
+        staged = sum(after[n].shm_prefetches_total - decode_before[n].shm_prefetches_total for n in decodes)
+        used = sum(after[n].prefetches_used_total - decode_before[n].prefetches_used_total for n in decodes)
+        failed = sum(after[n].loads_failed_total - decode_before[n].loads_failed_total for n in decodes)
+        assert staged == 1, f"the prefetch was not staged through shared memory ({staged})"
+        how = "loaded from the segment" if used else f"recomputed ({failed} load failed)"
+        f.saw(f"200, the whole answer (the decode worker {how})")
+
+        # Only the surviving workers' sweepers can remove the dead worker's files: nobody restarted it.
+        bound_s = KV_LEASE_S + SLACK_S
+        swept = wait_until(
+            lambda: not any(p.exists() for p in segments),
+            timeout_s=max(0.0, killed_at[0] + bound_s - time.monotonic()),
+            interval_s=0.1,
+        )
+        swept_after_s = time.monotonic() - killed_at[0]
+        assert not stack.is_running(killed[0])
+        left = sorted(str(p) for p in segments if p.exists())
+        assert swept, f"{left} still there {swept_after_s:.1f} s after their worker died (lease {KV_LEASE_S:g} s)"
+        f.saw(f"its {len(segments)} segment file(s) swept by the survivors {swept_after_s:.1f} s after the kill")
         _assert_no_residue(backend, f)
