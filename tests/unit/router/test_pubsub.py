@@ -35,6 +35,8 @@ class Relay:
 
     def __init__(self) -> None:
         self.frozen = False
+        #: Stop reading what clients send (their sockets' buffers fill up).
+        self.stalled = False
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
         self.port = 0
@@ -49,12 +51,17 @@ class Relay:
 
         async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             with contextlib.suppress(Exception):
-                while data := await reader.read(65536):
+                while not await self._wait_unstalled(reader is client_reader) and (data := await reader.read(65536)):
                     if not self.frozen:
                         writer.write(data)
             writer.close()
 
         await asyncio.gather(pipe(client_reader, redis_writer), pipe(redis_reader, client_writer))
+
+    async def _wait_unstalled(self, from_client: bool) -> bool:
+        while from_client and self.stalled:
+            await asyncio.sleep(0.01)
+        return False
 
     async def cut(self) -> None:
         assert self._server is not None
@@ -187,6 +194,37 @@ async def test_a_redis_that_stops_answering_is_left_after_the_timeout(relay: Rel
         assert not publisher.publish(b"refused")  # unanswered for longer than timeout_s: the connection goes
         await until(lambda: not publisher.connected)
     finally:
+        await publisher.aclose()
+
+
+async def test_a_redis_that_stops_reading_is_left_after_the_timeout_and_publishes_queue_meanwhile(
+    relay: Relay,
+) -> None:
+    """Publishes go into the connection's transport at once; once the socket's buffer is full the
+    writer drains it under ``timeout_s``, publishes queue up to ``max_queued_bytes`` meanwhile, and a
+    drain that does not end loses them all and leaves the connection."""
+    payload = b"\xf0\x9f\x9a\x80 \xe6\x9d\xb1 <|im_start|>" * (2**20 // 24)  # ~1 MiB
+    publisher = Publisher(
+        f"redis://127.0.0.1:{relay.port}/0", channel(), timeout_s=0.5, reconnect_wait_s=10, max_queued_bytes=4 * 2**20
+    )
+    await publisher.connect()
+    try:
+        assert publisher.publish(b"answered")
+        await until(lambda: publisher.stats.num_answered == 1)
+        relay.stalled = True
+        accepted = refused = 0
+        for _ in range(64):  # 64 MiB: more than loopback's socket buffers hold
+            if publisher.publish(payload):
+                accepted += 1
+            else:
+                refused += 1
+            await asyncio.sleep(0)  # one loop iteration: the flush runs
+        assert accepted >= 2 and refused >= 1, (accepted, refused)  # queued past max_queued_bytes: refused
+        await until(lambda: not publisher.connected, timeout_s=3.0)
+        assert publisher.stats.num_error_replies == accepted  # every one not answered is counted lost
+        assert not publisher.publish(b"refused")
+    finally:
+        relay.stalled = False
         await publisher.aclose()
 
 

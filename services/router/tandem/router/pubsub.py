@@ -57,22 +57,33 @@ message per wake, 2,000 a second) ``get_message`` took 52 us of CPU per message 
 us: most of what is left is the event loop's wake itself, which a client on ``asyncio.Protocol`` (the
 hand-written one, 6a98561) skipped by handing each message over from ``data_received``.
 
-Order is the writer's: one task sends the queue, in the order :meth:`Publisher.publish` was called,
-on one connection (the messages waiting when it wakes go as one pipeline), so a publisher's
-messages reach every subscriber in order. What a publish that fails costs: it is lost, the
+No task per publish (2026-12-07): the messages published in one iteration of the event loop go at
+its end as one pipeline, from a plain callback (``loop.call_soon``) into the connection's transport,
+which writes them to the socket at once; the writer task wakes only to read replies (every
+``_REPLY_CHECK_S``) and, when a send left bytes in the transport (the socket's buffer full: Redis not
+reading), to drain it under ``timeout_s`` while publishes queue. That reads redis-py's
+``Connection._writer`` (the asyncio StreamWriter its own ``send_packed_command`` writes to), the one
+private name used here. The fleet benchmark's stall timing (``FLEET_STALLS=1``, 1,000 SIMULATED
+workers, 250 schedules a second) had put the writer's wakes, one per publish, at 1.07 s of the
+loop's 7.05 s of callbacks in 33 s (78 us each), the largest part after the decisions and the KV
+followers. ``python benchmarks/ledger_pubsub.py --seconds 6 --repeats 3 --rate 250 --baseline-rev
+HEAD`` (2026-12-07, load ~1.6, one run): 475 against 533 us of loop CPU per message published (with
+~4.6 received), loop share 0.104 against 0.118, own-subscriber latency p50 0.14 against 0.17 ms.
+
+Order is the sender's: the queue goes in the order :meth:`Publisher.publish` was called, on one
+connection, so a publisher's messages reach every subscriber in order. What a publish that fails costs: it is lost, the
 receivers see a gap in the sender's sequence numbers and repair from its next snapshot
 (:mod:`tandem.router.ledger`). The writer does not wait for each reply: it sends, and reads the
 replies that have arrived meanwhile every ``_REPLY_CHECK_S`` (50 ms; a reply already in the
-connection's buffer is read without suspending), so a publish costs one wake of the writer instead
-of two (the write keeps its ``timeout_s``; the wait for the next check has one while replies are
-due). Profiled side by side on an exclusive core (the fleet benchmark's
+connection's buffer is read without suspending), so a publish cost one wake of the writer instead
+of two (before the callback above). Profiled side by side on an exclusive core (the fleet benchmark's
 speed phase, 15 s, ``FLEET_PROFILE=1``, 2026-12-07): the replica's event loop busy 9.74 s against
 10.45 s waiting for each reply (and 8.63 s with the hand-written client of ``587d182``);
 ``python benchmarks/ledger_pubsub.py --seconds 6 --repeats 3 --rate 250 --baseline-rev main``: 645
 against 684 us of loop CPU per message published (with ~4.6 received). A connection that breaks, a
 reply that is an error, or a send whose reply has not come in ``timeout_s`` (found at the next
-check) marks it broken, and every message not yet answered is counted lost; it is reopened by the
-writer every ``reconnect_wait_s``; publishes
+check) or a drain that takes longer marks it broken, and every message not yet answered (or queued)
+is counted lost; it is reopened by the writer every ``reconnect_wait_s``; publishes
 meanwhile are refused, not queued; while the queue holds more than ``max_queued_bytes`` (Redis not
 reading), publishes are refused rather than queued without bound. A subscription whose connection
 breaks ends (:meth:`Subscription.wait_closed`), and the ledger subscribes again and repairs from
@@ -169,6 +180,10 @@ class Publisher:
         self._replies_read_s = 0.0
         self._wakeup: asyncio.Event | None = None
         self._writer: asyncio.Task[None] | None = None
+        # The send of what publish() queued, at the end of this event-loop iteration (_flush).
+        self._flush_soon: asyncio.Handle | None = None
+        # The last send left bytes in the transport's buffer (the socket's was full): the writer drains.
+        self._must_drain = False
         self._connected = False
         self._ever_connected = False
         self._closed = False
@@ -204,8 +219,38 @@ class Publisher:
         self._queue.append(payload)
         self._queued_bytes += len(payload)
         self.stats.num_sent += 1
-        self._wakeup.set()
+        if self._flush_soon is None:
+            self._flush_soon = asyncio.get_running_loop().call_soon(self._flush)
         return True
+
+    def _flush(self) -> None:
+        """Send what is queued as one pipeline, on this iteration of the loop, without a task: the
+        command goes into the connection's transport, which writes it to the socket at once. Only
+        when the socket's buffer was full (Redis not reading) does the writer task drain it, under
+        ``timeout_s``; until then publishes queue, up to ``max_queued_bytes``."""
+        self._flush_soon = None
+        connection, wakeup = self._connection, self._wakeup
+        if not self._queue or not self._connected or self._must_drain or connection is None or wakeup is None:
+            return  # (the writer sends the queue once drained)
+        # redis-py's Connection keeps its asyncio StreamWriter in ``_writer`` (what its own
+        # send_packed_command writes to; 5.x to 7.x): StreamWriter.writelines is synchronous.
+        stream = connection._writer
+        if stream is None or stream.transport.is_closing():
+            self._lose_all(ConnectionError("the connection is closed"))
+            return
+        batch = list(self._queue)
+        self._queue.clear()
+        self._queued_bytes = 0
+        stream.writelines(connection.pack_commands([(b"PUBLISH", self._channel, payload) for payload in batch]))
+        now_s = time.monotonic()
+        if not self._unanswered:
+            self._replies_read_s = now_s  # the replies' 50 ms start with the first unanswered send
+        self._unanswered.append((now_s, len(batch)))
+        if stream.transport.get_write_buffer_size() > 0:
+            self._must_drain = True
+            wakeup.set()
+        elif len(self._unanswered) == 1:
+            wakeup.set()  # the writer sleeps until these replies are due
 
     async def _open(self) -> None:
         client = _client(self._url, self._timeout_s)
@@ -273,34 +318,40 @@ class Publisher:
                 self._unanswered[0] = (sent_s, count - 1)
 
     async def _send(self) -> None:
-        batch = list(self._queue)
-        self._queue.clear()
-        self._queued_bytes = 0
+        """The writer's round: drain the transport if a send left bytes in it, send what queued
+        meanwhile (or since a reconnect), and read the replies when they are due."""
         connection = self._connection
-        if connection is None or not (batch or self._unanswered):
+        if connection is None:
             return
-        sent = False
         try:
-            # What redis-py's Redis.publish and pipeline do, less their per-command layers (lock,
-            # retry wrapper, a task per write for the socket timeout): ~2x less event-loop time per
-            # message (module docstring). The replies are read later, in bulk (_read_replies).
-            if batch:
+            if self._must_drain:
+                stream = connection._writer
+                if stream is None:
+                    raise ConnectionError("the connection is closed")
                 async with asyncio.timeout(self._timeout_s):
-                    await connection.send_packed_command(
-                        connection.pack_commands([(b"PUBLISH", self._channel, payload) for payload in batch]),
-                        check_health=False,
-                    )
-                self._unanswered.append((time.monotonic(), len(batch)))
-                sent = True
+                    await stream.drain()
+                self._must_drain = False
+            if self._queue:
+                self._flush()
             if self._unanswered and time.monotonic() >= self._replies_due_s():
                 await self._read_replies(connection)
         except (RedisError, OSError, TimeoutError) as exc:
-            # Lost: the receivers see a gap and repair from our next snapshot.
-            lost = sum(count for _, count in self._unanswered) + (0 if sent else len(batch))
-            self._unanswered.clear()
-            self.stats.num_error_replies += lost
-            self._connected = False
-            logger.warning("ledger publish failed (%d messages lost): %s", lost, exc or type(exc).__name__)
+            self._lose_all(exc)
+
+    def _lose_all(self, exc: BaseException) -> None:
+        """The connection broke (or a reply was an error, or late): every message sent and not yet
+        answered, and every one queued, is lost; the receivers see a gap and repair from our next
+        snapshot. The writer reconnects."""
+        lost = sum(count for _, count in self._unanswered) + len(self._queue)
+        self._unanswered.clear()
+        self._queue.clear()
+        self._queued_bytes = 0
+        self._must_drain = False
+        self.stats.num_error_replies += lost
+        self._connected = False
+        logger.warning("ledger publish failed (%d messages lost): %s", lost, exc or type(exc).__name__)
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     async def aclose(self) -> None:
         self._closed = True
