@@ -85,15 +85,16 @@ class Head:
 
     def stop(self) -> None:
         """SIGTERM then SIGKILL to this head's processes only (never a global ``ray stop``)."""
-        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
+        for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 15.0)):
             for pid in self.processes():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + wait_s
-            while self.processes() and time.monotonic() < deadline:
+            while self.proc.poll() is None or self.processes():  # poll(): reap ``ray start``, our child
+                if time.monotonic() > deadline:
+                    break
                 time.sleep(0.2)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5)
+        assert not self.processes(), f"head processes left: {self.processes()}"
 
 
 def _pod_env(cluster: dict[str, Any], key_prefix: str, secret_file: Path, home: Path) -> dict[str, str]:
