@@ -13,9 +13,15 @@ before each arrival, then spins to it (on the SIMULATED fleet's core, not the ro
 timer slack of 1 ns and, where allowed, a real-time priority. How late it sent each request is
 reported back and counted in the latency, which runs from the arrival time.
 
+Right after each send it reads the replica's event-loop thread's ``schedstat`` (``SPEC.json``'s
+``schedstat``: that thread's CPU time and time runnable but waiting for a core, in ns, kept by the
+kernel), so the replica can split each request's wait into the loop's own work, waiting for the core,
+and neither (asleep, or held off the CPU by something the kernel does not count as either).
+
 Usage (by router_fleet.py): ``python fleet_arrivals.py SPEC.json FD``; SPEC.json holds ``t0_s``
-(``time.perf_counter()``, which is CLOCK_MONOTONIC, the same clock in every process), ``offsets_s``
-and ``cpus``; FD is the inherited socket's descriptor. Prints one JSON line with ``lateness_s``.
+(``time.perf_counter()``, which is CLOCK_MONOTONIC, the same clock in every process), ``offsets_s``,
+``cpus`` and ``schedstat``; FD is the inherited socket's descriptor. Prints one JSON line with
+``lateness_s``, ``loop_cpu_ns`` and ``loop_run_delay_ns``.
 """
 
 from __future__ import annotations
@@ -48,7 +54,10 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(OSError, AttributeError):  # root only; without it the wake-ups are later
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
     sock = socket.socket(fileno=fd)
+    schedstat = os.open(spec["schedstat"], os.O_RDONLY) if spec.get("schedstat") else -1
     lateness_s: list[float] = []
+    loop_cpu_ns: list[int] = []
+    loop_run_delay_ns: list[int] = []
     for index, offset_s in enumerate(offsets_s):
         arrival_s = t0_s + offset_s
         while (delay_s := arrival_s - time.perf_counter()) > _SPIN_S:
@@ -57,8 +66,13 @@ def main(argv: list[str]) -> int:
             pass
         sock.send(struct.pack("<I", index))
         lateness_s.append(time.perf_counter() - arrival_s)
+        if schedstat >= 0:
+            cpu_ns, run_delay_ns = os.pread(schedstat, 128, 0).split()[:2]
+            loop_cpu_ns.append(int(cpu_ns))
+            loop_run_delay_ns.append(int(run_delay_ns))
     sock.close()
-    print(json.dumps({"lateness_s": lateness_s}), flush=True)
+    out = {"lateness_s": lateness_s, "loop_cpu_ns": loop_cpu_ns, "loop_run_delay_ns": loop_run_delay_ns}
+    print(json.dumps(out), flush=True)
     return 0
 
 

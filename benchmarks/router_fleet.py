@@ -25,7 +25,12 @@ the router's, never model speed.
     arrivals together and they queue behind each other (14 % of them within 0.1 ms of the one before,
     against 2.5 % for Poisson arrivals at 250/s), a pessimistic p99. ``--arrivals thread`` hands them
     over from a thread of the replica's process, which must take the GIL from the loop to do it (p99
-    3-4 ms late on a shared host). All three log the share of bursts.
+    3-4 ms late on a shared host). All three log the share of bursts. With the socket driver, the
+    slowest 1 %'s waits are also split by the kernel's account of the loop thread (its ``schedstat``,
+    read by the driver right after each send and by the loop when the request first runs): on the
+    CPU (the loop's other work), runnable but waiting for its core, and neither. The kernel updates
+    a running thread's figures at ticks and switches, so each part is approximate (the third can
+    read negative); their sums over the slowest 1 % say which dominates.
 
 (2) **One view across active replicas.** A smaller SIMULATED fleet (``--replica-workers``, 128)
     and four router replicas in this process, each with its own subscriber, index, registry view
@@ -78,6 +83,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -447,16 +453,28 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
         ahead: list[int] = []  # schedules not yet done when each arrived
         wait_cpus: list[float] = []  # the loop's thread's CPU time from each arrival until it ran
 
+        schedstat_fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        start_of: dict[int, tuple[int, int]] = {}  # this thread's schedstat when request i first ran
+        indices: list[int] = []  # each latency's request number
+
         async def one(
-            request: ScheduleRequest, hashes: bytes, arrival_s: float, num_ahead: int, arrival_cpu_s: float
+            request: ScheduleRequest,
+            hashes: bytes,
+            arrival_s: float,
+            num_ahead: int,
+            arrival_cpu_s: float,
+            index: int = -1,
         ) -> None:
             nonlocal num_local
             c0, w0 = time.thread_time(), time.perf_counter()
-            wait_cpus.append(c0 - arrival_cpu_s)
+            cpu_ns, run_delay_ns = os.pread(schedstat_fd, 128, 0).split()[:2]
+            start_of[index] = (int(cpu_ns), int(run_delay_ns))
             placement = await replica.scheduler.schedule(request)
             cpu_times.append(time.thread_time() - c0)
             w1 = time.perf_counter()
-            latencies.append(w1 - arrival_s)
+            latencies.append(w1 - arrival_s)  # (in completion order, as every list here)
+            indices.append(index)
+            wait_cpus.append(c0 - arrival_cpu_s)
             ahead.append(num_ahead)
             arrivals.append(arrival_s)
             waits.append(w0 - arrival_s)
@@ -506,7 +524,7 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             if offsets_s[index] < args.warmup_s:
                 task = loop.create_task(warm_up(request))
             else:
-                task = loop.create_task(one(request, hashes, arrival_s, len(tasks), time.thread_time()))
+                task = loop.create_task(one(request, hashes, arrival_s, len(tasks), time.thread_time(), index))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
@@ -533,10 +551,13 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
         t0 = time.perf_counter()
         cpu0_s = time.thread_time()
         lead_s = 0.0  # before the first arrival
+        sched_at_arrival: list[tuple[int, int]] = []  # the loop thread's schedstat at each arrival (socket)
         if args.arrivals == "socket":
             cpus = sorted(pinned - {min(pinned)}) if pinned else None
             lead_s = 0.5  # the driver process starts meanwhile
-            lateness_s.extend(await drive_by_socket(t0 + lead_s, offsets_s, cpus, hand_over))
+            driven = await drive_by_socket(t0 + lead_s, offsets_s, cpus, hand_over)
+            lateness_s.extend(driven["lateness_s"])
+            sched_at_arrival = list(zip(driven["loop_cpu_ns"], driven["loop_run_delay_ns"], strict=True))
         elif args.arrivals == "thread":
             done: asyncio.Future[None] = loop.create_future()
             driver = threading.Thread(target=drive, args=(t0 + 0.01, done), name="fleet-arrivals", daemon=True)
@@ -617,6 +638,25 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
             f"all decisions' wall p50={pct(walls, 0.5) * 1e3:.3f} p90={pct(walls, 0.9) * 1e3:.3f} "
             f"p99={pct(walls, 0.99) * 1e3:.3f} ms, CPU p90={pct(cpu_times, 0.9) * 1e3:.3f} ms"
         )
+        os.close(schedstat_fd)
+        if sched_at_arrival:
+            # The kernel's account of the loop thread from each arrival until the request first ran:
+            # its CPU time (the loop's other work), its time runnable but off the core, and the rest.
+            parts: list[tuple[float, float, float]] = []
+            for i in slowest:
+                at_cpu, at_delay = sched_at_arrival[indices[i]]
+                run_cpu, run_delay = start_of[indices[i]]
+                cpu_s, delay_s = (run_cpu - at_cpu) / 1e9, (run_delay - at_delay) / 1e9
+                parts.append((cpu_s, delay_s, waits[i] - cpu_s - delay_s))
+            log(
+                "the slowest 1 %'s waits by the kernel's account of the loop thread (schedstat, read by the "
+                f"driver after each send): on the CPU p50={pct([p[0] for p in parts], 0.5) * 1e3:.3f} ms "
+                f"(sum {sum(p[0] for p in parts) * 1e3:.1f}), runnable waiting for the core "
+                f"p50={pct([p[1] for p in parts], 0.5) * 1e3:.3f} ms (sum {sum(p[1] for p in parts) * 1e3:.1f}), "
+                f"neither (asleep, or held off the CPU uncounted) p50={pct([p[2] for p in parts], 0.5) * 1e3:.3f} ms "
+                f"(sum {sum(p[2] for p in parts) * 1e3:.1f}); "
+                f"waits summed {sum(waits[i] for i in slowest) * 1e3:.1f} ms"
+            )
         gc.unfreeze()
         return SpeedResult(
             latencies, cpu_times, num_entries, memory / max(1, num_entries), num_events, num_events / elapsed_s
@@ -633,10 +673,12 @@ async def bench_speed(args: argparse.Namespace) -> SpeedResult:
 
 async def drive_by_socket(
     t0_s: float, offsets_s: Sequence[float], cpus: Sequence[int] | None, hand_over: Callable[[int, float], None]
-) -> list[float]:
+) -> dict[str, list[Any]]:
     """``--arrivals socket``: request ``i`` reaches this loop over a Unix datagram socket from the
     driver process (benchmarks/fleet_arrivals.py) at ``t0_s + offsets_s[i]`` and is handed over with
-    that arrival time; returns how late the driver sent each one (counted in the latency)."""
+    that arrival time; returns how late the driver sent each one (``lateness_s``, counted in the
+    latency) and this thread's ``schedstat`` just after each send (``loop_cpu_ns``,
+    ``loop_run_delay_ns``)."""
     loop = asyncio.get_running_loop()
     receiver, sender = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     receiver.setblocking(False)
@@ -657,7 +699,8 @@ async def drive_by_socket(
             done.set_result(None)
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as spec:
-        json.dump({"t0_s": t0_s, "offsets_s": list(offsets_s), "cpus": list(cpus or ())}, spec)
+        schedstat = f"/proc/{os.getpid()}/task/{threading.get_native_id()}/schedstat"
+        json.dump({"t0_s": t0_s, "offsets_s": list(offsets_s), "cpus": list(cpus or ()), "schedstat": schedstat}, spec)
     driver = await asyncio.create_subprocess_exec(
         sys.executable,
         str(Path(__file__).resolve().parent / "fleet_arrivals.py"),
@@ -677,8 +720,8 @@ async def drive_by_socket(
         os.unlink(spec.name)
         if driver.returncode is None:
             driver.kill()
-    lateness: list[float] = json.loads(out)["lateness_s"]
-    return lateness
+    driven: dict[str, list[Any]] = json.loads(out)
+    return driven
 
 
 def pin_router_apart(fleet_pid: int) -> set[int] | None:
