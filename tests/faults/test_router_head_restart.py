@@ -21,10 +21,12 @@ Without it (the control, ``router.gcsFaultTolerance.enabled=false``) the new hea
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -57,9 +59,10 @@ RECOVERY_TIMEOUT_S = 300.0
 #: How long the control waits for an app that should not come back.
 CONTROL_WAIT_S = 60.0
 MODEL = "smol-ft"
-#: Every Ray process of the test, as in the chart's pods: Ray 2.60's `ray start` turns token authentication
-#: on where ~/.ray/auth_token exists (this machine's local stacks leave one), a Ray pod has none.
-RAY_ENV = {"RAY_AUTH_MODE": "disabled"}
+#: Every Ray process of the test, as in the chart's pods: token authentication on (``ray.auth.mode: token``,
+#: the chart's default), the token in the environment as KubeRay's ``authOptions`` sets it from its Secret
+#: (32 random bytes, base64), so the restarted head and the app's processes must all carry it.
+RAY_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": base64.b64encode(secrets.token_bytes(32)).decode()}
 
 
 def _rendered(key_prefix: str, enabled: bool) -> tuple[dict[str, object] | None, dict[str, str]]:
