@@ -47,6 +47,7 @@ from tandem.common.router_client import RouterClient
 from tests.chart.conftest import CHART, RELEASE, one, run_helm
 from tests.faults.ledger import FaultLedger
 from tests.kit.net import free_port
+from tests.kit.ray_head import head_processes
 from tests.kit.redis import start_redis
 from tests.kit.router import router_process
 
@@ -121,23 +122,7 @@ class Head:
         return self.log_path.read_text(errors="replace").count("Ray runtime started") if self.log_path.exists() else 0
 
     def processes(self) -> list[int]:
-        """Pids of this head's processes: its session, and Ray's workers that left it for groups of their
-        own (the controller, proxy and replica actors), found by the head's temp dir in their command line."""
-        found = []
-        marker = str(self.temp_dir).encode()
-        session = None if self.proc is None else self.proc.pid
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-                sid = os.getsid(pid)
-            except (OSError, ProcessLookupError):
-                continue
-            if sid == session or marker in cmdline:
-                found.append(pid)
-        return found
+        return head_processes(None if self.proc is None else self.proc.pid, self.temp_dir)
 
     def kill(self) -> int:
         """SIGKILL every process of the head at once (its pod dies); the number killed."""

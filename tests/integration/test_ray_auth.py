@@ -38,6 +38,7 @@ from tandem.common.registry import WorkerRecord, WorkerRegistry
 from tandem.common.router_client import RouterClient
 from tests.chart.conftest import ROOT, one, render
 from tests.kit.net import free_port
+from tests.kit.ray_head import head_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -67,21 +68,7 @@ class Head:
     proc: subprocess.Popen[bytes]
 
     def processes(self) -> list[int]:
-        """This head's processes: its session, and Ray's workers found by its temp dir in their command line."""
-        found = []
-        marker = str(self.temp_dir).encode()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            pid = int(entry.name)
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-                sid = os.getsid(pid)
-            except (OSError, ProcessLookupError):
-                continue
-            if pid != os.getpid() and (sid == self.proc.pid or marker in cmdline):
-                found.append(pid)
-        return found
+        return head_processes(self.proc.pid, self.temp_dir)
 
     def stop(self) -> None:
         """SIGTERM then SIGKILL to this head's processes only (never a global ``ray stop``)."""
