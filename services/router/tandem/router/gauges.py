@@ -109,8 +109,8 @@ class Gauges:
             self._published_worker_ids.add(worker.worker_id)
             if worker.role == ROLE_PREFILL:
                 self._prefill_records[worker.worker_id] = worker
-        self._set_many(self._published_worker_ids | self._dirty)
-        self._dirty.clear()
+        self._dirty |= self._published_worker_ids
+        self.flush()
         live = {w.worker_id for w in workers} | self._published_worker_ids
         for worker_id in [w for w in self._worker_labels if w not in live]:
             del self._worker_labels[worker_id]  # a worker gone for good (a pod replaced has a new id)
