@@ -56,7 +56,8 @@ def test_a_segment_is_a_live_writers_and_an_orphan_once_its_writer_is_killed(shm
     writer, reader = _map(owned, "rw"), _map(read_only, "r")
     try:
         assert segments.writers(shm_dir) == {owned: {writer.pid}}
-        assert segments.owned_by(shm_dir, segments.session_of(writer.pid) or -1) == {owned}
+        session = segments.session_of(writer.pid)  # 0 where the session's leader is outside this PID namespace
+        assert session is not None and segments.owned_by(shm_dir, session) == {owned}
         assert [o.path for o in segments.orphans(shm_dir)] == [read_only]  # a decode's mapping owns nothing
         writer.send_signal(signal.SIGKILL)
         writer.wait(10)
