@@ -10,11 +10,26 @@ Each pool scales on its own signal:
 
 * **prefill** — requests waiting in the router for prefill budget per replica,
   uncached prompt tokens in flight on prefill workers (and queued for them) per
-  replica, TTFT p90 against its SLO (only while prefill is short: TTFT also
-  holds the wait for decode budget, which prefill replicas cannot shorten);
+  replica, but for no more replicas than there are prompts (below), TTFT p90
+  against its SLO (only while prefill is short: TTFT also holds the wait for
+  decode budget, which prefill replicas cannot shorten);
 * **decode** — the router's decode budget in use and average KV-cache usage
   against targets, requests waiting for decode (in the router for decode
   budget, or in the decode engines' queues) per replica, ITL p90 against its SLO.
+
+**A prompt is computed by one worker.** The uncached-tokens vote, ``ceil(tokens / uncachedTokensPerReplica)``,
+asks for at most as many replicas as there are prompts on the prefill pool (:func:`prompts_on_prefill`:
+the requests placed on its workers plus those waiting for its budget, the router's
+``pool_in_flight_requests{role="prefill"}`` and ``queued_requests{waiting_for="prefill"}``), and for one
+while any token is counted: one 900-token prompt against a 600-token target asked for 2 replicas, and a
+handful of long prompts grew the SIMULATED prefill pool of ``make autoscale-demo --scenario long-prompts``
+to 6, while a second worker cannot compute any part of a prompt the first holds. Many prompts still scale
+by their tokens (the cap is far above the vote), and the trend vote is capped alike on the projected
+signals (the queue's growth projected, the requests in flight as they are). The count is an upper bound:
+a request stays in flight on its prefill worker until its Release, through its decode, so prompts already
+computed still count and the cap only loosens (never asks for fewer replicas than the prompts could use);
+no count is known (either signal missing): no cap. The "prefill is short" test of the TTFT vote is this
+capped vote asking for more than the pool has: a breach caused by one long prompt does not grow prefill.
 
 **Measured capacity.** Where ``autoscaling.capacity`` gives a pool's per-worker tokens/s (``tandem-loadtest
 sweep``'s knee: within the SLO), the pool's demand in tokens/s (``token_rate``: uncached prompt tokens placed
@@ -184,6 +199,25 @@ def _total_vote(total: float, per_replica: float) -> int:
     return math.ceil(total / per_replica) if total > 0 else 0
 
 
+def prompts_on_prefill(signals: PoolSignals) -> float | None:
+    """The prompts the prefill pool holds or is about to: requests placed on its workers and not yet
+    released, plus those waiting for its budget; None when either count is unknown. An upper bound (a
+    request is released after its decode, not its prefill): the module docstring says why that is safe."""
+    if signals.in_flight is None or signals.queue_depth is None:
+        return None
+    return signals.in_flight + signals.queue_depth
+
+
+def _uncached_tokens_vote(uncached_tokens: float, per_replica: float, num_prompts: float | None) -> int:
+    """:func:`_total_vote` of the uncached tokens, for no more replicas than ``num_prompts`` (a prompt is
+    computed by one worker), and one at least while any token is counted (the two gauges are published
+    apart, so a count of 0 beside tokens is a count not yet refreshed). ``num_prompts`` None: no cap."""
+    wanted = _total_vote(uncached_tokens, per_replica)
+    if num_prompts is None or wanted == 0:
+        return wanted
+    return min(wanted, max(1, math.ceil(num_prompts)))
+
+
 def _demand_vote(current: int, in_flight: float | None, waiting: float) -> int | None:
     """Requests wait for the pool's budget, so the pool is full: grow it in proportion to the demand
     (placed + waiting) over what it holds now, in one decision, not one step per window. None
@@ -246,8 +280,7 @@ def projected(
         points = [
             (r.at_s, v)
             for r in history
-            if r.signals is not None and now_s - r.at_s <= window_s
-            and (v := getattr(r.signals, name)) is not None
+            if r.signals is not None and now_s - r.at_s <= window_s and (v := getattr(r.signals, name)) is not None
         ]
         rate = slope([*points, (now_s, now_value)])
         if rate is not None and rate > 0:
@@ -322,16 +355,16 @@ def votes_for(
             if demand is not None:
                 votes["demand"] = demand
         if signals.uncached_tokens is not None:
-            votes["uncached_tokens"] = _total_vote(signals.uncached_tokens, targets.uncached_tokens_per_replica)
+            votes["uncached_tokens"] = _uncached_tokens_vote(
+                signals.uncached_tokens, targets.uncached_tokens_per_replica, prompts_on_prefill(signals)
+            )
         if signals.ttft_p90_s is not None and slo is not None:
             ttft = _latency_vote(current, signals.ttft_p90_s, slo.ttft_p90_seconds, policy.scale_down_slo_fraction)
             # TTFT is both pools' (a request waits for decode budget before its prefill too): it grows
-            # prefill only where prefill is short, requests waiting for its budget or its backlog over
-            # target. Otherwise a breach holds prefill (no shrinking) and decode's own votes act.
-            prefill_short = (signals.queue_depth or 0) > 0 or (
-                signals.uncached_tokens is not None
-                and signals.uncached_tokens > current * targets.uncached_tokens_per_replica
-            )
+            # prefill only where prefill is short, requests waiting for its budget or its backlog asking
+            # for more replicas than it has (no more than its prompts: one long prompt's TTFT is not a
+            # shortage). Otherwise a breach holds prefill (no shrinking) and decode's own votes act.
+            prefill_short = (signals.queue_depth or 0) > 0 or votes.get("uncached_tokens", 0) > current
             votes["ttft_p90"] = ttft if prefill_short else min(ttft, current)
     else:
         if signals.budget_usage is not None:

@@ -14,10 +14,19 @@ def policy(**kw: float) -> AutoscalingSpec:
     return AutoscalingSpec.model_validate({**base, **kw})
 
 
-def once(role: Role, current: int, signals: PoolSignals, pol: AutoscalingSpec | None = None,
-         pool: PoolSpec = POOL) -> Decision:
-    decision, _ = decide(role=role, current_replicas=current, signals=signals, pool=pool,
-                         policy=pol or policy(), slo=SLO, history=(), now_s=100.0)
+def once(
+    role: Role, current: int, signals: PoolSignals, pol: AutoscalingSpec | None = None, pool: PoolSpec = POOL
+) -> Decision:
+    decision, _ = decide(
+        role=role,
+        current_replicas=current,
+        signals=signals,
+        pool=pool,
+        policy=pol or policy(),
+        slo=SLO,
+        history=(),
+        now_s=100.0,
+    )
     return decision
 
 
@@ -87,8 +96,16 @@ def test_scale_up_waits_for_its_window() -> None:
     history: tuple[Recommendation, ...] = ()
     desired = []
     for t in range(0, 50, 10):
-        decision, history = decide(role="prefill", current_replicas=1, signals=PoolSignals(queue_depth=12),
-                                   pool=POOL, policy=pol, slo=SLO, history=history, now_s=float(t))
+        decision, history = decide(
+            role="prefill",
+            current_replicas=1,
+            signals=PoolSignals(queue_depth=12),
+            pool=POOL,
+            policy=pol,
+            slo=SLO,
+            history=history,
+            now_s=float(t),
+        )
         desired.append(decision.desired_replicas)
     # The seed (1 replica at t=0) holds the scale-up back for the 30 s window.
     assert desired == [1, 1, 1, 3, 3]
@@ -101,8 +118,16 @@ def test_scale_down_waits_for_its_window_and_a_spike_resets_it() -> None:
     current = 4
     trace = []
     for t, queue in [(10, 0), (30, 0), (50, 16), (70, 0), (100, 0), (115, 0)]:
-        decision, history = decide(role="prefill", current_replicas=current, signals=PoolSignals(queue_depth=queue),
-                                   pool=POOL, policy=pol, slo=SLO, history=history, now_s=float(t))
+        decision, history = decide(
+            role="prefill",
+            current_replicas=current,
+            signals=PoolSignals(queue_depth=queue),
+            pool=POOL,
+            policy=pol,
+            slo=SLO,
+            history=history,
+            now_s=float(t),
+        )
         current = decision.desired_replicas
         trace.append(current)
     # The 4 at t=50 keeps replicas up until it leaves the window (t=110).
@@ -133,8 +158,17 @@ def test_an_idle_pool_with_min_zero_goes_to_zero_a_step_at_a_time() -> None:
     assert once("decode", 1, signals, pool=ZERO_POOL).desired_replicas == 0
     assert once("prefill", 1, PoolSignals(queue_depth=0.0, uncached_tokens=0.0), pool=ZERO_POOL).desired_replicas == 0
     # Still starting: never below what is on its way.
-    held, _ = decide(role="decode", current_replicas=1, signals=signals, pool=ZERO_POOL, policy=policy(), slo=SLO,
-                     history=(), now_s=100.0, ready_replicas=0)
+    held, _ = decide(
+        role="decode",
+        current_replicas=1,
+        signals=signals,
+        pool=ZERO_POOL,
+        policy=policy(),
+        slo=SLO,
+        history=(),
+        now_s=100.0,
+        ready_replicas=0,
+    )
     assert held.desired_replicas == 1
 
 
@@ -163,33 +197,73 @@ def test_replicas_still_starting_are_capacity_coming() -> None:
     current, trace, reasons = 2, [], []
     # 2 ready hold 4 requests; the queue grows by 4 every 10 s while nothing new is ready.
     for t, queue in [(0, 8), (10, 8), (20, 8), (30, 12), (40, 16), (50, 20), (60, 24)]:
-        decision, history = decide(role="prefill", current_replicas=current, ready_replicas=2,
-                                   signals=PoolSignals(queue_depth=queue, in_flight=4), pool=pool, policy=pol,
-                                   slo=SLO, history=history, now_s=float(t))
+        decision, history = decide(
+            role="prefill",
+            current_replicas=current,
+            ready_replicas=2,
+            signals=PoolSignals(queue_depth=queue, in_flight=4),
+            pool=pool,
+            policy=pol,
+            slo=SLO,
+            history=history,
+            now_s=float(t),
+        )
         current = decision.desired_replicas
         trace.append(current)
         reasons.append(decision.reason)
     assert trace == [2, 2, 4, 4, 4, 4, 4], trace
     assert all(r.startswith("scale up held: 2 of 4 replicas still starting") for r in reasons[3:])
     # The held recommendations stay in the history: once the 4 are ready and still short, no second window.
-    decision, _ = decide(role="prefill", current_replicas=4, ready_replicas=4,
-                         signals=PoolSignals(queue_depth=24, in_flight=8), pool=pool, policy=pol, slo=SLO,
-                         history=history, now_s=70.0)
+    decision, _ = decide(
+        role="prefill",
+        current_replicas=4,
+        ready_replicas=4,
+        signals=PoolSignals(queue_depth=24, in_flight=8),
+        pool=pool,
+        policy=pol,
+        slo=SLO,
+        history=history,
+        now_s=70.0,
+    )
     assert decision.desired_replicas == 6 and decision.reason.startswith("scale up")
     # Without the credit (all replicas ready) the same growing queue would have grown it again.
-    grown, _ = decide(role="prefill", current_replicas=4, ready_replicas=4,
-                      signals=PoolSignals(queue_depth=16, in_flight=8), pool=pool, policy=pol, slo=SLO,
-                      history=history[:5], now_s=40.0)
+    grown, _ = decide(
+        role="prefill",
+        current_replicas=4,
+        ready_replicas=4,
+        signals=PoolSignals(queue_depth=16, in_flight=8),
+        pool=pool,
+        policy=pol,
+        slo=SLO,
+        history=history[:5],
+        now_s=40.0,
+    )
     assert grown.desired_replicas > 4
     # Replicas not ready without a scale-up of this loop's (a rollout replacing pods) hold nothing back,
     # nor ones starting for two start times (unschedulable): the pool grows past them.
-    rollout, _ = decide(role="prefill", current_replicas=4, ready_replicas=2,
-                        signals=PoolSignals(queue_depth=24, in_flight=4), pool=pool, policy=pol, slo=SLO,
-                        history=(Recommendation(0.0, 4, 4, 4), Recommendation(10.0, 10, 4, 2)), now_s=20.0)
+    rollout, _ = decide(
+        role="prefill",
+        current_replicas=4,
+        ready_replicas=2,
+        signals=PoolSignals(queue_depth=24, in_flight=4),
+        pool=pool,
+        policy=pol,
+        slo=SLO,
+        history=(Recommendation(0.0, 4, 4, 4), Recommendation(10.0, 10, 4, 2)),
+        now_s=20.0,
+    )
     assert rollout.desired_replicas == 6
-    stuck, _ = decide(role="prefill", current_replicas=4, ready_replicas=2,
-                      signals=PoolSignals(queue_depth=24, in_flight=4), pool=pool, policy=pol, slo=SLO,
-                      history=history, now_s=20.0 + 2 * 30.0)
+    stuck, _ = decide(
+        role="prefill",
+        current_replicas=4,
+        ready_replicas=2,
+        signals=PoolSignals(queue_depth=24, in_flight=4),
+        pool=pool,
+        policy=pol,
+        slo=SLO,
+        history=history,
+        now_s=20.0 + 2 * 30.0,
+    )
     assert stuck.desired_replicas == 6
 
 
@@ -211,9 +285,16 @@ def test_a_rising_load_asks_for_replicas_a_start_time_ahead() -> None:
     votes = []
     # Uncached tokens in flight rise by half a replica's worth every 10 s; the level asks for 2 all along.
     for t, level in [(0, 1.0), (10, 1.5), (20, 2.0)]:
-        decision, history = decide(role="prefill", current_replicas=2, signals=PoolSignals(
-            queue_depth=0, uncached_tokens=level * tokens), pool=POOL, policy=pol, slo=SLO, history=history,
-            now_s=float(t))
+        decision, history = decide(
+            role="prefill",
+            current_replicas=2,
+            signals=PoolSignals(queue_depth=0, uncached_tokens=level * tokens),
+            pool=POOL,
+            policy=pol,
+            slo=SLO,
+            history=history,
+            now_s=float(t),
+        )
         votes.append(decision.votes)
     assert votes[0] == {"queue_depth": 0, "uncached_tokens": 1}  # no history, no slope
     # At t=20: 2.0 replicas' worth, growing 0.05 per s, projected over the scale-up window + one interval
@@ -221,28 +302,57 @@ def test_a_rising_load_asks_for_replicas_a_start_time_ahead() -> None:
     assert votes[2]["uncached_tokens"] == 2 and votes[2]["uncached_tokens_trend"] == 3
     assert decision.desired_replicas == 3 and "uncached_tokens_trend" in decision.reason
     # A falling load (below where it was 30 s ago) projects nothing: no trend vote, the level decides.
-    falling, _ = decide(role="prefill", current_replicas=2, signals=PoolSignals(
-        queue_depth=0, uncached_tokens=0.5 * tokens), pool=POOL, policy=pol, slo=SLO, history=history, now_s=30.0)
+    falling, _ = decide(
+        role="prefill",
+        current_replicas=2,
+        signals=PoolSignals(queue_depth=0, uncached_tokens=0.5 * tokens),
+        pool=POOL,
+        policy=pol,
+        slo=SLO,
+        history=history,
+        now_s=30.0,
+    )
     assert not any(name.endswith("_trend") for name in falling.votes)
     # Decode: budget in use rising from 0.5 to 0.7 in 20 s, measured start time 40 s: 0.7 + 0.01 × 40 =
     # 1.1 of a 0.8 target at 2 replicas → 3, while the level (0.7, within the band) holds 2.
-    history = (Recommendation(0.0, 2, 2, 2, PoolSignals(budget_usage=0.5), 40.0),
-               Recommendation(10.0, 2, 2, 2, PoolSignals(budget_usage=0.6), 40.0))
-    decode, _ = decide(role="decode", current_replicas=2, signals=PoolSignals(budget_usage=0.7), pool=POOL,
-                       policy=pol, slo=SLO, history=history, now_s=20.0)
+    history = (
+        Recommendation(0.0, 2, 2, 2, PoolSignals(budget_usage=0.5), 40.0),
+        Recommendation(10.0, 2, 2, 2, PoolSignals(budget_usage=0.6), 40.0),
+    )
+    decode, _ = decide(
+        role="decode",
+        current_replicas=2,
+        signals=PoolSignals(budget_usage=0.7),
+        pool=POOL,
+        policy=pol,
+        slo=SLO,
+        history=history,
+        now_s=20.0,
+    )
     assert decode.votes["budget_usage"] == 2 and decode.votes["budget_usage_trend"] == 3
     # Requests waiting for decode rising: the demand vote follows the projected wait.
     history = (Recommendation(0.0, 2, 2, 2, PoolSignals(waiting=0.0, in_flight=4), 10.0),)
-    demand, _ = decide(role="decode", current_replicas=2, signals=PoolSignals(waiting=2.0, in_flight=4), pool=POOL,
-                       policy=pol, slo=SLO, history=history, now_s=10.0)
+    demand, _ = decide(
+        role="decode",
+        current_replicas=2,
+        signals=PoolSignals(waiting=2.0, in_flight=4),
+        pool=POOL,
+        policy=pol,
+        slo=SLO,
+        history=history,
+        now_s=10.0,
+    )
     assert demand.votes["demand"] == 3 and demand.votes["demand_trend"] == 4  # ceil(2 × (4 + 4) / 4)
 
 
 def test_measured_capacity_sizes_each_pool_from_its_tokens_per_second() -> None:
-    measured = AutoscalingSpec.model_validate({
-        "scale_up_stabilization_seconds": 0, "scale_down_stabilization_seconds": 0,
-        "capacity": {"prefill_tokens_per_second_per_worker": 140, "decode_tokens_per_second_per_worker": 16},
-    })
+    measured = AutoscalingSpec.model_validate(
+        {
+            "scale_up_stabilization_seconds": 0,
+            "scale_down_stabilization_seconds": 0,
+            "capacity": {"prefill_tokens_per_second_per_worker": 140, "decode_tokens_per_second_per_worker": 16},
+        }
+    )
     # 500 uncached prompt tokens/s at 140 per worker: 4 workers; 40 output tokens/s at 16: 3.
     prefill = once("prefill", 2, PoolSignals(queue_depth=0, token_rate=500.0), measured, PoolSpec(max_replicas=8))
     assert prefill.votes["token_rate"] == 4 and prefill.desired_replicas == 4
@@ -255,6 +365,108 @@ def test_measured_capacity_sizes_each_pool_from_its_tokens_per_second() -> None:
     # The rate's growth votes a start time ahead: 300 → 400 tokens/s in 10 s, projected 10 s (window + interval).
     pol = measured.model_copy(update={"interval_seconds": 10.0})
     history = (Recommendation(0.0, 3, 3, 3, PoolSignals(queue_depth=0, token_rate=300.0)),)
-    rising, _ = decide(role="prefill", current_replicas=3, signals=PoolSignals(queue_depth=0, token_rate=400.0),
-                       pool=PoolSpec(max_replicas=8), policy=pol, slo=SLO, history=history, now_s=10.0)
+    rising, _ = decide(
+        role="prefill",
+        current_replicas=3,
+        signals=PoolSignals(queue_depth=0, token_rate=400.0),
+        pool=PoolSpec(max_replicas=8),
+        policy=pol,
+        slo=SLO,
+        history=history,
+        now_s=10.0,
+    )
     assert rising.votes["token_rate"] == 3 and rising.votes["token_rate_trend"] == 4  # ceil(500 / 140)
+
+
+#: The demo's long-prompts scenario in small: 900-token prompts against a 600-token target per replica.
+LONG_PROMPT_TOKENS = 900.0
+SIX_HUNDRED = AutoscalingSpec.model_validate(
+    {
+        "scale_up_stabilization_seconds": 0,
+        "scale_down_stabilization_seconds": 0,
+        "interval_seconds": 10,
+        "prefill": {"uncached_tokens_per_replica": 600},
+    }
+)
+
+
+def test_one_long_prompt_over_the_target_asks_for_one_replica() -> None:
+    # One prompt on the one prefill worker, nothing queued: a second worker cannot compute any part of it.
+    one = PoolSignals(queue_depth=0, in_flight=1, uncached_tokens=LONG_PROMPT_TOKENS)
+    decision = once("prefill", 1, one, SIX_HUNDRED)
+    assert decision.votes["uncached_tokens"] == 1 and decision.desired_replicas == 1
+    # Its TTFT over the SLO is no shortage of prefill either: the breach holds the pool, it does not grow it.
+    slow = once(
+        "prefill",
+        1,
+        PoolSignals(queue_depth=0, in_flight=1, uncached_tokens=LONG_PROMPT_TOKENS, ttft_p90_s=7.0),
+        SIX_HUNDRED,
+    )
+    assert slow.votes["ttft_p90"] == 1 and slow.desired_replicas == 1
+    # Three long prompts (2,700 tokens: 5 targets' worth) ask for 3, one each.
+    three = PoolSignals(queue_depth=1, in_flight=2, uncached_tokens=3 * LONG_PROMPT_TOKENS)
+    assert once("prefill", 1, three, SIX_HUNDRED).votes["uncached_tokens"] == 3
+    # Tokens counted while the count reads 0 (the pool's gauge is refreshed apart from the tokens'): one.
+    stale = PoolSignals(queue_depth=0, in_flight=0, uncached_tokens=LONG_PROMPT_TOKENS)
+    assert once("prefill", 1, stale, SIX_HUNDRED).votes["uncached_tokens"] == 1
+    # No count (either signal unread): the tokens alone, as before.
+    assert (
+        once("prefill", 1, PoolSignals(queue_depth=0, uncached_tokens=LONG_PROMPT_TOKENS), SIX_HUNDRED).votes[
+            "uncached_tokens"
+        ]
+        == 2
+    )
+    assert (
+        once("prefill", 1, PoolSignals(in_flight=1, uncached_tokens=LONG_PROMPT_TOKENS), SIX_HUNDRED).votes[
+            "uncached_tokens"
+        ]
+        == 2
+    )
+
+
+def test_many_prompts_still_scale_by_their_tokens() -> None:
+    # 11 prompts of 400 tokens, 3 computing and 8 waiting for budget: 4,400 tokens ask for 8, under the 11
+    # prompts (the waiting ones count: they are the pool's too).
+    many = PoolSignals(queue_depth=8, in_flight=3, uncached_tokens=11 * 400.0)
+    decision = once("prefill", 2, many, SIX_HUNDRED, PoolSpec(max_replicas=10))
+    assert decision.votes["uncached_tokens"] == 8 and decision.desired_replicas == 4  # step 2
+    # At exactly the target per replica it holds; one token more asks for one more.
+    at = PoolSignals(queue_depth=0, in_flight=9, uncached_tokens=3 * 600.0)
+    assert once("prefill", 3, at, SIX_HUNDRED).votes["uncached_tokens"] == 3
+    over = PoolSignals(queue_depth=0, in_flight=9, uncached_tokens=3 * 600.0 + 1)
+    assert once("prefill", 3, over, SIX_HUNDRED).votes["uncached_tokens"] == 4
+
+
+def test_the_trend_vote_obeys_the_same_cap() -> None:
+    # One long prompt arrives at an idle pool: 0 → 900 tokens in 10 s projects 1,800 over the next 10 s (the
+    # scale-up window plus one interval), 3 targets' worth; one request in flight and none waiting: the trend
+    # asks for one replica, as the level does.
+    history = (Recommendation(0.0, 1, 1, 1, PoolSignals(queue_depth=0, in_flight=0, uncached_tokens=0.0)),)
+    now = PoolSignals(queue_depth=0, in_flight=1, uncached_tokens=LONG_PROMPT_TOKENS)
+    decision, _ = decide(
+        role="prefill",
+        current_replicas=1,
+        signals=now,
+        pool=POOL,
+        policy=SIX_HUNDRED,
+        slo=SLO,
+        history=history,
+        now_s=10.0,
+    )
+    assert decision.votes["uncached_tokens"] == 1 and decision.votes["uncached_tokens_trend"] == 1
+    assert decision.desired_replicas == 1
+    # Prompts queueing as well (0 → 2 waiting in 10 s, 4 projected): the cap is the projected count, 1 + 4.
+    history = (Recommendation(0.0, 1, 1, 1, PoolSignals(queue_depth=0, in_flight=1, uncached_tokens=900.0)),)
+    now = PoolSignals(queue_depth=2, in_flight=1, uncached_tokens=3 * LONG_PROMPT_TOKENS)
+    queueing, _ = decide(
+        role="prefill",
+        current_replicas=1,
+        signals=now,
+        pool=PoolSpec(max_replicas=10),
+        policy=SIX_HUNDRED,
+        slo=SLO,
+        history=history,
+        now_s=10.0,
+    )
+    # Level: 2,700 tokens ask 5, three prompts cap it at 3; trend: 4,500 tokens ask 8, 1 + 4 prompts cap it at 5.
+    assert queueing.votes["uncached_tokens"] == 3 and queueing.votes["uncached_tokens_trend"] == 5
