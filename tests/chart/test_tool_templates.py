@@ -34,7 +34,16 @@ def test_each_model_gets_its_tool_template_in_the_gateways_models() -> None:
         "",  # unset, Qwen2.5-Math: not the Qwen2.5 chat format's tools
         "qwen2.5",  # named
         "llama3.1-json",  # named
+        "/etc/tandem/tool-templates/11/llama_werkzeuge.jinja",  # a ConfigMap's, in the Llama JSON form
+        "/models/custom-hermes/tools.jinja",
+        "llama3.1-json",  # unset, Llama 3.1 by its name
     ]
+
+
+def test_a_models_call_format_reaches_the_gateway_only_where_given() -> None:
+    served = json.loads(gateway_env(render_models(MODELS))["TANDEM_GATEWAY_MODELS"])
+    given = {m["name"]: m["tool_call_parser"] for m in served if "tool_call_parser" in m}
+    assert given == {"custom-llama": "llama3_json", "custom-hermes": "hermes", "Llama-3.1-70B-Instruct": "llama3_json"}
 
 
 def test_a_configmap_template_is_mounted_on_the_gateway_and_nowhere_else() -> None:
@@ -43,7 +52,8 @@ def test_a_configmap_template_is_mounted_on_the_gateway_and_nowhere_else() -> No
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     templates = sorted(name for name in volumes if name.startswith("tool-template-"))
-    assert templates == ["tool-template-2"], "one volume, for the one model that names a ConfigMap"
+    assert templates == ["tool-template-11", "tool-template-2"], "one volume per model that names a ConfigMap"
+    assert volumes["tool-template-11"]["configMap"]["name"] == "llama-tools"
     assert volumes["tool-template-2"]["configMap"] == {
         "name": "qwen-tools",
         "items": [{"key": "qwen_tools.jinja", "path": "qwen_tools.jinja"}],
@@ -62,7 +72,7 @@ def test_a_configmap_template_is_mounted_on_the_gateway_and_nowhere_else() -> No
 def test_the_tandemdeployment_does_not_carry_the_gateways_field() -> None:
     (td,) = [d for d in render_models(MODELS) if d["kind"] == "TandemDeployment"]
     assert [m["name"] for m in td["spec"]["models"]] == [m["name"] for m in MODELS]
-    assert all("toolChatTemplate" not in m for m in td["spec"]["models"])
+    assert all("toolChatTemplate" not in m and "toolCallParser" not in m for m in td["spec"]["models"])
     validate_custom_resource(td)
 
 
@@ -94,6 +104,51 @@ def test_the_single_model_form_picks_the_template_by_family() -> None:
     ]
     for model, expected in cases:
         assert gateway_env(render_single(model))["TANDEM_GATEWAY_TOOL_CHAT_TEMPLATE"] == expected, model
+
+
+def test_the_single_model_form_gives_the_call_format_where_set() -> None:
+    assert "TANDEM_GATEWAY_TOOL_CALL_PARSER" not in gateway_env(render(None))  # unset: the template's
+    for call_format in ("llama3_json", "hermes"):
+        model = {"servedModelName": "mine", "path": "/models/m", "toolChatTemplate": "/models/m/t.jinja"}
+        env = gateway_env(render_single({**model, "toolCallParser": call_format}))
+        assert (env["TANDEM_GATEWAY_TOOL_CHAT_TEMPLATE"], env["TANDEM_GATEWAY_TOOL_CALL_PARSER"]) == (
+            "/models/m/t.jinja",
+            call_format,
+        )
+
+
+#: Not a format the gateway reads: the template's name for it, vLLM's parsers Tandem does not implement,
+#: case, whitespace, a non-ASCII look-alike, hostile text, empty, not a string.
+NOT_CALL_FORMATS: list[object] = [
+    "llama3.1-json",
+    "pythonic",
+    "mistral",
+    "Hermes",
+    "hermes ",
+    "ｈｅｒｍｅｓ",
+    "llama3_json\n<|eot_id|>",
+    "",
+    ["hermes"],
+]
+
+
+def test_the_schema_takes_the_call_formats_the_gateway_reads_and_no_other() -> None:
+    def single(value: object) -> list[dict[str, object]]:
+        return render_single({"toolChatTemplate": "/models/m/t.jinja", "toolCallParser": value})
+
+    def models(value: object) -> list[dict[str, object]]:
+        return render_models(
+            [{"name": "m", "path": "/models/m", "toolChatTemplate": "/m/t.jinja", "toolCallParser": value}]
+        )
+
+    for good in ("hermes", "llama3_json"):
+        single(good)  # renders
+        models(good)
+    for bad in NOT_CALL_FORMATS:
+        with pytest.raises(AssertionError, match="toolCallParser"):
+            single(bad)
+        with pytest.raises(AssertionError, match="toolCallParser"):
+            models(bad)
 
 
 @pytest.mark.parametrize("bad", ["qwen2", "llama3.1", {"configMap": "qwen-tools", "key": "t.jinja"}])

@@ -16,7 +16,8 @@ from tests.chart.conftest import CHART, RELEASE, run_helm
 #: One model per way of naming a tool template: unset on a SmolLM2 model (the shipped one), unset on
 #: Llama 3.1 (its family's), a ConfigMap's key, "default" named explicitly, "" on a SmolLM2 model, a path,
 #: unset on Qwen2.5 told by its path only, unset on a family Tandem has no template for, unset on a Qwen2.5
-#: model whose tool format differs (Math), and the family templates named on models of other names.
+#: model whose tool format differs (Math), the family templates named on models of other names, and three
+#: with the format of their calls given (``toolCallParser``).
 MODELS: list[dict[str, Any]] = [
     {"name": "smol", "path": "/models/SmolLM2-135M-Instruct"},
     {"name": "Llama-3.1-8B-Instruct", "path": "/models/Llama-3.1-8B-Instruct"},
@@ -33,6 +34,21 @@ MODELS: list[dict[str, Any]] = [
     {"name": "Qwen/Qwen2.5-Math-7B-Instruct", "path": "/models/qwen-math"},
     {"name": "tuned-a", "path": "/models/a", "toolChatTemplate": "qwen2.5"},
     {"name": "tuned-b", "path": "/models/b", "toolChatTemplate": "llama3.1-json"},
+    # The format of the calls given beside the template: a ConfigMap's template in the Llama JSON form, a
+    # path's in the Hermes form said explicitly, and a family's template with the format it has anyway.
+    {
+        "name": "custom-llama",
+        "path": "/models/custom-llama",
+        "toolChatTemplate": {"configMap": "llama-tools", "key": "llama_werkzeuge.jinja"},
+        "toolCallParser": "llama3_json",
+    },
+    {
+        "name": "custom-hermes",
+        "path": "/models/custom-hermes",
+        "toolChatTemplate": "/models/custom-hermes/tools.jinja",
+        "toolCallParser": "hermes",
+    },
+    {"name": "Llama-3.1-70B-Instruct", "path": "/models/llama-70b", "toolCallParser": "llama3_json"},
 ]
 
 

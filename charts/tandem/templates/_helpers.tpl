@@ -127,11 +127,14 @@ user {{ $p }}-raygcs on #{{ sha256sum (index .passwords "raygcs") }} resetchanne
 {{- end -}}
 
 {{/* The gateway's served models (TANDEM_GATEWAY_MODELS, tandem.gateway.settings.ServedModel) in the
-models form: each model's name, folder, context length and tool chat template. */}}
+models form: each model's name, folder, context length, tool chat template and, where given, the format of
+its tool calls (unset: the gateway's default for the template). */}}
 {{- define "tandem.gatewayModels" -}}
 {{- $out := list -}}
 {{- range $i, $m := .Values.tandemDeployment.models -}}
-{{- $out = append $out (dict "name" $m.name "model_dir" $m.path "max_model_len" ($m.maxModelLen | default $.Values.model.maxModelLen | int) "tool_chat_template" (include "tandem.toolChatTemplate" (dict "model" $m "index" $i))) -}}
+{{- $served := dict "name" $m.name "model_dir" $m.path "max_model_len" ($m.maxModelLen | default $.Values.model.maxModelLen | int) "tool_chat_template" (include "tandem.toolChatTemplate" (dict "model" $m "index" $i)) -}}
+{{- with $m.toolCallParser }}{{ $_ := set $served "tool_call_parser" . }}{{ end -}}
+{{- $out = append $out $served -}}
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -223,3 +224,47 @@ async def test_a_llama_model_reads_a_hermes_block_as_text(llama_stack: Stack) ->
     response = await llama_stack.client.post("/v1/chat/completions", json=chat())
     (choice,) = response.json()["choices"]
     assert choice["message"] == {"role": "assistant", "content": TEXT_AND_CALL} and choice["finish_reason"] == "stop"
+
+
+# -- a model whose tool chat template is a file of its own, written for the Llama JSON form ----------------------
+
+
+def custom_llama_template(folder: Path) -> Path:
+    """A tool chat template that is no shipped one: the Llama 3.1 JSON template with its own system text."""
+    path = folder / "mein_werkzeug_template.jinja"
+    text = LLAMA31_JSON_TOOL_TEMPLATE.read_text(encoding="utf-8")
+    assert "Environment: ipython" in text
+    path.write_text(text.replace("Environment: ipython", "Environment: ipython · Werkzeuge 🛠"), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(("call_format", "reads_a_call"), [("llama3_json", True), (None, False)])
+async def test_a_custom_template_is_read_in_the_call_format_it_is_given(
+    start_worker: Callable[..., Any],
+    fake_router: FakeRouter,
+    prompt_tokenizer: HfPromptTokenizer,
+    tmp_path: Path,
+    call_format: str | None,
+    reads_a_call: bool,
+) -> None:
+    """A template file's calls are read in the format ``tool_call_parser`` names (the chart's ``toolCallParser``): given
+    ``llama3_json``, the Llama JSON answer is a call; unset, a file is Hermes-style and the same answer text."""
+    template = custom_llama_template(tmp_path)
+    fields = {} if call_format is None else {"tool_call_parser": call_format}
+    settings = gateway_settings(max_model_len=2048, tool_chat_template=str(template), **fields)
+    (model,) = settings.models
+    assert (model.tool_chat_template, model.tool_call_format) == (template, call_format or "hermes")
+    tool_tokenizer = prompt_tokenizer.with_chat_template(template.read_text(encoding="utf-8"))
+    async with running_stack(
+        start_worker, fake_router, prompt_tokenizer, settings, tool_tokenizers={MODEL: tool_tokenizer}
+    ) as custom:
+        script(custom, LLAMA_CALL)
+        response = await custom.client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 200, response.text
+    (choice,) = response.json()["choices"]
+    if not reads_a_call:
+        assert choice["message"] == {"role": "assistant", "content": LLAMA_CALL} and choice["finish_reason"] == "stop"
+        return
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGUMENTS

@@ -72,7 +72,9 @@ async def serve(settings: GatewaySettings) -> None:
     tokenizers = {m.name: HfPromptTokenizer.from_dir(m.model_dir) for m in settings.models}
     # The same tokenizers with each model's tool chat template, where it has one (tool_choice "auto").
     tool_tokenizers = {
-        m.name: tokenizers[m.name].with_chat_template(m.tool_chat_template.read_text(encoding="utf-8"))
+        m.name: tokenizers[m.name].with_chat_template(
+            m.tool_chat_template.read_text(encoding="utf-8"), settings.tool_template_variables
+        )
         for m in settings.models
         if m.tool_chat_template is not None
     }

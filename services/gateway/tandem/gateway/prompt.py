@@ -120,11 +120,16 @@ class SpecialToken(NamedTuple):
 class HfPromptTokenizer:
     """A Hugging Face tokenizer from a model folder."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, chat_template: str | None = None, template_variables: Mapping[str, str] | None = None
+    ) -> None:
         """``chat_template``: render with this template instead of the tokenizer's own (a model's tool
-        chat template, tandem.gateway.settings.ServedModel.tool_chat_template)."""
+        chat template, tandem.gateway.settings.ServedModel.tool_chat_template); ``template_variables``:
+        what it is rendered with beside the messages and tools (a fixed ``date_string``,
+        tandem.gateway.settings.GatewaySettings.tool_template_variables)."""
         self._tokenizer = tokenizer
         self._chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        self._template_variables = dict(template_variables or {})
         if not self._chat_template:
             logger.warning("tokenizer has no chat template; chat requests will be refused")
         specials = _special_tokens(tokenizer)
@@ -156,9 +161,12 @@ class HfPromptTokenizer:
             raise FileNotFoundError(f"model folder {model_dir} does not exist")
         return cls(AutoTokenizer.from_pretrained(str(model_dir)))
 
-    def with_chat_template(self, chat_template: str) -> HfPromptTokenizer:
-        """The same tokenizer, rendering chat prompts with ``chat_template`` (the same rules apply)."""
-        return HfPromptTokenizer(self._tokenizer, chat_template)
+    def with_chat_template(
+        self, chat_template: str, template_variables: Mapping[str, str] | None = None
+    ) -> HfPromptTokenizer:
+        """The same tokenizer, rendering chat prompts with ``chat_template`` and ``template_variables``
+        (the same rules apply)."""
+        return HfPromptTokenizer(self._tokenizer, chat_template, template_variables)
 
     def chat_prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         return self.chat_prompt(messages).ids
@@ -208,7 +216,12 @@ class HfPromptTokenizer:
         try:
             return str(
                 self._tokenizer.apply_chat_template(
-                    messages, tools=tools, chat_template=self._chat_template, add_generation_prompt=True, tokenize=False
+                    messages,
+                    tools=tools,
+                    chat_template=self._chat_template,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **self._template_variables,
                 )
             )
         except jinja2.TemplateError as exc:

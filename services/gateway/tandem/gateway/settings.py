@@ -4,6 +4,7 @@ environment variables prefixed ``TANDEM_GATEWAY_`` (groups nested with
 
 from __future__ import annotations
 
+from datetime import date
 from pathlib import Path
 from typing import Literal
 
@@ -50,13 +51,27 @@ def tool_template_path(value: object) -> object:
     return value
 
 
-def tool_call_format(template: Path | None) -> ToolCallFormat:
-    """The tool-call format a model answers in with ``template``: the named template's, else Hermes-style
-    (the format of every template Tandem ships but the Llama JSON one)."""
-    for path, call_format in NAMED_TOOL_TEMPLATES.values():
+def tool_call_format(template: Path | None, given: ToolCallFormat | None = None) -> ToolCallFormat:
+    """The tool-call format a model answers in with ``template``, checked once at start: ``given`` (a
+    setting) where set, else the named template's, else Hermes-style (the format of every template Tandem
+    ships but the Llama JSON one). ValueError where ``given`` cannot be right: a shipped template asks the
+    model for its own format in its text, so another format would read none of its calls; and without a
+    template ``tool_choice: "auto"`` is refused, so a format would only hide a missing template."""
+    for name, (path, own) in NAMED_TOOL_TEMPLATES.items():
         if template == path:
-            return call_format
-    return "hermes"
+            if given is not None and given != own:
+                raise ValueError(
+                    f"tool call format {given!r} disagrees with the tool chat template {name!r}, which asks the"
+                    f" model for {own!r} calls: leave the format unset (or give {own!r}), or give a template"
+                    " file written for that format"
+                )
+            return own
+    if template is None and given is not None:
+        raise ValueError(
+            f"tool call format {given!r} is set but the model has no tool chat template, so tool_choice"
+            ' "auto" is refused for it: give a tool chat template too, or leave the format unset'
+        )
+    return given or "hermes"
 
 
 def served_model_name(value: str) -> str:
@@ -88,14 +103,18 @@ class ServedModel(BaseModel):
     #: the SmolLM2 family; ``"qwen2.5"``; ``"llama3.1-json"``) is that shipped file, ``""`` is None, else a
     #: file's path.
     tool_chat_template: Path | None = None
-    #: The format of the model's tool calls (``hermes``: ``<tool_call>{...}</tool_call>`` blocks;
-    #: ``llama3_json``: the whole answer is ``{"name": ..., "parameters": {...}}``, as vLLM's llama3_json
-    #: parser reads it). Unset: the named template's format, else ``hermes``.
+    #: The format the model writes tool calls in with tool_chat_template, which the answers of ``auto``
+    #: requests are read in (tandem.gateway.api.hermes_tools), by vLLM's name for its parser of that format
+    #: (``--tool-call-parser``): ``hermes`` (``<tool_call>{"name", "arguments"}</tool_call>`` blocks) or
+    #: ``llama3_json`` (the whole answer ``{"name", "parameters"}``, ``;`` between calls). Unset: the named
+    #: template's format, else ``hermes`` (tool_call_format). One that disagrees with a named template's,
+    #: or one given without a template, is refused at start (the module's tool_call_format()).
     tool_call_parser: ToolCallFormat | None = None
 
     @property
     def tool_call_format(self) -> ToolCallFormat:
-        return self.tool_call_parser or tool_call_format(self.tool_chat_template)
+        """The format this model's tool calls are read in: tool_call_parser, else its template's."""
+        return tool_call_format(self.tool_chat_template, self.tool_call_parser)
 
     @field_validator("name")
     @classmethod
@@ -106,6 +125,14 @@ class ServedModel(BaseModel):
     @classmethod
     def _named_template(cls, value: object) -> object:
         return tool_template_path(value)
+
+    @model_validator(mode="after")
+    def _agreeing_tool_call_parser(self) -> ServedModel:
+        try:
+            tool_call_format(self.tool_chat_template, self.tool_call_parser)
+        except ValueError as exc:
+            raise ValueError(f"model {self.name!r}: {exc}") from None
+        return self
 
 
 class AuthSettings(BaseModel):
@@ -229,6 +256,17 @@ class GatewaySettings(BaseSettings):
     #: a path), or to an empty value to refuse ``tool_choice: "auto"`` (``default``: Tandem's). With
     #: ``models`` set, each model names its own (none by default). The chart picks one by the model's family.
     tool_chat_template: Path | None = SMOLLM2_TOOL_TEMPLATE
+    #: The format of the single model's tool calls (ServedModel.tool_call_parser: ``hermes`` or
+    #: ``llama3_json``); unset: the named template's, else ``hermes``. Set it for a template file written
+    #: for the Llama JSON form. With ``models`` set, each model names its own.
+    tool_call_parser: ToolCallFormat | None = None
+    #: The date every tool chat template is given as ``date_string`` (as Meta's Llama 3.x templates name
+    #: it, Tandem's ``llama3.1-json`` among them), written as those templates write today's (``%d %b %Y``,
+    #: e.g. ``26 Jul 2024``). Unset (the default): such a template writes today's date into the system
+    #: prompt, as Meta intends, so every tool prompt's text changes at midnight and the engines' prefix
+    #: cache misses the first turns of each day; set, the prompt's prefix is the same every day, and the
+    #: model believes it is this date (docs/models.md). Templates that do not read ``date_string`` ignore it.
+    tool_template_date: date | None = None
     #: Every base model served, as JSON (``TANDEM_GATEWAY_MODELS='[{"name": "a", "model_dir": "/m/a",
     #: "max_model_len": 4096}, ...]'``); the first is the default (an adapter loaded without a base model
     #: adapts it). Empty (the default): one model, ``served_model_name`` in ``model_dir`` with
@@ -304,12 +342,17 @@ class GatewaySettings(BaseSettings):
                 served_model_name(self.served_model_name)
             except ValueError as exc:
                 raise ValueError(f"served_model_name (TANDEM_GATEWAY_SERVED_MODEL_NAME): {exc}") from None
+            try:
+                tool_call_format(self.tool_chat_template, self.tool_call_parser)
+            except ValueError as exc:
+                raise ValueError(f"tool_call_parser (TANDEM_GATEWAY_TOOL_CALL_PARSER): {exc}") from None
             self.models = [
                 ServedModel(
                     name=self.served_model_name,
                     model_dir=self.model_dir,
                     max_model_len=self.max_model_len,
                     tool_chat_template=self.tool_chat_template,
+                    tool_call_parser=self.tool_call_parser,
                 )
             ]
         names = [m.name for m in self.models]
@@ -324,3 +367,12 @@ class GatewaySettings(BaseSettings):
     def default_model(self) -> ServedModel:
         """The first served model."""
         return self.models[0]
+
+    @property
+    def tool_template_variables(self) -> dict[str, str]:
+        """What every tool chat template is rendered with beside the messages and tools
+        (HfPromptTokenizer.with_chat_template): ``date_string`` where tool_template_date is set."""
+        if self.tool_template_date is None:
+            return {}
+        # strftime, as transformers' strftime_now writes today's for the template.
+        return {"date_string": self.tool_template_date.strftime("%d %b %Y")}
