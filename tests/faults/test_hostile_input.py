@@ -48,7 +48,7 @@ from tandem.gateway.tenancy.store import TenantStore
 from tandem.local.stack import LocalStack
 from tests.faults.conftest import running_stack
 from tests.faults.ledger import FaultLedger, FaultRecord
-from tests.kit.fuzz import GENERATION_PATHS, capped, error_shape
+from tests.kit.fuzz import GENERATION_PATHS, FuzzResult, fuzz_endpoint
 from tests.probes import quiesce, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(900)]
@@ -609,47 +609,25 @@ def test_generated_bodies_get_200_or_a_4xx_never_a_5xx(ledger: FaultLedger, clie
     generates bodies from the gateway's own /openapi.json, valid and not, for each endpoint; the valid
     ones reach the real engines (answers capped at FUZZ_MAX_TOKENS tokens). Every generation endpoint: chat,
     completions, Anthropic's /v1/messages (its refusals in Anthropic's error shape) and /v1/responses."""
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-    from schemathesis.core import NotSet
-    from schemathesis.generation import GenerationMode
-
-    model = client.stack.config.served_model_name
-    statuses: dict[int, int] = {}
-    wrong: list[str] = []
+    total = FuzzResult()
     with ledger.fault("generated bodies from /openapi.json (schemathesis), real engines") as f:
-        schema = schemathesis.openapi.from_url(f"{client.url}/openapi.json")
-
-        def fuzz(op: Any, mode: GenerationMode) -> None:
-            @settings(
-                max_examples=max(1, FUZZ_EXAMPLES // (2 * len(GENERATION_PATHS))),
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-                database=None,
-            )
-            @given(case=op.as_strategy(generation_mode=mode))
-            def check(case: Any) -> None:
-                body = None if isinstance(case.body, NotSet) else case.body
-                if mode == GenerationMode.POSITIVE and isinstance(body, dict):
-                    body = capped(op.path, {**body, "model": model}, FUZZ_MAX_TOKENS)
-                content = body if isinstance(body, bytes) else json.dumps(body, default=str).encode()
-                response = client.post(op.path, content=content, headers={"Content-Type": "application/json"})
-                f.tried()
-                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-                status = response.status_code
-                if status >= 500 or (status != 200 and error_shape(op.path, status, response.content)):
-                    wrong.append(f"{op.path} {response.status_code} {response.text[:200]} body={str(body)[:300]}")
-
-            check()
-
-        for operation in schema.get_all_operations():
-            op = operation.ok()
-            if op.path in GENERATION_PATHS:
-                for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-                    fuzz(op, mode)
-        f.saw(f"by status {dict(sorted(statuses.items()))}")
-        assert not wrong, wrong[:10]
-        assert statuses.get(200, 0) > 0, statuses
+        for path in GENERATION_PATHS:
+            for negative in (False, True):
+                result = fuzz_endpoint(
+                    client.url,
+                    path,
+                    negative=negative,
+                    examples=max(1, FUZZ_EXAMPLES // (2 * len(GENERATION_PATHS))),
+                    headers=client.headers,
+                    model=client.stack.config.served_model_name,
+                    max_tokens=FUZZ_MAX_TOKENS,
+                )
+                total.add(result)
+        f.tried(sum(total.statuses.values()))
+        client.num_generations += total.statuses.get(200, 0)
+        f.saw(f"by status {dict(sorted(total.statuses.items()))}")
+        assert not total.wrong, total.wrong[:10]
+        assert total.statuses.get(200, 0) > 0, total.statuses
         f.leaked("running requests", engines_residue(client.stack))
 
 

@@ -1,17 +1,20 @@
 """No request body gets a 5xx (issue 38): hypothesis, driven from the gateway's own /openapi.json through
-schemathesis, sends ``FUZZ_EXAMPLES`` generated requests (valid by the schema and not, half each, on the
-generation endpoints; 10,000 by default) to the real app. Behind it, the fake workers run the real
-workers' own field checks (:mod:`tandem.worker.validation`, against the test tokenizer's vocabulary), so a
-field the gateway passes on and a worker would refuse is a 400 here as it is in production. Every answer
-must be 200 or a 4xx in the endpoint's error shape (OpenAI's; Anthropic's on ``/v1/messages``).
+schemathesis (:func:`tests.kit.fuzz.fuzz_endpoint`, an endpoint and mode per worker process), sends
+``FUZZ_EXAMPLES`` generated requests (valid by the schema and not, half each, on the generation endpoints;
+10,000 by default) to the real app over HTTP. Behind it, the fake workers run the real workers' own field
+checks (:mod:`tandem.worker.validation`, against the test tokenizer's vocabulary), so a field the gateway
+passes on and a worker would refuse is a 400 here as it is in production. Every answer must be 200 or a 4xx
+in the endpoint's error shape (OpenAI's; Anthropic's on ``/v1/messages``).
 
 The same property runs against a real stack (real engines) in ``tests/faults/test_hostile_input.py``."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -20,7 +23,7 @@ import pytest
 
 from tandem.v1 import worker_pb2
 from tandem.worker.validation import ModelLimits, check_decode, check_prefetch, check_prefill
-from tests.kit.fuzz import GENERATION_PATHS, error_shape
+from tests.kit.fuzz import GENERATION_PATHS, FuzzResult, fuzz_endpoint
 from tests.kit.gateway import DecodeStep, FakeWorker
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
@@ -84,11 +87,6 @@ def test_openapi_document_lists_the_endpoints() -> None:
 
 
 async def test_no_request_body_gets_a_5xx(edge: Any, edge_url: str, start_worker: Any, prompt_tokenizer: Any) -> None:
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
-    from schemathesis.core import NotSet
-    from schemathesis.generation import GenerationMode
-
     ValidatingWorker.limits = ModelLimits(
         vocab_size=prompt_tokenizer.vocab_size, max_model_len=64, max_logprobs=20, block_size_tokens=4
     )
@@ -96,48 +94,38 @@ async def test_no_request_body_gets_a_5xx(edge: Any, edge_url: str, start_worker
     decode = await start_worker("decode-v", worker_cls=ValidatingWorker)
     edge.router.placements[:] = [_placement(prefill, decode)]
     key = await edge.tenant("fuzz")
-    loop = asyncio.get_running_loop()
-    failures: list[str] = []
-    statuses: dict[int, int] = {}
     per_run = max(1, FUZZ_EXAMPLES // (2 * len(GENERATION_PATHS)))
-
-    async def send(method: str, path: str, body: Any, headers: dict[str, str]) -> Any:
-        content = body if isinstance(body, bytes) else json.dumps(body, default=str).encode()
-        return await edge.client.request(method, path, content=content, headers=headers, timeout=20)
-
-    def fuzz(op: Any, mode: Any) -> None:
-        @settings(max_examples=per_run, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        @given(case=op.as_strategy(generation_mode=mode))
-        def check(case: Any) -> None:
-            headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-            body = None if isinstance(case.body, NotSet) else case.body
-            if mode == GenerationMode.POSITIVE and isinstance(body, dict):
-                body["model"] = MODEL  # else nearly every valid body is a 404 for an unknown model
-            future = asyncio.run_coroutine_threadsafe(send(op.method.upper(), op.path, body, headers), loop)
-            response = future.result(60)
-            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-            status = response.status_code
-            wrong = status >= 500 or (status != 200 and error_shape(op.path, status, response.content))
-            if wrong:
-                failures.append(
-                    f"{op.path} {mode.value}: {response.status_code} {response.text[:200]} body={str(case.body)[:300]}"
+    # Each endpoint and mode in a worker process (spawned: this process runs an event loop and threads), so
+    # that the generation uses every core while this test's loop serves the app over HTTP.
+    loop = asyncio.get_running_loop()
+    runs = [(path, negative) for path in GENERATION_PATHS for negative in (False, True)]
+    workers = max(1, min(len(runs), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    pool,
+                    functools.partial(
+                        fuzz_endpoint,
+                        edge_url,
+                        path,
+                        negative=negative,
+                        examples=per_run,
+                        headers={"Authorization": f"Bearer {key}"},
+                        model=MODEL,
+                    ),
                 )
-
-        check()
-
-    def run() -> None:  # in a thread: hypothesis drives, the app answers on this test's loop
-        schema = schemathesis.openapi.from_url(f"{edge_url}/openapi.json")
-        for operation in schema.get_all_operations():
-            op = operation.ok()
-            if op.path in GENERATION_PATHS:
-                for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-                    fuzz(op, mode)
-
-    await asyncio.to_thread(run)
+                for path, negative in runs
+            )
+        )
+    total = FuzzResult()
+    for result in results:
+        total.add(result)
+    statuses = total.statuses
     print(f"openapi-fuzz: {sum(statuses.values())} requests, by status {dict(sorted(statuses.items()))}")
     assert sum(statuses.values()) >= FUZZ_EXAMPLES * 0.9, statuses
     assert statuses.get(200, 0) > 0 and sum(n for s, n in statuses.items() if 400 <= s < 500) > 0, statuses
-    assert not failures, failures[:20]
+    assert not total.wrong, total.wrong[:20]
 
 
 def _placement(prefill: FakeWorker, decode: FakeWorker) -> Any:
