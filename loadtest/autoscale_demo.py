@@ -45,6 +45,7 @@ from typing import Any
 import aiohttp
 from tandem_loadtest.autoscale_scenarios import SCENARIOS, Scenario, steps_up
 from tandem_loadtest.cli import main as loadtest_main
+from tandem_operator import capacity
 from tandem_operator.autoscale import Decision, PoolSignals, Recommendation, decide
 from tandem_operator.signals import PrometheusSource, QueryScope
 from tandem_operator.spec import ROLES, Role, TandemSpec, parse_spec
@@ -65,11 +66,14 @@ REPORT_DIR = Path("reports") / "autoscale-demo"
 STARTUP_S = 20.0
 #: The load shapes (``--scenario``): tandem_loadtest.autoscale_scenarios says what each shows.
 DEFAULT_SCENARIO = SCENARIOS["ramp"]
-#: The router's prefill budget per worker, in uncached prompt tokens: two of the demo's prompts (~244
-#: tokens), what a simulated CPU prefill worker (one prompt at a time, ~1.7 s each) gets through
-#: within the TTFT SLO. Beyond it requests wait in the router's queue, where the autoscaler sees them;
-#: with the default (16,384, sized for a GPU) they would queue unseen inside the prefill workers.
-PREFILL_BUDGET_TOKENS = 600
+#: The TTFT target (p90) the demo's pools are held to.
+TTFT_P90_S = 5.0
+#: The router's prefill budget per worker is what one worker computes within this share of the TTFT target
+#: (``router.prefillBudgetTtftShare``: the chart's default).
+PREFILL_BUDGET_TTFT_SHARE = capacity.DEFAULT_PREFILL_BUDGET_TTFT_SHARE
+#: The share of that budget the prefill autoscaler holds per replica (the chart's ``budgetUsage``, 0.5 by
+#: default): all of it, as the demo did before its budget was derived (600 tokens both).
+PREFILL_BUDGET_USAGE = 1.0
 #: How long a request may wait in the router's queue for budget (the default, 5 s, is a TTFT SLO's
 #: worth; here requests wait out a scale-up, so that their TTFT shows it instead of a 503), and the
 #: gateway's deadline for that Schedule call, above it.
@@ -85,9 +89,31 @@ def offered_rps(t_s: float, scenario: Scenario = DEFAULT_SCENARIO) -> float:
     return scenario.offered_rps(t_s)
 
 
+def simulated_prefill_tokens_per_s(scenario: Scenario = DEFAULT_SCENARIO) -> float:
+    """Uncached prompt tokens/s one SIMULATED prefill worker computes from the scenario's prompts: its
+    capacity as ``tandem-loadtest sweep`` would measure it. At the load test's nominal prompt size: the chat
+    template adds a few dozen tokens, and a few % more tokens/s, so the budget below errs low."""
+    return SimulatedLatencyModel.from_json().prefill_tokens_per_s(scenario.prompt_tokens)
+
+
+def prefill_budget_tokens(scenario: Scenario = DEFAULT_SCENARIO) -> int:
+    """The router's prefill budget per worker, in uncached prompt tokens, by the chart's formula
+    (:func:`tandem_operator.capacity.prefill_budget_tokens`) from the SIMULATED workers' capacity and the
+    demo's TTFT target. Beyond it requests wait in the router's queue, where the autoscaler sees them; with
+    the chart's unmeasured default (16,384, sized for a GPU) they would queue unseen inside the workers."""
+    budget = capacity.prefill_budget_tokens(
+        simulated_prefill_tokens_per_s(scenario), TTFT_P90_S, PREFILL_BUDGET_TTFT_SHARE
+    )
+    if budget is None:  # a latency model that computes nothing: no capacity to size anything from
+        raise ValueError("the SIMULATED latency model gives no prefill capacity")
+    return budget
+
+
 def demo_spec(served_model_name: str, scenario: Scenario = DEFAULT_SCENARIO) -> TandemSpec:
-    """The TandemDeployment the loop acts for; targets sized for the simulated CPU workers."""
+    """The TandemDeployment the loop acts for; targets sized for the simulated CPU workers, the prefill
+    target from the router's budget as the chart renders it."""
     decode = scenario.decode_min_replicas
+    target = capacity.uncached_tokens_per_replica(prefill_budget_tokens(scenario), PREFILL_BUDGET_USAGE)
     return parse_spec(
         {
             "model": {"servedModelName": served_model_name, "pvc": {"claimName": "none"}},
@@ -97,14 +123,14 @@ def demo_spec(served_model_name: str, scenario: Scenario = DEFAULT_SCENARIO) -> 
                 "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 6},
                 "decode": {"replicas": decode, "minReplicas": decode, "maxReplicas": 6},
             },
-            "slo": {"ttftP90Seconds": 5.0, "itlP90Seconds": 0.2},
+            "slo": {"ttftP90Seconds": TTFT_P90_S, "itlP90Seconds": 0.2},
             "autoscaling": {
                 "intervalSeconds": 10,
                 "scaleUpStabilizationSeconds": 20,
                 "scaleDownStabilizationSeconds": 60,
                 "maxScaleUpStep": 2,
                 "maxScaleDownStep": 1,
-                "prefill": {"queueDepthPerReplica": 2, "uncachedTokensPerReplica": 600},
+                "prefill": {"queueDepthPerReplica": 2, "uncachedTokensPerReplica": target},
                 "decode": {"kvUsage": 0.7, "waitingPerReplica": 2},
             },
         }
@@ -423,7 +449,7 @@ async def demo(out: Path, scenario: Scenario = DEFAULT_SCENARIO) -> str:
         internal_tls=False,
         router_metrics_port=free_port(),  # scraped by the demo's Prometheus
         extra_env={
-            "TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT": str(PREFILL_BUDGET_TOKENS),
+            "TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT": str(prefill_budget_tokens(scenario)),
             "TANDEM_ROUTER_QUEUE__TIMEOUT_S": str(ROUTER_QUEUE_TIMEOUT_S),
             "TANDEM_GATEWAY_ROUTER_TIMEOUT_S": str(GATEWAY_ROUTER_TIMEOUT_S),
         },
@@ -432,6 +458,13 @@ async def demo(out: Path, scenario: Scenario = DEFAULT_SCENARIO) -> str:
     prometheus = LocalPrometheus(out / "prometheus", stack_targets(config, NAMESPACE, DEPLOYMENT))
     cluster = SimulatedCluster([], redis_url=config.redis_url, key_prefix=config.key_prefix)
     spec = demo_spec(config.served_model_name, scenario)
+    print(
+        f"[autoscale-demo] prefill budget {prefill_budget_tokens(scenario)} uncached tokens per worker (SIMULATED "
+        f"capacity {simulated_prefill_tokens_per_s(scenario):.1f} tokens/s x TTFT {TTFT_P90_S:g} s x "
+        f"{PREFILL_BUDGET_TTFT_SHARE:g}), "
+        f"autoscaler target {spec.autoscaling.prefill.uncached_tokens_per_replica:g} per replica",
+        flush=True,
+    )
     actuator = LocalActuator(
         cluster, config.served_model_name, SimulatedLatencyModel.from_json(), scenario.decode_kv_blocks
     )

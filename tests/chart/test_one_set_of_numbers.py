@@ -18,19 +18,27 @@ uncached-tokens vote holds a pool at exactly that share of the router's budget a
 replica one token over it. Where ``autoscaling.capacity`` gives the prefill workers' measured tokens/s,
 that budget is what one worker computes within ``router.prefillBudgetTtftShare`` of the TTFT target, read
 back from the capacity and the SLO the CR hands the operator (``router.prefillTokensInFlight`` unused).
+
+Both numbers are :mod:`tandem_operator.capacity`'s formulas, their one Python rendering: the chart gives the
+same budget and target for the same inputs, among them ``make autoscale-demo``'s (its SIMULATED workers'
+capacity, its SLO, share and budget usage), so the demo's router and autoscaler are sized as the chart sizes
+a cluster's.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from prometheus_client.utils import floatToGoString
+from tandem_operator import capacity
 from tandem_operator.autoscale import PoolSignals, Recommendation, decide, votes_for
 from tandem_operator.signals import QueryScope
 from tandem_operator.spec import TandemSpec, parse_spec
@@ -148,6 +156,20 @@ def _scales_up(spec: TandemSpec, role: str, signal: str, p90_s: float) -> bool:
     return grown
 
 
+def _router_budget(docs: tuple[dict[str, Any], ...]) -> int:
+    (ray,) = find(docs, "RayService")
+    cluster = ray["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+    (budget,) = {  # every Ray container admits the same budget
+        env["value"]
+        for template in templates
+        for container in template["spec"]["containers"]
+        for env in container.get("env", [])
+        if env["name"] == "TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT"
+    }
+    return int(budget)
+
+
 @pytest.mark.parametrize("slo", sorted(SLOS))
 @pytest.mark.parametrize("rendering", sorted(RENDERINGS))
 def test_alerts_and_autoscaler_call_the_same_traffic_on_target(tmp_path: Path, rendering: str, slo: str) -> None:
@@ -210,17 +232,7 @@ def test_the_router_budget_is_what_the_autoscaler_targets(rendering: str) -> Non
     sets = RENDERINGS[rendering]
     docs = _docs(sets)
     spec = _spec(docs)
-    (ray,) = find(docs, "RayService")
-    cluster = ray["spec"]["rayClusterConfig"]
-    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
-    budgets = {
-        env["value"]
-        for template in templates
-        for container in template["spec"]["containers"]
-        for env in container.get("env", [])
-        if env["name"] == "TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT"
-    }
-    (budget,) = budgets  # every Ray container admits the same budget
+    budget = _router_budget(docs)
     values = dict(s.split("=", 1) for s in sets)
     usage = float(values.get("tandemDeployment.autoscaling.prefill.budgetUsage", 0.5))
     measured = spec.autoscaling.capacity.prefill_tokens_per_second_per_worker
@@ -228,17 +240,62 @@ def test_the_router_budget_is_what_the_autoscaler_targets(rendering: str) -> Non
         # What one worker computes (the operator's own capacity figure) within the share of its TTFT target.
         share = float(values["router.prefillBudgetTtftShare"])
         assert measured == float(values["tandemDeployment.autoscaling.capacity.prefillTokensPerSecondPerWorker"])
-        assert int(budget) == math.floor(measured * spec.slo.ttft_p90_seconds * share) == 1100
-        assert int(budget) != int(values["router.prefillTokensInFlight"])
+        assert budget == capacity.prefill_budget_tokens(measured, spec.slo.ttft_p90_seconds, share) == 1100
+        assert budget != int(values["router.prefillTokensInFlight"])
     else:
-        assert int(budget) == int(values.get("router.prefillTokensInFlight", 16384))
+        assert capacity.prefill_budget_tokens(measured, spec.slo.ttft_p90_seconds, 0.5) is None
+        assert budget == int(values.get("router.prefillTokensInFlight", 16384))
     target = spec.autoscaling.prefill.uncached_tokens_per_replica
-    assert target == int(budget) * usage
+    assert target == capacity.uncached_tokens_per_replica(budget, usage)
 
     # The autoscaler's own vote: a pool at exactly that share of the router's budget holds, one token more
     # asks for another replica.
     current = 3
-    at = PoolSignals(queue_depth=0, uncached_tokens=current * int(budget) * usage)
-    over = PoolSignals(queue_depth=0, uncached_tokens=current * int(budget) * usage + 1)
+    at = PoolSignals(queue_depth=0, uncached_tokens=current * budget * usage)
+    over = PoolSignals(queue_depth=0, uncached_tokens=current * budget * usage + 1)
     assert votes_for("prefill", current, at, spec.autoscaling, spec.slo)["uncached_tokens"] == current
     assert votes_for("prefill", current, over, spec.autoscaling, spec.slo)["uncached_tokens"] == current + 1
+
+
+DEMO = Path(__file__).resolve().parents[2] / "loadtest" / "autoscale_demo.py"
+
+
+def _autoscale_demo() -> Any:
+    """``loadtest/autoscale_demo.py`` (a script, not a package), imported as the scenario test imports it."""
+    if "autoscale_demo" in sys.modules:
+        return sys.modules["autoscale_demo"]
+    spec = importlib.util.spec_from_file_location("autoscale_demo", DEMO)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_python_share_default_is_the_charts() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["router"]["prefillBudgetTtftShare"] == capacity.DEFAULT_PREFILL_BUDGET_TTFT_SHARE
+
+
+@pytest.mark.parametrize("scenario", ["ramp", "short-chats", "long-prompts"])
+def test_the_demo_sizes_its_router_and_autoscaler_as_the_chart_does(scenario: str) -> None:
+    """The chart, given the demo's SIMULATED per-worker capacity, SLO, share and budget usage, renders the
+    router budget and the autoscaler target the demo runs with."""
+    demo = _autoscale_demo()
+    sc = demo.SCENARIOS[scenario]
+    tokens_per_s = demo.simulated_prefill_tokens_per_s(sc)
+    docs = _docs(
+        (
+            f"tandemDeployment.autoscaling.capacity.prefillTokensPerSecondPerWorker={tokens_per_s!r}",
+            f"tandemDeployment.slo.ttftP90Seconds={demo.TTFT_P90_S!r}",
+            f"router.prefillBudgetTtftShare={demo.PREFILL_BUDGET_TTFT_SHARE!r}",
+            f"tandemDeployment.autoscaling.prefill.budgetUsage={demo.PREFILL_BUDGET_USAGE!r}",
+        )
+    )
+    demo_spec = demo.demo_spec("SmolLM2-135M-Instruct", sc)
+    assert _router_budget(docs) == demo.prefill_budget_tokens(sc)
+    assert (
+        _spec(docs).autoscaling.prefill.uncached_tokens_per_replica
+        == demo_spec.autoscaling.prefill.uncached_tokens_per_replica
+    )
+    assert _spec(docs).slo.ttft_p90_seconds == demo_spec.slo.ttft_p90_seconds

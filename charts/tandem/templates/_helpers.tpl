@@ -387,7 +387,8 @@ knee), what one worker computes within router.prefillBudgetTtftShare of tandemDe
 (per-worker tokens/s x TTFT target x share, at least 1); unmeasured (0), router.prefillTokensInFlight. The
 router admits it (TANDEM_ROUTER_BUDGET__PREFILL_TOKENS_IN_FLIGHT) and the operator's per-replica target is
 autoscaling.prefill.budgetUsage of it (tandemdeployment.yaml), so "waiting for budget" means short of
-capacity. Pass the root context. */}}
+capacity. Its Python twin, for make autoscale-demo, is tandem_operator.capacity: tests/chart/test_one_set_of_numbers.py
+holds the two equal. Pass the root context. */}}
 {{- define "tandem.prefillBudgetTokens" -}}
 {{- $perWorker := float64 (default 0 .Values.tandemDeployment.autoscaling.capacity.prefillTokensPerSecondPerWorker) }}
 {{- if gt $perWorker 0.0 }}

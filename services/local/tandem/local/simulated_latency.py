@@ -29,6 +29,12 @@ class SimulatedLatencyModel:
     def prefill_s(self, num_uncached_tokens: int) -> float:
         return self.time_scale * (self.prefill_base_s + self.prefill_s_per_token * num_uncached_tokens)
 
+    def prefill_tokens_per_s(self, num_uncached_tokens: int) -> float:
+        """Uncached prompt tokens per second one worker computes from prompts of ``num_uncached_tokens``,
+        one after another (a SIMULATED worker prefills one at a time, as one CPU engine): its prefill
+        capacity, as ``tandem-loadtest sweep`` would measure it for that prompt size."""
+        return num_uncached_tokens / self.prefill_s(num_uncached_tokens)
+
     def decode_token_s(self) -> float:
         return self.time_scale * self.decode_s_per_token
 
