@@ -1,6 +1,6 @@
 """A tool chat template's settings beside the template (issue 41): its tool-call format
 (``TANDEM_GATEWAY_TOOL_CALL_PARSER``, ``tool_call_parser`` in a ``TANDEM_GATEWAY_MODELS`` entry), checked once
-at start, and the date a Llama 3.x template is given (``TANDEM_GATEWAY_TOOL_TEMPLATE_DATE``), seen in the
+at start, and the date a Llama 3.x template is given (``TANDEM_GATEWAY_CHAT_TEMPLATE_DATE``), seen in the
 prompt a request with tools and ``tool_choice: "auto"`` sends to the prefill worker. A custom template read
 in the format it is given, through the app: tests/unit/gateway/test_tools_auto.py."""
 
@@ -175,14 +175,14 @@ NOT_DATES = [
 
 @pytest.mark.parametrize("value", NOT_DATES)
 def test_a_date_that_is_not_one_is_refused_at_start(env: Callable[..., GatewaySettings], value: str) -> None:
-    with pytest.raises(ValidationError, match="tool_template_date"):
-        env(TOOL_TEMPLATE_DATE=value)
+    with pytest.raises(ValidationError, match="chat_template_date"):
+        env(CHAT_TEMPLATE_DATE=value)
 
 
 def test_the_date_is_written_as_the_template_writes_todays(env: Callable[..., GatewaySettings]) -> None:
-    assert env().tool_template_variables == {}  # unset: the template's own, today's
-    assert env(TOOL_TEMPLATE_DATE="2024-07-26").tool_template_variables == {"date_string": "26 Jul 2024"}
-    assert env(TOOL_TEMPLATE_DATE="2031-01-02").tool_template_variables == {"date_string": "02 Jan 2031"}
+    assert env().chat_template_variables == {}  # unset: the template's own, today's
+    assert env(CHAT_TEMPLATE_DATE="2024-07-26").chat_template_variables == {"date_string": "26 Jul 2024"}
+    assert env(CHAT_TEMPLATE_DATE="2031-01-02").chat_template_variables == {"date_string": "02 Jan 2031"}
 
 
 async def prefill_prompt(start_worker: Callable[..., Any], fake_router: FakeRouter, settings: GatewaySettings) -> str:
@@ -191,7 +191,7 @@ async def prefill_prompt(start_worker: Callable[..., Any], fake_router: FakeRout
     the SmolLM2 tokenizer tokenizes it, no Llama tokenizer is here; the text is what is checked)."""
     smol = HfPromptTokenizer.from_dir(SMOL_DIR)
     tool_tokenizer = smol.with_chat_template(
-        LLAMA31_JSON_TOOL_TEMPLATE.read_text(encoding="utf-8"), settings.tool_template_variables
+        LLAMA31_JSON_TOOL_TEMPLATE.read_text(encoding="utf-8"), settings.chat_template_variables
     )
     async with running_stack(start_worker, fake_router, smol, settings, tool_tokenizers={MODEL: tool_tokenizer}) as s:
         s.prefill.first_text = "O"
@@ -221,7 +221,7 @@ def system_dates(prompt: str) -> list[str]:
 async def test_a_set_date_is_the_one_date_in_the_prompt(
     start_worker: Callable[..., Any], fake_router: FakeRouter
 ) -> None:
-    settings = gateway_settings(max_model_len=2048, tool_chat_template="llama3.1-json", tool_template_date="2024-07-26")
+    settings = gateway_settings(max_model_len=2048, tool_chat_template="llama3.1-json", chat_template_date="2024-07-26")
     prompt = await prefill_prompt(start_worker, fake_router, settings)
     assert system_dates(prompt) == ["26 Jul 2024"]
     assert datetime.now().strftime(DATE_FORMAT) not in prompt
@@ -235,3 +235,30 @@ async def test_unset_the_prompt_carries_todays_date(start_worker: Callable[..., 
     prompt = await prefill_prompt(start_worker, fake_router, settings)
     after = datetime.now().strftime(DATE_FORMAT)  # the test may straddle midnight
     assert system_dates(prompt) in ([before], [after])
+
+
+@needs_smol
+def test_a_models_own_template_gets_the_date_too(tmp_path: Path) -> None:
+    """The gateway's tokenizers as tandem.gateway.__main__ builds them: a model whose own chat template writes
+    the date (a Llama 3.x model's, requests without tools) gets the set one, as its tool template does; unset,
+    today's (SIMULATED: the SmolLM2 tokenizer carrying the Llama 3.1 template as its own)."""
+    from transformers import AutoTokenizer
+
+    from tandem.gateway.__main__ import prompt_tokenizers
+
+    own = AutoTokenizer.from_pretrained(str(SMOL_DIR))
+    own.chat_template = LLAMA31_JSON_TOOL_TEMPLATE.read_text(encoding="utf-8")
+    own.save_pretrained(str(tmp_path / "llama-like"))
+    model = {"name": MODEL, "model_dir": str(tmp_path / "llama-like"), "max_model_len": 2048}
+    models = [{**model, "tool_chat_template": "llama3.1-json"}]
+    messages = [{"role": "user", "content": "Quel jour? 今日は何日? 🗓️ <|eot_id|>"}]
+
+    fixed = gateway_settings(models=models, chat_template_date="2024-07-26")
+    tokenizers, tool_tokenizers = prompt_tokenizers(fixed)
+    assert system_dates(own.decode(tokenizers[MODEL].chat_prompt(messages).ids)) == ["26 Jul 2024"]
+    assert system_dates(own.decode(tool_tokenizers[MODEL].chat_prompt(messages).ids)) == ["26 Jul 2024"]
+
+    before = datetime.now().strftime(DATE_FORMAT)
+    tokenizers, _ = prompt_tokenizers(gateway_settings(models=[model]))
+    after = datetime.now().strftime(DATE_FORMAT)
+    assert system_dates(own.decode(tokenizers[MODEL].chat_prompt(messages).ids)) in ([before], [after])

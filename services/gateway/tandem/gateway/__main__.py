@@ -67,17 +67,22 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def serve(settings: GatewaySettings) -> None:
-    # One tokenizer and chat template per served base model (settings.models; the first is the default).
-    tokenizers = {m.name: HfPromptTokenizer.from_dir(m.model_dir) for m in settings.models}
-    # The same tokenizers with each model's tool chat template, where it has one (tool_choice "auto").
+def prompt_tokenizers(settings: GatewaySettings) -> tuple[dict[str, HfPromptTokenizer], dict[str, HfPromptTokenizer]]:
+    """One tokenizer and chat template per served base model (settings.models; the first is the default),
+    and the same tokenizers with each model's tool chat template where it has one (tool_choice "auto"); all
+    rendered with settings.chat_template_variables."""
+    variables = settings.chat_template_variables
+    tokenizers = {m.name: HfPromptTokenizer.from_dir(m.model_dir, variables) for m in settings.models}
     tool_tokenizers = {
-        m.name: tokenizers[m.name].with_chat_template(
-            m.tool_chat_template.read_text(encoding="utf-8"), settings.tool_template_variables
-        )
+        m.name: tokenizers[m.name].with_chat_template(m.tool_chat_template.read_text(encoding="utf-8"), variables)
         for m in settings.models
         if m.tool_chat_template is not None
     }
+    return tokenizers, tool_tokenizers
+
+
+async def serve(settings: GatewaySettings) -> None:
+    tokenizers, tool_tokenizers = prompt_tokenizers(settings)
     warn_if_plaintext(settings.tls, "the gateway (calls to the router and the workers)")
     router = connect_router(settings.router_address, timeout_s=settings.router_timeout_s, tls=settings.tls)
     registry = WorkerRegistry(

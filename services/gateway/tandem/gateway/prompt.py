@@ -126,7 +126,7 @@ class HfPromptTokenizer:
         """``chat_template``: render with this template instead of the tokenizer's own (a model's tool
         chat template, tandem.gateway.settings.ServedModel.tool_chat_template); ``template_variables``:
         what it is rendered with beside the messages and tools (a fixed ``date_string``,
-        tandem.gateway.settings.GatewaySettings.tool_template_variables)."""
+        tandem.gateway.settings.GatewaySettings.chat_template_variables)."""
         self._tokenizer = tokenizer
         self._chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self._template_variables = dict(template_variables or {})
@@ -154,12 +154,13 @@ class HfPromptTokenizer:
         return len(self._tokenizer)
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> HfPromptTokenizer:
+    def from_dir(cls, model_dir: Path, template_variables: Mapping[str, str] | None = None) -> HfPromptTokenizer:
+        """The tokenizer of ``model_dir``, rendering with its own chat template and ``template_variables``."""
         from transformers import AutoTokenizer  # heavy import, on purpose only here
 
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model folder {model_dir} does not exist")
-        return cls(AutoTokenizer.from_pretrained(str(model_dir)))
+        return cls(AutoTokenizer.from_pretrained(str(model_dir)), template_variables=template_variables)
 
     def with_chat_template(
         self, chat_template: str, template_variables: Mapping[str, str] | None = None

@@ -260,13 +260,14 @@ class GatewaySettings(BaseSettings):
     #: ``llama3_json``); unset: the named template's, else ``hermes``. Set it for a template file written
     #: for the Llama JSON form. With ``models`` set, each model names its own.
     tool_call_parser: ToolCallFormat | None = None
-    #: The date every tool chat template is given as ``date_string`` (as Meta's Llama 3.x templates name
-    #: it, Tandem's ``llama3.1-json`` among them), written as those templates write today's (``%d %b %Y``,
-    #: e.g. ``26 Jul 2024``). Unset (the default): such a template writes today's date into the system
-    #: prompt, as Meta intends, so every tool prompt's text changes at midnight and the engines' prefix
-    #: cache misses the first turns of each day; set, the prompt's prefix is the same every day, and the
-    #: model believes it is this date (docs/models.md). Templates that do not read ``date_string`` ignore it.
-    tool_template_date: date | None = None
+    #: The date every chat template is given as ``date_string`` (the models' own and their tool chat
+    #: templates: as Meta's Llama 3.x templates name it, Tandem's ``llama3.1-json`` among them), written as
+    #: those templates write today's (``%d %b %Y``, e.g. ``26 Jul 2024``). Unset (the default): such a
+    #: template writes today's date into the system prompt, as Meta intends, so every prompt's text changes
+    #: at midnight and the engines' prefix cache misses the first turns of each day; set, the prompt's
+    #: prefix is the same every day, and the model believes it is this date (docs/models.md). Templates
+    #: that do not read ``date_string`` ignore it.
+    chat_template_date: date | None = None
     #: Every base model served, as JSON (``TANDEM_GATEWAY_MODELS='[{"name": "a", "model_dir": "/m/a",
     #: "max_model_len": 4096}, ...]'``); the first is the default (an adapter loaded without a base model
     #: adapts it). Empty (the default): one model, ``served_model_name`` in ``model_dir`` with
@@ -369,10 +370,10 @@ class GatewaySettings(BaseSettings):
         return self.models[0]
 
     @property
-    def tool_template_variables(self) -> dict[str, str]:
-        """What every tool chat template is rendered with beside the messages and tools
-        (HfPromptTokenizer.with_chat_template): ``date_string`` where tool_template_date is set."""
-        if self.tool_template_date is None:
+    def chat_template_variables(self) -> dict[str, str]:
+        """What every chat template is rendered with beside the messages and tools (HfPromptTokenizer's
+        ``template_variables``): ``date_string`` where chat_template_date is set."""
+        if self.chat_template_date is None:
             return {}
         # strftime, as transformers' strftime_now writes today's for the template.
-        return {"date_string": self.tool_template_date.strftime("%d %b %Y")}
+        return {"date_string": self.chat_template_date.strftime("%d %b %Y")}
