@@ -3,7 +3,9 @@ with ``retrieve`` until completed, with the foreground answer's text at temperat
 while it generates is ``cancelled`` and the engines, the KV servers and the router then hold nothing for it
 (the fault suite's probes: ``tests.probes.quiesce`` and ``router_budget_tokens``); and a second gateway
 process, killed (SIGKILL) while it generates one, leaves a record that reads ``failed`` once its lease ends,
-through the first gateway. The text carries accents, CJK, an emoji and the chat template's control tokens."""
+through the first gateway. A streamed one whose client drops the create's stream after a few events is resumed
+with ``retrieve(stream=True, starting_after=N)``: exactly the rest, with the uninterrupted answer's text. The
+text carries accents, CJK, an emoji and the chat template's control tokens."""
 
 from __future__ import annotations
 
@@ -89,3 +91,27 @@ def test_a_killed_gateway_leaves_a_failed_record_after_its_lease(stack: LocalSta
     # The dead gateway's request: the router's lease and the workers' own clean-up let go of it.
     residue = quiesce(stack, timeout_s=60)
     assert all(r.total == 0 for r in residue.values()), residue
+
+
+def test_a_dropped_background_stream_resumes_with_exactly_the_rest(stack: LocalStack) -> None:
+    """The real SDK's create(background=True, stream=True), dropped after six events; the resume gets the events
+    after the last one read, contiguous, ending with the answer the same request gets uninterrupted."""
+    model = stack.config.served_model_name
+    client = _client(stack.config.gateway_url, stack.api_key)
+    request = {"model": model, "input": QUESTION, "max_output_tokens": 48, "temperature": 0}
+    whole = client.responses.create(**request, store=False)  # type: ignore[call-overload]
+    stream = client.responses.create(**request, background=True, stream=True)  # type: ignore[call-overload]
+    seen = []
+    for event in stream:
+        seen.append(event)
+        if len(seen) == 6:
+            break
+    stream.close()
+    response_id = seen[0].response.id
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number))
+    every = seen + rest
+    assert [e.sequence_number for e in every] == list(range(len(every)))
+    assert rest[-1].type in ("response.completed", "response.incomplete"), rest[-1].type
+    text = "".join(e.delta for e in every if e.type == "response.output_text.delta")
+    assert text == rest[-1].response.output_text == whole.output_text and text
+    assert client.responses.retrieve(response_id).output_text == whole.output_text

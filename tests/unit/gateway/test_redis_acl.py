@@ -2,9 +2,10 @@
 
 Key lookup, quota precheck, admission and settlement (Lua), usage (open record, progress, final
 record, a dead replica's orphan settled by the sweeper), conversations (Lua append with the tenant's
-salt guard) and the usage endpoints: every command and key the gateway uses is granted, and Redis
-logs no denial. Before the users existed, the scripts declared the tenant's record in KEYS, which
-needs write rights on it: the gateway could not have run with a user that only reads tenants.
+salt guard), background responses (streamed ones' stored events and their resume) and the usage
+endpoints: every command and key the gateway uses is granted, and Redis logs no denial. Before the
+users existed, the scripts declared the tenant's record in KEYS, which needs write rights on it: the
+gateway could not have run with a user that only reads tenants.
 """
 
 from __future__ import annotations
@@ -123,6 +124,16 @@ async def test_the_gateway_serves_bills_and_remembers_under_its_own_redis_user(
                         if cancel:
                             cancelled = await client.post(f"/v1/responses/{rid}/cancel", headers=auth)
                             assert cancelled.json()["status"] == "cancelled", cancelled.text
+                    # A streamed one: its events stored as they go, a resume, its deletion with the record.
+                    decode.decode_step_delay_s = 0.0
+                    body = {**body, "stream": True}
+                    created = await client.post("/v1/responses", json=body, headers=auth)
+                    assert created.status_code == 200 and "response.completed" in created.text, created.text
+                    rid = created.headers["x-request-id"]
+                    resumed = await client.get(f"/v1/responses/{rid}?stream=true&starting_after=0", headers=auth)
+                    assert resumed.status_code == 200 and "response.completed" in resumed.text, resumed.text
+                    deleted = await client.delete(f"/v1/responses/{rid}", headers=auth)
+                    assert deleted.status_code == 200, deleted.text
                     await app.state.services.orchestrator.drain()
                     while app.state.services.drain.num_in_flight:
                         await asyncio.sleep(0.02)

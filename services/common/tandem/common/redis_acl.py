@@ -126,6 +126,8 @@ def _gateway(p: str) -> tuple[str, ...]:
         f"%R~{p}:gw:tenant:*",
         f"~{p}:gw:quota:*",
         f"~{p}:gw:usage:*",
+        # conversations, stored responses and a streamed background response's events
+        # (tandem.gateway.api.response_events: its list is <conv key>:events, written by a script)
         f"~{p}:gw:conv:*",
         f"~{p}:gw:stored:*",
         # background responses' leases and cancel flags (tandem.gateway.api.background_responses)

@@ -32,6 +32,7 @@ from tandem.gateway.api.background_responses import BackgroundResponses
 from tandem.gateway.api.errors import ApiError, internal_error
 from tandem.gateway.api.generation import StreamLimits
 from tandem.gateway.api.prepare import MAX_BYTES_PER_TOKEN
+from tandem.gateway.api.response_events import EventLog
 from tandem.gateway.api.services import GatewayServices, ModelLimits, ServedModelServices
 from tandem.gateway.conversations import ConversationStore
 from tandem.gateway.drain import Drain
@@ -175,7 +176,14 @@ def build_app(
         max_conversations=tenancy.max_conversations_per_tenant,
         default_max_stored_bytes=tenancy.default_max_stored_bytes_per_tenant,
     )
-    background = BackgroundResponses(client, conversations, key_prefix=prefix, lease_s=tenancy.background_lease_s)
+    background = BackgroundResponses(
+        client,
+        conversations,
+        EventLog(client, key_prefix=prefix, ttl_s=tenancy.conversation_ttl_s),
+        key_prefix=prefix,
+        lease_s=tenancy.background_lease_s,
+        heartbeat_interval_s=settings.stream.heartbeat_interval_s,
+    )
     services = GatewayServices(
         limits=default.limits,
         tokenizer=default.tokenizer,

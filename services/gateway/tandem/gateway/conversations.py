@@ -73,7 +73,8 @@ def check_conversation_id(conversation_id: str) -> None:
 #: Lua functions of the conversation scripts: ``now_ms()`` (Redis's clock: the index's times and the keys'
 #: expiry must come from the same clock, or the account would miss or double a conversation that expired),
 #: ``conversation_bytes(key)`` (what a conversation counts in the tenant's storage account), ``evict(id)``
-#: (deletes a conversation and takes it out of the index and the account; returns the new total) and
+#: (deletes a conversation, and a stored response's stream events with it (tandem.gateway.api.response_events),
+#: and takes them out of the index and the account; returns the new total) and
 #: ``forget_expired(cutoff_ms)`` (the conversations whose last turn is older: their keys expired by their
 #: TTL, which runs no script, so the account learns it here, at the next write or read of the tenant's
 #: account). They use the locals ``index``, ``account`` and ``conv_prefix`` (the tenant's conversation
@@ -100,8 +101,9 @@ local function conversation_bytes(key)
   return n
 end
 local function evict(id)
-  redis.call('DEL', conv_prefix .. id)
+  redis.call('DEL', conv_prefix .. id, conv_prefix .. id .. ':events')
   redis.call('ZREM', index, id)
+  stored_set(account, 'events:' .. id, 0)
   return stored_set(account, 'conv:' .. id, 0)
 end
 local function forget_expired(cutoff_ms)

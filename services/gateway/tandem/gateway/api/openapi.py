@@ -149,11 +149,23 @@ def build_document() -> dict[str, Any]:
                 **get(
                     "A stored response of the caller's tenant, in whatever status it is in (a background one: "
                     "queued, in_progress, completed, incomplete, cancelled, or failed, also once the gateway "
-                    "generating it stopped and its lease ended)",
+                    "generating it stopped and its lease ended); with stream=true, a response created with "
+                    "background and stream true streamed again: its events after starting_after, then the new "
+                    "ones until it ends (text/event-stream)",
+                    400,
                     401,
                     404,
                     503,
-                    parameters=[response_id],
+                    parameters=[
+                        response_id,
+                        {"name": "stream", "in": "query", "required": False, "schema": {"type": "boolean"}},
+                        {
+                            "name": "starting_after",
+                            "in": "query",
+                            "required": False,
+                            "schema": {"type": "integer", "minimum": 0},
+                        },
+                    ],
                 ),
                 "delete": {
                     "summary": "Delete a stored response",

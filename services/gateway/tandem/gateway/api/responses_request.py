@@ -161,13 +161,6 @@ def parse_responses(raw: bytes) -> ChatCompletionRequest:
         raise InvalidRequestError(
             "background can only be used when `store` is true", param="background", code="invalid_value"
         )
-    if request.background and request.stream:
-        raise InvalidRequestError(
-            "stream: a background response cannot be streamed by this gateway (its stream could not be resumed "
-            "from another replica); create it with stream false and poll GET /v1/responses/{id}.",
-            param="stream",
-            code="unsupported_value",
-        )
     if request.reasoning is not None and request.reasoning.effort not in (None, "none"):
         raise InvalidRequestError(
             f"reasoning.effort: the model {request.model[:80]!r} does not reason; leave reasoning out.",

@@ -45,7 +45,7 @@ from tandem.gateway.api.prepare import Dialect, Endpoint, PreparedRequest, prepa
 from tandem.gateway.api.response_chains import answer_turn
 from tandem.gateway.api.responses_auto import AutoResponsesWire
 from tandem.gateway.api.responses_request import DIALECT as RESPONSES_DIALECT
-from tandem.gateway.api.responses_wire import echo_of, responses_wire
+from tandem.gateway.api.responses_wire import echo_of, responses_wire, stored_response_bytes
 from tandem.gateway.api.responses_wire import response as response_object
 from tandem.gateway.api.services import GatewayServices
 from tandem.gateway.api.streaming import StreamedResponse
@@ -53,6 +53,7 @@ from tandem.gateway.api.tool_wire import OpenAIToolWire
 from tandem.gateway.api.tools import ToolSpec
 from tandem.gateway.api.validation import ChatCompletionRequest
 from tandem.gateway.api.wire import OPENAI_WIRE, WireFormat
+from tandem.gateway.conversations import ANSWER_BYTES_PER_TOKEN
 from tandem.gateway.errors import (
     AuthenticationError,
     PermissionDeniedError,
@@ -222,16 +223,23 @@ def _generation_handler(
                 services, request, prepared, path, admission, on_finish, on_progress, wire_now, meta,
                 store_answer if prepared.stored_chain is not None else None,
             )  # fmt: skip
-        assert prepared.stored_chain is not None and isinstance(prepared.body, ChatCompletionRequest)
+        assert prepared.stored_chain is not None and prepared.chain is not None
+        assert isinstance(prepared.body, ChatCompletionRequest)
         queued = with_status(response_object(meta, echo_of(prepared.body, prepared.chain), [], None), "queued")
         on_progress = services.background.in_progress_hook(tenant.id, tenant_salt, limit_bytes, queued, on_progress)
         generation = _generation_response(
             services, request, prepared, path, admission, on_finish, on_progress, wire_now, meta, store_answer
         )
+        # A streamed one's stored events leave room for its answer (the preparation's estimate: the response
+        # object and the text in it, and the text in the answer's turn).
+        reserve_bytes = None
+        if prepared.body.stream:
+            num_answer_bytes = ANSWER_BYTES_PER_TOKEN * prepared.max_tokens
+            reserve_bytes = stored_response_bytes(prepared.body, prepared.chain, prepared.max_tokens) + num_answer_bytes
         try:
             turns = prepared.stored_chain.new_turns
             return await services.background.start(
-                tenant.id, tenant_salt, limit_bytes, turns, queued, generation, admission.headers
+                tenant.id, tenant_salt, limit_bytes, turns, queued, generation, admission.headers, reserve_bytes
             )
         except BackendUnavailableError:  # nothing generated: the admission goes back, as for any 503
             progress.close()
