@@ -261,3 +261,55 @@ async def test_sdk_drops_a_background_stream_and_resumes_it(edge: Any, edge_url:
     assert text == rest[-1].response.output_text == whole.output_text  # type: ignore[union-attr]
     assert (await client.responses.retrieve(rid)).output_text == whole.output_text
     await edge.settled()
+
+
+async def test_a_resume_through_another_replica_follows_the_generating_one(
+    edge: Any, edge_url: str, prompt_tokenizer: Any
+) -> None:
+    """The create streams from one gateway; a second gateway over the same Redis (its own app, no shared
+    memory) resumes it while it generates, and gets the rest as the first one stores it."""
+    from tandem.gateway.app import build_app
+    from tandem.gateway.metrics import GatewayMetrics
+    from tests.kit.gateway import FakeReadiness
+    from tests.unit.gateway.conftest import CountingHasher, gateway_settings
+
+    key = await edge.tenant("acme")
+    slow(edge, num_steps=30, delay_s=0.05)
+    seen: list[dict[str, Any]] = []
+    body = request(background=True, stream=True, max_output_tokens=40)
+    async with (
+        httpx.AsyncClient(base_url=edge_url, timeout=30) as client,
+        client.stream("POST", "/v1/responses", json=body, headers=bearer(key)) as created,
+    ):
+        rid = created.headers["x-request-id"]
+        buffer = ""
+        async for chunk in created.aiter_text():
+            buffer += chunk
+            *frames, buffer = buffer.split("\n\n")
+            seen += parse("\n\n".join(frames))
+            if len(seen) >= 4:
+                break
+    settings = gateway_settings(
+        auth={"mode": "api_key", "cache_s": 0, "admin_key": edge.admin_key},
+        tenancy={"key_prefix": edge.key_prefix, "background_lease_s": LEASE_S},
+        registry={"key_prefix": edge.key_prefix},
+    )
+    replica = build_app(
+        settings,
+        router=edge.router,
+        tokenizer=prompt_tokenizer,
+        readiness=FakeReadiness(),
+        metrics=GatewayMetrics(),
+        prompt_hasher=CountingHasher(),
+    )
+    async with (
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=replica), base_url="http://replica") as other,
+        replica.router.lifespan_context(replica),
+    ):
+        assert (await other.get(f"/v1/responses/{rid}", headers=bearer(key))).json()["status"] == "in_progress"
+        params = {"stream": "true", "starting_after": seen[-1]["sequence_number"]}
+        rest = parse((await other.get(f"/v1/responses/{rid}", params=params, headers=bearer(key))).text)
+    assert numbers(seen + rest) == list(range(len(seen) + len(rest)))
+    assert rest[-1]["type"] == "response.incomplete"
+    assert text_of(seen + rest) == rest[-1]["response"]["output"][0]["content"][0]["text"]
+    await edge.settled()
