@@ -36,7 +36,9 @@ ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/
 COPY --from=build /opt/venv /opt/venv
 RUN groupadd --gid 10001 tandem && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin tandem
 USER 10001:10001
-EXPOSE 50051 50061 9101
+# gRPC, KV transfer (rank 0; rank r of a tensor-parallel worker listens on 50061+r), metrics, and the
+# plaintext health port the operator's probes ask (TANDEM_WORKER_HEALTH_PORT, tandem_operator.resources)
+EXPOSE 50051 50061 9101 50071
 # The worker's gRPC port opens once the engine has loaded the model.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import socket; socket.create_connection(('127.0.0.1', 50051), 2).close()"]

@@ -284,7 +284,13 @@ async def _stop_adapters(
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     configure_logging(settings.log_level)
-    sys.exit(asyncio.run(serve(settings)))
+    from tandem.worker.engine import NoDeviceError
+
+    try:
+        code = asyncio.run(serve(settings))
+    except NoDeviceError as exc:  # a missing GPU is the pod's or the node's to fix: its message, no traceback
+        raise SystemExit(f"tandem.worker: {exc}") from None
+    sys.exit(code)
 
 
 if __name__ == "__main__":

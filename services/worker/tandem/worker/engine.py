@@ -54,6 +54,30 @@ def resolve_mq_poll_s(mq_poll_s: float | None) -> float:
     return CPU_MQ_POLL_S if current_platform.is_cpu() else 0.0
 
 
+class NoDeviceError(RuntimeError):
+    """vLLM found no device to run on (its platform is ``UnspecifiedPlatform``): the CUDA image on a node
+    or in a pod without a GPU. Permanent: a restart finds no GPU either."""
+
+
+def require_device() -> None:
+    """Raise :class:`NoDeviceError` when vLLM detected no platform. Without this check vLLM goes on and
+    fails deep in its configuration with ``RuntimeError: Device string must not be empty`` (vllm 0.32.0,
+    ``DeviceConfig``), which names neither the GPU nor what the pod lacks."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_unspecified():
+        return
+    import torch
+
+    cuda = torch.version.cuda
+    built_for = f"torch {torch.__version__} is built for CUDA {cuda}" if cuda else f"torch {torch.__version__}"
+    raise NoDeviceError(
+        f"no GPU found: {built_for} and sees no GPU (torch.cuda.is_available() is False). "
+        "The worker needs an NVIDIA GPU (on Kubernetes: an nvidia.com/gpu limit, on a node with the NVIDIA "
+        f"driver{f' for CUDA {cuda}' if cuda else ''} and container toolkit); without one, run the worker-cpu image."
+    )
+
+
 #: vLLM's default prefix-caching hash; the router reproduces only this one.
 PREFIX_CACHING_HASH_ALGO = "sha256"
 
@@ -292,7 +316,9 @@ class VLLMEngine:
 
 
 def build_engine(settings: WorkerSettings) -> VLLMEngine:
-    """Start an ``AsyncLLM`` (spawns the engine-core and model-runner processes)."""
+    """Start an ``AsyncLLM`` (spawns the engine-core and model-runner processes); :class:`NoDeviceError`
+    when vLLM found no device to run on."""
+    require_device()
     if settings.engine.cpu_threads_bind:
         # Read by vLLM's CPU worker in the child process it spawns.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.engine.cpu_threads_bind
