@@ -333,6 +333,10 @@ async def _scrape_until(router: RouterProcess, done: Callable[[str], bool], time
     return text
 
 
+#: The router's count of uncached prompt tokens arriving for the prefill pool (the operator's token_rate).
+PREFILL_ARRIVALS = "ray_tandem_router_prefill_arrived_uncached_tokens_total"
+
+
 def _model_values(text: str, name: str, model: str) -> list[float]:
     return [
         float(line.rsplit(" ", 1)[1])
@@ -371,10 +375,15 @@ async def test_metrics_reach_rays_prometheus_endpoint(
                 and "tandem_router_queued_requests" in text
                 and parse_router_metrics(text, "decode", model).in_flight == 1
                 and parse_router_metrics(text, "decode", other_model).in_flight == 2
+                and _model_values(text, PREFILL_ARRIVALS, other_model) == [500.0]
             ),
         )
         await client.release("req-metrics")
         assert "ray_tandem_router_schedule_seconds_count" in text
+        # The prefill pool's demand as it arrives, per model: each long prompt once; the short ones went to a
+        # decode worker alone and are no prefill demand.
+        assert _model_values(text, PREFILL_ARRIVALS, model) == [300.0]
+        assert _model_values(text, PREFILL_ARRIVALS, other_model) == [500.0]
         # The recorded export the operator's unit tests read (tests/kit/router_export.py) is still this
         # export's: every series in it has a live one of the same name and label keys.
         recorded = label_shapes(recorded_router_export())
@@ -458,7 +467,8 @@ async def test_a_burst_runs_on_the_decode_worker_and_the_real_export_counts_it(
 ) -> None:
     """The router's defaults (burst local prefills on, tandem.router.burst): a long prompt whose one
     prefill worker has another long prompt ahead of it runs on the decode worker alone, says so in its
-    reason, and Ray's export counts it as ray_tandem_router_burst_local_prefills_total{model}."""
+    reason, and Ray's export counts it as ray_tandem_router_burst_local_prefills_total{model}, and as prefill
+    demand arrived (ray_tandem_router_prefill_arrived_uncached_tokens_total) but not placed there."""
     model = "model-burst"  # ASCII: a non-ASCII served model name fails in Ray's metric tags (see the report)
     fake = FakeWorkers(router.key_prefix, pool(model, num_prefill=1, num_decode=1))
     await fake.start()
@@ -470,8 +480,16 @@ async def test_a_burst_runs_on_the_decode_worker_and_the_real_export_counts_it(
         assert burst.local_prefill and not burst.HasField("prefill"), burst.reason
         assert "local_prefill burst wait=2000 extra=1000" in burst.reason
         name = "ray_tandem_router_burst_local_prefills_total"
-        text = await _scrape_until(router, lambda text: _model_values(text, name, model) == [1.0])
+        text = await _scrape_until(
+            router,
+            lambda text: (
+                _model_values(text, name, model) == [1.0] and _model_values(text, PREFILL_ARRIVALS, model) == [4000.0]
+            ),
+        )
         assert _model_values(text, name, model) == [1.0]
+        # Both prompts arrived for the prefill pool (the burst because it was backed up); one was placed there.
+        assert _model_values(text, PREFILL_ARRIVALS, model) == [4000.0]
+        assert _model_values(text, "ray_tandem_router_prefill_uncached_tokens_total", model) == [2000.0]
         local = [
             line
             for line in text.splitlines()

@@ -72,7 +72,14 @@ class RouterMetrics(Protocol):
 
     def count_prefill_tokens(self, num_tokens: int, *, model: str) -> None:
         """A placement handed ``num_tokens`` uncached prompt tokens to a prefill worker (the prefill pool's
-        demand in tokens/s, which the autoscaler holds against the measured per-worker capacity)."""
+        throughput in tokens/s: a saturated pool places at its capacity, whatever arrives)."""
+        ...
+
+    def count_prefill_arrival(self, num_tokens: int, *, model: str) -> None:
+        """A Schedule headed for the prefill pool arrived with ``num_tokens`` uncached prompt tokens (estimated
+        before placement), counted once at its first admission attempt, placed at once or queued
+        (:meth:`tandem.router.placement.Placer.arrived`): the prefill pool's demand in tokens/s, which
+        placements cannot show once the pool is saturated."""
         ...
 
     def count_unpaired(self, *, model: str) -> None:
@@ -101,6 +108,9 @@ class NullRouterMetrics:
         pass
 
     def count_prefill_tokens(self, num_tokens: int, *, model: str) -> None:
+        pass
+
+    def count_prefill_arrival(self, num_tokens: int, *, model: str) -> None:
         pass
 
     def set_in_flight(self, worker_id: str, model: str, num_requests: int) -> None:
@@ -221,7 +231,15 @@ class RayRouterMetrics:
         self._prefill_tokens = serve_metrics.Counter(
             "tandem_router_prefill_uncached_tokens",  # exported as ray_tandem_router_prefill_uncached_tokens_total
             description="Uncached prompt tokens placed on prefill workers (what they must compute; local "
-            "prefills on a decode worker not counted): the prefill pool's demand in tokens/s.",
+            "prefills on a decode worker not counted): the prefill pool's throughput in tokens/s, at most its "
+            "capacity (its demand is tandem_router_prefill_arrived_uncached_tokens).",
+            tag_keys=("model",),
+        )
+        self._prefill_arrivals = serve_metrics.Counter(
+            "tandem_router_prefill_arrived_uncached_tokens",  # exported with ray_ and _total
+            description="Uncached prompt tokens of the requests headed for prefill workers, counted once when "
+            "each arrives, placed at once or queued (timed out in the queue too; a burst run on a decode "
+            "worker too): the prefill pool's demand in tokens/s, beyond what a saturated pool can place.",
             tag_keys=("model",),
         )
         self._unpaired = serve_metrics.Counter(
@@ -284,6 +302,9 @@ class RayRouterMetrics:
 
     def count_prefill_tokens(self, num_tokens: int, *, model: str) -> None:
         self._prefill_tokens.inc(num_tokens, tags={"model": model})
+
+    def count_prefill_arrival(self, num_tokens: int, *, model: str) -> None:
+        self._prefill_arrivals.inc(num_tokens, tags={"model": model})
 
     def count_unpaired(self, *, model: str) -> None:
         self._unpaired.inc(tags={"model": model})

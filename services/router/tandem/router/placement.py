@@ -92,6 +92,13 @@ class PendingRequest:
     waiting_for: tuple[str, ...] = ()
     num_uncached_tokens: int = -1
 
+    @property
+    def num_uncached_estimate(self) -> int:
+        """Its prompt tokens no worker holds, as last estimated (:meth:`Placer.estimate_uncached`, or each
+        try of :meth:`Placer.decide`); the whole prompt until then. What the queue's gauge
+        (``tandem_router_queued_uncached_tokens``) and the prefill pool's arrivals count."""
+        return self.num_uncached_tokens if self.num_uncached_tokens >= 0 else self.request.num_tokens
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -165,20 +172,11 @@ class Placer:
         """The placement for ``pending`` (raises NoBudget or the error naming what is missing); no side
         effects but the policy's own rotation."""
         request = pending.request
-        fleet = self._intake.fleet_for(workers)
-        cached = self._lookup(pending, fleet)
-        now_s = self._reservations.now_s()
-        decode_pool = fleet.arrays(ROLE_DECODE, request.model, cached, now_s)
-        prefill_pool = fleet.arrays(ROLE_PREFILL, request.model, cached, now_s, self._index)
+        fleet, decode_pool, prefill_pool = self._pools(pending, workers)
         if request.adapter:
             for pool in (decode_pool, prefill_pool):
                 if pool is not None:
                     pool.overlay = self.adapters
-        num_most_cached = max(
-            (float(p.cached_tokens.max()) for p in (decode_pool, prefill_pool) if p is not None and len(p)),
-            default=0.0,
-        )
-        pending.num_uncached_tokens = max(0, request.num_tokens - int(num_most_cached))
         decode_only = bool(request.prefill_done_on_worker_id)
         local_only = request.local_prefill_only
         pairing = Pairing.of(request, workers, fleet.kv_fingerprints.get(request.model, frozenset()))
@@ -200,9 +198,7 @@ class Placer:
             # Would prefill take it? If not, it waits for both pools (and both must grow for it to go).
             also = (
                 (ROLE_PREFILL,)
-                if not decode_only
-                and not local_only
-                and pending.num_uncached_tokens >= self._min_uncached_tokens_to_disaggregate
+                if self.for_prefill(pending)
                 and num_candidates(request, workers, ROLE_PREFILL)
                 and (prefill_pool is None or self.policy.choose_in(request, prefill_pool) is None)
                 else ()
@@ -255,6 +251,58 @@ class Placer:
             request, prefill, decode, prefill_worker, local, num_cached, num_decode_cached, num_uncached, tokens,
             unpaired=unpaired, burst=burst if local else None,
         )
+
+    def _pools(
+        self, pending: PendingRequest, workers: Sequence[WorkerRecord]
+    ) -> tuple[FleetTable, PoolArrays | None, PoolArrays | None]:
+        """The fleet, and the decode and the prefill pool of ``pending``'s model as a decision sees them
+        now; sets its uncached-token estimate (``pending.num_uncached_tokens``: the prompt less the most
+        any worker of either pool holds)."""
+        request = pending.request
+        fleet = self._intake.fleet_for(workers)
+        cached = self._lookup(pending, fleet)
+        now_s = self._reservations.now_s()
+        decode_pool = fleet.arrays(ROLE_DECODE, request.model, cached, now_s)
+        prefill_pool = fleet.arrays(ROLE_PREFILL, request.model, cached, now_s, self._index)
+        num_most_cached = max(
+            (float(p.cached_tokens.max()) for p in (decode_pool, prefill_pool) if p is not None and len(p)),
+            default=0.0,
+        )
+        pending.num_uncached_tokens = max(0, request.num_tokens - int(num_most_cached))
+        return fleet, decode_pool, prefill_pool
+
+    def estimate_uncached(self, pending: PendingRequest, workers: Sequence[WorkerRecord]) -> None:
+        """Set ``pending``'s uncached-token estimate as :meth:`decide` would, deciding nothing: for a
+        request that goes into the queue behind others untried. One lookup in the KV index and one
+        budget computation per request that arrives at a queue (about what one try of the queue costs),
+        so that a prompt mostly in some worker's cache is not counted whole, in the queue's gauge or in
+        the prefill pool's arrivals."""
+        self._pools(pending, workers)
+
+    def for_prefill(self, pending: PendingRequest) -> bool:
+        """Whether the prefill pool would compute ``pending``, as far as is known before a decode worker
+        is chosen: neither decode-only (its prefill ran already) nor local-only, and at least the
+        disaggregation threshold of its prompt uncached by the last estimate. A decode worker holding
+        more of the prompt than any other, or a burst, may still run it alone (:meth:`decide`)."""
+        request = pending.request
+        return (
+            not request.prefill_done_on_worker_id
+            and not request.local_prefill_only
+            and pending.num_uncached_estimate >= self._min_uncached_tokens_to_disaggregate
+        )
+
+    def arrived(self, pending: PendingRequest) -> None:
+        """Count ``pending`` into the prefill pool's demand (``tandem_router_prefill_arrived_uncached_tokens``)
+        if it is headed there (:meth:`for_prefill`). The scheduler calls this once per Schedule, at its
+        first admission attempt, whether it was placed at once or went into the queue (where it may be
+        placed later, here or by another replica, or time out: it was demand all the same); never on a
+        try from the queue. Not for a request refused at once (no worker of a pool: the pool's pending
+        demand counts those). Placed counts only what the pool computed, at most its capacity; the
+        autoscaler's ``token_rate`` needs what arrived, which a saturated pool's placements cannot
+        show. A burst (a long prompt run on its decode worker because the prefill worker was backed
+        up) counts: the prefill pool was short of it."""
+        if self.for_prefill(pending) and pending.num_uncached_estimate > 0:
+            self._metrics.count_prefill_arrival(pending.num_uncached_estimate, model=pending.request.model)
 
     def _burst(
         self,

@@ -182,11 +182,17 @@ class Scheduler:
         pending = PendingRequest(request)
         if not self._room and not (self._handoffs is not None and self._handoffs.ahead_of_new(request)):
             try:
-                return self._placer.place(pending, workers)
+                decision = self._placer.place(pending, workers)
             except NoBudget as exc:
                 pending.waiting_for = self._room.blocked_on = exc.roles
+            else:
+                self._placer.arrived(pending)
+                return decision
         else:
             check_servable(request, workers)
+            self._placer.estimate_uncached(pending, workers)
+        # Demand arrives here once, placed at once (above) or queued, before the queue's tries.
+        self._placer.arrived(pending)
         return await self._room.wait(pending)
 
     async def refresh_workers(self) -> None:

@@ -253,9 +253,7 @@ class WaitingRoom:
             for role in pending.waiting_for or self.blocked_on:
                 counts = by_role[role]
                 counts[0] += 1
-                counts[1] += (
-                    pending.num_uncached_tokens if pending.num_uncached_tokens >= 0 else pending.request.num_tokens
-                )
+                counts[1] += pending.num_uncached_estimate
         return {
             model: {role: (n, tokens) for role, (n, tokens) in by_role.items()} for model, by_role in queued.items()
         }
