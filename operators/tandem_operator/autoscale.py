@@ -35,9 +35,12 @@ the sampled queue and in-flight gauges read 0 or 1 between them), and the breach
 to 0.517; the TTFT window sees those waits, the instant counts miss them.
 
 **Measured capacity.** Where ``autoscaling.capacity`` gives a pool's per-worker tokens/s (``tandem-loadtest
-sweep``'s knee: within the SLO), the pool's demand in tokens/s (``token_rate``: uncached prompt tokens placed
-on prefill workers, output tokens handed to clients) votes for ``ceil(rate / per-worker)`` replicas, and
-its slope for as many a start time ahead; 0 (not measured) leaves the vote out.
+sweep``'s knee: within the SLO), the pool's demand in tokens/s (``token_rate``: uncached prompt tokens
+arriving at the routers for prefill workers, output tokens handed to clients) votes for ``ceil(rate /
+per-worker)`` replicas, and its slope for as many a start time ahead; 0 (not measured) leaves the vote out.
+Prefill's demand is what *arrives* (each request counted once, placed at once or queued), not what was
+placed: a saturated pool places at its capacity, so the placed tokens' rate asked for exactly the replicas
+there were, and only the queue's votes, later, asked for more.
 
 Both pools also vote on **demand**: while requests wait for a pool's budget,
 the pool is full, and it is sized to hold what it holds now plus what waits
@@ -115,8 +118,9 @@ class PoolSignals:
     waiting: float | None = None
     #: Inter-token latency, p90 over the last minute, seconds (decode).
     itl_p90_s: float | None = None
-    #: The pool's demand in tokens/s over the last minute: uncached prompt tokens the routers placed on
-    #: prefill workers (prefill), output tokens the gateways handed to clients (decode).
+    #: The pool's demand in tokens/s over the last minute: uncached prompt tokens arriving at the routers
+    #: for prefill workers, placed at once or queued (prefill), output tokens the gateways handed to
+    #: clients (decode).
     token_rate: float | None = None
     #: Requests refused lately because the pool had no worker at all (it is at zero; both pools).
     pending_demand: float | None = None

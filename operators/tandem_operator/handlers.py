@@ -70,7 +70,14 @@ from tandem_operator.rollout import paired_status_patch, pod_state, pods_to_pair
 from tandem_operator.rollout_pause import CONDITION as PAUSED
 from tandem_operator.rollout_pause import hold_scale_down, paused_condition, rolling_models
 from tandem_operator.settings import OperatorSettings
-from tandem_operator.signals import PrometheusSource, QueryScope, RouterService, RouterSource, SignalSource
+from tandem_operator.signals import (
+    CounterRates,
+    PrometheusSource,
+    QueryScope,
+    RouterService,
+    RouterSource,
+    SignalSource,
+)
 from tandem_operator.spec import GROUP, PLURAL, VERSION, Pool, SpecError, TandemSpec, parse_spec
 
 FINALIZER = "tandem.dev/cleanup"
@@ -122,6 +129,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.last_decision_s = {}
     memo.last_status_s = {}
     memo.last_adapter_sync_s = {}
+    # The router source's counter readings (the prefill demand's rate), across the ticks' sources.
+    memo.counter_rates = CounterRates()
 
 
 @kopf.on.cleanup()
@@ -245,14 +254,14 @@ async def reconcile_handler(
 
 
 def _source(
-    td: TandemSpec, namespace: str, name: str, http: aiohttp.ClientSession, kube: KubeClient
+    td: TandemSpec, namespace: str, name: str, http: aiohttp.ClientSession, kube: KubeClient, rates: CounterRates
 ) -> SignalSource:
     """The resource's signal source; its ``read(pool)`` selects that pool's model and pods, and only this
     resource's router and gateway series (their Services)."""
     spec = td.autoscaling
     if spec.source == "router":
         service = RouterService(kube, namespace, spec.router_metrics_service) if spec.router_metrics_service else None
-        return RouterSource(spec.router_metrics_url, http, service)
+        return RouterSource(spec.router_metrics_url, http, service, rates=rates, rates_key=f"{namespace}/{name}")
     scope = QueryScope(namespace, name, router_service=spec.router_metrics_service,
                        gateway_service=spec.gateway_metrics_service)
     return PrometheusSource(spec.prometheus_url, scope, http)
@@ -287,7 +296,7 @@ async def autoscale_handler(
         return
     memo.last_decision_s[key] = now_s
     kube: KubeClient = memo.kube
-    source = _source(td, namespace, name, memo.http, kube)
+    source = _source(td, namespace, name, memo.http, kube, memo.counter_rates)
     entries: dict[str, Any] = {}
     num_with_metrics = 0
     without_metrics: list[str] = []

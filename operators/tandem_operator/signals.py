@@ -8,7 +8,9 @@ autoscaling tick. Two implementations:
   API (the metrics of the gateway, the router and the workers scraped by the
   chart's ServiceMonitor/PodMonitor);
 * :class:`RouterSource` — reads the router's Prometheus text endpoint directly
-  (the router's queue and token backlog only; no latency, no KV usage), for
+  (the router's queue and token backlog, and the prefill demand's rate from its
+  counter's readings over the last minute, :class:`CounterRates`; no latency, no
+  KV usage, no decode token rate: those are the gateway's and the workers'), for
   clusters without Prometheus: with ``autoscaling.routerMetricsService`` set,
   every ready router pod listed in that Service's EndpointSlices
   (:mod:`tandem_operator.endpoints`), summed; without it, the one
@@ -38,7 +40,10 @@ parses them here). Both pools read their pending demand: requests the router
 refused because the pool had no worker at all (it is at zero), which starts
 it. Each pool reads its own quantities: prefill the uncached
 prompt tokens on prefill workers, the requests placed on them and those waiting
-for prefill budget; decode the budget in use on decode workers (what the
+for prefill budget, and the rate at which uncached prompt tokens headed for it
+arrive (``token_rate``: the router counts each request once as it arrives, placed
+at once or queued; the tokens *placed* run at most at the pool's capacity, so a
+vote from them asked for exactly the replicas there were); decode the budget in use on decode workers (what the
 router's admission check counts), the requests placed on them, those waiting for
 decode budget or in the decode engines' own queues, and their KV usage. Nothing
 of one pool feeds the other's vote.
@@ -59,10 +64,12 @@ raised: a flaky Prometheus must not crash-loop the operator.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import aiohttp
@@ -85,8 +92,14 @@ POOL_BUDGET_USED = "ray_tandem_router_pool_budget_used_fraction"
 POOL_IN_FLIGHT = "ray_tandem_router_pool_in_flight_requests"
 #: Requests refused because the pool had no worker (it is at zero), within the router's window.
 PENDING_DEMAND = "ray_tandem_router_pending_demand"
-#: Uncached prompt tokens placed on prefill workers (a counter; absent until the first such placement).
+#: Uncached prompt tokens placed on prefill workers (a counter; absent until the first such placement): the
+#: pool's throughput, at most its capacity. Not read by the autoscaler (it is no demand once the pool is full).
 PREFILL_UNCACHED_TOKENS = "ray_tandem_router_prefill_uncached_tokens_total"
+#: Uncached prompt tokens of the requests headed for prefill workers, counted as each arrives (placed at once or
+#: queued; a counter, absent until the first): the prefill pool's demand, the ``token_rate`` signal.
+PREFILL_ARRIVED_UNCACHED_TOKENS = "ray_tandem_router_prefill_arrived_uncached_tokens_total"
+#: The window of the demand's rate: PromQL's ``rate(...[1m])``, and the router source's readings alike.
+TOKEN_RATE_WINDOW_S = 60.0
 #: The label of the router's and the gateway's series that names the model (the served model name).
 MODEL_LABEL = "model"
 #: The label Prometheus puts on every series a ServiceMonitor scrapes: the Service's name.
@@ -146,7 +159,9 @@ class QueryScope:
                     "histogram_quantile(0.9, sum by (le) "
                     f"(rate(tandem_gateway_time_to_first_token_seconds_bucket{{{gateway}}}[1m])))"
                 ),
-                "token_rate": f"sum(rate({PREFILL_UNCACHED_TOKENS}{{{ns}}}[1m]))",
+                # What arrives, not what was placed: a saturated pool places at its capacity, and a vote
+                # from placements asked for exactly the replicas there were.
+                "token_rate": f"sum(rate({PREFILL_ARRIVED_UNCACHED_TOKENS}{{{ns}}}[1m]))",
             }
         return {
             "pending_demand": pending,
@@ -203,6 +218,54 @@ class PrometheusSource:
         queries = self._scope.queries(pool.role, model=_model_of(pool), pool_name=pool_name)
         values: dict[str, Any] = {name: await self._query(q) for name, q in queries.items()}
         return PoolSignals(**values)
+
+
+def prefill_arrived_tokens(text: str, model: str | None = None) -> float:
+    """One router pod's arrivals counter (:data:`PREFILL_ARRIVED_UNCACHED_TOKENS`), summed over its replicas;
+    with ``model``, that model's. 0 when absent: Ray exports a counter from its first increment on, so a
+    pod that answered without it has counted nothing yet."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == PREFILL_ARRIVED_UNCACHED_TOKENS and (model is None or sample.labels.get(MODEL_LABEL) == model)
+    )
+
+
+class CounterRates:
+    """Per-second rates of a counter read from several router pods, as Prometheus's ``rate(...[1m])`` takes
+    them from its scrapes, for :class:`RouterSource` (no Prometheus). Each pod's readings of the last
+    ``window_s`` and the last one before them (so that the rate spans about a window at any tick interval):
+    its increase from the oldest to the newest (a reading below the one before is a restart, counted from
+    zero, as ``rate()`` does) over their time apart, summed over pods. ``None`` until every
+    pod read has a reading before this one (the first tick, a pod new since the last): a rate from some pods
+    only would read as less demand than there is. Pods no longer read are forgotten.
+
+    Owned by the operator's memo, not by a source: the handlers build a source per tick, and a rate needs
+    the readings of earlier ticks. Nothing here reads a clock; ``now_s`` comes in."""
+
+    def __init__(self, window_s: float = TOKEN_RATE_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._readings: dict[tuple[str, str], list[tuple[float, float]]] = {}
+
+    def rate(self, key: str, values: dict[str, float], now_s: float) -> float | None:
+        """Add ``values`` (per pod name, read at ``now_s``) to ``key``'s readings and return their rate."""
+        for stale in [k for k in self._readings if k[0] == key and k[1] not in values]:
+            del self._readings[stale]
+        total = 0.0
+        complete = True
+        for pod, value in values.items():
+            readings = self._readings.setdefault((key, pod), [])
+            readings.append((now_s, value))
+            # Keep the window, and the last reading before it (so a window always spans ~window_s).
+            while len(readings) > 2 and readings[1][0] <= now_s - self.window_s:
+                readings.pop(0)
+            if len(readings) < 2 or readings[-1][0] <= readings[0][0]:
+                complete = False
+                continue
+            increase = sum(b - a if b >= a else b for (_, a), (_, b) in itertools.pairwise(readings))
+            total += increase / (readings[-1][0] - readings[0][0])
+        return total if complete and values else None
 
 
 def parse_router_metrics(text: str | Iterable[str], role: Role, model: str | None = None) -> PoolSignals:
@@ -266,10 +329,23 @@ class RouterService:
 class RouterSource:
     """The router's own metrics: every ready pod of ``service`` (EndpointSlices), else the one ``url``."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, service: RouterService | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        session: aiohttp.ClientSession,
+        service: RouterService | None = None,
+        rates: CounterRates | None = None,
+        rates_key: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._url = url
         self._session = session
         self._service = service
+        #: The prefill demand's readings (the operator's memo keeps them across ticks); None: no token_rate.
+        self._rates = rates
+        #: Whose readings (the TandemDeployment's namespace/name): one CounterRates serves every resource.
+        self._rates_key = rates_key
+        self._clock = clock
 
     async def _endpoints(self) -> list[MetricsEndpoint]:
         if self._service is None:
@@ -312,4 +388,10 @@ class RouterSource:
                 pool.key,
             )
             return PoolSignals(unread_from=unread)
-        return parse_router_metrics([t for t in texts if t is not None], pool.role, _model_of(pool))
+        read = [t for t in texts if t is not None]
+        signals = parse_router_metrics(read, pool.role, _model_of(pool))
+        if pool.role != "prefill" or self._rates is None or not endpoints:
+            return signals
+        arrived = {e.name: prefill_arrived_tokens(t, _model_of(pool)) for e, t in zip(endpoints, read, strict=True)}
+        rate = self._rates.rate(f"{self._rates_key}/{pool.key}", arrived, self._clock())
+        return replace(signals, token_rate=rate)

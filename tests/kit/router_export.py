@@ -37,6 +37,17 @@ def with_queued_requests(text: str, waiting_for: str, num_requests: int) -> str:
 
 
 PENDING_DEMAND = "ray_tandem_router_pending_demand"
+PREFILL_ARRIVALS = "ray_tandem_router_prefill_arrived_uncached_tokens_total"
+
+
+def with_prefill_arrivals(text: str, num_tokens: float) -> str:
+    """``text`` with its one ``prefill_arrived_uncached_tokens_total`` sample (a counter) set to ``num_tokens``."""
+    lines = text.splitlines()
+    hits = [i for i, line in enumerate(lines) if line.startswith(PREFILL_ARRIVALS + "{")]
+    assert len(hits) == 1, f"expected one {PREFILL_ARRIVALS} sample, found {len(hits)}"
+    series, _, _ = lines[hits[0]].rpartition(" ")
+    lines[hits[0]] = f"{series} {float(num_tokens)!r}"
+    return "\n".join(lines) + "\n"
 
 
 def with_pending_demand(text: str, role: str, num_refused: int) -> str:

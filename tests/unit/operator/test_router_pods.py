@@ -16,12 +16,13 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from tandem_operator.autoscale import PoolSignals, decide
 from tandem_operator.endpoints import SERVICE_NAME_LABEL, ready_metrics_urls
 from tandem_operator.kube import KubeClient
-from tandem_operator.signals import RouterService, RouterSource
+from tandem_operator.signals import CounterRates, RouterService, RouterSource
 from tandem_operator.spec import parse_spec
 
-from tests.kit.router_export import recorded_router_export, with_queued_requests
+from tests.kit.router_export import recorded_router_export, with_prefill_arrivals, with_queued_requests
 from tests.unit.operator.test_operator_kmock import (
     NAME,
     NS,
@@ -179,6 +180,63 @@ async def test_three_router_pods_holding_1_2_and_4_queued_read_7(
             # No Service named: the plain URL (local mode) is read as before, one pod.
             url = f"http://127.0.0.1:{router_pods['router-a']._runner.addresses[0][1]}/metrics"  # type: ignore[union-attr]
             assert (await RouterSource(url, http).read(_prefill_pool(), f"{NAME}-prefill")).queue_depth == 1
+    finally:
+        await kube.close()
+
+
+async def test_the_prefill_demand_rate_is_what_arrives_at_every_router_pod(
+    cluster: Any, router_pods: dict[str, RouterPod]
+) -> None:
+    """``token_rate`` from the router source: the arrivals counter of every ready pod, as a rate over the
+    operator's ticks (a counter read once has none). The prefill pool is saturated: each pod places 1,000
+    tokens per 10 s (its capacity; the placed counter's rate), while 3,000 arrive. With a measured 150
+    tokens/s per worker, the demand (900 tokens/s) asks for 6 workers where the placed tokens asked for 2."""
+    ours = ("router-a", "router-b", "router-c")
+    clock = [0.0]
+    kube = KubeClient(str(cluster.url).rstrip("/"), insecure=True)
+    try:
+        async with aiohttp.ClientSession() as http:
+            rates = CounterRates()
+
+            def source() -> RouterSource:  # the handlers build one per tick; the readings are the memo's
+                return RouterSource(
+                    "",
+                    http,
+                    RouterService(kube, NS, SERVICE),
+                    rates=rates,
+                    rates_key=f"{NS}/{NAME}",
+                    clock=lambda: clock[0],
+                )
+
+            for name in ours:
+                router_pods[name].text = with_prefill_arrivals(router_pods[name].text, 1000)
+            first = await source().read(_prefill_pool(), f"{NAME}-prefill")
+            assert first.token_rate is None and first.queue_depth == 7  # no rate from one reading
+            clock[0] = 10.0
+            for name in ours:
+                router_pods[name].text = with_prefill_arrivals(router_pods[name].text, 1000 + 3000)
+            signals = await source().read(_prefill_pool(), f"{NAME}-prefill")
+            assert signals.token_rate == 3 * 3000 / 10, signals  # not the other release's pod
+
+            spec = parse_spec(td_body(capacity={"prefillTokensPerSecondPerWorker": 150})["spec"])
+            pool = _prefill_pool()
+
+            def vote(signals: PoolSignals) -> int:
+                decision, _ = decide(
+                    role="prefill",
+                    current_replicas=2,
+                    signals=signals,
+                    pool=pool.spec,
+                    policy=spec.autoscaling,
+                    slo=spec.slo,
+                    history=(),
+                    now_s=10.0,
+                    ready_replicas=2,
+                )
+                return decision.votes["token_rate"]
+
+            assert vote(PoolSignals(queue_depth=0, token_rate=signals.token_rate)) == 6
+            assert vote(PoolSignals(queue_depth=0, token_rate=3 * 1000 / 10)) == 2  # the placed tokens' rate
     finally:
         await kube.close()
 

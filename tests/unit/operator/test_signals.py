@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from tandem_operator.signals import QueryScope, parse_instant_value, parse_router_metrics
+from tandem_operator.signals import (
+    CounterRates,
+    QueryScope,
+    parse_instant_value,
+    parse_router_metrics,
+    prefill_arrived_tokens,
+)
+
+from tests.kit.router_export import recorded_router_export, with_prefill_arrivals
 
 
 def test_instant_values() -> None:
@@ -17,7 +25,13 @@ def test_queries_are_scoped_to_the_namespace_and_pool() -> None:
     queries = QueryScope("ns1", "chat").queries("decode")
     assert 'namespace="ns1"' in queries["kv_usage"] and 'pod=~"chat-decode-[a-z0-9]+-[a-z0-9]+"' in queries["kv_usage"]
     assert set(queries) == {
-        "pending_demand", "budget_usage", "in_flight", "kv_usage", "waiting", "itl_p90_s", "token_rate"
+        "pending_demand",
+        "budget_usage",
+        "in_flight",
+        "kv_usage",
+        "waiting",
+        "itl_p90_s",
+        "token_rate",
     }
     assert queries["token_rate"] == 'sum(rate(tandem_gateway_generated_tokens_total{namespace="ns1"}[1m]))'
     # The gateway's output-token counter has a model label: in the models form each decode pool reads its own.
@@ -29,9 +43,12 @@ def test_queries_are_scoped_to_the_namespace_and_pool() -> None:
     assert 'waiting_for="decode"' in queries["waiting"]
     prefill = QueryScope("ns1", "chat").queries("prefill")
     assert set(prefill) == {"pending_demand", "queue_depth", "in_flight", "uncached_tokens", "ttft_p90_s", "token_rate"}
+    # The prefill pool's demand as it arrives (placed at once or queued), not the tokens placed: a saturated
+    # pool places at its capacity, and a vote from placements asked for exactly the replicas there were.
     assert prefill["token_rate"] == (
-        'sum(rate(ray_tandem_router_prefill_uncached_tokens_total{namespace="ns1"}[1m]))'
+        'sum(rate(ray_tandem_router_prefill_arrived_uncached_tokens_total{namespace="ns1"}[1m]))'
     )
+    assert not any("ray_tandem_router_prefill_uncached_tokens_total" in q for q in prefill.values())
     assert 'model="m1"' in QueryScope("ns1", "chat").queries("prefill", model="m1")["token_rate"]
     assert 'waiting_for="prefill"' in prefill["queue_depth"]
     # No decode quantity in a prefill query, nor the reverse.
@@ -122,3 +139,36 @@ ray_tandem_router_pending_demand{replica="b",role="decode",model="other"} 9.0
     assert parse_router_metrics([RAY_TEXT + refusals, second_pod], "decode").pending_demand == 15
     assert parse_router_metrics([RAY_TEXT + refusals], "prefill").pending_demand is None
     assert parse_router_metrics(RAY_TEXT, "decode").pending_demand is None
+
+
+def test_the_prefill_demand_is_the_arrivals_counter_of_the_real_export() -> None:
+    """The recorded export (its shape checked against a live Ray Serve router): the counter Ray exports with
+    ``_total``, selected by model; a pod that has counted nothing yet (no series) reads 0."""
+    text = with_prefill_arrivals(recorded_router_export(), 1234)
+    model = "model-test_metrics_reach_rays_prometheus_endpoint"
+    assert prefill_arrived_tokens(text, model) == 1234
+    assert prefill_arrived_tokens(text) == 1234  # the single-model form: unselected
+    assert prefill_arrived_tokens(text, "mödel \u2603 'x'") == 0
+    assert prefill_arrived_tokens(RAY_TEXT) == 0
+    # The placed counter is not the arrivals one.
+    placed = "# TYPE ray_tandem_router_prefill_uncached_tokens_total counter\n"
+    placed += 'ray_tandem_router_prefill_uncached_tokens_total{model="m"} 900.0\n'
+    assert prefill_arrived_tokens(placed) == 0
+
+
+def test_counter_rates_sum_the_pods_over_a_minute_and_survive_a_restart() -> None:
+    rates = CounterRates(window_s=60.0)
+    assert rates.rate("ns/a/prefill", {"pod-1": 100.0, "pod-2": 0.0}, 0.0) is None  # one reading: no rate yet
+    assert rates.rate("ns/a/prefill", {"pod-1": 1100.0, "pod-2": 500.0}, 10.0) == 100.0 + 50.0
+    # pod-2 restarted (its counter from zero again): its 200 new tokens count, not -300.
+    assert rates.rate("ns/a/prefill", {"pod-1": 2100.0, "pod-2": 200.0}, 20.0) == 2000 / 20 + (500 + 200) / 20
+    # Another resource's readings are its own.
+    assert rates.rate("ns/b/prefill", {"pod-1": 5.0}, 20.0) is None
+    # A pod new since the last read: no rate this time (some pods' only would read as less demand).
+    assert rates.rate("ns/a/prefill", {"pod-1": 3100.0, "pod-2": 200.0, "pod-3": 0.0}, 30.0) is None
+    # pod-3 left: forgotten, the rest go on.
+    assert rates.rate("ns/a/prefill", {"pod-1": 4100.0, "pod-2": 200.0}, 40.0) == 4000 / 40 + 700 / 40
+    # The readings of the last minute and the last one before it: older ones drop out.
+    assert rates.rate("ns/a/prefill", {"pod-1": 4100.0, "pod-2": 200.0}, 100.0) == 0.0  # from t=40
+    assert rates.rate("ns/a/prefill", {"pod-1": 10100.0, "pod-2": 200.0}, 130.0) == 6000 / 90  # from t=40
+    assert rates.rate("ns/a/prefill", {"pod-1": 10100.0, "pod-2": 200.0}, 170.0) == 6000 / 70  # from t=100
