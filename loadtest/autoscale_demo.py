@@ -116,7 +116,10 @@ def prefill_budget_tokens(scenario: Scenario = DEFAULT_SCENARIO) -> int:
 
 def demo_spec(served_model_name: str, scenario: Scenario = DEFAULT_SCENARIO) -> TandemSpec:
     """The TandemDeployment the loop acts for; targets sized for the simulated CPU workers, the prefill
-    target from the router's budget as the chart renders it."""
+    target from the router's budget as the chart renders it, and the prefill workers' measured capacity
+    (``autoscaling.capacity``, as ``helm upgrade -f capacity.json`` sets it after a sweep): the SIMULATED
+    workers' at the scenario's prompt size, so the prefill pool also votes ``token_rate`` (the uncached
+    prompt tokens/s arriving at the router ÷ one worker's). Decode's capacity is left unmeasured (0)."""
     decode = scenario.decode_min_replicas
     target = capacity.uncached_tokens_per_replica(prefill_budget_tokens(scenario), PREFILL_BUDGET_USAGE)
     return parse_spec(
@@ -137,6 +140,7 @@ def demo_spec(served_model_name: str, scenario: Scenario = DEFAULT_SCENARIO) -> 
                 "maxScaleDownStep": 1,
                 "prefill": {"queueDepthPerReplica": 2, "uncachedTokensPerReplica": target},
                 "decode": {"kvUsage": 0.7, "waitingPerReplica": 2},
+                "capacity": {"prefillTokensPerSecondPerWorker": simulated_prefill_tokens_per_s(scenario)},
             },
         }
     )
@@ -467,7 +471,8 @@ async def demo(out: Path, scenario: Scenario = DEFAULT_SCENARIO) -> str:
         f"[autoscale-demo] prefill budget {prefill_budget_tokens(scenario)} uncached tokens per worker (SIMULATED "
         f"capacity {simulated_prefill_tokens_per_s(scenario):.1f} tokens/s x TTFT {TTFT_P90_S:g} s x "
         f"{PREFILL_BUDGET_TTFT_SHARE:g}), "
-        f"autoscaler target {spec.autoscaling.prefill.uncached_tokens_per_replica:g} per replica",
+        f"autoscaler target {spec.autoscaling.prefill.uncached_tokens_per_replica:g} per replica, token_rate "
+        f"against {spec.autoscaling.capacity.prefill_tokens_per_second_per_worker:.1f} tokens/s per worker",
         flush=True,
     )
     actuator = LocalActuator(

@@ -299,3 +299,9 @@ def test_the_demo_sizes_its_router_and_autoscaler_as_the_chart_does(scenario: st
         == demo_spec.autoscaling.prefill.uncached_tokens_per_replica
     )
     assert _spec(docs).slo.ttft_p90_seconds == demo_spec.slo.ttft_p90_seconds
+    # The capacity the chart hands the operator is the demo's too: its token_rate vote runs on the same figure.
+    assert (
+        _spec(docs).autoscaling.capacity.prefill_tokens_per_second_per_worker
+        == demo_spec.autoscaling.capacity.prefill_tokens_per_second_per_worker
+        == tokens_per_s
+    )

@@ -136,3 +136,40 @@ def test_the_scenario_line_counts_each_pools_steps_up(demo) -> None:  # type: ig
         scenario.offered_rps(0) == scenario.low_rps and scenario.offered_rps(scenario.ramp_s + 1) == scenario.high_rps
     )
     assert scenario.offered_rps(2 * scenario.ramp_s + scenario.plateau_s + 1) == 0.0
+
+
+@pytest.mark.parametrize("scenario", ["ramp", "short-chats", "long-prompts"])
+def test_the_demo_gives_the_operator_its_simulated_prefill_capacity(demo, scenario: str) -> None:  # type: ignore[no-untyped-def]
+    """The demo's spec carries the SIMULATED prefill workers' capacity (what a sweep would measure at the
+    scenario's prompt size), so the prefill pool votes token_rate: the tokens/s arriving for prefill over
+    one worker's. Long prompts at their 0.5 req/s plateau (450 tokens/s) ask for 3 workers; decode's
+    capacity is not measured, so decode casts no such vote."""
+    sc = demo.SCENARIOS[scenario]
+    spec = demo.demo_spec("SmolLM2-135M-Instruct", sc)
+    per_worker = spec.autoscaling.capacity.prefill_tokens_per_second_per_worker
+    assert per_worker == demo.simulated_prefill_tokens_per_s(sc) > 0
+    assert spec.autoscaling.capacity.decode_tokens_per_second_per_worker == 0
+
+    def votes(role: str, signals: object) -> dict[str, int]:
+        pool = spec.pools.get(role)
+        decision, _ = demo.decide(
+            role=role,
+            current_replicas=1,
+            signals=signals,
+            pool=pool,
+            policy=spec.autoscaling,
+            slo=spec.slo,
+            history=(),
+            now_s=0.0,
+            ready_replicas=1,
+        )
+        return dict(decision.votes)
+
+    plateau = sc.high_rps * sc.prompt_tokens
+    prefill = votes("prefill", demo.PoolSignals(queue_depth=0, token_rate=plateau))
+    assert prefill["token_rate"] == -(-plateau // per_worker)
+    assert "token_rate" not in votes("decode", demo.PoolSignals(waiting=0, token_rate=1e6))
+    if scenario == "long-prompts":
+        assert prefill["token_rate"] == 3
+    if scenario == "short-chats":
+        assert prefill["token_rate"] == 1  # 72 tokens/s of 119: short chats do not grow prefill by it
