@@ -6,6 +6,7 @@ generates and sends them (:func:`fuzz_endpoint`)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,26 +65,18 @@ class FuzzResult:
         self.wrong.extend(other.wrong)
 
 
-def fuzz_endpoint(
-    base_url: str,
-    path: str,
-    *,
-    negative: bool,
-    examples: int,
-    headers: dict[str, str],
-    model: str,
-    max_tokens: int | None = None,
-) -> FuzzResult:
-    """Schemathesis generates ``examples`` request bodies of ``path`` from the gateway's own
-    ``base_url``/openapi.json (valid by the schema, or invalid where ``negative``) and each goes over HTTP to
-    the gateway with ``headers``: every answer must be 200 or a 4xx in the endpoint's error shape. A valid
-    body names ``model`` (else nearly every one is a 404 for an unknown model) and, with ``max_tokens``, asks
-    for at most that many tokens.
+#: Sends one generated request: (method, path, body bytes) → the answer's status code and body bytes.
+Send = Callable[[str, str, bytes], tuple[int, bytes]]
 
-    Arguments and result are plain data, so that a caller can run endpoints in worker processes: the
-    generation, not the gateway, takes ~90 % of the time (py-spy over tests/unit/gateway/test_openapi_fuzz.py),
-    and in one process it holds one core while the other waits."""
-    import httpx
+
+def fuzz_endpoint(
+    schema_url: str, path: str, send: Send, *, negative: bool, examples: int, model: str, max_tokens: int | None = None
+) -> FuzzResult:
+    """Schemathesis generates ``examples`` request bodies of ``path`` from the gateway's own document at
+    ``schema_url`` (valid by the schema, or invalid where ``negative``) and ``send`` sends each: every answer
+    must be 200 or a 4xx in the endpoint's error shape. A valid body names ``model`` (else nearly every one is
+    a 404 for an unknown model) and, with ``max_tokens``, asks for at most that many tokens. Runs hypothesis
+    in the calling thread (not on an event loop's)."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from schemathesis.core import NotSet
@@ -91,7 +84,7 @@ def fuzz_endpoint(
     from schemathesis.generation import GenerationMode
 
     mode = GenerationMode.NEGATIVE if negative else GenerationMode.POSITIVE
-    schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
+    schema = schemathesis.openapi.from_url(schema_url)
     operations = []
     for found in schema.get_all_operations():
         if isinstance(found, Err):
@@ -99,22 +92,21 @@ def fuzz_endpoint(
         operations.append(found.ok())
     [op] = [o for o in operations if o.path == path]
     result = FuzzResult()
-    with httpx.Client(base_url=base_url, headers={**headers, "Content-Type": "application/json"}) as client:
 
-        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        @given(case=op.as_strategy(generation_mode=mode))
-        def check(case: Any) -> None:
-            body = None if isinstance(case.body, NotSet) else case.body
-            if not negative and isinstance(body, dict):
-                body["model"] = model
-                if max_tokens is not None:
-                    body = capped(path, body, max_tokens)
-            content = body if isinstance(body, bytes) else json.dumps(body, default=str).encode()
-            response = client.request(op.method.upper(), path, content=content, timeout=120)
-            status = response.status_code
-            result.statuses[status] = result.statuses.get(status, 0) + 1
-            if status >= 500 or (status != 200 and error_shape(path, status, response.content)):
-                result.wrong.append(f"{path} {mode.value}: {status} {response.text[:200]} body={str(body)[:300]}")
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(case=op.as_strategy(generation_mode=mode))
+    def check(case: Any) -> None:
+        body = None if isinstance(case.body, NotSet) else case.body
+        if not negative and isinstance(body, dict):
+            body["model"] = model
+            if max_tokens is not None:
+                body = capped(path, body, max_tokens)
+        content = body if isinstance(body, bytes) else json.dumps(body, default=str).encode()
+        status, answer = send(op.method.upper(), path, content)
+        result.statuses[status] = result.statuses.get(status, 0) + 1
+        if status >= 500 or (status != 200 and error_shape(path, status, answer)):
+            text = answer[:200].decode(errors="replace")
+            result.wrong.append(f"{path} {mode.value}: {status} {text} body={str(body)[:300]}")
 
-        check()
+    check()
     return result
