@@ -90,8 +90,14 @@ async def test_an_answer_that_ends_at_the_prefill_drops_the_decode_workers_prefe
     response = await stack.client.post("/v1/chat/completions", json=chat_body())
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] == "stop"
-    (prefetch,) = stack.decode.prefetch_requests
+    # The PrefetchKV call and the Abort are made in the background, each in a task of its own: the answer may
+    # come before either arrives (CI once read no PrefetchKV yet), and they may arrive in either order.
     await asyncio.wait_for(stack.decode.aborted_event.wait(), 5)
+    for _ in range(500):
+        if stack.decode.prefetch_requests:
+            break
+        await asyncio.sleep(0.01)
+    (prefetch,) = stack.decode.prefetch_requests
     assert stack.decode.aborted == [prefetch.request_id] and stack.decode.decode_requests == []
     assert stack.prefill.aborted == []  # its request ended; nothing of it is held
 
