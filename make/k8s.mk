@@ -51,5 +51,7 @@ $(K8S_STAMP): $(K8S_REQUIREMENTS) operators/pyproject.toml | $(PY)
 chart-test: helm k8s-setup gateway-api-schemas  ## helm lint/template over the values matrix, manifest validation, operator tests
 	HELM=$(abspath $(HELM)) $(PY) -m pytest tests/chart tests/unit/operator
 
-# `make test` runs these tests too, so it needs the same tools.
+# `make test` runs these tests too, so it needs the same tools; the fault suite renders the chart's Redis
+# and Ray head (test_redis_durability, test_router_head_restart), so `make faults` alone needs helm too.
 test: helm k8s-setup gateway-api-schemas
+faults: helm
