@@ -318,10 +318,11 @@ class VLLMEngine:
 def build_engine(settings: WorkerSettings) -> VLLMEngine:
     """Start an ``AsyncLLM`` (spawns the engine-core and model-runner processes); :class:`NoDeviceError`
     when vLLM found no device to run on."""
-    require_device()
     if settings.engine.cpu_threads_bind:
         # Read by vLLM's CPU worker in the child process it spawns.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.engine.cpu_threads_bind
+    # After the environment above: it imports vLLM's platform, as resolve_mq_poll_s does.
+    require_device()
     # Read by tandem.worker.vllm_plugin in the engine's processes.
     os.environ[vllm_plugin.ENV] = str(resolve_mq_poll_s(settings.engine.mq_poll_s))
     from vllm.engine.arg_utils import AsyncEngineArgs
