@@ -311,6 +311,30 @@ async def edge(
     await redis_client.aclose()
 
 
+@contextlib.asynccontextmanager
+async def second_replica(edge: Edge, tokenizer: HfPromptTokenizer, **tenancy: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of another gateway app beside ``edge``: the same Redis, key prefix, admin key and router, no
+    memory shared with it (a second replica); ``tenancy`` adds to its tenancy settings."""
+    settings = gateway_settings(
+        auth={"mode": "api_key", "cache_s": 0, "admin_key": edge.admin_key},
+        tenancy={"key_prefix": edge.key_prefix, **tenancy},
+        registry={"key_prefix": edge.key_prefix},
+    )
+    replica = build_app(
+        settings,
+        router=edge.router,
+        tokenizer=tokenizer,
+        readiness=FakeReadiness(),
+        metrics=GatewayMetrics(),
+        prompt_hasher=CountingHasher(),
+    )
+    async with (
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=replica), base_url="http://replica") as client,
+        replica.router.lifespan_context(replica),
+    ):
+        yield client
+
+
 @pytest_asyncio.fixture
 async def edge_url(edge: Edge) -> AsyncIterator[str]:
     async with serving(edge.app) as port:

@@ -122,32 +122,13 @@ async def test_cancel_aborts_the_generation_and_bills_it_once(edge: Any) -> None
 async def test_cancel_through_another_replica_reaches_the_generating_one(edge: Any, prompt_tokenizer: Any) -> None:
     """The cancel lands on a second gateway over the same Redis; the generating one sees the flag at its next
     heartbeat and aborts."""
-    from tandem.gateway.app import build_app
-    from tandem.gateway.metrics import GatewayMetrics
-    from tests.kit.gateway import FakeReadiness
-    from tests.unit.gateway.conftest import CountingHasher, gateway_settings
+    from tests.unit.gateway.conftest import second_replica
 
     key = await edge.tenant("acme")
     slow(edge)
     rid = (await create(edge, key, background=True, max_output_tokens=40)).json()["id"]
     await wait_for(edge, key, rid, ("in_progress",))
-    settings = gateway_settings(
-        auth={"mode": "api_key", "cache_s": 0, "admin_key": edge.admin_key},
-        tenancy={"key_prefix": edge.key_prefix, "background_lease_s": LEASE_S},
-        registry={"key_prefix": edge.key_prefix},
-    )
-    replica = build_app(
-        settings,
-        router=edge.router,
-        tokenizer=prompt_tokenizer,
-        readiness=FakeReadiness(),
-        metrics=GatewayMetrics(),
-        prompt_hasher=CountingHasher(),
-    )
-    async with (
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=replica), base_url="http://replica") as client,
-        replica.router.lifespan_context(replica),
-    ):
+    async with second_replica(edge, prompt_tokenizer, background_lease_s=LEASE_S) as client:
         assert (await client.get(f"/v1/responses/{rid}", headers=bearer(key))).json()["status"] == "in_progress"
         started = time.monotonic()
         cancelled = await client.post(f"/v1/responses/{rid}/cancel", headers=bearer(key))

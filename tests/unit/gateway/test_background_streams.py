@@ -268,10 +268,7 @@ async def test_a_resume_through_another_replica_follows_the_generating_one(
 ) -> None:
     """The create streams from one gateway; a second gateway over the same Redis (its own app, no shared
     memory) resumes it while it generates, and gets the rest as the first one stores it."""
-    from tandem.gateway.app import build_app
-    from tandem.gateway.metrics import GatewayMetrics
-    from tests.kit.gateway import FakeReadiness
-    from tests.unit.gateway.conftest import CountingHasher, gateway_settings
+    from tests.unit.gateway.conftest import second_replica
 
     key = await edge.tenant("acme")
     slow(edge, num_steps=30, delay_s=0.05)
@@ -289,23 +286,7 @@ async def test_a_resume_through_another_replica_follows_the_generating_one(
             seen += parse("\n\n".join(frames))
             if len(seen) >= 4:
                 break
-    settings = gateway_settings(
-        auth={"mode": "api_key", "cache_s": 0, "admin_key": edge.admin_key},
-        tenancy={"key_prefix": edge.key_prefix, "background_lease_s": LEASE_S},
-        registry={"key_prefix": edge.key_prefix},
-    )
-    replica = build_app(
-        settings,
-        router=edge.router,
-        tokenizer=prompt_tokenizer,
-        readiness=FakeReadiness(),
-        metrics=GatewayMetrics(),
-        prompt_hasher=CountingHasher(),
-    )
-    async with (
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=replica), base_url="http://replica") as other,
-        replica.router.lifespan_context(replica),
-    ):
+    async with second_replica(edge, prompt_tokenizer, background_lease_s=LEASE_S) as other:
         assert (await other.get(f"/v1/responses/{rid}", headers=bearer(key))).json()["status"] == "in_progress"
         params = {"stream": "true", "starting_after": seen[-1]["sequence_number"]}
         rest = parse((await other.get(f"/v1/responses/{rid}", params=params, headers=bearer(key))).text)

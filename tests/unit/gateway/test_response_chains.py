@@ -199,33 +199,13 @@ async def test_another_gateway_replica_reads_and_continues_a_stored_chain(edge: 
     """Issue 41: a stored response is readable through any gateway replica and survives a restart, because it
     lives in Redis only. A second app over the same Redis prefix (a replica, or the first one restarted)
     reads what the first stored and continues its chain with the exact prompt prefix."""
-    import httpx
 
-    from tandem.gateway.app import build_app
-    from tandem.gateway.metrics import GatewayMetrics
-    from tests.kit.gateway import FakeReadiness
-    from tests.unit.gateway.conftest import CountingHasher, gateway_settings
+    from tests.unit.gateway.conftest import second_replica
 
     key = await edge.tenant("acme")
     first = await create(edge, key, input="première question ☕", instructions=INSTRUCTIONS)
     first_prompt = list(edge.prefill.prefill_requests[-1].prompt_token_ids)
-    settings = gateway_settings(
-        auth={"mode": "api_key", "cache_s": 0, "admin_key": edge.admin_key},
-        tenancy={"key_prefix": edge.key_prefix},
-        registry={"key_prefix": edge.key_prefix},
-    )
-    replica = build_app(
-        settings,
-        router=edge.router,
-        tokenizer=prompt_tokenizer,
-        readiness=FakeReadiness(),
-        metrics=GatewayMetrics(),
-        prompt_hasher=CountingHasher(),
-    )
-    async with (
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=replica), base_url="http://replica") as client,
-        replica.router.lifespan_context(replica),
-    ):
+    async with second_replica(edge, prompt_tokenizer) as client:
         got = await client.get(f"/v1/responses/{first['id']}", headers=bearer(key))
         assert got.status_code == 200 and got.json() == first
         turn = await client.post(
