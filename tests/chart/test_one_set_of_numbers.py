@@ -28,10 +28,8 @@ a cluster's.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ from tandem_operator.spec import TandemSpec, parse_spec
 from tandem.gateway.metrics import INTER_TOKEN_BUCKETS_S, LATENCY_BUCKETS_S
 from tests.chart.conftest import CHART, RELEASE, find, run_helm
 from tests.chart.test_alert_rules import promtool
+from tests.kit import autoscale_demo
 
 NS = "tandem"
 GATEWAY_SERVICE = f"{RELEASE}-tandem-gateway"
@@ -257,19 +256,8 @@ def test_the_router_budget_is_what_the_autoscaler_targets(rendering: str) -> Non
     assert votes_for("prefill", current, over, spec.autoscaling, spec.slo)["uncached_tokens"] == current + 1
 
 
-DEMO = Path(__file__).resolve().parents[2] / "loadtest" / "autoscale_demo.py"
-
-
 def _autoscale_demo() -> Any:
-    """``loadtest/autoscale_demo.py`` (a script, not a package), imported as the scenario test imports it."""
-    if "autoscale_demo" in sys.modules:
-        return sys.modules["autoscale_demo"]
-    spec = importlib.util.spec_from_file_location("autoscale_demo", DEMO)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return autoscale_demo.load()
 
 
 def test_the_python_share_default_is_the_charts() -> None:

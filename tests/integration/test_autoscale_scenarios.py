@@ -10,15 +10,15 @@ decode pool beyond one step. ~6 min each (the scenarios' own 90 s ramp, 60 s pla
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.kit import autoscale_demo
 
 # A scenario is ~6 min here: the stack's start (~1.5 min on a loaded host), 20 s quiet, 4 min of load, the tail.
 # Both together would take `make test` past its hour on this machine, so they run in `make autoscale-scenarios`
@@ -33,18 +33,9 @@ pytestmark = [
     ),
 ]
 
-DEMO = Path(__file__).resolve().parents[2] / "loadtest" / "autoscale_demo.py"
-
 
 def _demo() -> Any:
-    if "autoscale_demo" in sys.modules:
-        return sys.modules["autoscale_demo"]
-    spec = importlib.util.spec_from_file_location("autoscale_demo", DEMO)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return autoscale_demo.load()
 
 
 @pytest.mark.parametrize("name", ["short-chats", "long-prompts"])

@@ -3,23 +3,14 @@ other is the controller flapping."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-DEMO = Path(__file__).resolve().parents[3] / "loadtest" / "autoscale_demo.py"
+from tests.kit import autoscale_demo
 
 
 @pytest.fixture(scope="module")
 def count_reversals():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("autoscale_demo", DEMO)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.count_reversals
+    return autoscale_demo.load().count_reversals
 
 
 def test_one_peak_is_no_reversal_and_anything_else_counts(count_reversals) -> None:  # type: ignore[no-untyped-def]
@@ -33,16 +24,7 @@ def test_one_peak_is_no_reversal_and_anything_else_counts(count_reversals) -> No
 
 @pytest.fixture(scope="module")
 def demo():  # type: ignore[no-untyped-def]
-    return sys.modules.get("autoscale_demo") or _load()
-
-
-def _load():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("autoscale_demo", DEMO)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return autoscale_demo.load()
 
 
 def test_the_line_says_the_cold_start_and_decode_returns_to_zero(demo) -> None:  # type: ignore[no-untyped-def]
